@@ -1,0 +1,30 @@
+# One command each: `make test` (fresh clone -> .venv -> whole test suite) and `make run` (the default job).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test run lint bench-gae
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch comes from this machine's disk; install it first so nothing pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[runtime,dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
+
+run: $(STAMP)
+	$(BIN)/rlcore-run
+
+bench-gae: $(STAMP)
+	$(BIN)/python tools/bench_gae.py

@@ -1,0 +1,1 @@
+"""rlcore's runtime: config and CLI, data, rollout engines, rewards, training backends, the loop."""
