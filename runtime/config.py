@@ -527,7 +527,7 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
             continue
         if not os.path.isfile(path):
             problems.append(f"{flag(name)}: file {os.path.abspath(path)!r} does not exist")
-        elif not path.endswith((".jsonl", ".json", ".parquet")):
+        elif not path.endswith((".jsonl", ".parquet")):
             problems.append(f"{flag(name)}: {path!r} must be a .jsonl or .parquet file")
     checkpoint = cfg.model.hf_checkpoint
     if checkpoint is not None:

@@ -1,0 +1,80 @@
+"""Dynamic-sampling filters with slime's signature: ``fn(args, samples, **kwargs) -> DynamicFilterOutput``.
+
+A filter sees one prompt's group of scored samples and says whether the group goes into the training batch
+(DAPO's dynamic sampling drops groups whose rewards are all equal: they carry no GRPO signal). The loop keeps
+generating groups until ``--rollout-batch-size`` of them pass, so the batch stays full.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.hooks import load_function
+from runtime.sample import Sample
+
+
+@dataclass
+class DynamicFilterOutput:
+    """A filter's verdict on a group: ``keep``, and when dropped a short ``reason`` that the loop counts."""
+
+    keep: bool
+    reason: str | None = None
+
+
+def reward_value(sample: Sample) -> float:
+    """The scalar reward of a scored sample (a dict reward's ``"score"`` entry, as slime's ``reward_key`` default)."""
+    reward = sample.reward
+    if isinstance(reward, dict):
+        if "score" not in reward:
+            raise ValueError(f"sample {sample.index}: dict reward has no 'score' entry (keys {sorted(reward)})")
+        reward = reward["score"]
+    if reward is None:
+        raise ValueError(f"sample {sample.index} has no reward yet; filters run after scoring")
+    return float(reward)
+
+
+def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    """Keep a group whose rewards are not all equal (population std above 1e-6, as slime's filter)."""
+    if not samples:
+        raise ValueError("samples must hold at least one sample of the group, got an empty list")
+    rewards = [reward_value(sample) for sample in samples]
+    keep = len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6
+    if keep:
+        return DynamicFilterOutput(keep=True)
+    # The reason names the shared value so that all-correct and all-wrong groups are counted apart.
+    return DynamicFilterOutput(keep=False, reason=f"zero_std_{round(rewards[0], 1)}")
+
+
+FilterFn = Callable[..., DynamicFilterOutput]
+
+
+def load_filter(path: str) -> FilterFn:
+    """Load a filter by hook path (``module:function``, ``module.function`` or ``file.py:function``).
+
+    The loaded function is wrapped so that a result of the wrong type raises ``TypeError`` naming the path,
+    instead of being taken as a verdict.
+    """
+    fn = load_function(path)
+
+    def checked_filter(args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
+        out = fn(args, samples, **kwargs)
+        # Filters written against slime return slime's own DynamicFilterOutput class; duck typing accepts them.
+        if isinstance(out, DynamicFilterOutput):
+            return out
+        keep = getattr(out, "keep", None)
+        # slime's own filter returns a 0-dim torch bool tensor; numpy bools come from numpy-based filters.
+        if hasattr(keep, "item"):
+            keep = keep.item()
+        if not isinstance(keep, bool):
+            raise TypeError(
+                f"dynamic sampling filter {path!r} must return DynamicFilterOutput(keep: bool, reason), "
+                f"got {type(out).__name__} {out!r:.80}"
+            )
+        return DynamicFilterOutput(keep=keep, reason=getattr(out, "reason", None))
+
+    checked_filter.__name__ = getattr(fn, "__name__", "checked_filter")
+    checked_filter.__wrapped__ = fn  # type: ignore[attr-defined]
+    return checked_filter

@@ -1,0 +1,279 @@
+"""runtime.config: flag parsing, YAML + flag precedence, round trips, and one test per validation rule."""
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from runtime.config import (
+    Config,
+    ConfigError,
+    build_parser,
+    dump_yaml,
+    flag,
+    format_config,
+    from_dict,
+    parse_args,
+    to_dict,
+    validate,
+)
+
+# The flags issue 4 lists, spelled as slime spells them.
+ISSUE_FLAGS = """--hf-checkpoint --prompt-data --input-key --label-key --metadata-key --apply-chat-template
+--rollout-batch-size --n-samples-per-prompt --rollout-max-prompt-len --rollout-max-response-len --rollout-temperature
+--rollout-top-p --rollout-top-k --num-rollout --global-batch-size --micro-batch-size --max-tokens-per-gpu
+--advantage-estimator --eps-clip --eps-clip-high --eps-clip-c --kl-coef --use-kl-loss --kl-loss-coef --kl-loss-type
+--entropy-coef --use-tis --lr --seed --colocate --actor-num-gpus-per-node --rollout-num-gpus --rm-type --custom-rm-path
+--custom-generate-function-path --dynamic-sampling-filter-path --over-sampling-batch-size --eval-interval
+--eval-prompt-data --n-samples-per-eval-prompt --save --save-interval --load --use-tensorboard --use-wandb""".split()
+
+
+def _problems(argv):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    return "\n".join(info.value.problems)
+
+
+def test_defaults_parse_and_validate():
+    cfg = parse_args([])
+    assert cfg == Config()
+    assert validate(cfg) is cfg
+    # The default batch arithmetic must be whole optimizer steps.
+    per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    assert per_rollout % cfg.train.global_batch_size == 0
+
+
+def test_flags_reach_their_fields():
+    cfg = parse_args(
+        [
+            "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "2",
+            "--global-batch-size", "8",
+            "--lr", "3e-4",
+            "--use-kl-loss",
+            "--no-use-tensorboard",
+            "--advantage-estimator", "rloo",
+            "--eps-clip-high", "0.28",
+            "--rollout-max-prompt-len", "none",
+            "--train-backend", "torch",
+        ]
+    )  # fmt: skip
+    assert cfg.rollout.rollout_batch_size == 4
+    assert cfg.rollout.n_samples_per_prompt == 2
+    assert cfg.train.global_batch_size == 8
+    assert cfg.train.lr == 3e-4
+    assert cfg.algo.use_kl_loss is True
+    assert cfg.log.use_tensorboard is False
+    assert cfg.algo.advantage_estimator == "rloo"
+    assert cfg.algo.eps_clip_high == 0.28
+    assert cfg.data.rollout_max_prompt_len is None
+
+
+def test_every_field_has_a_flag_named_after_it():
+    parser = build_parser()
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    for section in dataclasses.fields(Config):
+        value = getattr(Config(), section.name)
+        names = [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else [section.name]
+        for name in names:
+            assert flag(name) in options, name
+    assert set(ISSUE_FLAGS) <= options, set(ISSUE_FLAGS) - options
+
+
+def test_bad_flag_value_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rollout-batch-size", "eight"])
+    assert "--rollout-batch-size expects a int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--advantage-estimator", "magic"])
+
+
+def test_yaml_nested_then_flags_override(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "seed": 7,
+                "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 3},
+                "train": {"global_batch_size": 16, "lr": "1e-5"},
+                "algo": {"eps-clip": 0.1},
+            }
+        )
+    )
+    cfg = parse_args(["--config", str(path), "--num-rollout", "9", "--seed", "11"])
+    assert cfg.seed == 11 and cfg.rollout.num_rollout == 9
+    assert cfg.rollout.rollout_batch_size == 4 and cfg.train.global_batch_size == 16
+    # YAML 1.1 reads 1e-5 as a string; float fields accept it.
+    assert cfg.train.lr == 1e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.algo.eps_clip == 0.1
+
+
+def test_yaml_flat_keys_like_slime_custom_config(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("rollout-batch-size: 2\nn_samples_per_prompt: 4\nglobal_batch_size: 8\nkl_loss_coef: 0.01\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.rollout.rollout_batch_size, cfg.train.global_batch_size, cfg.algo.kl_loss_coef) == (2, 8, 0.01)
+
+
+def test_yaml_unknown_and_misplaced_keys(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  lr: 0.1\nnot_a_flag: 3\n")
+    text = _problems(["--config", str(path)])
+    assert "'lr' belongs to section 'train'" in text
+    assert "unknown setting 'not_a_flag'" in text
+    assert "does not exist" in _problems(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_config_round_trip_through_yaml_and_dict(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
+    cfg = parse_args(
+        ["--prompt-data", str(prompts), "--rm-type", "math", "--seed", "5", "--eps-clip-c", "3", "--use-tis"]
+    )
+    path = tmp_path / "saved.yaml"
+    dump_yaml(cfg, path)
+    assert parse_args(["--config", str(path)]) == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.rollout_batch_size = 3
+
+
+def test_format_config_lists_flags_and_marks_changes():
+    text = format_config(from_dict(num_rollout=3))
+    lines = {line.split()[-2] if line.startswith("*") else None: line for line in text.splitlines()}
+    assert "--num-rollout" in lines and lines["--num-rollout"].rstrip().endswith("3")
+    assert "  --lr " in text and "* --lr " not in text
+    assert "[rollout]" in text and "[reward]" in text
+
+
+def test_num_trainer_procs_counts_nodes_times_slots():
+    assert from_dict(actor_num_nodes=2, actor_num_gpus_per_node=3).resources.num_trainer_procs == 6
+
+
+# One test per validation rule: each message names the flags involved.
+
+
+def test_rule_global_batch_multiple_of_micro_batch_times_procs():
+    text = _problems(["--global-batch-size", "16", "--micro-batch-size", "3"])
+    assert "--global-batch-size 16" in text and "--micro-batch-size 3" in text
+    text = _problems(["--global-batch-size", "16", "--actor-num-gpus-per-node", "3"])
+    assert "--actor-num-gpus-per-node 3" in text
+    # With a token budget only the process count must divide.
+    text = _problems(["--global-batch-size", "16", "--max-tokens-per-gpu", "512", "--actor-num-gpus-per-node", "3"])
+    assert "trainer processes 3" in text
+    parse_args(["--global-batch-size", "16", "--micro-batch-size", "4", "--actor-num-gpus-per-node", "2"])
+
+
+def test_rule_global_batch_divides_rollout_samples():
+    text = _problems(["--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--global-batch-size", "8"])
+    assert "--rollout-batch-size 3" in text and "--n-samples-per-prompt 4" in text and "= 12" in text
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"])
+def test_rule_group_baseline_needs_two_samples(estimator):
+    argv = ["--n-samples-per-prompt", "1", "--rollout-batch-size", "8", "--global-batch-size", "8"]
+    text = _problems(argv + ["--advantage-estimator", estimator])
+    assert "--n-samples-per-prompt 1" in text and estimator in text
+    parse_args(argv + ["--advantage-estimator", "reinforce_plus_plus"])
+
+
+def test_rule_unknown_choices_from_yaml_or_code():
+    text = "\n".join(pytest.raises(ConfigError, validate, from_dict(advantage_estimator="magic")).value.problems)
+    assert "--advantage-estimator must be one of" in text and "'magic'" in text
+    text = "\n".join(pytest.raises(ConfigError, validate, from_dict(on_bad_row="ignore")).value.problems)
+    assert "--on-bad-row" in text
+
+
+def test_rule_wrong_types_from_yaml():
+    problems = pytest.raises(ConfigError, validate, from_dict(rollout_batch_size="8", use_tis="yes")).value.problems
+    assert any(p.startswith("--rollout-batch-size must be a int") for p in problems)
+    assert any(p.startswith("--use-tis must be a bool") for p in problems)
+
+
+def test_rule_missing_files(tmp_path):
+    text = _problems(
+        [
+            "--prompt-data", str(tmp_path / "nope.jsonl"),
+            "--rm-type", "math",
+            "--eval-prompt-data", str(tmp_path / "eval.parquet"),
+            "--eval-interval", "5",
+            "--hf-checkpoint", str(tmp_path / "no_model"),
+            "--load", str(tmp_path / "no_ckpt"),
+        ]
+    )  # fmt: skip
+    for name in ("--prompt-data", "--eval-prompt-data", "--hf-checkpoint", "--load"):
+        assert f"{name}:" in text
+    (tmp_path / "model").mkdir()
+    assert "has no config.json" in _problems(["--hf-checkpoint", str(tmp_path / "model")])
+    (tmp_path / "p.csv").write_text("x")
+    assert "must be a .jsonl or .parquet" in _problems(["--prompt-data", str(tmp_path / "p.csv"), "--rm-type", "math"])
+
+
+def test_rule_hook_paths(tmp_path):
+    text = _problems(
+        [
+            "--custom-rm-path", str(tmp_path / "reward.py") + ":score",
+            "--custom-generate-function-path", "no_such_package_xyz.gen:generate",
+            "--dynamic-sampling-filter-path", "not a path",
+        ]
+    )  # fmt: skip
+    assert "--custom-rm-path:" in text and "does not exist" in text
+    assert "--custom-generate-function-path:" in text and "no_such_package_xyz" in text
+    assert "--dynamic-sampling-filter-path:" in text
+    (tmp_path / "reward.py").write_text("def score(args, sample):\n    return 1.0\n")
+    cfg = parse_args(["--custom-rm-path", f"{tmp_path / 'reward.py'}:score"])
+    assert cfg.reward.custom_rm_path.endswith("reward.py:score")
+    parse_args(["--dynamic-sampling-filter-path", "runtime.filters.check_reward_nonzero_std"])
+
+
+def test_rule_ranges():
+    text = _problems(
+        [
+            "--rollout-top-p", "0",
+            "--rollout-top-k", "0",
+            "--rollout-temperature", "0",
+            "--eps-clip-c", "0.5",
+            "--gamma", "1.5",
+            "--reward-timeout", "-1",
+            "--kl-loss-coef", "-0.1",
+        ]
+    )  # fmt: skip
+    for name in (
+        "--rollout-top-p",
+        "--rollout-top-k",
+        "--rollout-temperature",
+        "--eps-clip-c",
+        "--gamma",
+        "--reward-timeout",
+        "--kl-loss-coef",
+    ):
+        assert name in text, name
+    assert "--rollout-batch-size must be > 0" in _problems(["--rollout-batch-size", "0"])
+
+
+def test_rule_combinations(tmp_path):
+    assert "--save-interval needs --save" in _problems(["--save-interval", "2"])
+    argv = ["--over-sampling-batch-size", "4", "--rollout-batch-size", "8"]
+    assert "--over-sampling-batch-size 4 must be >= --rollout-batch-size 8" in _problems(argv)
+    argv = ["--max-tokens-per-gpu", "20", "--rollout-max-prompt-len", "10", "--rollout-max-response-len", "16"]
+    assert "--max-tokens-per-gpu 20 cannot hold" in _problems(argv)
+    assert "--colocate" in _problems(["--colocate", "--rollout-num-gpus", "2"])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
+    assert "--rm-type builtin" in _problems(["--prompt-data", str(prompts)])
+    argv = ["--prompt-data", str(prompts), "--rm-type", "math", "--eval-interval", "2"]
+    assert "--eval-prompt-data" in _problems(argv)
+
+
+def test_all_problems_reported_at_once():
+    problems = pytest.raises(
+        ConfigError, parse_args, ["--save-interval", "2", "--global-batch-size", "7", "--micro-batch-size", "2"]
+    ).value.problems
+    assert len(problems) >= 3
+    assert isinstance(ConfigError(problems), ValueError)
