@@ -1,0 +1,26 @@
+"""Advantage estimators: tensor-level functions and the TensorDict step :func:`compute` that wraps them.
+
+Token-level: :func:`gae`, :func:`reinforce_plus_plus`, :func:`distillation`. Sequence-level with group baselines:
+:func:`grpo` (Dr. GRPO with ``std_normalize=False``), :func:`rloo`, :func:`reinforce_plus_plus_baseline`.
+Helpers: :func:`broadcast` (one value per sample onto its valid tokens) and :func:`whiten` (masked, optionally
+global over a process group).
+"""
+
+from rlcore.advantages.compute import ESTIMATORS, AdvantageConfig, compute
+from rlcore.advantages.group import broadcast, grpo, reinforce_plus_plus_baseline, rloo
+from rlcore.advantages.token import distillation, gae, reinforce_plus_plus
+from rlcore.advantages.whiten import whiten
+
+__all__ = [
+    "ESTIMATORS",
+    "AdvantageConfig",
+    "broadcast",
+    "compute",
+    "distillation",
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+    "whiten",
+]
