@@ -1,5 +1,30 @@
 """KL estimators, policy and value losses, mismatch correction, aggregation and the composed ``rl_loss``."""
 
+from rlcore.losses.aggregate import AGG_MODES, Normalizer, aggregate
+from rlcore.losses.entropy import entropy_bonus
 from rlcore.losses.kl import KL_KINDS, approx_kl
+from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_weights
+from rlcore.losses.policy import cispo, gspo, ppo_clip
+from rlcore.losses.rl_loss import POLICY_LOSSES, LossConfig, rl_loss
+from rlcore.losses.sft import sft_loss
+from rlcore.losses.value import value_loss
 
-__all__ = ["KL_KINDS", "approx_kl"]
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "MISMATCH_LEVELS",
+    "MISMATCH_MODES",
+    "POLICY_LOSSES",
+    "LossConfig",
+    "Normalizer",
+    "aggregate",
+    "approx_kl",
+    "cispo",
+    "entropy_bonus",
+    "gspo",
+    "mismatch_weights",
+    "ppo_clip",
+    "rl_loss",
+    "sft_loss",
+    "value_loss",
+]

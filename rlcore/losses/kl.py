@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from rlcore._checks import check_choice, check_same_shape, check_tensor
+from rlcore.losses._common import upcast
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
@@ -19,14 +20,14 @@ def approx_kl(log_probs: Tensor, ref_log_probs: Tensor, *, kind: str = "k3") -> 
             (k3 clamped to [-10, 10], as slime and verl do).
 
     Returns:
-        [...] float tensor of the same shape. As in slime, the gradient flows through ``log_probs``
-        only by autograd of the formula; the caller chooses where to detach.
+        [...] tensor of the same shape in float32 (float64 for float64 inputs). As in slime, the gradient
+        flows through ``log_probs`` only by autograd of the formula; the caller chooses where to detach.
     """
     check_tensor("log_probs", log_probs, floating=True)
     check_tensor("ref_log_probs", ref_log_probs, floating=True)
     check_same_shape(log_probs=log_probs, ref_log_probs=ref_log_probs)
     check_choice("kind", kind, KL_KINDS)
-    log_ratio = log_probs.float() - ref_log_probs.float()
+    log_ratio = upcast(log_probs) - upcast(ref_log_probs)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

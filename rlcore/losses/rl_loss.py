@@ -1,0 +1,229 @@
+"""The composed RL loss over a batch TensorDict: policy loss, mismatch correction, KL, entropy and value terms."""
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from rlcore import keys
+from rlcore._checks import check_choice, check_finite_where, check_mask, check_tensor, masked_fill_zero
+from rlcore.losses.aggregate import AGG_MODES, Normalizer, aggregate
+from rlcore.losses.entropy import entropy_bonus
+from rlcore.losses.kl import KL_KINDS, approx_kl
+from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_weights
+from rlcore.losses.policy import cispo, gspo, ppo_clip, sequence_log_ratio
+from rlcore.losses.value import value_loss
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of ``rl_loss``; names follow slime's flags where slime has one.
+
+    Attributes:
+        policy_loss: ``ppo`` (``ppo_clip``), ``gspo`` or ``cispo``.
+        eps_clip, eps_clip_high: clip ranges (``--eps-clip``, ``--eps-clip-high``; ``None`` = ``eps_clip``).
+            CISPO uses ``eps_clip_high`` (or ``eps_clip``) as its truncation.
+        dual_clip: ``c > 1`` for dual-clip PPO (``--eps-clip-c``), ``None`` off. PPO only.
+        mismatch: ``None``, or ``tis``/``mis``/``icepop`` to correct for rollout vs trainer log-probs
+            (``--use-tis``); reads ``rollout_log_probs``.
+        mismatch_level, mismatch_low, mismatch_high: ``level``, ``low``, ``high`` of ``mismatch_weights``.
+        use_kl_loss, kl_loss_coef, kl_loss_type: KL-to-reference loss (reads ``ref_log_probs``).
+        use_unbiased_kl: weight the KL by ``exp(log_probs - old_log_probs)`` (slime's ``--use-unbiased-kl``).
+        entropy_coef: weight of the entropy bonus (reads ``entropy``).
+        value_coef: weight of the value loss; 0 leaves the critic out (reads ``values``, ``old_values``,
+            ``returns``).
+        value_clip: clip of ``value_loss`` (``--value-clip``), ``None`` off.
+        agg_mode: ``aggregate`` mode of every loss term.
+    """
+
+    policy_loss: str = "ppo"
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    dual_clip: float | None = None
+    mismatch: str | None = None
+    mismatch_level: str = "token"
+    mismatch_low: float | None = None
+    mismatch_high: float = 2.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    use_unbiased_kl: bool = False
+    entropy_coef: float = 0.0
+    value_coef: float = 0.0
+    value_clip: float | None = 0.2
+    agg_mode: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        check_choice("agg_mode", self.agg_mode, AGG_MODES)
+        check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
+        check_choice("mismatch_level", self.mismatch_level, MISMATCH_LEVELS)
+        if self.mismatch is not None:
+            check_choice("mismatch", self.mismatch, MISMATCH_MODES)
+        if self.dual_clip is not None and self.policy_loss != "ppo":
+            raise ValueError(f"dual_clip applies to policy_loss 'ppo' only, got policy_loss {self.policy_loss!r}")
+        for name in ("kl_loss_coef", "entropy_coef", "value_coef", "eps_clip", "mismatch_high"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tensor:
+    """``td[key]`` checked against ``mask``, with masked positions set to 0 so padding never reaches a gradient."""
+    if key not in td.keys():
+        raise ValueError(f"rl_loss needs td[{key!r}] for {needed_by}; the batch has keys {sorted(td.keys())}")
+    x = check_tensor(key, td.get(key), floating=True)
+    if x.shape != mask.shape:
+        raise ValueError(f"{key} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
+    check_finite_where(key, x, mask)
+    return masked_fill_zero(x, mask)
+
+
+def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = None) -> tuple[Tensor, TensorDict]:
+    """The training loss of a (micro-)batch and its metrics.
+
+    ``loss = pg + kl_loss_coef * kl - entropy_coef * entropy + value_coef * value``, each ``aggregate``d with
+    ``cfg.agg_mode`` and ``norm``:
+
+    - ``pg``: the per-token policy loss of ``cfg.policy_loss``, times the mismatch weights when
+      ``cfg.mismatch`` is set; tokens outside the mismatch ``keep`` leave the numerators of ``pg``, ``kl``
+      and ``entropy`` (as in slime) but not the denominators, which stay those of ``mask``.
+    - ``kl``: ``approx_kl(log_probs, ref_log_probs, kind=cfg.kl_loss_type)`` when ``cfg.use_kl_loss``.
+    - ``entropy``: the policy's entropy, when ``cfg.entropy_coef`` is not 0.
+    - ``value``: the clipped value loss, when ``cfg.value_coef`` is not 0 (the critic sees every valid token).
+
+    Reads (batch contract, ``keys``): ``mask``, ``log_probs``, ``advantages``; ``old_log_probs`` (absent:
+    ``log_probs`` detached, i.e. one on-policy step, as slime does); ``rollout_log_probs``, ``ref_log_probs``,
+    ``entropy``, ``values``/``old_values``/``returns`` as the config asks. Every token tensor is [B, T];
+    masked positions may hold anything, NaN included. Only ``log_probs``, ``entropy`` and ``values`` carry
+    gradient; the others are detached.
+
+    Metrics (a detached TensorDict, batch size []): ``loss``, ``pg_loss`` and each term used, before its
+    coefficient (``kl_loss``, ``entropy_loss`` = minus the aggregated entropy, ``value_loss``); token means
+    over valid tokens of ``clip_frac``, ``approx_kl_old`` (mean ``old_log_probs - log_probs``, slime's
+    ``ppo_kl``), ``ratio_mean`` (the ratio the clip acts on: per token, per sequence for GSPO), and when
+    their inputs are present ``entropy``,
+    ``approx_kl_ref`` (of ``cfg.kl_loss_type``), ``rollout_log_prob_abs_diff``, ``mismatch_weight_mean``,
+    ``mismatch_masked_frac`` (valid tokens outside ``keep``), ``value_clip_frac``; maxima over valid
+    tokens ``ratio_max`` and ``mismatch_weight_max``. The means use ``norm``'s token count, so summed over
+    the micro-batches of the global batch they give its token means; combine the maxima with ``max``.
+
+    Args:
+        td: the batch, ``batch_size=[B]``.
+        cfg: a ``LossConfig``.
+        norm: denominators of the global batch (``Normalizer.of`` its mask, summed); ``None`` uses this batch's.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim differentiable loss and the metrics.
+    """
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"td must be a TensorDict, got {type(td).__name__}")
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
+    if keys.MASK not in td.keys():
+        raise ValueError(f"rl_loss needs td[{keys.MASK!r}]; the batch has keys {sorted(td.keys())}")
+    mask = check_mask(td.get(keys.MASK))
+    check_tensor(keys.MASK, mask, ndim=2)
+    if norm is None:
+        norm = Normalizer.of(mask)
+
+    def agg(per_token: Tensor) -> Tensor:
+        return aggregate(per_token, mask, mode=cfg.agg_mode, norm=norm)
+
+    def token_mean(per_token: Tensor) -> Tensor:
+        return aggregate(per_token.detach(), mask, mode="token_mean", norm=norm)
+
+    def valid_max(per_token: Tensor) -> Tensor:
+        return masked_fill_zero(per_token.detach(), mask).amax() if mask.numel() else per_token.new_zeros(())
+
+    log_probs = _read(td, keys.LOG_PROBS, mask, needed_by="the policy loss")
+    advantages = _read(td, keys.ADVANTAGES, mask, needed_by="the policy loss").detach()
+    if keys.OLD_LOG_PROBS in td.keys():
+        old_log_probs = _read(td, keys.OLD_LOG_PROBS, mask, needed_by="the policy loss").detach()
+    else:
+        old_log_probs = log_probs.detach()
+    log_ratio = (log_probs - old_log_probs).detach()
+
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    if cfg.policy_loss == "ppo":
+        pg, clipped = ppo_clip(
+            log_probs,
+            old_log_probs,
+            advantages,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=eps_high,
+            dual_clip=cfg.dual_clip,
+        )
+        ratio = torch.exp(log_ratio)
+    elif cfg.policy_loss == "gspo":
+        pg, clipped = gspo(log_probs, old_log_probs, advantages, mask, eps_clip=cfg.eps_clip, eps_clip_high=eps_high)
+        ratio = torch.exp(sequence_log_ratio(log_probs, old_log_probs, mask))[:, None].expand_as(mask).detach()
+    else:
+        pg, clipped = cispo(log_probs, old_log_probs, advantages, eps_clip_high=eps_high)
+        ratio = torch.exp(log_ratio)
+
+    metrics: dict[str, Tensor] = {}
+    keep = mask
+    if cfg.mismatch is not None or keys.ROLLOUT_LOG_PROBS in td.keys():
+        rollout_log_probs = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by=f"mismatch={cfg.mismatch!r}").detach()
+        metrics["rollout_log_prob_abs_diff"] = token_mean((old_log_probs - rollout_log_probs).abs())
+        if cfg.mismatch is not None:
+            weights, keep = mismatch_weights(
+                old_log_probs,
+                rollout_log_probs,
+                mask,
+                mode=cfg.mismatch,
+                level=cfg.mismatch_level,
+                low=cfg.mismatch_low,
+                high=cfg.mismatch_high,
+            )
+            pg = pg * weights
+            metrics["mismatch_weight_mean"] = token_mean(weights)
+            metrics["mismatch_weight_max"] = valid_max(weights)
+            metrics["mismatch_masked_frac"] = token_mean((mask & ~keep).to(weights.dtype))
+
+    def kept(per_token: Tensor) -> Tensor:
+        return masked_fill_zero(per_token, keep)
+
+    pg_loss = agg(kept(pg))
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss
+    metrics["clip_frac"] = token_mean(clipped.to(pg.dtype))
+    metrics["approx_kl_old"] = token_mean(-log_ratio)
+    metrics["ratio_mean"] = token_mean(ratio)
+    metrics["ratio_max"] = valid_max(ratio)
+
+    if cfg.use_kl_loss or keys.REF_LOG_PROBS in td.keys():
+        ref_log_probs = _read(td, keys.REF_LOG_PROBS, mask, needed_by="use_kl_loss").detach()
+        kl = approx_kl(log_probs, ref_log_probs, kind=cfg.kl_loss_type)
+        metrics["approx_kl_ref"] = token_mean(kl)
+        if cfg.use_kl_loss:
+            if cfg.use_unbiased_kl:
+                kl = kl * torch.exp(log_probs - old_log_probs)
+            kl_loss = agg(kept(kl))
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss
+
+    if cfg.entropy_coef != 0 or keys.ENTROPY in td.keys():
+        entropy = _read(td, keys.ENTROPY, mask, needed_by="entropy_coef")
+        metrics["entropy"] = token_mean(entropy)
+        if cfg.entropy_coef != 0:
+            entropy_loss = agg(kept(entropy_bonus(entropy)))
+            loss = loss + cfg.entropy_coef * entropy_loss
+            metrics["entropy_loss"] = entropy_loss
+
+    if cfg.value_coef != 0:
+        values = _read(td, keys.VALUES, mask, needed_by="value_coef")
+        old_values = _read(td, keys.OLD_VALUES, mask, needed_by="value_coef").detach()
+        returns = _read(td, keys.RETURNS, mask, needed_by="value_coef").detach()
+        v_loss = agg(value_loss(values, old_values, returns, clip=cfg.value_clip))
+        loss = loss + cfg.value_coef * v_loss
+        metrics["value_loss"] = v_loss
+        if cfg.value_clip is not None:
+            metrics["value_clip_frac"] = token_mean(((values - old_values).abs() > cfg.value_clip).to(v_loss.dtype))
+
+    metrics["loss"] = loss
+    return loss, TensorDict({name: value.detach() for name, value in metrics.items()}, batch_size=[])
