@@ -1,0 +1,12 @@
+"""Fused log-probability and entropy kernels: from logits, from hidden states x LM head, vocab-parallel.
+
+CUDA tensors run Triton kernels; CPU tensors run a chunked torch implementation, except under
+``TRITON_INTERPRET=1``, where they run the Triton kernels in Triton's interpreter (how CI tests them).
+:mod:`rlcore.kernels.reference` holds the plain torch versions the kernels are tested against.
+"""
+
+from rlcore.kernels import reference
+from rlcore.kernels.linear import linear_logprobs_entropy
+from rlcore.kernels.logprobs import logprobs_entropy
+
+__all__ = ["linear_logprobs_entropy", "logprobs_entropy", "reference"]

@@ -1,0 +1,166 @@
+"""Fused LM head + log-probability + entropy: ``hidden [N, H] x weight [V, H]`` without ever holding [N, V] logits.
+
+The vocabulary is walked in column chunks. Forward: each chunk's logits ``hidden @ weight[c]^T`` ([N, chunk], the
+input dtype) go through the logits kernel's statistics pass and are merged exactly (see ``_stats``); the chunk is
+then dropped, unless it fits in the ``stash_bytes`` budget, in which case it is kept for the backward. Backward, per
+chunk: the stashed logits or a recomputed ``hidden @ weight[c]^T``; d(logits) written in place by the logits kernel;
+``grad_weight[c] = d(logits)^T @ hidden`` (complete in one matmul, so it is accumulated in float32 inside the matmul)
+and ``grad_hidden += d(logits) @ weight[c]`` (into a float32 [N, H] accumulator).
+
+Cost: 2NHV FLOPs forward, and 4NHV backward plus 2NHV for each chunk that was not stashed; the stash trades memory
+for that recomputation.
+"""
+
+import torch
+from torch import Tensor
+
+from rlcore._checks import check_tensor
+from rlcore.kernels._stats import (
+    Partial,
+    all_reduce,
+    check_float_matrix,
+    check_targets,
+    check_temperature,
+    finalize,
+    group_layout,
+    merge,
+)
+from rlcore.kernels.logprobs import backend_ops
+
+DEFAULT_CHUNK = 8192
+DEFAULT_STASH_BYTES = 1 << 30
+
+
+def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32: on CUDA the matmul writes float32 itself, with no rounded temporary."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
+class LinearLogprobsEntropy(torch.autograd.Function):
+    """Autograd wrapper; saves ``hidden``, ``weight``, per-token ``lse`` and ``mu`` and the stashed logit chunks."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, targets_local, inv_temperature, with_entropy, group, chunk, stash_bytes, need_grad
+    ):
+        partial_stats, _ = backend_ops(hidden)
+        vocab = weight.shape[0]
+        total: Partial | None = None
+        stash: dict[int, Tensor] = {}
+        stashed_bytes = 0
+        for start in range(0, vocab, chunk):
+            logits = hidden @ weight[start : start + chunk].T
+            total = merge(total, partial_stats(logits, targets_local - start, inv_temperature, with_entropy))
+            size = logits.numel() * logits.element_size()
+            if need_grad and stashed_bytes + size <= stash_bytes:
+                stash[start] = logits
+                stashed_bytes += size
+        if group is not None:
+            total = all_reduce(total, group)
+        totals = finalize(total)
+        ctx.save_for_backward(hidden, weight, targets_local, totals.lse, totals.mu)
+        ctx.stash = stash
+        ctx.chunk = chunk
+        ctx.inv_temperature = inv_temperature
+        ctx.set_materialize_grads(False)
+        log_probs = totals.zt - totals.lse
+        entropy = totals.entropy if with_entropy else torch.zeros_like(log_probs)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, targets_local, lse, mu = ctx.saved_tensors
+        stash = ctx.stash
+        ctx.stash = None
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        _, logits_grad = backend_ops(hidden)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        grad_weight = torch.empty_like(weight) if want_weight else None
+        # Stashed chunks first, so their memory is released before recomputed chunks are allocated.
+        starts = list(stash) + [s for s in range(0, weight.shape[0], ctx.chunk) if s not in stash]
+        for start in starts:
+            w = weight[start : start + ctx.chunk]
+            logits = stash.pop(start) if start in stash else hidden @ w.T
+            logits_grad(
+                logits, targets_local - start, lse, mu, grad_log_probs, grad_entropy, ctx.inv_temperature, logits
+            )
+            if want_weight:
+                torch.mm(logits.T, hidden, out=grad_weight[start : start + ctx.chunk])
+            if want_hidden:
+                _accumulate_matmul(grad_hidden, logits, w)
+            del logits
+        if want_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_logprobs_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    group: object = None,
+    chunk: int = DEFAULT_CHUNK,
+    stash_bytes: int = DEFAULT_STASH_BYTES,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probability and entropy of ``softmax(hidden @ weight^T / temperature)``, [N, V] never held.
+
+    Args:
+        hidden: [N, H] bfloat16, float16 or float32 final hidden states.
+        weight: [V, H] LM-head weight of the same dtype and device. With ``group``, this rank's contiguous vocabulary
+            shard (rank ``r`` holds rows ``[r * V, (r + 1) * V)``), as in a column-parallel output layer.
+        targets: [N] int64 or int32 ids of the full vocabulary, each in ``[0, V * world_size)`` (no ignore index).
+        temperature: divides the logits.
+        with_entropy: compute the entropy (else ``None`` is returned for it).
+        group: process group over which the vocabulary is sharded. Outputs are the full-vocabulary ones on every
+            rank; ``weight``'s gradient is this rank's shard of the full one, and ``hidden``'s gradient is this
+            rank's partial sum, as for any column-parallel layer: the caller reduces it over the group (Megatron's
+            ``copy_to_tensor_model_parallel_region`` or sequence-parallel gather do that in their backward).
+        chunk: vocabulary columns per chunk (the working set is an [N, chunk] logits block).
+        stash_bytes: at most this many bytes of forward logit chunks are kept for the backward instead of being
+            recomputed there (only when a gradient is needed); 0 recomputes every chunk.
+
+    Returns:
+        ``(log_probs [N] float32, entropy [N] float32 or None)``, differentiable with respect to ``hidden`` and
+        ``weight``.
+    """
+    hidden = check_float_matrix("hidden", hidden)
+    weight = check_tensor("weight", weight, ndim=2)
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V, H] for hidden {tuple(hidden.shape)} ([N, H])")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if isinstance(stash_bytes, bool) or not isinstance(stash_bytes, int) or stash_bytes < 0:
+        raise ValueError(f"stash_bytes must be a non-negative int, got {stash_bytes!r}")
+    inv_temperature = 1.0 / check_temperature(temperature)
+    rank, world = group_layout(group)
+    vocab_local = weight.shape[0]
+    targets = check_targets(
+        targets,
+        rows=hidden.shape[0],
+        rows_name=f"hidden {tuple(hidden.shape)}",
+        vocab=vocab_local * world,
+        device=hidden.device,
+    )
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    log_probs, entropy = LinearLogprobsEntropy.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        targets - rank * vocab_local,
+        inv_temperature,
+        with_entropy,
+        group,
+        chunk,
+        stash_bytes,
+        need_grad,
+    )
+    return log_probs, entropy if with_entropy else None

@@ -1,0 +1,266 @@
+"""Fused per-token log-probability and entropy from logits [N, V]: Triton kernels, autograd Function, public function.
+
+Forward (one program per token row): one pass over the row in blocks with an online max and sum-exp, the target's
+logit, and ``sum(exp(z - m) * (z - m))`` for the entropy; only per-token float32 ``lse`` and ``mu = sum(p * z)`` are
+kept for the backward. Backward (one pass): recompute ``p = exp(z - lse)`` and write
+
+    d(logits) = [g_lp * (onehot - p) + g_ent * p * (mu - z)] / T
+
+(``dH/dz = p * (mu - z)`` since ``H = lse - mu``), optionally into the logits' own buffer. Temperature is applied
+inside the kernels; offsets are 64-bit, so N * V beyond 2**31 is fine.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from rlcore.kernels import _torch_ops
+from rlcore.kernels._stats import (
+    Partial,
+    all_reduce,
+    check_float_matrix,
+    check_targets,
+    check_temperature,
+    finalize,
+    group_layout,
+)
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr,
+    row_stride,
+    targets_ptr,
+    out_ptr,
+    n_rows,
+    vocab: tl.constexpr,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    cols = tl.arange(0, BLOCK_V)
+    m = -1.0e30  # EMPTY_MAX: finite, so (m_old - m_new) * s never meets inf * 0
+    s = 0.0
+    a = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + cols
+        inside = idx < vocab
+        z = tl.load(row_ptr + idx, mask=inside, other=-float("inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        alpha = tl.exp(m - m_new)
+        shifted = z - m_new
+        e = tl.exp(shifted)
+        if WITH_ENTROPY:
+            # exp(-inf) * -inf is NaN; such columns (padding, -inf logits) carry no probability.
+            a = (a + s * (m - m_new)) * alpha + tl.sum(tl.where(e > 0, e * shifted, 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+    target = tl.load(targets_ptr + row)
+    has_target = (target >= 0) & (target < vocab)
+    safe_target = tl.where(has_target, target, 0)
+    zt = tl.load(row_ptr + safe_target, mask=has_target, other=0.0).to(tl.float32) * inv_temperature
+    tl.store(out_ptr + row, m)
+    tl.store(out_ptr + n_rows + row, s)
+    tl.store(out_ptr + 2 * n_rows + row, a)
+    tl.store(out_ptr + 3 * n_rows + row, zt)
+
+
+@triton.jit
+def _grad_kernel(
+    logits_ptr,
+    row_stride,
+    grad_ptr,
+    grad_row_stride,
+    targets_ptr,
+    lse_ptr,
+    mu_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    vocab: tl.constexpr,
+    inv_temperature,
+    HAS_GRAD_LP: tl.constexpr,
+    HAS_GRAD_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    cols = tl.arange(0, BLOCK_V)
+    lse = tl.load(lse_ptr + row)
+    mu = tl.load(mu_ptr + row)
+    target = tl.load(targets_ptr + row)
+    g_lp = 0.0
+    g_ent = 0.0
+    if HAS_GRAD_LP:
+        g_lp = tl.load(grad_lp_ptr + row).to(tl.float32) * inv_temperature
+    if HAS_GRAD_ENT:
+        g_ent = tl.load(grad_ent_ptr + row).to(tl.float32) * inv_temperature
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + cols
+        inside = idx < vocab
+        z = tl.load(row_ptr + idx, mask=inside, other=0.0).to(tl.float32) * inv_temperature
+        p = tl.exp(z - lse)
+        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if HAS_GRAD_LP:
+            grad = tl.where(idx == target, g_lp, 0.0) - g_lp * p
+        if HAS_GRAD_ENT:
+            grad += g_ent * tl.where(p > 0, p * (mu - z), 0.0)
+        tl.store(grad_row_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=inside)
+
+
+# Triton decides between compiler and interpreter when it is imported (its own tl.max, tl.sum are jitted then), from
+# TRITON_INTERPRET: CPU tensors may take the Triton path only when these kernels were built for the interpreter.
+INTERPRETED = not isinstance(_stats_kernel, JITFunction)
+
+
+def _launch_config(vocab: int, element_size: int) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)``; small blocks under the interpreter so short test rows still span several blocks."""
+    if INTERPRETED:
+        return 128, 1
+    block = min(triton.next_power_of_2(vocab), 16384 // element_size)
+    return block, 8 if block >= 4096 else 4
+
+
+def _row_major(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def triton_partial_stats(logits: Tensor, targets: Tensor, inv_temperature: float, with_entropy: bool) -> Partial:
+    """:class:`Partial` of ``logits [N, V]`` by the Triton kernel; ``targets`` are column ids in this piece."""
+    n, vocab = logits.shape
+    out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
+    if n:
+        block, warps = _launch_config(vocab, logits.element_size())
+        _stats_kernel[(n,)](
+            logits,
+            logits.stride(0),
+            targets,
+            out,
+            n,
+            vocab,
+            inv_temperature,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
+    return Partial(out[0], out[1], out[2], out[3])
+
+
+def triton_logits_grad(
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    mu: Tensor,
+    grad_log_probs: Tensor | None,
+    grad_entropy: Tensor | None,
+    inv_temperature: float,
+    out: Tensor,
+) -> None:
+    """Write d(loss)/d(logits) into ``out`` (``logits`` itself allowed: each element is read before it is written)."""
+    n, vocab = logits.shape
+    if not n:
+        return
+    block, warps = _launch_config(vocab, logits.element_size())
+    _grad_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        out,
+        out.stride(0),
+        targets,
+        lse,
+        mu,
+        grad_log_probs.contiguous() if grad_log_probs is not None else lse,
+        grad_entropy.contiguous() if grad_entropy is not None else lse,
+        vocab,
+        inv_temperature,
+        HAS_GRAD_LP=grad_log_probs is not None,
+        HAS_GRAD_ENT=grad_entropy is not None,
+        BLOCK_V=block,
+        num_warps=warps,
+    )
+
+
+def backend_ops(x: Tensor):
+    """``(partial_stats, logits_grad)`` for ``x``'s device: Triton, or chunked torch on the CPU."""
+    if x.is_cuda or INTERPRETED:
+        return triton_partial_stats, triton_logits_grad
+    return _torch_ops.partial_stats, _torch_ops.logits_grad
+
+
+class LogprobsEntropy(torch.autograd.Function):
+    """Autograd wrapper: saves the logits (not a copy), the local targets and per-token ``lse`` and ``mu``."""
+
+    @staticmethod
+    def forward(ctx, logits, targets_local, inv_temperature, with_entropy, group, inplace_backward):
+        partial_stats, _ = backend_ops(logits)
+        part = partial_stats(logits, targets_local, inv_temperature, with_entropy)
+        if group is not None:
+            part = all_reduce(part, group)
+        totals = finalize(part)
+        ctx.save_for_backward(logits, targets_local, totals.lse, totals.mu)
+        ctx.inv_temperature = inv_temperature
+        ctx.inplace_backward = inplace_backward
+        ctx.set_materialize_grads(False)
+        log_probs = totals.zt - totals.lse
+        entropy = totals.entropy if with_entropy else torch.zeros_like(log_probs)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets_local, lse, mu = ctx.saved_tensors
+        _, logits_grad = backend_ops(logits)
+        out = logits if ctx.inplace_backward else torch.empty_like(logits)
+        logits_grad(logits, targets_local, lse, mu, grad_log_probs, grad_entropy, ctx.inv_temperature, out)
+        return out, None, None, None, None, None
+
+
+def logprobs_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    group: object = None,
+    inplace_backward: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probability of ``targets`` and entropy of ``softmax(logits / temperature)``.
+
+    Args:
+        logits: [N, V] bfloat16, float16 or float32 (last dimension contiguous, or it is copied). With ``group``,
+            this rank's contiguous vocabulary shard: rank ``r`` holds columns ``[r * V, (r + 1) * V)``.
+        targets: [N] int64 or int32 token ids of the full vocabulary, each in ``[0, V * world_size)``; anything
+            outside raises ``ValueError`` (there is no ignore index: give padded positions a valid id and mask them
+            downstream).
+        temperature: divides the logits inside the kernel.
+        with_entropy: compute the entropy (else ``None`` is returned for it).
+        group: a ``torch.distributed`` process group over which the vocabulary is sharded (tensor parallelism).
+            Max, sum-exp, target logit and ``sum(p * z)`` are all-reduced, so outputs are the full-vocabulary ones on
+            every rank, and each rank's logits gradient is its shard of the full-vocabulary gradient (the backward
+            needs no communication, given the same upstream gradients on every rank, as under tensor parallelism).
+        inplace_backward: the caller no longer needs ``logits`` after this call: the backward writes d(logits) into
+            the logits' own buffer, which is overwritten (saves an [N, V] allocation). Leave False if anything else
+            reads the logits afterwards.
+
+    Returns:
+        ``(log_probs [N] float32, entropy [N] float32 or None)``, both differentiable with respect to ``logits``.
+        Accumulation is float32 for every input dtype; no float32 copy of the logits is made.
+    """
+    logits = check_float_matrix("logits", logits)
+    inv_temperature = 1.0 / check_temperature(temperature)
+    rank, world = group_layout(group)
+    vocab_local = logits.shape[1]
+    targets = check_targets(
+        targets,
+        rows=logits.shape[0],
+        rows_name=f"logits {tuple(logits.shape)}",
+        vocab=vocab_local * world,
+        device=logits.device,
+    )
+    log_probs, entropy = LogprobsEntropy.apply(
+        _row_major(logits), targets - rank * vocab_local, inv_temperature, with_entropy, group, inplace_backward
+    )
+    return log_probs, entropy if with_entropy else None
