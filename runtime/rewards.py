@@ -1,0 +1,294 @@
+"""The reward hub: built-in rule-based rewards and custom reward functions with slime's signatures.
+
+A custom function (``--custom-rm-path``) is one of
+
+- per sample: ``[async] def reward_func(args, sample: Sample, **kwargs) -> float``
+- batched: ``[async] def reward_func(args, samples: list[Sample], **kwargs) -> list[float]``
+
+told apart by the second parameter (named ``samples``, or annotated as a list / sequence; slime says it with
+``--group-rm``). Async functions run on the event loop, sync ones in a small thread pool so that they never
+block it. A call that raises, returns something that is not a finite number, or runs past ``--reward-timeout``
+gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the job goes on.
+
+A timed-out sync function cannot be killed from Python: its thread runs on in the background until it returns
+(the pool has ``max_workers`` threads, so a few stuck calls only make later calls time out too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from runtime.config import RewardConfig
+from runtime.hooks import load_function
+from runtime.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_TASK_REWARD = "runtime.task:reward"
+
+
+class _DropTimeoutDisabledNotice(logging.Filter):
+    """math-verify warns on every call that its own (SIGALRM) timeout is off; the hub times calls instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+@functools.cache
+def _answer_extraction() -> list[Any]:
+    from math_verify import LatexExtractionConfig
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutDisabledNotice())
+
+    # Only a \boxed{} answer (or an explicit "final answer is" anchor) counts: a stray number in the
+    # reasoning must not score.
+    return [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+
+
+def math_reward(args: Any, sample: Sample, **kwargs: Any) -> float:
+    """1.0 if the response's ``\\boxed{}`` answer equals the label mathematically (math-verify), else 0.0.
+
+    The label may be a number, an expression (``"\\frac{1}{2}"``, ``"0.5"``) or LaTeX. A label math-verify
+    cannot parse raises ``ValueError`` (counted as a reward error by the hub).
+    """
+    from math_verify import parse, verify
+
+    # parsing_timeout/timeout_seconds use SIGALRM, which only works in the main thread; the hub times calls itself.
+    if sample.label is None or not str(sample.label).strip():
+        raise ValueError(f"math reward: sample {sample.index} has no label")
+    extraction = _answer_extraction()
+    label = str(sample.label).strip()
+    # A bare label is read as one LaTeX expression: unwrapped, math-verify would take "1+x" for its first number.
+    gold = parse(f"${label}$", parsing_timeout=None) if "$" not in label and "\\boxed" not in label else []
+    gold = gold or parse(label, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math reward: label {sample.label!r} of sample {sample.index} is not a math answer")
+    answer = parse(sample.response, extraction_config=extraction, parsing_timeout=None)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+def exact_match_reward(args: Any, sample: Sample, **kwargs: Any) -> float:
+    """1.0 if the response equals the label after stripping surrounding whitespace, else 0.0."""
+    if sample.label is None:
+        raise ValueError(f"exact_match reward: sample {sample.index} has no label")
+    return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """Whether a reward function takes a list of samples (slime's group RM) rather than one sample.
+
+    An explicit ``fn.batched = True/False`` attribute wins; otherwise the second parameter decides: named
+    ``samples``, or annotated ``list[...]`` / ``Sequence[...]``.
+    """
+    explicit = getattr(fn, "batched", None)
+    if isinstance(explicit, bool):
+        return explicit
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        raise TypeError(
+            f"reward function {getattr(fn, '__name__', fn)!r} must take (args, sample) or (args, samples), "
+            f"got parameters {[p.name for p in params]}"
+        )
+    second = positional[1]
+    if second.name == "samples":
+        return True
+    annotation = second.annotation
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return text.replace("typing.", "").startswith(("list", "List", "Sequence", "collections.abc.Sequence"))
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    # A callable object with ``async def __call__`` is async too.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _as_reward(value: Any) -> tuple[float, float | dict[str, Any]]:
+    """``(scalar reward, what to store in sample.reward)``; raises ``ValueError`` for anything else."""
+    stored = value
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"a dict reward needs a 'score' entry, got keys {sorted(value)}")
+        value = value["score"]
+    if hasattr(value, "item") and not isinstance(value, bool | int | float):
+        value = value.item()  # numpy / torch scalars
+    if not isinstance(value, bool | int | float):
+        raise ValueError(f"reward must be a number, got {type(value).__name__} {value!r:.80}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward must be finite, got {value}")
+    return value, stored if isinstance(stored, dict) else value
+
+
+def _resolve(cfg: RewardConfig) -> tuple[str, Callable[..., Any]]:
+    if cfg.custom_rm_path is not None:
+        return cfg.custom_rm_path, load_function(cfg.custom_rm_path)
+    if cfg.rm_type == "math":
+        return "math", math_reward
+    if cfg.rm_type == "exact_match":
+        return "exact_match", exact_match_reward
+    if cfg.rm_type == "builtin":
+        return BUILTIN_TASK_REWARD, load_function(BUILTIN_TASK_REWARD)
+    raise ValueError(f"cfg.rm_type must be builtin, math or exact_match, got {cfg.rm_type!r}")
+
+
+class RewardHub:
+    """Scores samples with the function ``cfg`` names; never raises for a failing reward function.
+
+    ``cfg.custom_rm_path`` wins over ``cfg.rm_type`` (as in slime). ``args`` is passed through to the
+    reward function as its first argument (slime passes its argparse namespace; rlcore passes the ``Config``).
+    """
+
+    def __init__(self, cfg: RewardConfig, args: Any = None, *, max_workers: int = 8):
+        if not isinstance(cfg, RewardConfig):
+            raise TypeError(f"cfg must be a runtime.config.RewardConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.args = args
+        self.name, self.fn = _resolve(cfg)
+        self.batched = is_batched(self.fn)
+        self.is_async = _is_async(self.fn)
+        self._max_workers = max_workers
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._metrics = self._zero_metrics()
+
+    @staticmethod
+    def _zero_metrics() -> dict[str, float]:
+        return {"reward/errors": 0, "reward/timeouts": 0, "reward/num_scored": 0, "reward/time": 0.0}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters since the last call: errors, timeouts, samples scored, seconds spent scoring."""
+        metrics, self._metrics = self._metrics, self._zero_metrics()
+        return metrics
+
+    def close(self) -> None:
+        """Release the thread pool (threads of timed-out calls finish on their own)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def score(self, samples: Sequence[Sample]) -> list[float]:
+        """Score ``samples``, set each ``sample.reward``, and return the scalar rewards (0.0 where scoring failed)."""
+        samples = list(samples)
+        if not all(isinstance(s, Sample) for s in samples):
+            kinds = sorted({type(s).__name__ for s in samples})
+            raise TypeError(f"samples must be a list of runtime.sample.Sample, got {kinds}")
+        if not samples:
+            return []
+        start = time.perf_counter()
+        if self.batched:
+            results = await self._score_batched(samples)
+        else:
+            results = await asyncio.gather(*(self._score_one(sample) for sample in samples))
+        rewards = []
+        for sample, (value, stored) in zip(samples, results, strict=True):
+            sample.reward = stored
+            rewards.append(value)
+        self._metrics["reward/num_scored"] += len(samples)
+        self._metrics["reward/time"] += time.perf_counter() - start
+        return rewards
+
+    async def _score_one(self, sample: Sample) -> tuple[float, float | dict[str, Any]]:
+        call = functools.partial(self.fn, self.args, sample)
+        value = await self._guarded(call, count=1, what=f"sample {sample.index}")
+        if value is _FAILED:
+            return 0.0, 0.0
+        try:
+            return _as_reward(value)
+        except ValueError as err:
+            self._record_error(err, f"sample {sample.index}", count=1)
+            return 0.0, 0.0
+
+    async def _score_batched(self, samples: list[Sample]) -> list[tuple[float, float | dict[str, Any]]]:
+        n = len(samples)
+        failed = [(0.0, 0.0)] * n
+        values = await self._guarded(functools.partial(self.fn, self.args, samples), count=n, what=f"{n} samples")
+        if values is _FAILED:
+            return failed
+        if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != n:
+            size = len(values) if isinstance(values, Sequence) else type(values).__name__
+            self._record_error(ValueError(f"batched reward returned {size} values for {n} samples"), "batch", count=n)
+            return failed
+        results = []
+        for sample, value in zip(samples, values, strict=True):
+            try:
+                results.append(_as_reward(value))
+            except ValueError as err:
+                self._record_error(err, f"sample {sample.index}", count=1)
+                results.append((0.0, 0.0))
+        return results
+
+    async def _guarded(self, call: Callable[[], Any], *, count: int, what: str) -> Any:
+        """Run one reward call under the timeout; ``_FAILED`` (counted, logged) if it raises or times out."""
+
+        async def attempt() -> tuple[Any, Exception | None]:
+            # User exceptions are caught here, inside the timeout, so that a TimeoutError the function raises
+            # itself is an error and not mistaken for the hub's timeout.
+            try:
+                if self.is_async:
+                    result = await call()
+                else:
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(self._get_executor(), call)
+                    if inspect.isawaitable(result):
+                        result = await result
+                return result, None
+            except Exception as err:  # any failure of user code becomes reward 0, never a crash
+                return None, err
+
+        try:
+            result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
+        except TimeoutError:
+            self._metrics["reward/timeouts"] += count
+            logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
+            return _FAILED
+        if err is not None:
+            self._record_error(err, what, count=count)
+            return _FAILED
+        return result
+
+    def _record_error(self, err: Exception, what: str, *, count: int) -> None:
+        first = self._metrics["reward/errors"] == 0
+        self._metrics["reward/errors"] += count
+        # The first error of each logging window carries its traceback; later ones one line each.
+        logger.warning(
+            "reward %s failed on %s (%s: %s): reward 0",
+            self.name,
+            what,
+            type(err).__name__,
+            err,
+            exc_info=err if first else None,
+        )
+
+    def _get_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
+        return self._executor
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A hub may be shipped to a Ray actor: the function is re-imported there by path (a hook loaded
+        # from a file is not importable by module name) and the pool is rebuilt on first use.
+        state = dict(self.__dict__)
+        state["_executor"] = None
+        del state["fn"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _, self.fn = _resolve(self.cfg)
+
+
+_FAILED = object()

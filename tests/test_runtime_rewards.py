@@ -1,0 +1,319 @@
+"""runtime.rewards, runtime.filters, runtime.hooks: built-in and custom rewards, failure counting, filters, hooks."""
+
+import asyncio
+import pickle
+import statistics
+import textwrap
+import time
+
+import pytest
+import torch
+from math_verify import parse, verify
+
+from runtime import task
+from runtime.config import RewardConfig
+from runtime.filters import DynamicFilterOutput, check_reward_nonzero_std, load_filter
+from runtime.hooks import HookError, check_function_path, load_function
+from runtime.rewards import RewardHub, is_batched
+from runtime.sample import Sample
+
+
+def _samples(pairs):
+    return [Sample(index=i, response=response, label=label) for i, (response, label) in enumerate(pairs)]
+
+
+def _hook(tmp_path, name, source):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def _score(hub, samples):
+    return asyncio.run(hub.score(samples))
+
+
+MATH_CASES = [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{2/4}", "\\frac{1}{2}", 1.0),
+    ("The final answer is $12$", "12", 1.0),
+    ("\\boxed{3}", "2", 0.0),
+    ("I think it is 2", "2", 0.0),  # no boxed answer: a stray number does not score
+    ("\\boxed{x+1}", "1+x", 1.0),
+]
+
+
+def test_math_reward_right_and_wrong():
+    hub = RewardHub(RewardConfig(rm_type="math"))
+    samples = _samples([(r, label) for r, label, _ in MATH_CASES])
+    rewards = _score(hub, samples)
+    assert rewards == [expected for _, _, expected in MATH_CASES]
+    assert [s.reward for s in samples] == rewards
+    # Where an answer is boxed, the hub agrees with math-verify called directly (a bare label read as LaTeX).
+    for (response, label, _), reward in zip(MATH_CASES, rewards, strict=True):
+        if "boxed" in response:
+            assert reward == float(verify(parse(f"${label}$"), parse(response)))
+    assert hub.pop_metrics()["reward/errors"] == 0
+
+
+def test_math_reward_unparseable_label_counts_an_error():
+    hub = RewardHub(RewardConfig(rm_type="math"))
+    pairs = [("\\boxed{1}", "  "), ("\\boxed{1}", None), ("\\boxed{1}", "1")]
+    assert _score(hub, _samples(pairs)) == [0.0, 0.0, 1.0]
+    metrics = hub.pop_metrics()
+    assert metrics["reward/errors"] == 2 and metrics["reward/num_scored"] == 3
+
+
+def test_exact_match():
+    hub = RewardHub(RewardConfig(rm_type="exact_match"))
+    samples = _samples([(" 42 \n", "42"), ("42.", "42"), ("abc", " abc"), ("x", None)])
+    assert _score(hub, samples) == [1.0, 0.0, 1.0, 0.0]
+    assert hub.pop_metrics()["reward/errors"] == 1  # the sample without a label
+
+
+def test_builtin_is_the_task_reward():
+    hub = RewardHub(RewardConfig(rm_type="builtin"))
+    pairs = [("123", "123"), ("129", "123"), ("", "45"), ("9", "9")]
+    assert _score(hub, _samples(pairs)) == [task.score(r, label) for r, label in pairs]
+
+
+def test_custom_sync_per_sample_gets_args(tmp_path):
+    path = _hook(
+        tmp_path,
+        "sync_rm",
+        """
+        def reward(args, sample, **kwargs):
+            return args["scale"] * len(sample.response)
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:reward"), args={"scale": 0.5})
+    assert not hub.batched and not hub.is_async
+    assert _score(hub, _samples([("ab", None), ("abcd", None)])) == [1.0, 2.0]
+
+
+def test_custom_async_per_sample_runs_concurrently(tmp_path):
+    path = _hook(
+        tmp_path,
+        "async_rm",
+        """
+        import asyncio
+
+        async def reward(args, sample, **kwargs):
+            await asyncio.sleep(0.2)
+            return {"score": float(sample.response == sample.label), "detail": sample.index}
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:reward"))
+    assert hub.is_async and not hub.batched
+    samples = _samples([("a", "a"), ("b", "c")] * 4)
+    start = time.perf_counter()
+    assert _score(hub, samples) == [1.0, 0.0] * 4
+    assert time.perf_counter() - start < 0.2 * len(samples) / 2  # gathered, not one after another
+    assert samples[3].reward == {"score": 0.0, "detail": 3}
+
+
+def test_custom_batched_sync_and_async(tmp_path):
+    path = _hook(
+        tmp_path,
+        "batched_rm",
+        """
+        from runtime.sample import Sample
+
+        CALLS = []
+
+        def by_name(args, samples, **kwargs):
+            CALLS.append(len(samples))
+            mean = sum(len(s.response) for s in samples) / len(samples)
+            return [len(s.response) - mean for s in samples]
+
+        async def by_annotation(args, group: list[Sample], **kwargs):
+            CALLS.append(len(group))
+            return [float(i) for i in range(len(group))]
+
+        def wrong_length(args, samples):
+            return [1.0]
+        """,
+    )
+    module = load_function(f"{path}:by_name").__module__
+    calls = __import__("sys").modules[module].CALLS
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_name"))
+    assert hub.batched and not hub.is_async
+    assert _score(hub, _samples([("a", None), ("abc", None)])) == [-1.0, 1.0]
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_annotation"))
+    assert hub.batched and hub.is_async
+    assert _score(hub, _samples([("a", None)] * 3)) == [0.0, 1.0, 2.0]
+    assert calls == [2, 3]  # one call per batch
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:wrong_length"))
+    assert _score(hub, _samples([("a", None)] * 3)) == [0.0, 0.0, 0.0]
+    assert hub.pop_metrics()["reward/errors"] == 3
+
+
+def test_raising_reward_gives_zero_and_counts(tmp_path):
+    path = _hook(
+        tmp_path,
+        "raising_rm",
+        """
+        def reward(args, sample):
+            if sample.index % 2:
+                raise RuntimeError("reward server exploded")
+            return 1.0
+
+        def own_timeout(args, sample):
+            raise TimeoutError("the function's own timeout, not the hub's")
+
+        def not_a_number(args, sample):
+            return [float("nan"), "high", None][sample.index]
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:reward"))
+    samples = _samples([("x", None)] * 5)
+    assert _score(hub, samples) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert samples[1].reward == 0.0
+    metrics = hub.pop_metrics()
+    assert (metrics["reward/errors"], metrics["reward/timeouts"], metrics["reward/num_scored"]) == (2, 0, 5)
+    assert hub.pop_metrics()["reward/errors"] == 0  # popped counters restart
+
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:own_timeout"))
+    assert _score(hub, _samples([("x", None)])) == [0.0]
+    assert hub.pop_metrics()["reward/errors"] == 1
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:not_a_number"))
+    assert _score(hub, _samples([("x", None)] * 3)) == [0.0, 0.0, 0.0]
+    assert hub.pop_metrics()["reward/errors"] == 3
+
+
+def test_timing_out_reward_gives_zero_and_counts(tmp_path):
+    path = _hook(
+        tmp_path,
+        "slow_rm",
+        """
+        import asyncio
+        import time
+
+        async def slow_async(args, sample):
+            await asyncio.sleep(30 if sample.index == 0 else 0)
+            return 1.0
+
+        def slow_sync(args, sample):
+            time.sleep(0.6 if sample.index == 0 else 0)
+            return 1.0
+
+        async def slow_batch(args, samples):
+            await asyncio.sleep(30)
+            return [1.0] * len(samples)
+        """,
+    )
+    for name in ("slow_async", "slow_sync"):
+        hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:{name}", reward_timeout=0.2))
+        start = time.perf_counter()
+        assert _score(hub, _samples([("x", None)] * 3)) == [0.0, 1.0, 1.0]
+        assert time.perf_counter() - start < 0.5
+        metrics = hub.pop_metrics()
+        assert (metrics["reward/timeouts"], metrics["reward/errors"]) == (1, 0), name
+        hub.close()
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:slow_batch", reward_timeout=0.1))
+    assert _score(hub, _samples([("x", None)] * 4)) == [0.0] * 4
+    assert hub.pop_metrics()["reward/timeouts"] == 4
+
+
+def test_hub_pickles_with_a_file_hook(tmp_path):
+    path = _hook(tmp_path, "pick_rm", "def reward(args, sample):\n    return 0.25\n")
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:reward"))
+    _score(hub, _samples([("x", None)]))
+    clone = pickle.loads(pickle.dumps(hub))
+    assert _score(clone, _samples([("x", None)])) == [0.25]
+
+
+def test_reward_function_signature_checks():
+    def one_arg(args):
+        return 0.0
+
+    with pytest.raises(TypeError, match="must take \\(args, sample\\)"):
+        is_batched(one_arg)
+
+    def flagged(args, x):
+        return [0.0]
+
+    flagged.batched = True
+    assert is_batched(flagged)
+    with pytest.raises(TypeError, match="list of runtime.sample.Sample"):
+        _score(RewardHub(RewardConfig(rm_type="exact_match")), ["not a sample"])
+
+
+# Filters
+
+
+def _group(rewards):
+    return [Sample(index=i, reward=r) for i, r in enumerate(rewards)]
+
+
+@pytest.mark.parametrize(
+    "rewards", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5], [1.0, 0.0, 1.0], [0.2, 0.2, 0.2 + 1e-3], [0.3, 0.3, 0.3, 0.3]]
+)
+def test_check_reward_nonzero_std_matches_std(rewards):
+    out = check_reward_nonzero_std(None, _group(rewards))
+    assert isinstance(out, DynamicFilterOutput)
+    assert out.keep == (len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6)
+    assert (out.reason is None) == out.keep
+    if not out.keep:
+        assert out.reason == f"zero_std_{round(rewards[0], 1)}"
+
+
+def test_filter_reads_dict_rewards_and_rejects_unscored():
+    assert check_reward_nonzero_std(None, [Sample(reward={"score": 1.0}), Sample(reward={"score": 0.0})]).keep
+    with pytest.raises(ValueError, match="no reward yet"):
+        check_reward_nonzero_std(None, [Sample(reward=None)])
+
+
+def test_load_filter_builtin_and_custom(tmp_path):
+    builtin = load_filter("runtime.filters.check_reward_nonzero_std")
+    assert builtin(None, _group([0.0, 1.0])).keep
+    assert not load_filter("runtime.filters:check_reward_nonzero_std")(None, _group([1.0, 1.0])).keep
+    path = _hook(
+        tmp_path,
+        "filters_hook",
+        """
+        import torch
+        from types import SimpleNamespace
+
+        def slime_style(args, samples, **kwargs):
+            rewards = torch.tensor([s.reward for s in samples])
+            keep = rewards.std() > 1e-6
+            return SimpleNamespace(keep=keep, reason=None if keep else "flat")
+
+        def broken(args, samples):
+            return True
+        """,
+    )
+    slime_style = load_filter(f"{path}:slime_style")
+    assert slime_style(None, _group([0.0, 1.0])) == DynamicFilterOutput(keep=True, reason=None)
+    assert slime_style(None, _group([1.0, 1.0])) == DynamicFilterOutput(keep=False, reason="flat")
+    with pytest.raises(TypeError, match="must return DynamicFilterOutput"):
+        load_filter(f"{path}:broken")(None, _group([0.0]))
+    assert torch.tensor(True).item() is True
+
+
+# Hooks
+
+
+def test_load_function_spellings_and_errors(tmp_path):
+    assert load_function("runtime.task:reward") is task.reward
+    assert load_function("runtime.task.reward") is task.reward
+    path = _hook(tmp_path, "plain", "VALUE = 3\n\ndef fn():\n    return VALUE\n")
+    fn = load_function(f"{path}:fn")
+    assert fn() == 3 and load_function(f"{path}:fn") is fn  # one module per file
+    with pytest.raises(HookError, match="has no attribute 'missing'"):
+        load_function(f"{path}:missing")
+    with pytest.raises(HookError, match="not a callable"):
+        load_function(f"{path}:VALUE")
+    with pytest.raises(HookError, match="does not exist"):
+        load_function(f"{tmp_path}/nope.py:fn")
+    with pytest.raises(HookError, match="no module named 'no_such_pkg_q'"):
+        load_function("no_such_pkg_q.mod:fn")
+    for bad in ("", "justaname", "mod:", "mod:not-an-identifier"):
+        with pytest.raises(HookError):
+            load_function(bad)
+    broken = _hook(tmp_path, "broken_import", "import no_such_dependency_q\n\ndef fn():\n    pass\n")
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_q"):
+        load_function(f"{broken}:fn")  # a hook's own import error keeps its traceback
+    check_function_path(f"{path}:fn")
+    with pytest.raises(HookError):
+        check_function_path("no_such_pkg_q.mod:fn")
