@@ -26,8 +26,9 @@ def logprobs_entropy(
     if not with_entropy:
         return log_probs, None
     p = log_p.exp()
-    # 0 * log 0 = 0: columns with no probability add nothing to the entropy.
-    entropy = -torch.where(p > 0, p * log_p, torch.zeros((), dtype=p.dtype)).sum(dim=-1)
+    # 0 * log 0 = 0: columns with no probability add nothing. Masking log_p (not the product) keeps the gradient
+    # finite there too.
+    entropy = -(p * torch.where(p > 0, log_p, torch.zeros((), dtype=p.dtype))).sum(dim=-1)
     return log_probs, entropy
 
 

@@ -1,0 +1,290 @@
+"""rlcore.kernels against the float64 reference: forward, backward (log-prob and entropy gradients), in-place backward,
+fused linear, vocab-parallel (2-process gloo) and argument errors.
+
+The same tests exercise whichever backend CPU tensors take in this process: the chunked torch fallback normally, the
+Triton kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before triton was imported
+(``test_kernels_interpret.py`` runs this file that way in a subprocess).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlcore.kernels import _torch_ops, linear_logprobs_entropy, logprobs_entropy, reference
+from rlcore.kernels import logprobs as logprobs_module
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Gradients are rounded to the input dtype; forward outputs are float32 whatever the input.
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def make_logits(n: int, v: int, dtype: torch.dtype, *, seed: int, kind: str = "normal") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=gen) * 3
+    if kind == "peaked":
+        x[torch.arange(n), torch.randint(0, v, (n,), generator=gen)] += 60.0
+    elif kind == "flat":
+        x = torch.full((n, v), 1.5) + 1e-3 * x
+    elif kind == "mixed" and n >= 3:
+        x[0, torch.randint(0, v, (1,), generator=gen)] += 60.0
+        x[1] = 0.25
+        x[2] *= 10
+    return x.to(dtype)
+
+
+def reference_step(logits, targets, g_lp, g_ent, *, temperature=1.0, with_entropy=True):
+    x = logits.detach().double().requires_grad_()
+    lp, ent = reference.logprobs_entropy(x, targets, temperature=temperature, with_entropy=with_entropy)
+    outputs, grads = [lp], [g_lp.double()]
+    if with_entropy:
+        outputs.append(ent)
+        grads.append(g_ent.double())
+    (grad,) = torch.autograd.grad(outputs, x, grads)
+    return lp, ent, grad
+
+
+def assert_grad_close(actual, expected, dtype):
+    rtol = GRAD_RTOL[dtype]
+    scale = float(expected.abs().max()) or 1.0
+    # Plus the dtype's smallest normal number: gradients of a very peaked row can underflow in float16.
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=rtol * scale + torch.finfo(dtype).tiny)
+
+
+def assert_forward_close(actual, expected):
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_backend_follows_environment():
+    assert logprobs_module.INTERPRETED == (os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "v"), [(1, 1), (1, 300), (7, 129), (5, 300), (3, 1000)])
+@pytest.mark.parametrize("kind", ["normal", "peaked", "flat", "mixed"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_entropy_matches_reference(dtype, n, v, kind, temperature):
+    logits = make_logits(n, v, dtype, seed=n * v + len(kind), kind=kind).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(v))
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+    lp, ent = logprobs_entropy(logits, targets, temperature=temperature)
+    ref_lp, ref_ent, ref_grad = reference_step(logits, targets, g_lp, g_ent, temperature=temperature)
+    assert_forward_close(lp, ref_lp)
+    assert_forward_close(ent, ref_ent)
+    (grad,) = torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])
+    assert grad.dtype == dtype
+    assert_grad_close(grad, ref_grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_backward_writes_into_logits(dtype):
+    n, v = 4, 300
+    base = make_logits(n, v, dtype, seed=3)
+    logits = base.clone().requires_grad_()
+    targets = torch.tensor([0, 299, 150, 7])
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+    _, _, ref_grad = reference_step(base, targets, g_lp, g_ent, temperature=0.8)
+    lp, ent = logprobs_entropy(logits, targets, temperature=0.8, inplace_backward=True)
+    (grad,) = torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])
+    assert grad.data_ptr() == logits.data_ptr()
+    assert_grad_close(logits.detach(), ref_grad, dtype)
+
+
+def test_single_output_gradients():
+    n, v = 3, 257
+    logits = make_logits(n, v, torch.float32, seed=5).requires_grad_()
+    targets = torch.tensor([1, 256, 100])
+    zeros, g = torch.zeros(n), torch.randn(n)
+    lp, ent = logprobs_entropy(logits, targets)
+    (grad_ent_only,) = torch.autograd.grad(ent, logits, g, retain_graph=True)
+    (grad_lp_only,) = torch.autograd.grad(lp, logits, g)
+    assert_grad_close(grad_ent_only, reference_step(logits, targets, zeros, g)[2], torch.float32)
+    assert_grad_close(grad_lp_only, reference_step(logits, targets, g, zeros)[2], torch.float32)
+
+
+def test_without_entropy():
+    n, v = 5, 300
+    logits = make_logits(n, v, torch.bfloat16, seed=9).requires_grad_()
+    targets = torch.randint(0, v, (n,))
+    g = torch.randn(n)
+    lp, ent = logprobs_entropy(logits, targets, with_entropy=False)
+    assert ent is None
+    ref_lp, _, ref_grad = reference_step(logits, targets, g, g, with_entropy=False)
+    assert_forward_close(lp, ref_lp)
+    assert_grad_close(torch.autograd.grad(lp, logits, g)[0], ref_grad, torch.bfloat16)
+
+
+def test_minus_inf_logits_are_excluded():
+    logits = make_logits(2, 300, torch.float32, seed=1)
+    logits[:, 100:200] = float("-inf")
+    logits.requires_grad_()
+    targets = torch.tensor([5, 250])
+    g_lp, g_ent = torch.randn(2), torch.randn(2)
+    lp, ent = logprobs_entropy(logits, targets)
+    ref_lp, ref_ent, ref_grad = reference_step(logits, targets, g_lp, g_ent)
+    assert_forward_close(lp, ref_lp)
+    assert_forward_close(ent, ref_ent)
+    assert_grad_close(torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])[0], ref_grad, torch.float32)
+
+
+def test_chunked_fallback_across_row_chunks(monkeypatch):
+    monkeypatch.setattr(_torch_ops, "_CHUNK_ELEMENTS", 600)
+    n, v = 7, 250
+    logits = make_logits(n, v, torch.bfloat16, seed=11).requires_grad_()
+    targets = torch.randint(0, v, (n,))
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+    part = _torch_ops.partial_stats(logits.detach(), targets, 1.0, True)
+    lse = part.m + part.s.log()
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.double(), -1), rtol=1e-6, atol=1e-6)
+    lp, ent = logprobs_entropy(logits, targets)
+    ref_lp, ref_ent, ref_grad = reference_step(logits, targets, g_lp, g_ent)
+    assert_forward_close(lp, ref_lp)
+    assert_forward_close(ent, ref_ent)
+    assert_grad_close(torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])[0], ref_grad, torch.bfloat16)
+
+
+@given(
+    n=st.integers(1, 6),
+    v=st.integers(1, 300),
+    temperature=st.floats(0.3, 3.0),
+    shift=st.floats(-50.0, 50.0),
+    seed=st.integers(0, 2**16),
+)
+def test_invariants(n, v, temperature, shift, seed):
+    """Shift invariance, log-probs <= 0, 0 <= entropy <= log V, and agreement with the reference."""
+    logits = make_logits(n, v, torch.float32, seed=seed)
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    lp, ent = logprobs_entropy(logits, targets, temperature=temperature)
+    lp_shifted, ent_shifted = logprobs_entropy(logits + shift, targets, temperature=temperature)
+    torch.testing.assert_close(lp_shifted, lp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent_shifted, ent, rtol=1e-4, atol=1e-4)
+    assert bool((lp <= 1e-6).all())
+    assert bool((ent >= -1e-5).all()) and bool((ent <= torch.log(torch.tensor(float(v))) + 1e-5).all())
+    ref_lp, ref_ent = reference.logprobs_entropy(logits.double(), targets, temperature=temperature)
+    assert_forward_close(lp, ref_lp)
+    assert_forward_close(ent, ref_ent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "h", "v", "chunk", "stash_chunks"), [(1, 8, 300, 128, 0), (5, 16, 257, 64, 2), (4, 8, 300, 1000, 1)]
+)
+def test_linear_matches_reference(dtype, n, h, v, chunk, stash_chunks):
+    gen = torch.Generator().manual_seed(n + h + v)
+    hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * 0.7).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    stash_bytes = stash_chunks * n * chunk * hidden.element_size()
+    lp, ent = linear_logprobs_entropy(hidden, weight, targets, temperature=0.9, chunk=chunk, stash_bytes=stash_bytes)
+    grad_h, grad_w = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent])
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, w64, targets, temperature=0.9)
+    ref_h, ref_w = torch.autograd.grad([ref_lp, ref_ent], [h64, w64], [g_lp.double(), g_ent.double()])
+    # bf16 logits are rounded once by the matmul: a few bf16 ulps of slack on every output.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=tol, atol=tol)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=tol, atol=tol)
+    for got, want in ((grad_h, ref_h), (grad_w, ref_w)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_linear_without_entropy_and_without_grad():
+    hidden, weight = torch.randn(3, 8), torch.randn(300, 8)
+    targets = torch.tensor([0, 299, 42])
+    lp, ent = linear_logprobs_entropy(hidden, weight, targets, with_entropy=False, chunk=100)
+    assert ent is None
+    assert_forward_close(lp, reference.linear_logprobs_entropy(hidden.double(), weight.double(), targets)[0])
+
+
+def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group([0, 1])
+        n, v_local, h = 5, 150, 8
+        v = v_local * world
+        shard = slice(rank * v_local, (rank + 1) * v_local)
+        gen = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+        full = make_logits(n, v, torch.bfloat16, seed=21, kind="mixed")
+        targets = torch.tensor([0, v_local - 1, v_local, v - 1, 77])
+        g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        logits = full[:, shard].clone().requires_grad_()
+        lp, ent = logprobs_entropy(logits, targets, temperature=0.7, group=group)
+        ref_lp, ref_ent, ref_grad = reference_step(full, targets, g_lp, g_ent, temperature=0.7)
+        assert_forward_close(lp, ref_lp)
+        assert_forward_close(ent, ref_ent)
+        (grad,) = torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])
+        assert_grad_close(grad, ref_grad[:, shard], torch.bfloat16)
+
+        hidden = torch.randn(n, h, generator=gen).requires_grad_()
+        weight_full = torch.randn(v, h, generator=gen)
+        weight = weight_full[shard].clone().requires_grad_()
+        lp, ent = linear_logprobs_entropy(hidden, weight, targets, group=group, chunk=64, stash_bytes=256)
+        grad_h, grad_w = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent])
+        dist.all_reduce(grad_h, group=group)
+        h64, w64 = hidden.detach().double().requires_grad_(), weight_full.double().requires_grad_()
+        ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, w64, targets)
+        ref_h, ref_w = torch.autograd.grad([ref_lp, ref_ent], [h64, w64], [g_lp.double(), g_ent.double()])
+        assert_forward_close(lp, ref_lp)
+        assert_forward_close(ent, ref_ent)
+        assert_grad_close(grad_h, ref_h, torch.float32)
+        assert_grad_close(grad_w, ref_w[shard], torch.float32)
+
+        with pytest.raises(ValueError, match=r"\[0, 300\)"):
+            logprobs_entropy(logits, torch.tensor([0, 1, 2, 3, v]), group=group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_two_ranks(tmp_path):
+    mp.spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize(
+    ("logits", "targets", "kwargs", "error", "match"),
+    [
+        (torch.randn(3, 10), torch.tensor([0, 1, 10]), {}, ValueError, r"\[0, 10\).*10"),
+        (torch.randn(3, 10), torch.tensor([0, -1, 2]), {}, ValueError, "targets must lie in"),
+        (torch.randn(3, 10), torch.tensor([0, 1]), {}, ValueError, r"targets has shape \(2,\).*3 rows"),
+        (torch.randn(3, 10), torch.tensor([0.0, 1.0, 2.0]), {}, TypeError, "targets must have dtype"),
+        (torch.randn(3, 10), torch.tensor([[0, 1, 2]]), {}, ValueError, "targets must have 1 dimension"),
+        (torch.randn(30), torch.tensor([0]), {}, ValueError, r"logits must have 2 dimension.*\(30,\)"),
+        (torch.randn(3, 10).double(), torch.tensor([0, 1, 2]), {}, TypeError, "logits must be bfloat16"),
+        (torch.randint(0, 5, (3, 10)), torch.tensor([0, 1, 2]), {}, TypeError, "logits must be bfloat16"),
+        ([[0.0]], torch.tensor([0]), {}, TypeError, "logits must be a torch.Tensor"),
+        (torch.randn(3, 10), torch.tensor([0, 1, 2]), {"temperature": 0.0}, ValueError, "temperature"),
+        (torch.randn(3, 10), torch.tensor([0, 1, 2]), {"temperature": float("nan")}, ValueError, "temperature"),
+    ],
+)
+def test_logprobs_entropy_bad_input(logits, targets, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        logprobs_entropy(logits, targets, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "weight", "kwargs", "error", "match"),
+    [
+        (torch.randn(3, 8), torch.randn(20, 7), {}, ValueError, r"weight \(20, 7\).*hidden \(3, 8\)"),
+        (torch.randn(3, 8), torch.randn(20, 8).bfloat16(), {}, TypeError, "weight"),
+        (torch.randn(3, 8), torch.randn(20, 8), {"chunk": 0}, ValueError, "chunk"),
+        (torch.randn(3, 8), torch.randn(20, 8), {"stash_bytes": -1}, ValueError, "stash_bytes"),
+        (torch.randn(3, 8), torch.randn(20, 8), {"targets": torch.tensor([0, 1, 20])}, ValueError, r"\[0, 20\)"),
+    ],
+)
+def test_linear_bad_input(hidden, weight, kwargs, error, match):
+    targets = kwargs.pop("targets", torch.tensor([0, 1, 2]))
+    with pytest.raises(error, match=match):
+        linear_logprobs_entropy(hidden, weight, targets, **kwargs)
+
+
+def test_group_without_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized here")
+    with pytest.raises(ValueError, match="not initialized"):
+        logprobs_entropy(torch.randn(2, 4), torch.tensor([0, 1]), group=object())

@@ -1,0 +1,253 @@
+"""Speed and memory of rlcore.kernels on a CUDA GPU beside naive torch, torch.compile and Liger-Kernel.
+
+Prints one table. For logits [N, V] (bf16): forward + backward with entropy (log-prob only for Liger), the ratio to
+the HBM floor (three passes over the bf16 logits: the forward read, the backward read and write, at the measured
+device-to-device copy bandwidth) and the extra peak memory (peak allocated during the step minus what was allocated
+before it: logits, targets and upstream gradients; a freshly allocated d(logits) counts as extra). For the fused
+LM head [N, H, V]: the same step; extra memory there excludes the gradients of hidden and weight, which every method
+must return, and the floor is 3 matmuls (logits, d(hidden), d(weight)) at the measured bf16 matmul rate.
+
+Usage: python tools/bench_kernels.py [--quick] [--sweep]   (Liger is optional: the ``bench`` extra)
+"""
+
+import argparse
+import gc
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlcore.kernels import linear_logprobs_entropy, logprobs_entropy  # noqa: E402
+from rlcore.kernels import logprobs as logprobs_module  # noqa: E402
+
+GIB = 1024**3
+LOGIT_SHAPES = [(4096, 151936), (16384, 151936), (16384, 128256)]
+LINEAR_SHAPE = (16384, 4096, 151936)
+
+
+def median_ms(fn: Callable[[], object], rep_ms: int = 400) -> float:
+    return float(triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median"))
+
+
+def extra_peak_gib(fn: Callable[[], object], exclude_bytes: int = 0) -> float:
+    """Peak memory allocated while ``fn`` runs, above what was allocated before it (minus ``exclude_bytes``)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before - exclude_bytes
+    del result
+    return peak / GIB
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_rate(n: int, h: int, v: int) -> float:
+    a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, h, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b.T)
+    return 2 * n * h * 8192 / (ms * 1e-3)
+
+
+def naive_logprobs_entropy(logits, targets):
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    log_probs = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_probs, entropy
+
+
+def logits_methods():
+    compiled = torch.compile(naive_logprobs_entropy, dynamic=False)
+    methods = {
+        "rlcore (in-place bwd)": lambda x, t: logprobs_entropy(x, t, inplace_backward=True),
+        "rlcore": lambda x, t: logprobs_entropy(x, t),
+        "naive torch fp32": naive_logprobs_entropy,
+        "torch.compile": compiled,
+    }
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        methods["Liger CE (log-prob only)"] = lambda x, t: (-liger_cross_entropy(x, t, reduction="sum"), None)
+    except ImportError as err:
+        print(f"Liger-Kernel not available ({err}); skipped", file=sys.stderr)
+    return methods
+
+
+def logits_step(method, logits, targets, g_lp, g_ent):
+    """One forward + backward; returns d(logits). Liger computes its gradient in the forward, in place."""
+
+    def step():
+        x = logits.detach().requires_grad_()
+        log_probs, entropy = method(x, targets)
+        if entropy is None:
+            return torch.autograd.grad(log_probs, x)[0]
+        if log_probs.dim() == 0:
+            return torch.autograd.grad(log_probs, x)[0]
+        return torch.autograd.grad([log_probs, entropy], x, [g_lp, g_ent])[0]
+
+    return step
+
+
+def bench_logits(rows, bandwidth, quick):
+    methods = logits_methods()
+    shapes = LOGIT_SHAPES[1:2] if quick else LOGIT_SHAPES
+    for n, v in shapes:
+        floor_ms = 3 * n * v * 2 / bandwidth * 1e3
+        logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
+        targets = torch.randint(0, v, (n,), device="cuda")
+        g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+        for name, method in methods.items():
+            step = logits_step(method, logits, targets, g_lp, g_ent)
+            try:
+                mem = extra_peak_gib(step)
+                ms = median_ms(step)
+            except torch.OutOfMemoryError:
+                rows.append((f"[{n}, {v}] bf16", name, "OOM", "", ""))
+                continue
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append((f"[{n}, {v}] bf16", name, f"{ms:.2f}", f"{ms / floor_ms:.2f}x", f"{mem:.2f}"))
+        rows.append((f"[{n}, {v}] bf16", "HBM floor (3 passes)", f"{floor_ms:.2f}", "1.00x", ""))
+        del logits
+        torch.cuda.empty_cache()
+
+
+def linear_methods():
+    def naive(hidden, weight, targets):
+        return naive_logprobs_entropy(hidden @ weight.T, targets)
+
+    methods = {
+        "rlcore fused linear": lambda h, w, t: linear_logprobs_entropy(h, w, t),
+        "naive matmul + fp32 log_softmax": naive,
+    }
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        methods["Liger FLCE (log-prob only)"] = lambda h, w, t: (
+            -liger_fused_linear_cross_entropy(h, w, t, reduction="sum"),
+            None,
+        )
+    except ImportError as err:
+        print(f"Liger-Kernel not available ({err}); skipped", file=sys.stderr)
+    return methods
+
+
+def linear_step(method, hidden, weight, targets, g_lp, g_ent):
+    def step():
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        log_probs, entropy = method(h, w, targets)
+        if entropy is None:
+            return torch.autograd.grad(log_probs, [h, w])
+        return torch.autograd.grad([log_probs, entropy], [h, w], [g_lp, g_ent])
+
+    return step
+
+
+def bench_linear(rows, rate, methods=None, label=None):
+    n, h, v = LINEAR_SHAPE
+    floor_ms = 3 * 2 * n * h * v / rate * 1e3
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5 * 4
+    targets = torch.randint(0, v, (n,), device="cuda")
+    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    grads_bytes = (hidden.numel() + weight.numel()) * 2
+    for name, method in (methods or linear_methods()).items():
+        step = linear_step(method, hidden, weight, targets, g_lp, g_ent)
+        try:
+            mem = extra_peak_gib(step, exclude_bytes=grads_bytes)
+            ms = median_ms(step, rep_ms=1500)
+        except torch.OutOfMemoryError:
+            rows.append((label or f"[{n}, {h}, {v}] bf16", name, "OOM", "", ""))
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append((label or f"[{n}, {h}, {v}] bf16", name, f"{ms:.1f}", f"{ms / floor_ms:.2f}x", f"{mem:.2f}"))
+    rows.append((label or f"[{n}, {h}, {v}] bf16", "matmul floor (3 matmuls)", f"{floor_ms:.1f}", "1.00x", ""))
+
+
+def sweep_logits_config(rows, bandwidth, block, warps):
+    n, v = LOGIT_SHAPES[1]
+    floor_ms = 3 * n * v * 2 / bandwidth * 1e3
+    x = (torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4).requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda")
+    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    default = logprobs_module._launch_config
+    logprobs_module._launch_config = lambda vocab, size: (block, warps)
+    try:
+        lp, ent = logprobs_entropy(x, targets)
+        fwd = median_ms(lambda: logprobs_entropy(x, targets))
+        bwd = median_ms(lambda: torch.autograd.grad([lp, ent], x, [g_lp, g_ent], retain_graph=True))
+    finally:
+        logprobs_module._launch_config = default
+    total = fwd + bwd
+    rows.append(
+        (
+            f"sweep [{n}, {v}]",
+            f"BLOCK_V={block} warps={warps}",
+            f"{total:.2f}",
+            f"{total / floor_ms:.2f}x",
+            f"fwd {fwd:.2f} bwd {bwd:.2f}",
+        )
+    )
+
+
+def sweep(rows, bandwidth, rate):
+    """Launch configurations of the logits kernels, and chunk / stash sizes of the fused linear op."""
+    for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32)]:
+        sweep_logits_config(rows, bandwidth, block, warps)
+        gc.collect()
+        torch.cuda.empty_cache()
+    configs = {}
+    for chunk in (4096, 8192, 16384):
+        for stash in (0, 1, 1.5):
+            configs[f"chunk={chunk} stash={stash}GiB"] = lambda h, w, t, c=chunk, s=stash: linear_logprobs_entropy(
+                h, w, t, chunk=c, stash_bytes=int(s * GIB)
+            )
+    bench_linear(rows, rate, methods=configs, label="sweep linear")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only [16384, 151936] and the fused linear op")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    parser.add_argument("--no-linear", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    rate = matmul_rate(*LINEAR_SHAPE)
+    rows: list[tuple[str, str, str, str, str]] = []
+    if args.sweep:
+        sweep(rows, bandwidth, rate)
+    bench_logits(rows, bandwidth, args.quick)
+    if not args.no_linear:
+        bench_linear(rows, rate)
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+        f"(read + write), bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    header = ("shape", "method", "fwd+bwd ms", "vs floor", "extra GiB")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
