@@ -2,18 +2,25 @@
 
 import dataclasses
 import json
+import typing
+from typing import Literal
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.config import (
+    _SPECS,
     Config,
     ConfigError,
+    _unwrap_optional,
     build_parser,
     dump_yaml,
     flag,
     format_config,
     from_dict,
+    load_yaml,
     parse_args,
     to_dict,
     validate,
@@ -277,3 +284,30 @@ def test_all_problems_reported_at_once():
     ).value.problems
     assert len(problems) >= 3
     assert isinstance(ConfigError(problems), ValueError)
+
+
+def _value_strategy(tp):
+    inner, optional = _unwrap_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        base = st.sampled_from(typing.get_args(inner))
+    elif inner is bool:
+        base = st.booleans()
+    elif inner is int:
+        base = st.integers(-(2**40), 2**40)
+    elif inner is float:
+        base = st.floats(allow_nan=False)
+    else:
+        base = st.text(max_size=20)
+    return st.one_of(st.none(), base) if optional else base
+
+
+@given(st.fixed_dictionaries({}, optional={name: _value_strategy(tp) for name, (_, _, tp) in _SPECS.items()}))
+def test_any_config_round_trips_through_yaml(tmp_path_factory, values):
+    cfg = from_dict(values)
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    dump_yaml(cfg, path)
+    assert load_yaml(path) == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+    for name, value in values.items():
+        section = _SPECS[name][0]
+        assert getattr(getattr(cfg, section) if section else cfg, name) == value

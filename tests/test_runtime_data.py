@@ -6,6 +6,8 @@ import jinja2
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -249,3 +251,29 @@ def test_from_records_errors_name_the_record():
     ds = PromptDataset.from_records(_rows(2), None, DataConfig(), seed=0)
     with pytest.raises(ValueError, match="n must be a positive int"):
         ds.next_batch(0)
+
+
+@given(
+    n_prompts=st.integers(1, 12),
+    seed=st.integers(0, 2**32 - 1),
+    sizes=st.lists(st.integers(1, 7), min_size=1, max_size=8),
+    split=st.integers(0, 8),
+    shuffle=st.booleans(),
+)
+def test_stream_is_epochwise_permutations_and_resume_anywhere_matches(n_prompts, seed, sizes, split, shuffle):
+    records = [{"prompt": f"p{i}", "label": i} for i in range(n_prompts)]
+    cfg = DataConfig(rollout_shuffle=shuffle)
+    ds = PromptDataset.from_records(records, None, cfg, seed=seed)
+    split = min(split, len(sizes))
+    head = [s for size in sizes[:split] for s in ds.next_batch(size)]
+    state = ds.state_dict()
+    tail = [s.index for size in sizes[split:] for s in ds.next_batch(size)]
+    assert all((s.prompt, s.label) == (records[s.index]["prompt"], records[s.index]["label"]) for s in head)
+    stream = [s.index for s in head] + tail
+    for start in range(0, len(stream) - n_prompts + 1, n_prompts):
+        assert sorted(stream[start : start + n_prompts]) == list(range(n_prompts))
+    if not shuffle:
+        assert stream == [i % n_prompts for i in range(len(stream))]
+    resumed = PromptDataset.from_records(records, None, cfg, seed=seed)
+    resumed.load_state_dict(state)
+    assert [s.index for size in sizes[split:] for s in resumed.next_batch(size)] == tail
