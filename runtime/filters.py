@@ -8,6 +8,7 @@ generating groups until ``--rollout-batch-size`` of them pass, so the batch stay
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,3 +79,22 @@ def load_filter(path: str) -> FilterFn:
     checked_filter.__name__ = getattr(fn, "__name__", "checked_filter")
     checked_filter.__wrapped__ = fn  # type: ignore[attr-defined]
     return checked_filter
+
+
+def filter_groups(
+    filter_fn: FilterFn | None, args: Any, groups: Sequence[Sequence[Sample]]
+) -> tuple[list[list[Sample]], Counter[str]]:
+    """Split scored groups into those the filter keeps (in order) and a count of drop reasons.
+
+    With ``filter_fn`` None every group is kept. A drop without a reason is counted as ``"filtered"``.
+    The over-sampling loop calls this once per sampling round until it has ``--rollout-batch-size`` groups.
+    """
+    kept: list[list[Sample]] = []
+    dropped: Counter[str] = Counter()
+    for group in groups:
+        out = DynamicFilterOutput(keep=True) if filter_fn is None else filter_fn(args, list(group))
+        if out.keep:
+            kept.append(list(group))
+        else:
+            dropped[out.reason or "filtered"] += 1
+    return kept, dropped

@@ -12,7 +12,7 @@ from math_verify import parse, verify
 
 from runtime import task
 from runtime.config import RewardConfig
-from runtime.filters import DynamicFilterOutput, check_reward_nonzero_std, load_filter
+from runtime.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
 from runtime.hooks import HookError, check_function_path, load_function
 from runtime.rewards import RewardHub, is_batched
 from runtime.sample import Sample
@@ -289,6 +289,15 @@ def test_load_filter_builtin_and_custom(tmp_path):
     with pytest.raises(TypeError, match="must return DynamicFilterOutput"):
         load_filter(f"{path}:broken")(None, _group([0.0]))
     assert torch.tensor(True).item() is True
+
+
+def test_filter_groups_keeps_order_and_counts_reasons():
+    groups = [_group([1.0, 1.0]), _group([0.0, 1.0]), _group([0.0, 0.0]), _group([0.5, 0.0]), _group([1.0, 1.0])]
+    kept, dropped = filter_groups(check_reward_nonzero_std, None, groups)
+    assert kept == [groups[1], groups[3]]
+    assert dropped == {"zero_std_1.0": 2, "zero_std_0.0": 1}
+    kept, dropped = filter_groups(None, None, groups)
+    assert kept == groups and not dropped
 
 
 # Hooks
