@@ -25,19 +25,10 @@ import yaml
 
 from runtime.hooks import HookError, check_function_path
 
-ESTIMATORS = (
-    "grpo",
-    "dr_grpo",
-    "gspo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "ppo",
-    "on_policy_distillation",
-)
 # Estimators whose baseline is the other samples of the prompt's group: a group of one has no baseline.
 GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
-BUILTIN_RM_TYPES = ("builtin", "math", "exact_match")
+# slime's estimator names where rlcore.advantages names them differently.
+_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation"}
 
 
 class ConfigError(ValueError):
@@ -127,6 +118,12 @@ class AlgoConfig:
     )
     gamma: float = field(default=1.0, metadata=_help("discount (ppo / reinforce++)"))
     lambd: float = field(default=1.0, metadata=_help("GAE lambda (ppo)"))
+
+    @property
+    def core_estimator(self) -> str:
+        """The estimator's name in ``rlcore.advantages`` (slime's ``ppo`` is ``gae``, ``on_policy_distillation``
+        is ``distillation``; the others are spelled alike)."""
+        return _CORE_ESTIMATOR_NAMES.get(self.advantage_estimator, self.advantage_estimator)
 
 
 @dataclass(frozen=True)

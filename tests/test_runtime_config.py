@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from runtime.config import (
     _SPECS,
+    AlgoConfig,
     Config,
     ConfigError,
     _unwrap_optional,
@@ -157,6 +158,14 @@ def test_format_config_lists_flags_and_marks_changes():
     assert "--num-rollout" in lines and lines["--num-rollout"].rstrip().endswith("3")
     assert "  --lr " in text and "* --lr " not in text
     assert "[rollout]" in text and "[reward]" in text
+
+
+def test_every_estimator_name_maps_to_an_rlcore_estimator():
+    from rlcore.advantages.compute import ESTIMATORS as CORE_ESTIMATORS
+
+    names = typing.get_args(typing.get_type_hints(AlgoConfig)["advantage_estimator"])
+    assert {from_dict(advantage_estimator=name).algo.core_estimator for name in names} == set(CORE_ESTIMATORS)
+    assert from_dict(advantage_estimator="ppo").algo.core_estimator == "gae"
 
 
 def test_num_trainer_procs_counts_nodes_times_slots():
