@@ -647,6 +647,29 @@ BAD_INPUTS = {
         ValueError,
         r"values.*non-finite",
     ),
+    "compute kl overflow": (
+        lambda: compute(
+            TensorDict({keys.MASK: M, keys.OLD_LOG_PROBS: X, keys.REF_LOG_PROBS: X + 200.0, keys.REWARDS: R}, [2]),
+            AdvantageConfig(estimator="reinforce_plus_plus", kl_coef=0.1, kl_kind="k3"),
+        ),
+        ValueError,
+        r"kl \(k3 of ref_log_probs\).*non-finite",
+    ),
+    "compute nan old_log_probs": (
+        lambda: compute(
+            TensorDict({keys.MASK: M, keys.OLD_LOG_PROBS: X_NAN, keys.REF_LOG_PROBS: X, keys.REWARDS: R}, [2]),
+            AdvantageConfig(estimator="reinforce_plus_plus", kl_coef=0.1),
+        ),
+        ValueError,
+        r"old_log_probs.*non-finite",
+    ),
+    "compute gae 2-d rewards": (
+        lambda: compute(
+            TensorDict({keys.MASK: M, keys.VALUES: X, keys.REWARDS: X}, [2]), AdvantageConfig(estimator="gae")
+        ),
+        ValueError,
+        r"rewards.*\(2, 3\)",
+    ),
     "compute grpo group of one": (
         lambda: compute(
             TensorDict({keys.MASK: M, keys.REWARDS: R, keys.GROUP_IDS: torch.tensor([1, 2])}, [2]), AdvantageConfig()

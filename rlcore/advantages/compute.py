@@ -9,7 +9,13 @@ from torch import Tensor
 
 from rlcore import keys
 from rlcore._checks import check_choice, masked_fill_zero
-from rlcore.advantages._checks import check_non_negative, check_token_mask, check_token_tensor, check_unit_interval
+from rlcore.advantages._checks import (
+    check_non_negative,
+    check_rewards,
+    check_token_mask,
+    check_token_tensor,
+    check_unit_interval,
+)
 from rlcore.advantages.group import broadcast, grpo, reinforce_plus_plus_baseline, rloo
 from rlcore.advantages.token import distillation, gae, reinforce_plus_plus
 from rlcore.advantages.whiten import whiten
@@ -73,11 +79,11 @@ def _get(td: TensorDictBase, key: str, estimator: str) -> Tensor:
     return td.get(key)
 
 
-def _policy_log_probs(td: TensorDictBase, estimator: str) -> Tensor:
+def _policy_log_probs(td: TensorDictBase, estimator: str, mask: Tensor) -> Tensor:
     # At the advantage step the trainer's log-probs of the sampling policy are old_log_probs; a batch that has not
     # been through the trainer yet carries them as log_probs (slime's rollout_data["log_probs"] at this point).
     key = keys.OLD_LOG_PROBS if keys.OLD_LOG_PROBS in td.keys() else keys.LOG_PROBS
-    return _get(td, key, estimator)
+    return check_token_tensor(key, _get(td, key, estimator), mask)
 
 
 def _last_valid_token(mask: Tensor) -> Tensor:
@@ -125,13 +131,15 @@ def compute(td: TensorDictBase, cfg: AdvantageConfig, *, group: dist.ProcessGrou
 
     kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     if cfg.kl_coef > 0:
-        policy = check_token_tensor(keys.LOG_PROBS, _policy_log_probs(td, name), mask)
+        policy = _policy_log_probs(td, name, mask)
         ref = check_token_tensor(keys.REF_LOG_PROBS, _get(td, keys.REF_LOG_PROBS, name), mask)
         kl = masked_fill_zero(approx_kl(policy, ref, kind=cfg.kl_kind), mask)
+        # k2/k3 of finite but far-apart log-probs can overflow; every estimator below must see a finite penalty.
+        check_token_tensor(f"kl ({cfg.kl_kind} of {keys.REF_LOG_PROBS})", kl, mask)
     penalty = -cfg.kl_coef * kl
 
     if name == "gae":
-        rewards = _get(td, keys.REWARDS, name)
+        rewards = check_rewards(_get(td, keys.REWARDS, name), batch=mask.shape[0])
         token_rewards = penalty + masked_fill_zero(broadcast(rewards, mask), _last_valid_token(mask))
         advantages, returns = gae(token_rewards, _get(td, keys.VALUES, name), mask, gamma=cfg.gamma, lam=cfg.lam)
     elif name == "reinforce_plus_plus":
@@ -143,7 +151,7 @@ def compute(td: TensorDictBase, cfg: AdvantageConfig, *, group: dist.ProcessGrou
         returns = advantages
     elif name == "distillation":
         teacher = _get(td, keys.TEACHER_LOG_PROBS, name)
-        advantages = distillation(teacher, _policy_log_probs(td, name), mask) + penalty
+        advantages = distillation(teacher, _policy_log_probs(td, name, mask), mask) + penalty
         returns = advantages
     else:
         rewards, group_ids = _get(td, keys.REWARDS, name), _get(td, keys.GROUP_IDS, name)
