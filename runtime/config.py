@@ -389,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlcore-run",
         description="Run an RL post-training job (GRPO and friends). With no arguments: the built-in CPU demo job.",
         argument_default=argparse.SUPPRESS,
+        # A prefix of a flag must not silently select it: --rollout-max could mean two flags as new ones land.
+        allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
     defaults = Config()
@@ -557,6 +559,11 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append(
             "--rm-type builtin scores the built-in task only; with --prompt-data choose --rm-type math or "
             "exact_match, or --custom-rm-path"
+        )
+    if cfg.algo.kl_loss_coef > 0 and not cfg.algo.use_kl_loss:
+        problems.append(
+            f"--kl-loss-coef {cfg.algo.kl_loss_coef} has no effect without --use-kl-loss (add it, or use --kl-coef "
+            "for a KL penalty in the reward)"
         )
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")

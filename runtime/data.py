@@ -34,7 +34,8 @@ class _Prompt:
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line number, row, error)``; blank lines are not rows."""
-    with open(path, encoding="utf-8") as fh:
+    # utf-8-sig: files saved by some editors start with a byte-order mark that would break the first row.
+    with open(path, encoding="utf-8-sig") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue

@@ -89,6 +89,12 @@ def test_every_field_has_a_flag_named_after_it():
     assert set(ISSUE_FLAGS) <= options, set(ISSUE_FLAGS) - options
 
 
+def test_flag_prefixes_are_not_accepted(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rollout-batch", "4"])
+    assert "unrecognized arguments: --rollout-batch" in capsys.readouterr().err
+
+
 def test_bad_flag_value_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--rollout-batch-size", "eight"])
@@ -119,7 +125,9 @@ def test_yaml_nested_then_flags_override(tmp_path):
 
 def test_yaml_flat_keys_like_slime_custom_config(tmp_path):
     path = tmp_path / "flat.yaml"
-    path.write_text("rollout-batch-size: 2\nn_samples_per_prompt: 4\nglobal_batch_size: 8\nkl_loss_coef: 0.01\n")
+    path.write_text(
+        "rollout-batch-size: 2\nn_samples_per_prompt: 4\nglobal_batch_size: 8\nkl_loss_coef: 0.01\nuse-kl-loss: true\n"
+    )
     cfg = parse_args(["--config", str(path)])
     assert (cfg.rollout.rollout_batch_size, cfg.train.global_batch_size, cfg.algo.kl_loss_coef) == (2, 8, 0.01)
 
@@ -280,6 +288,8 @@ def test_rule_combinations(tmp_path):
     argv = ["--max-tokens-per-gpu", "20", "--rollout-max-prompt-len", "10", "--rollout-max-response-len", "16"]
     assert "--max-tokens-per-gpu 20 cannot hold" in _problems(argv)
     assert "--colocate" in _problems(["--colocate", "--rollout-num-gpus", "2"])
+    assert "--kl-loss-coef 0.01 has no effect without --use-kl-loss" in _problems(["--kl-loss-coef", "0.01"])
+    parse_args(["--kl-loss-coef", "0.01", "--use-kl-loss"])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
     assert "--rm-type builtin" in _problems(["--prompt-data", str(prompts)])

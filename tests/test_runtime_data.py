@@ -70,6 +70,12 @@ def test_jsonl_plain_prompts_with_keys_by_flag(tmp_path, tokenizer):
         assert sample.tokens[0] == tokenizer.bos_token_id
 
 
+def test_jsonl_with_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "label": "b"}).encode() + b"\n")
+    assert PromptDataset(path, None, DataConfig(), seed=0).next_batch(1)[0].label == "b"
+
+
 def test_chat_template_through_the_tokenizer(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "answer the question"}, {"role": "user", "content": "what is 2 + 3"}]
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "what is 1 + 1", "label": "2"}, {"prompt": messages}])
