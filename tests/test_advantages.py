@@ -454,6 +454,9 @@ def test_token_functions_ignore_masked_values(case):
         pairs.append((whiten(a, mask), whiten(a_bad, mask)))
     for clean, dirty in pairs:
         torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+    # Nothing wrote into its inputs.
+    torch.testing.assert_close(a_bad, poison(a, mask, seed=seed), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(b_bad, poison(b, mask, seed=seed + 1), rtol=0, atol=0, equal_nan=True)
     for out in [gae(a_bad, b_bad, mask, gamma=gamma, lam=lam)[0], distillation(a_bad, b_bad, mask)]:
         assert torch.isfinite(out).all() and (out[~mask] == 0).all()
 
