@@ -71,13 +71,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_batch_size: int = field(default=8, metadata=_help("prompts per rollout step"))
+    rollout_batch_size: int = field(default=32, metadata=_help("prompts per rollout step"))
     n_samples_per_prompt: int = field(default=8, metadata=_help("responses sampled per prompt (the group size)"))
-    rollout_max_response_len: int = field(default=16, metadata=_help("max new tokens per response"))
+    rollout_max_response_len: int = field(default=8, metadata=_help("max new tokens per response"))
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
-    num_rollout: int = field(default=60, metadata=_help("number of rollout (and training) steps"))
+    num_rollout: int = field(default=200, metadata=_help("number of rollout (and training) steps"))
     custom_generate_function_path: str | None = field(
         default=None, metadata=_help("async def generate(args, sample, sampling_params) -> Sample, as module:function")
     )
@@ -105,7 +105,9 @@ class AlgoConfig:
     eps_clip_high: float | None = field(default=None, metadata=_help("PPO upper clip range (clip-higher)"))
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
     kl_coef: float = field(default=0.0, metadata=_help("KL penalty folded into the reward"))
-    use_kl_loss: bool = field(default=False, metadata=_help("add a KL-to-reference term to the loss"))
+    use_kl_loss: bool = field(
+        default=True, metadata=_help("add a KL-to-reference term to the loss (coefficient 0: KL is only logged)")
+    )
     kl_loss_coef: float = field(default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)"))
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
         default="low_var_kl", metadata=_help("KL estimator of the KL loss")
@@ -130,12 +132,14 @@ class AlgoConfig:
 class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal["torch"] = field(default="torch", metadata=_help("training backend"))
-    global_batch_size: int = field(default=64, metadata=_help("samples per optimizer step, over all trainers"))
+    global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
     micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
-    lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
+    lr: float = field(
+        default=3e-3, metadata=_help("learning rate (AdamW); the default suits the tiny built-in model only")
+    )
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
     sft_warmup_steps: int = field(default=0, metadata=_help("SFT steps before RL (built-in task)"))

@@ -288,7 +288,8 @@ def test_rule_combinations(tmp_path):
     argv = ["--max-tokens-per-gpu", "20", "--rollout-max-prompt-len", "10", "--rollout-max-response-len", "16"]
     assert "--max-tokens-per-gpu 20 cannot hold" in _problems(argv)
     assert "--colocate" in _problems(["--colocate", "--rollout-num-gpus", "2"])
-    assert "--kl-loss-coef 0.01 has no effect without --use-kl-loss" in _problems(["--kl-loss-coef", "0.01"])
+    argv = ["--kl-loss-coef", "0.01", "--no-use-kl-loss"]
+    assert "--kl-loss-coef 0.01 has no effect without --use-kl-loss" in _problems(argv)
     parse_args(["--kl-loss-coef", "0.01", "--use-kl-loss"])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
