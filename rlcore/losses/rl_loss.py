@@ -105,11 +105,11 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     coefficient (``kl_loss``, ``entropy_loss`` = minus the aggregated entropy, ``value_loss``); token means
     over valid tokens of ``clip_frac``, ``approx_kl_old`` (mean ``old_log_probs - log_probs``, slime's
     ``ppo_kl``), ``ratio_mean`` (the ratio the clip acts on: per token, per sequence for GSPO), and when
-    their inputs are present ``entropy``,
-    ``approx_kl_ref`` (of ``cfg.kl_loss_type``), ``rollout_log_prob_abs_diff``, ``mismatch_weight_mean``,
-    ``mismatch_masked_frac`` (valid tokens outside ``keep``), ``value_clip_frac``; maxima over valid
-    tokens ``ratio_max`` and ``mismatch_weight_max``. The means use ``norm``'s token count, so summed over
-    the micro-batches of the global batch they give its token means; combine the maxima with ``max``.
+    their inputs are present ``entropy``, ``approx_kl_ref`` (of ``cfg.kl_loss_type``),
+    ``rollout_log_prob_abs_diff``, ``mismatch_weight_mean``, ``mismatch_masked_frac`` (valid tokens outside
+    ``keep``), ``value_clip_frac``; maxima over valid tokens ``ratio_max`` and ``mismatch_weight_max``.
+    The means use ``norm``'s token count, so summed over the micro-batches of the global batch they give
+    its token means; combine the maxima with ``max``.
 
     Args:
         td: the batch, ``batch_size=[B]``.
