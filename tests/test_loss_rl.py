@@ -70,16 +70,16 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
             a, r = d[keys.ADVANTAGES][b][t], math.exp(lp - old)
             objective = min(r * a, min(max(r, 1 - el), 1 + eh) * a)
             clipped = (a > 0 and r > 1 + eh) or (a < 0 and r < 1 - el)
-            if cfg.dual_clip is not None and a < 0 and cfg.dual_clip * a > objective:
-                objective, clipped = cfg.dual_clip * a, True
+            if cfg.eps_clip_c is not None and a < 0 and cfg.eps_clip_c * a > objective:
+                objective, clipped = cfg.eps_clip_c * a, True
             w, keep = 1.0, True
-            if cfg.mismatch is not None:
+            if cfg.use_tis:
                 mr = math.exp(old - d[keys.ROLLOUT_LOG_PROBS][b][t])
-                high, low = cfg.mismatch_high, cfg.mismatch_low
-                if cfg.mismatch == "tis":
+                high, low = cfg.tis_clip, cfg.tis_clip_low
+                if cfg.tis_mode == "tis":
                     w = min(max(mr, low or 0.0), high)
                 else:
-                    lo = (1 / high if low is None else low) if cfg.mismatch == "icepop" else low
+                    lo = (1 / high if low is None else low) if cfg.tis_mode == "icepop" else low
                     keep = mr <= high and (lo is None or mr >= lo)
                     w = mr if keep else 0.0
                 stats["w"].append(w)
@@ -112,13 +112,13 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
 
     def agg(term):
         total = sum(term.values())
-        if cfg.agg_mode == "token_mean":
+        if cfg.loss_agg_mode == "token_mean":
             return total / n_tokens
-        if cfg.agg_mode == "seq_mean_token_mean":
+        if cfg.loss_agg_mode == "seq_mean_token_mean":
             return sum(
                 sum(x for (bb, _), x in term.items() if bb == b) / lengths[b] for b in range(B) if lengths[b]
             ) / (n_seqs)
-        if cfg.agg_mode == "seq_mean_token_sum":
+        if cfg.loss_agg_mode == "seq_mean_token_sum":
             return total / n_seqs
         return total / (n_seqs * T)
 
@@ -134,7 +134,7 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
         "kl_loss": kl,
         "entropy_loss": ent,
         "value_loss": value,
-        "clip_frac": mean(stats["clip"]),
+        "clipfrac": mean(stats["clip"]),
         "approx_kl_old": mean(stats["kl_old"]),
         "ratio_mean": mean(stats["ratio"]),
         "ratio_max": max(stats["ratio"]),
@@ -142,12 +142,12 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
         "entropy": mean(stats["entropy"]),
     }
     if cfg.value_clip is not None:
-        metrics["value_clip_frac"] = mean(stats["vclip"])
-    if cfg.mismatch is not None:
+        metrics["value_clipfrac"] = mean(stats["vclip"])
+    if cfg.use_tis:
         metrics |= {
-            "mismatch_weight_mean": mean(stats["w"]),
-            "mismatch_weight_max": max(stats["w"]),
-            "mismatch_masked_frac": mean(stats["dropped"]),
+            "tis_weight_mean": mean(stats["w"]),
+            "tis_weight_max": max(stats["w"]),
+            "tis_masked_frac": mean(stats["dropped"]),
         }
     return loss, metrics
 
@@ -156,17 +156,18 @@ configs = st.builds(
     LossConfig,
     eps_clip=st.floats(0.05, 0.3),
     eps_clip_high=st.one_of(st.none(), st.floats(0.05, 0.4)),
-    dual_clip=st.one_of(st.none(), st.floats(1.5, 3.0)),
-    mismatch=st.sampled_from([None, "tis", "mis", "icepop"]),
-    mismatch_low=st.one_of(st.none(), st.floats(0.1, 0.8)),
-    mismatch_high=st.floats(1.1, 3.0),
+    eps_clip_c=st.one_of(st.none(), st.floats(1.5, 3.0)),
+    use_tis=st.booleans(),
+    tis_mode=st.sampled_from(["tis", "mis", "icepop"]),
+    tis_clip_low=st.one_of(st.none(), st.floats(0.1, 0.8)),
+    tis_clip=st.floats(1.1, 3.0),
     use_kl_loss=st.just(True),
     kl_loss_coef=st.floats(0.0, 1.0),
     kl_loss_type=st.sampled_from(["k1", "k2", "k3", "low_var_kl"]),
     entropy_coef=st.floats(0.001, 0.1),
     value_coef=st.floats(0.1, 1.0),
     value_clip=st.one_of(st.none(), st.floats(0.05, 0.5)),
-    agg_mode=st.sampled_from(AGG_MODES),
+    loss_agg_mode=st.sampled_from(AGG_MODES),
 )
 shapes = st.tuples(st.integers(1, 5), st.integers(1, 6))
 seeds = st.integers(0, 2**31 - 1)
@@ -200,7 +201,7 @@ def test_rl_loss_on_a_tiny_batch_by_hand():
     # entropy mean 2 -> loss = 0.4 - 0.1 * 2
     assert float(m["pg_loss"]) == pytest.approx(0.4)
     assert float(loss) == pytest.approx(0.2)
-    assert float(m["clip_frac"]) == pytest.approx(0.5)
+    assert float(m["clipfrac"]) == pytest.approx(0.5)
     assert float(m["ratio_mean"]) == pytest.approx(1.5)
     assert float(m["ratio_max"]) == pytest.approx(2.0)
     assert float(m["approx_kl_old"]) == pytest.approx(-math.log(2) / 2)
@@ -210,7 +211,7 @@ def test_rl_loss_on_a_tiny_batch_by_hand():
 @given(shape=shapes, seed=seeds, policy=st.sampled_from(["gspo", "cispo"]), mode=st.sampled_from(AGG_MODES))
 def test_rl_loss_gspo_and_cispo_are_the_aggregated_tensor_losses(shape, seed, policy, mode):
     td = make_batch(seed, *shape)
-    cfg = LossConfig(policy_loss=policy, eps_clip=0.1, eps_clip_high=0.3, agg_mode=mode)
+    cfg = LossConfig(policy_loss=policy, eps_clip=0.1, eps_clip_high=0.3, loss_agg_mode=mode)
     lp = td[keys.LOG_PROBS].clone().requires_grad_()
     loss, metrics = rl_loss(td.set(keys.LOG_PROBS, lp), cfg)
     mask, old, adv = td[keys.MASK], td[keys.OLD_LOG_PROBS], td[keys.ADVANTAGES]
@@ -221,7 +222,7 @@ def test_rl_loss_gspo_and_cispo_are_the_aggregated_tensor_losses(shape, seed, po
         per_token, clipped = cispo(lp_ref, old, adv, eps_clip_high=0.3)
     want = aggregate(per_token, mask, mode=mode)
     torch.testing.assert_close(loss, want)
-    torch.testing.assert_close(metrics["clip_frac"], clipped[mask].double().mean())
+    torch.testing.assert_close(metrics["clipfrac"], clipped[mask].double().mean())
     (g,) = torch.autograd.grad(loss, lp)
     (g_ref,) = torch.autograd.grad(want, lp_ref)
     torch.testing.assert_close(g, g_ref)
@@ -248,7 +249,7 @@ def test_rl_loss_over_micro_batches_with_global_normalizer_equals_full_batch(spl
         outs = [rl_loss(batch[lo:hi], cfg, norm=norm) for lo, hi in chunks]
         total = sum(loss for loss, _ in outs)
         grads[name] = (total.detach(), *torch.autograd.grad(total, [lp, values]))
-        means = {k: sum(float(m[k]) for _, m in outs) for k in ("clip_frac", "approx_kl_old", "entropy", "loss")}
+        means = {k: sum(float(m[k]) for _, m in outs) for k in ("clipfrac", "approx_kl_old", "entropy", "loss")}
         grads[name] += (means,)
     for a, b in zip(grads["full"][:3], grads["split"][:3], strict=True):
         torch.testing.assert_close(a, b)
@@ -282,7 +283,12 @@ def test_rl_loss_does_not_mutate_its_input():
     td = make_batch(3, 4, 5)
     td[keys.LOG_PROBS] = torch.where(td[keys.MASK], td[keys.LOG_PROBS], float("nan"))
     before = td.clone()
-    rl_loss(td, LossConfig(mismatch="icepop", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.1, value_coef=1.0))
+    rl_loss(
+        td,
+        LossConfig(
+            use_tis=True, tis_mode="icepop", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.1, value_coef=1.0
+        ),
+    )
     assert set(td.keys()) == set(before.keys())
     for key in before.keys():
         assert torch.equal(td[key].nan_to_num(), before[key].nan_to_num()), key
@@ -294,7 +300,7 @@ def test_rl_loss_without_old_log_probs_is_one_on_policy_step():
     loss_a, metrics_a = rl_loss(td.exclude(keys.OLD_LOG_PROBS), LossConfig())
     loss_b, metrics_b = rl_loss(on_policy, LossConfig())
     torch.testing.assert_close(loss_a, loss_b)
-    assert float(metrics_a["ratio_max"]) == 1.0 and float(metrics_a["clip_frac"]) == 0.0
+    assert float(metrics_a["ratio_max"]) == 1.0 and float(metrics_a["clipfrac"]) == 0.0
 
 
 def test_rl_loss_float32_batch_gives_float32_loss():
@@ -318,11 +324,12 @@ def _td(**changes):
 
 BAD_CONFIGS = [
     (dict(policy_loss="grpo"), ValueError, "policy_loss"),
-    (dict(agg_mode="mean"), ValueError, "agg_mode"),
+    (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
     (dict(kl_loss_type="k4"), ValueError, "kl_loss_type"),
-    (dict(mismatch="truncate"), ValueError, "mismatch"),
-    (dict(mismatch_level="batch"), ValueError, "mismatch_level"),
-    (dict(policy_loss="gspo", dual_clip=3.0), ValueError, "dual_clip"),
+    (dict(tis_mode="truncate"), ValueError, "tis_mode"),
+    (dict(tis_level="batch"), ValueError, "tis_level"),
+    (dict(policy_loss="gspo", eps_clip_c=3.0), ValueError, "eps_clip_c"),
+    (dict(tis_clip="2"), TypeError, "tis_clip"),
     (dict(entropy_coef="0.1"), TypeError, "entropy_coef"),
 ]
 
@@ -343,7 +350,7 @@ BAD_CALLS = [
     (lambda: rl_loss(_td(log_probs=torch.zeros(2, 4)), LossConfig()), ValueError, "log_probs has shape (2, 4)"),
     (lambda: rl_loss(_td(log_probs=torch.full((2, 3), float("nan"))), LossConfig()), ValueError, "log_probs"),
     (lambda: rl_loss(_td(advantages=torch.zeros(2, 3, dtype=torch.long)), LossConfig()), TypeError, "advantages"),
-    (lambda: rl_loss(_td(rollout_log_probs=None), LossConfig(mismatch="tis")), ValueError, "'rollout_log_probs'"),
+    (lambda: rl_loss(_td(rollout_log_probs=None), LossConfig(use_tis=True)), ValueError, "'rollout_log_probs'"),
     (
         lambda: rl_loss(_td(ref_log_probs=None), LossConfig(use_kl_loss=True, kl_loss_coef=0.1)),
         ValueError,
@@ -351,7 +358,7 @@ BAD_CALLS = [
     ),
     (lambda: rl_loss(_td(entropy=None), LossConfig(entropy_coef=0.1)), ValueError, "'entropy'"),
     (lambda: rl_loss(_td(returns=None), LossConfig(value_coef=1.0)), ValueError, "'returns'"),
-    (lambda: rl_loss(_td(), LossConfig(mismatch="icepop", mismatch_high=0.5)), ValueError, "low"),
+    (lambda: rl_loss(_td(), LossConfig(use_tis=True, tis_mode="icepop", tis_clip=0.5)), ValueError, "low"),
     (lambda: rl_loss(_td(), LossConfig(eps_clip=-0.5)), ValueError, "eps_clip"),
     (lambda: rl_loss(_td(), LossConfig(), norm=3), TypeError, "norm"),
 ]

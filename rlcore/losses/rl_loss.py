@@ -26,27 +26,32 @@ class LossConfig:
         policy_loss: ``ppo`` (``ppo_clip``), ``gspo`` or ``cispo``.
         eps_clip, eps_clip_high: clip ranges (``--eps-clip``, ``--eps-clip-high``; ``None`` = ``eps_clip``).
             CISPO uses ``eps_clip_high`` (or ``eps_clip``) as its truncation.
-        dual_clip: ``c > 1`` for dual-clip PPO (``--eps-clip-c``), ``None`` off. PPO only.
-        mismatch: ``None``, or ``tis``/``mis``/``icepop`` to correct for rollout vs trainer log-probs
-            (``--use-tis``); reads ``rollout_log_probs``.
-        mismatch_level, mismatch_low, mismatch_high: ``level``, ``low``, ``high`` of ``mismatch_weights``.
+        eps_clip_c: ``c > 1`` for dual-clip PPO (``--eps-clip-c``; ``dual_clip`` of ``ppo_clip``), ``None``
+            off. PPO only.
+        use_tis: correct for the mismatch of rollout and trainer log-probs (``--use-tis``) with
+            ``mismatch_weights``; reads ``rollout_log_probs``.
+        tis_mode: ``tis`` (truncate, slime's default), ``mis`` (mask out) or ``icepop`` (mask both sides).
+        tis_level, tis_clip_low, tis_clip: ``level``, ``low`` and ``high`` of ``mismatch_weights``
+            (``--tis-clip-low``, ``--tis-clip``; slime's ``--tis-clip-low`` defaults to 0, ours to the mode's
+            default).
         use_kl_loss, kl_loss_coef, kl_loss_type: KL-to-reference loss (reads ``ref_log_probs``).
         use_unbiased_kl: weight the KL by ``exp(log_probs - old_log_probs)`` (slime's ``--use-unbiased-kl``).
         entropy_coef: weight of the entropy bonus (reads ``entropy``).
         value_coef: weight of the value loss; 0 leaves the critic out (reads ``values``, ``old_values``,
             ``returns``).
         value_clip: clip of ``value_loss`` (``--value-clip``), ``None`` off.
-        agg_mode: ``aggregate`` mode of every loss term.
+        loss_agg_mode: ``aggregate`` mode of every loss term.
     """
 
     policy_loss: str = "ppo"
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
-    dual_clip: float | None = None
-    mismatch: str | None = None
-    mismatch_level: str = "token"
-    mismatch_low: float | None = None
-    mismatch_high: float = 2.0
+    eps_clip_c: float | None = None
+    use_tis: bool = False
+    tis_mode: str = "tis"
+    tis_level: str = "token"
+    tis_clip_low: float | None = None
+    tis_clip: float = 2.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -54,18 +59,17 @@ class LossConfig:
     entropy_coef: float = 0.0
     value_coef: float = 0.0
     value_clip: float | None = 0.2
-    agg_mode: str = "token_mean"
+    loss_agg_mode: str = "token_mean"
 
     def __post_init__(self) -> None:
         check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
-        check_choice("agg_mode", self.agg_mode, AGG_MODES)
+        check_choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
-        check_choice("mismatch_level", self.mismatch_level, MISMATCH_LEVELS)
-        if self.mismatch is not None:
-            check_choice("mismatch", self.mismatch, MISMATCH_MODES)
-        if self.dual_clip is not None and self.policy_loss != "ppo":
-            raise ValueError(f"dual_clip applies to policy_loss 'ppo' only, got policy_loss {self.policy_loss!r}")
-        for name in ("kl_loss_coef", "entropy_coef", "value_coef", "eps_clip", "mismatch_high"):
+        check_choice("tis_mode", self.tis_mode, MISMATCH_MODES)
+        check_choice("tis_level", self.tis_level, MISMATCH_LEVELS)
+        if self.eps_clip_c is not None and self.policy_loss != "ppo":
+            raise ValueError(f"eps_clip_c (dual clip) applies to policy_loss 'ppo' only, got {self.policy_loss!r}")
+        for name in ("kl_loss_coef", "entropy_coef", "value_coef", "eps_clip", "tis_clip"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -86,10 +90,10 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     """The training loss of a (micro-)batch and its metrics.
 
     ``loss = pg + kl_loss_coef * kl - entropy_coef * entropy + value_coef * value``, each ``aggregate``d with
-    ``cfg.agg_mode`` and ``norm``:
+    ``cfg.loss_agg_mode`` and ``norm``:
 
     - ``pg``: the per-token policy loss of ``cfg.policy_loss``, times the mismatch weights when
-      ``cfg.mismatch`` is set; tokens outside the mismatch ``keep`` leave the numerators of ``pg``, ``kl``
+      ``cfg.use_tis``; tokens outside the mismatch ``keep`` leave the numerators of ``pg``, ``kl``
       and ``entropy`` (as in slime) but not the denominators, which stay those of ``mask``.
     - ``kl``: ``approx_kl(log_probs, ref_log_probs, kind=cfg.kl_loss_type)`` when ``cfg.use_kl_loss``.
     - ``entropy``: the policy's entropy, when ``cfg.entropy_coef`` is not 0.
@@ -103,11 +107,11 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
 
     Metrics (a detached TensorDict, batch size []): ``loss``, ``pg_loss`` and each term used, before its
     coefficient (``kl_loss``, ``entropy_loss`` = minus the aggregated entropy, ``value_loss``); token means
-    over valid tokens of ``clip_frac``, ``approx_kl_old`` (mean ``old_log_probs - log_probs``, slime's
+    over valid tokens of ``clipfrac``, ``approx_kl_old`` (mean ``old_log_probs - log_probs``, slime's
     ``ppo_kl``), ``ratio_mean`` (the ratio the clip acts on: per token, per sequence for GSPO), and when
     their inputs are present ``entropy``, ``approx_kl_ref`` (of ``cfg.kl_loss_type``),
-    ``rollout_log_prob_abs_diff``, ``mismatch_weight_mean``, ``mismatch_masked_frac`` (valid tokens outside
-    ``keep``), ``value_clip_frac``; maxima over valid tokens ``ratio_max`` and ``mismatch_weight_max``.
+    ``rollout_log_prob_abs_diff``, ``tis_weight_mean``, ``tis_masked_frac`` (valid tokens outside ``keep``),
+    ``value_clipfrac``; maxima over valid tokens ``ratio_max`` and ``tis_weight_max``.
     The means use ``norm``'s token count, so summed over the micro-batches of the global batch they give
     its token means; combine the maxima with ``max``.
 
@@ -131,7 +135,7 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
         norm = Normalizer.of(mask)
 
     def agg(per_token: Tensor) -> Tensor:
-        return aggregate(per_token, mask, mode=cfg.agg_mode, norm=norm)
+        return aggregate(per_token, mask, mode=cfg.loss_agg_mode, norm=norm)
 
     def token_mean(per_token: Tensor) -> Tensor:
         return aggregate(per_token.detach(), mask, mode="token_mean", norm=norm)
@@ -155,7 +159,7 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
             advantages,
             eps_clip=cfg.eps_clip,
             eps_clip_high=eps_high,
-            dual_clip=cfg.dual_clip,
+            dual_clip=cfg.eps_clip_c,
         )
         ratio = torch.exp(log_ratio)
     elif cfg.policy_loss == "gspo":
@@ -167,23 +171,23 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
 
     metrics: dict[str, Tensor] = {}
     keep = mask
-    if cfg.mismatch is not None or keys.ROLLOUT_LOG_PROBS in td.keys():
-        rollout_log_probs = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by=f"mismatch={cfg.mismatch!r}").detach()
+    if cfg.use_tis or keys.ROLLOUT_LOG_PROBS in td.keys():
+        rollout_log_probs = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis").detach()
         metrics["rollout_log_prob_abs_diff"] = token_mean((old_log_probs - rollout_log_probs).abs())
-        if cfg.mismatch is not None:
+        if cfg.use_tis:
             weights, keep = mismatch_weights(
                 old_log_probs,
                 rollout_log_probs,
                 mask,
-                mode=cfg.mismatch,
-                level=cfg.mismatch_level,
-                low=cfg.mismatch_low,
-                high=cfg.mismatch_high,
+                mode=cfg.tis_mode,
+                level=cfg.tis_level,
+                low=cfg.tis_clip_low,
+                high=cfg.tis_clip,
             )
             pg = pg * weights
-            metrics["mismatch_weight_mean"] = token_mean(weights)
-            metrics["mismatch_weight_max"] = valid_max(weights)
-            metrics["mismatch_masked_frac"] = token_mean((mask & ~keep).to(weights.dtype))
+            metrics["tis_weight_mean"] = token_mean(weights)
+            metrics["tis_weight_max"] = valid_max(weights)
+            metrics["tis_masked_frac"] = token_mean((mask & ~keep).to(weights.dtype))
 
     def kept(per_token: Tensor) -> Tensor:
         return masked_fill_zero(per_token, keep)
@@ -191,7 +195,7 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     pg_loss = agg(kept(pg))
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
-    metrics["clip_frac"] = token_mean(clipped.to(pg.dtype))
+    metrics["clipfrac"] = token_mean(clipped.to(pg.dtype))
     metrics["approx_kl_old"] = token_mean(-log_ratio)
     metrics["ratio_mean"] = token_mean(ratio)
     metrics["ratio_max"] = valid_max(ratio)
@@ -223,7 +227,7 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
         loss = loss + cfg.value_coef * v_loss
         metrics["value_loss"] = v_loss
         if cfg.value_clip is not None:
-            metrics["value_clip_frac"] = token_mean(((values - old_values).abs() > cfg.value_clip).to(v_loss.dtype))
+            metrics["value_clipfrac"] = token_mean(((values - old_values).abs() > cfg.value_clip).to(v_loss.dtype))
 
     metrics["loss"] = loss
     return loss, TensorDict({name: value.detach() for name, value in metrics.items()}, batch_size=[])
