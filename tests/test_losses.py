@@ -562,6 +562,24 @@ def test_low_precision_inputs_compute_in_float32(name, dtype):
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
 
 
+@given(shape=shapes, seed=seeds, name=st.sampled_from(["approx_kl", "ppo_clip", "cispo", "value_loss", "sft_loss"]))
+def test_elementwise_losses_keep_masked_nan_out_of_valid_values_and_gradients(shape, seed, name):
+    """Mask-free losses are elementwise: NaN padding stays at its own position, which ``aggregate`` drops.
+
+    (Its gradient there is NaN * 0 = NaN, which is why ``rl_loss`` zeroes padding before calling them.)
+    """
+    fn = {**TENSOR_LOSSES, "sft_loss": lambda lp, old, adv, mask: sft_loss(lp)}[name]
+    lp, old, adv, mask = make(seed, *shape)
+    clean = lp.clone().requires_grad_()
+    dirty = nan_fill(lp, mask).requires_grad_()
+    la = aggregate(fn(clean, old, adv, mask), mask, mode="seq_mean_token_mean")
+    lb = aggregate(fn(dirty, nan_fill(old, mask), nan_fill(adv, mask), mask), mask, mode="seq_mean_token_mean")
+    torch.testing.assert_close(la, lb)
+    (ga,) = torch.autograd.grad(la, clean)
+    (gb,) = torch.autograd.grad(lb, dirty)
+    torch.testing.assert_close(ga[mask], gb[mask])
+
+
 # ---------------------------------------------------------------- bad input
 
 lp2 = torch.zeros(2, 3)
