@@ -95,6 +95,14 @@ def test_inplace_backward_writes_into_logits(dtype):
     assert_grad_close(logits.detach(), ref_grad, dtype)
 
 
+def test_inplace_backward_runs_once():
+    logits = make_logits(2, 50, torch.float32, seed=4).requires_grad_()
+    lp, _ = logprobs_entropy(logits, torch.tensor([1, 2]), inplace_backward=True)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward once"):
+        lp.sum().backward()
+
+
 def test_single_output_gradients():
     n, v = 3, 257
     logits = make_logits(n, v, torch.float32, seed=5).requires_grad_()

@@ -28,7 +28,7 @@ from rlcore.kernels._stats import (
 from rlcore.kernels.logprobs import backend_ops
 
 DEFAULT_CHUNK = 8192
-DEFAULT_STASH_BYTES = 1 << 30
+DEFAULT_STASH_BYTES = 3 << 29  # 1.5 GiB: with the working chunk, under 2 GiB extra at [16384, 4096, 151936]
 
 
 def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:

@@ -204,6 +204,7 @@ class LogprobsEntropy(torch.autograd.Function):
         ctx.save_for_backward(logits, targets_local, totals.lse, totals.mu)
         ctx.inv_temperature = inv_temperature
         ctx.inplace_backward = inplace_backward
+        ctx.logits_overwritten = False
         ctx.set_materialize_grads(False)
         log_probs = totals.zt - totals.lse
         entropy = totals.entropy if with_entropy else torch.zeros_like(log_probs)
@@ -211,6 +212,13 @@ class LogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
+        if ctx.inplace_backward:
+            if ctx.logits_overwritten:
+                raise RuntimeError(
+                    "logprobs_entropy(..., inplace_backward=True) can run its backward once: the first one "
+                    "overwrote the logits with their gradient"
+                )
+            ctx.logits_overwritten = True
         logits, targets_local, lse, mu = ctx.saved_tensors
         _, logits_grad = backend_ops(logits)
         out = logits if ctx.inplace_backward else torch.empty_like(logits)
@@ -242,8 +250,9 @@ def logprobs_entropy(
             every rank, and each rank's logits gradient is its shard of the full-vocabulary gradient (the backward
             needs no communication, given the same upstream gradients on every rank, as under tensor parallelism).
         inplace_backward: the caller no longer needs ``logits`` after this call: the backward writes d(logits) into
-            the logits' own buffer, which is overwritten (saves an [N, V] allocation). Leave False if anything else
-            reads the logits afterwards.
+            the logits' own buffer, which is overwritten (saves an [N, V] allocation; the returned gradient, and a
+            leaf's ``.grad``, then alias the logits). Leave False if anything else reads the logits afterwards; the
+            backward can then run only once.
 
     Returns:
         ``(log_probs [N] float32, entropy [N] float32 or None)``, both differentiable with respect to ``logits``.
