@@ -1,0 +1,354 @@
+"""The ``torch`` training backend: a transformers causal LM trained with AdamW, sharded with FSDP2 across processes.
+
+One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtime.placement``). Ranks form a
+``torch.distributed`` group (gloo on the CPU, NCCL on GPUs) and the model's decoder layers and root are wrapped with
+``torch.distributed.fsdp.fully_shard``; with one rank the model is used as is.
+
+The loss of an optimizer step is the loss of its whole global batch: every micro-batch is aggregated with a
+:class:`rlcore.losses.Normalizer` of the global batch (summed over micro-batches and reduced over ranks), so its
+gradients add up to the global batch's, and FSDP is told to sum (not average) gradients over ranks. Log-probs and
+entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from rlcore import keys
+from rlcore.kernels import logprobs_entropy
+from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
+from runtime.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.config import TrainConfig
+from runtime.engines.hf_engine import pick_device
+
+
+def _is_max_metric(name: str) -> bool:
+    """rl_loss's maxima over tokens (``*_max``) combine over micro-batches and ranks by max; its means by sum."""
+    return name.endswith("_max")
+
+
+def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | None) -> list[TensorDict]:
+    """Cut ``td`` (rows in order) into micro-batches.
+
+    With ``max_tokens`` rows are packed greedily while ``rows x longest sequence`` stays within the budget (the
+    padded size the forward pass really costs); otherwise ``micro_batch_size`` rows each.
+    """
+    n = td.batch_size[0]
+    if max_tokens is None:
+        return [td[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+    lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
+    out, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(f"sample {i} has {length} tokens, over --max-tokens-per-gpu {max_tokens}")
+        longest_with = max(longest, length)
+        if i > start and (i - start + 1) * longest_with > max_tokens:
+            out.append(td[start:i])
+            start, longest_with = i, length
+        longest = longest_with
+    out.append(td[start:n])
+    return out
+
+
+def _uses_bf16(setting: str, device: torch.device) -> bool:
+    if setting == "true":
+        return True
+    if setting == "false":
+        return False
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+class TorchTrainer:
+    """One data-parallel rank of the torch backend. Every public method is called on all ranks at once."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        train_cfg: TrainConfig,
+        loss_cfg: LossConfig,
+        temperature: float,
+        need_ref: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        device: str = "auto",
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = train_cfg
+        self.loss_cfg = loss_cfg
+        self.temperature = temperature
+        self.rank, self.world_size = rank, world_size
+        self.model_path = model_path
+        self.device = pick_device(device)
+        torch.manual_seed(seed + rank)
+        self.group = None
+        if world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+            )
+            self.group = dist.group.WORLD
+        self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
+        self.model = self._load(AutoModelForCausalLM, trainable=True)
+        self.ref_model = self._load(AutoModelForCausalLM, trainable=False) if need_ref else None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=train_cfg.lr,
+            weight_decay=train_cfg.weight_decay,
+        )
+        self.released = False
+
+    def _load(self, auto_cls: Any, *, trainable: bool) -> torch.nn.Module:
+        model = auto_cls.from_pretrained(self.model_path, dtype=torch.float32)
+        model.to(self.device)
+        if not trainable:
+            model.requires_grad_(False)
+        if self.world_size > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+            kwargs = {"mp_policy": mp} if mp is not None else {}
+            block_names = set(getattr(model, "_no_split_modules", None) or ())
+            for module in model.modules():
+                if type(module).__name__ in block_names:
+                    fully_shard(module, **kwargs)
+            fully_shard(model, **kwargs)
+            if trainable:
+                # The loss is already the global batch's (a global Normalizer): gradients must add over ranks.
+                model.set_gradient_divide_factor(1.0)
+        model.train(trainable)
+        return model
+
+    def _autocast(self):
+        if self.bf16 and self.world_size == 1:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+        """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``."""
+        mb = mb.to(self.device)
+        seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
+        width = int(seq_lens.max())
+        tokens = mb[TOKENS][:, :width]
+        attention_mask = torch.arange(width, device=self.device)[None, :] < seq_lens[:, None]
+        with self._autocast():
+            logits = model(input_ids=tokens, attention_mask=attention_mask.long(), use_cache=False).logits
+        response = mb[RESPONSE_TOKENS]
+        horizon = response.shape[1]
+        # Response token t of a row sits at prompt_length + t and is predicted from the position before it.
+        positions = (mb[PROMPT_LENGTHS][:, None] - 1 + torch.arange(horizon, device=self.device)).clamp(max=width - 1)
+        picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+        log_probs, entropy = logprobs_entropy(
+            picked.reshape(-1, logits.shape[-1]),
+            response.reshape(-1),
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+        )
+        shape = response.shape
+        return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
+
+    def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
+        """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
+        count = len(parts)
+        if self.group is not None:
+            n = torch.tensor([count], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            count = int(n)
+        for i in range(count):
+            yield (parts[i], True) if i < len(parts) else (parts[-1], False)
+
+    def _micro_batches(self, td: TensorDict) -> list[TensorDict]:
+        per_rank = self.cfg.micro_batch_size
+        return micro_batches(td, micro_batch_size=per_rank, max_tokens=self.cfg.max_tokens_per_gpu)
+
+    @torch.no_grad()
+    def compute_log_probs(self, td: TensorDict) -> TensorDict:
+        """``old_log_probs`` (the current weights: those that sampled ``td``) and ``ref_log_probs`` when a reference
+        model is kept, [B, T] float32 each, for this rank's shard ``td``."""
+        self._check_resident()
+        out: dict[str, list[torch.Tensor]] = {keys.OLD_LOG_PROBS: [], keys.REF_LOG_PROBS: []}
+        self.model.eval()
+        for mb, real in self._balanced(self._micro_batches(td)):
+            old, _ = self._forward(self.model, mb, with_entropy=False)
+            ref = self._forward(self.ref_model, mb, with_entropy=False)[0] if self.ref_model is not None else None
+            if real:
+                out[keys.OLD_LOG_PROBS].append(old.float().cpu())
+                if ref is not None:
+                    out[keys.REF_LOG_PROBS].append(ref.float().cpu())
+        self.model.train()
+        return TensorDict({k: torch.cat(v) for k, v in out.items() if v}, batch_size=td.batch_size)
+
+    def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
+        norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)
+        return norm.reduce(self.group)
+
+    def _optimizer_step(self) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+        if self.group is not None:
+            names = sorted(sums)
+            t = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=self.group)
+            sums = dict(zip(names, t.tolist(), strict=True))
+            names = sorted(maxes)
+            t = torch.tensor([maxes[k] for k in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            maxes = dict(zip(names, t.tolist(), strict=True))
+        return {**sums, **maxes}
+
+    def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
+        """Optimizer steps over this rank's shard ``td``: ``per_step_rows`` consecutive rows per step.
+
+        ``td`` carries the contract's ``mask``, ``advantages``, ``old_log_probs``, ``rollout_log_probs`` and, with a
+        reference model, ``ref_log_probs``. Returns metrics averaged over the steps (token means of the global
+        batches, maxima as maxima), plus ``grad_norm`` and ``num_steps``.
+        """
+        self._check_resident()
+        n = td.batch_size[0]
+        if n % per_step_rows:
+            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+        totals: dict[str, float] = {}
+        steps = n // per_step_rows
+        for step in range(steps):
+            parts = self._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
+            norm = self._global_normalizer(parts)
+            sums: dict[str, float] = {}
+            maxes: dict[str, float] = {}
+            for mb, real in self._balanced(parts):
+                log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
+                batch = mb.to(self.device).clone(recurse=False)
+                batch.set(keys.LOG_PROBS, log_probs)
+                batch.set(keys.ENTROPY, entropy)
+                loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
+                (loss if real else loss * 0.0).backward()
+                if real:
+                    for name, value in metrics.items():
+                        value = float(value)
+                        if _is_max_metric(name):
+                            maxes[name] = max(maxes.get(name, -math.inf), value)
+                        else:
+                            sums[name] = sums.get(name, 0.0) + value
+            step_metrics = self._reduce_metrics(sums, maxes)
+            step_metrics["grad_norm"] = self._optimizer_step()
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / steps
+        totals["num_steps"] = steps
+        return totals
+
+    def sft_train(self, td: TensorDict) -> dict[str, float]:
+        """One supervised step on (prompt, response) rows: the negative log-likelihood of the response tokens."""
+        self._check_resident()
+        parts = self._micro_batches(td)
+        norm = self._global_normalizer(parts)
+        total = 0.0
+        for mb, real in self._balanced(parts):
+            log_probs, _ = self._forward(self.model, mb, with_entropy=False)
+            mask = mb[keys.MASK].to(self.device)
+            loss = aggregate(sft_loss(log_probs), mask, mode="token_mean", norm=norm)
+            (loss if real else loss * 0.0).backward()
+            total += float(loss) if real else 0.0
+        metrics = self._reduce_metrics({"sft_loss": total}, {})
+        metrics["grad_norm"] = self._optimizer_step()
+        return metrics
+
+    def get_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full (unsharded) state dict on the CPU on rank 0, None on the other ranks (a collective)."""
+        if self.group is None:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if self.rank == 0 else None
+
+    def save(self, path: str) -> None:
+        """Model and optimizer state (sharded with torch.distributed.checkpoint) into the folder ``path``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_path):
+            self.set_rng_state(torch.load(rng_path, weights_only=False))
+
+    def save_hf(self, path: str) -> None:
+        """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        weights = self.get_weights()
+        if self.rank != 0:
+            return
+        config = AutoConfig.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(weights, strict=False)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
+    def release_memory(self) -> None:
+        """On a GPU, move model and optimizer state to the CPU (colocated with an engine); a no-op on the CPU."""
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self._move(self.device)
+        self.released = False
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.ref_model is not None:
+            self.ref_model.to(device)
+        for state in self.optimizer.state.values():
+            for name, value in state.items():
+                if torch.is_tensor(value):
+                    state[name] = value.to(device)
+
+    def _check_resident(self) -> None:
+        if self.released:
+            raise RuntimeError("trainer memory is released: call resume_memory() first")
+
+    def get_rng_state(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def shutdown(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self.group = None

@@ -1,0 +1,106 @@
+"""From scored ``Sample``s to the rollout batch of the batch contract, and back to per-trainer shards.
+
+The batch holds the contract's response-aligned keys (``rlcore.keys``: ``mask``, ``rollout_log_probs``,
+``rewards``, ``group_ids``) plus what the training backend needs to run the model: the whole sequences
+(``TOKENS``, right-padded) and where each response starts (``PROMPT_LENGTHS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from rlcore import keys
+from runtime.filters import reward_value
+from runtime.sample import Sample
+
+TOKENS = "tokens"
+PROMPT_LENGTHS = "prompt_lengths"
+RESPONSE_LENGTHS = "response_lengths"
+RESPONSE_TOKENS = "response_tokens"
+TRUNCATED = "truncated"
+
+
+def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
+    """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
+
+    Shapes: ``TOKENS`` [B, L] int64 (prompt then response, right-padded with ``pad_token_id``), ``PROMPT_LENGTHS``
+    and ``RESPONSE_LENGTHS`` [B] int64, ``RESPONSE_TOKENS`` [B, T] int64, ``mask`` [B, T] bool (the sample's
+    ``loss_mask`` over its response, False on padding), ``rollout_log_probs`` [B, T] float32 (0 where unknown),
+    ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``), ``TRUNCATED`` [B] bool.
+    """
+    if not samples:
+        raise ValueError("samples must hold at least one Sample, got none")
+    width = max(len(s.tokens) for s in samples)
+    horizon = max(max(s.response_length for s in samples), 1)
+    n = len(samples)
+    tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
+    response_tokens = torch.full((n, horizon), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, horizon), dtype=torch.bool)
+    rollout_log_probs = torch.zeros((n, horizon), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if s.group_index is None:
+            raise ValueError(f"sample {i} (index {s.index}) has no group_index; the loop sets it per prompt")
+        if not 0 < s.response_length <= len(s.tokens) - 1:
+            raise ValueError(
+                f"sample {i} (index {s.index}): response_length {s.response_length} must be in [1, "
+                f"len(tokens) - 1 = {len(s.tokens) - 1}] (a response needs a prompt token before it)"
+            )
+        r = s.response_length
+        tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        response_tokens[i, :r] = torch.tensor(s.tokens[-r:])
+        loss_mask = s.loss_mask if s.loss_mask is not None else [1] * r
+        if len(loss_mask) != r:
+            raise ValueError(f"sample {i} (index {s.index}): loss_mask has {len(loss_mask)} entries, response {r}")
+        mask[i, :r] = torch.tensor(loss_mask, dtype=torch.bool)
+        if s.rollout_log_probs is not None:
+            if len(s.rollout_log_probs) != r:
+                raise ValueError(
+                    f"sample {i} (index {s.index}): rollout_log_probs has {len(s.rollout_log_probs)} entries, "
+                    f"response {r}"
+                )
+            rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    return TensorDict(
+        {
+            TOKENS: tokens,
+            PROMPT_LENGTHS: torch.tensor([len(s.tokens) - s.response_length for s in samples]),
+            RESPONSE_LENGTHS: torch.tensor([s.response_length for s in samples]),
+            RESPONSE_TOKENS: response_tokens,
+            TRUNCATED: torch.tensor([s.status == Sample.Status.TRUNCATED for s in samples]),
+            keys.MASK: mask,
+            keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
+            keys.REWARDS: torch.tensor([reward_value(s) for s in samples], dtype=torch.float32),
+            keys.GROUP_IDS: torch.tensor([s.group_index for s in samples], dtype=torch.long),
+        },
+        batch_size=[n],
+    )
+
+
+def shard_for_ranks(td: TensorDict, *, global_batch_size: int, world_size: int) -> list[TensorDict]:
+    """Split a rollout batch into one shard per data-parallel rank.
+
+    The batch is consumed in optimizer steps of ``global_batch_size`` consecutive samples; rank ``r`` gets the
+    ``r``-th slice of every step, so each rank's shard is ``num_steps x (global_batch_size / world_size)`` rows
+    in step order. :func:`merge_shards` inverts it.
+    """
+    n = td.batch_size[0]
+    if n % global_batch_size or global_batch_size % world_size:
+        raise ValueError(
+            f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
+            f"world_size {world_size}"
+        )
+    per_rank = global_batch_size // world_size
+    steps = n // global_batch_size
+    index = torch.arange(n).view(steps, world_size, per_rank)
+    return [td[index[:, r].reshape(-1)] for r in range(world_size)]
+
+
+def merge_shards(shards: Sequence[TensorDict], *, global_batch_size: int) -> TensorDict:
+    """Reassemble what :func:`shard_for_ranks` split (rows back in batch order)."""
+    world_size = len(shards)
+    per_rank = global_batch_size // world_size
+    steps = shards[0].batch_size[0] // per_rank
+    pieces = [shards[r][s * per_rank : (s + 1) * per_rank] for s in range(steps) for r in range(world_size)]
+    return torch.cat(pieces, dim=0)

@@ -1,0 +1,71 @@
+"""Job checkpoints: the trainers' model and optimizer state, the data position, the step, and the RNG states.
+
+Layout under ``--save``: one folder per saved step, ``step_000012/`` holding ``trainer/`` (torch.distributed.checkpoint
+shards of model and optimizer, plus each rank's RNG state) and ``loop_state.pt`` (step, data position, engine and
+driver RNG states); ``latest`` names the newest folder and is replaced atomically after the folder is complete, so a
+job killed while saving resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+LOOP_STATE = "loop_state.pt"
+TRAINER_DIR = "trainer"
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, dataset: Any) -> Path:
+    """Save the state after ``step`` completed steps; returns the step's folder."""
+    folder = step_dir(root, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    trainers.save(str(folder / TRAINER_DIR))
+    state = {
+        "step": step,
+        "data": dataset.state_dict(),
+        "engine_rng": engines.get_rng_state(),
+        "driver_rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    }
+    torch.save(state, folder / LOOP_STATE)
+    tmp = Path(root) / f".{LATEST}.tmp"
+    tmp.write_text(folder.name)
+    os.replace(tmp, Path(root) / LATEST)
+    return folder
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The step folder that ``--load`` names: a step folder itself, or a ``--save`` root (its ``latest``)."""
+    path = Path(path)
+    if (path / LOOP_STATE).is_file():
+        return path
+    if (path / LATEST).is_file():
+        folder = path / (path / LATEST).read_text().strip()
+        if (folder / LOOP_STATE).is_file():
+            return folder
+        raise FileNotFoundError(f"--load {str(path)!r}: 'latest' names {folder.name!r}, which has no {LOOP_STATE}")
+    raise FileNotFoundError(f"--load {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
+
+
+def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, dataset: Any) -> int:
+    """Restore everything :func:`save` wrote; returns the number of completed steps (the step to run next)."""
+    folder = resolve(path)
+    state = torch.load(folder / LOOP_STATE, weights_only=False)
+    trainers.load(str(folder / TRAINER_DIR))
+    dataset.load_state_dict(state["data"])
+    if len(state["engine_rng"]) == len(engines.actors):
+        engines.set_rng_state(state["engine_rng"])
+    rng = state["driver_rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    return int(state["step"])

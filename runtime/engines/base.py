@@ -1,0 +1,82 @@
+"""The rollout-engine protocol: what the loop needs from an inference engine, whichever one it is.
+
+An engine turns prompt token ids into sampled response token ids with the log-probability of each sampled token
+under the distribution it sampled from (temperature, top-p and top-k applied), takes new weights from the trainer,
+and gives its device memory back between rollouts when it shares a device with the trainer (``--colocate``).
+The embedded engine (:class:`runtime.engines.HFEngine`) implements it on transformers; an SGLang engine plugs in
+behind the same methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generate call (slime's names: ``--rollout-temperature`` and friends).
+
+    ``top_k=-1`` is off; ``stop_token_ids`` end a response (the tokenizer's eos when empty).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+@dataclass
+class Generation:
+    """One sampled response: its token ids, the log-prob of each, and why it ended.
+
+    ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is the last of ``token_ids``) or ``"length"``
+    (``max_new_tokens`` reached).
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    weight_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one response per prompt (token ids in, token ids and per-token log-probs out)."""
+        ...
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Load the trainer's weights (a full, unsharded state dict on the CPU) and tag them with ``version``."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give device memory back (weights and caches) until :meth:`resume_memory`."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take device memory again after :meth:`release_memory`."""
+        ...

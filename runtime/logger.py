@@ -1,0 +1,123 @@
+"""Job logging: ``metrics.jsonl`` (a line per step), TensorBoard event files, optional W&B, the console, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+REWARD_PLOT = "reward_curve.png"
+
+# The per-step console line: (metric, label, format).
+CONSOLE_FIELDS = (
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("train/kl", "kl", "{:.4f}"),
+    ("train/entropy", "entropy", "{:.3f}"),
+    ("train/clipfrac", "clipfrac", "{:.3f}"),
+    ("perf/step_time", "step", "{:.2f}s"),
+)
+
+
+def _plain(value: Any) -> float | int:
+    value = float(value) if not isinstance(value, int) else value
+    return value
+
+
+def format_step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in CONSOLE_FIELDS:
+        if key in metrics:
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    if "eval/reward_mean" in metrics:
+        parts.append(f"eval {metrics['eval/reward_mean']:.3f}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and (optionally) W&B."""
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        *,
+        use_tensorboard: bool = True,
+        use_wandb: bool = False,
+        wandb_project: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume: bool = False,
+    ):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.dir / METRICS_FILE, "a" if resume else "w")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        self._wandb = None
+        if use_wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, config=dict(config or {}), dir=str(self.dir))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``; a step logged twice (a resumed job) keeps its last row."""
+    rows: dict[int, dict[str, Any]] = {}
+    with open(path) as fh:
+        for line in fh:
+            if line.strip():
+                row = json.loads(line)
+                rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_rewards(metrics_path: str | os.PathLike[str], png_path: str | os.PathLike[str], *, window: int = 10) -> None:
+    """Plot ``rollout/reward_mean`` per step (and its moving average, and eval reward if logged) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows if "rollout/reward_mean" in r]
+    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.4, label="reward (per step)")
+    if len(rewards) >= window:
+        smooth = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
+        ax.plot(steps[window - 1 :], smooth, label=f"reward ({window}-step mean)")
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, max([1.0, *rewards]))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

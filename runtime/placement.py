@@ -1,0 +1,199 @@
+"""Ray placement: trainer and engine actors in one placement group, colocated or on separate devices.
+
+A bundle is one device: ``{"GPU": 1, "CPU": 1}`` on a GPU cluster, ``{"CPU": 1}`` on a CPU-only machine (where
+the ``*_num_gpus*`` flags count CPU slots). Trainer rank ``r`` takes bundle ``r``. Separate (the default), engine
+``e`` takes bundle ``num_trainers + e``; with ``--colocate`` engine ``e`` shares bundle ``e`` with trainer ``e``,
+each taking half of it, and the loop offloads one while the other works.
+
+:class:`TrainerGroup` and :class:`EngineGroup` hide the fan-out: the loop calls one method and gets one result.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tensordict import TensorDict
+
+from runtime.backends.torch_backend import TorchTrainer
+from runtime.batch import merge_shards, shard_for_ranks
+from runtime.config import Config
+from runtime.engines.base import Generation, SamplingParams
+from runtime.engines.hf_engine import HFEngine
+
+# Actors inherit no progress bars: a job's console shows the loop's own bar and step lines only.
+_QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass
+class Placement:
+    group: PlacementGroup
+    use_gpu: bool
+    trainer_bundles: list[int]
+    engine_bundles: list[int]
+    share: float
+    threads: int
+
+    def options(self, bundle: int) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "num_cpus": self.share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+            "runtime_env": {"env_vars": {**_QUIET_ENV, "OMP_NUM_THREADS": str(self.threads)}},
+        }
+        if self.use_gpu:
+            opts["num_gpus"] = self.share
+        return opts
+
+
+def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
+    """Reserve the bundles of ``cfg.resources`` (waits up to ``timeout_s`` for the cluster to have them)."""
+    res = cfg.resources
+    trainers, engines = res.num_trainer_procs, res.rollout_num_gpus
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    n_bundles = max(trainers, engines) if res.colocate else trainers + engines
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"Ray could not reserve {n_bundles} bundles of {bundle} in {timeout_s:.0f}s (cluster has "
+            f"{ray.cluster_resources()}); lower --actor-num-gpus-per-node / --rollout-num-gpus or use --colocate"
+        )
+    engine_bundles = list(range(engines)) if res.colocate else [trainers + e for e in range(engines)]
+    # Trainer and engines take turns (the loop is synchronous), so each may use every core of its share.
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    threads = max(1, cpus // max(trainers, engines, 1)) if not use_gpu else 1
+    return Placement(group, use_gpu, list(range(trainers)), engine_bundles, 0.5 if res.colocate else 1.0, threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    """The data-parallel trainer actors of the torch backend, driven as one."""
+
+    def __init__(self, placement: Placement, model_path: str, **trainer_kwargs: Any):
+        world_size = len(placement.trainer_bundles)
+        port = free_port()
+        remote_cls = ray.remote(TorchTrainer)
+        self.actors = [
+            remote_cls.options(**placement.options(bundle)).remote(
+                model_path,
+                rank=rank,
+                world_size=world_size,
+                master_addr="127.0.0.1",
+                master_port=port,
+                **trainer_kwargs,
+            )
+            for rank, bundle in enumerate(placement.trainer_bundles)
+        ]
+        self.world_size = world_size
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def compute_log_probs(self, td: TensorDict, *, global_batch_size: int) -> TensorDict:
+        shards = shard_for_ranks(td, global_batch_size=global_batch_size, world_size=self.world_size)
+        outs = ray.get([a.compute_log_probs.remote(s) for a, s in zip(self.actors, shards, strict=True)])
+        return merge_shards(outs, global_batch_size=global_batch_size)
+
+    def train(self, td: TensorDict, *, global_batch_size: int) -> dict[str, float]:
+        shards = shard_for_ranks(td, global_batch_size=global_batch_size, world_size=self.world_size)
+        per_step = global_batch_size // self.world_size
+        outs = ray.get([a.train.remote(s, per_step_rows=per_step) for a, s in zip(self.actors, shards, strict=True)])
+        return outs[0]
+
+    def sft_train(self, td: TensorDict) -> dict[str, float]:
+        shards = shard_for_ranks(td, global_batch_size=td.batch_size[0], world_size=self.world_size)
+        return ray.get([a.sft_train.remote(s) for a, s in zip(self.actors, shards, strict=True)])[0]
+
+    def weights_ref(self) -> ray.ObjectRef:
+        """An object ref to the full state dict (every rank joins the gather; rank 0 holds the result)."""
+        refs = [a.get_weights.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs))
+        return refs[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", path)
+
+    def load(self, path: str) -> None:
+        self._all("load", path)
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
+
+    def release_memory(self) -> None:
+        self._all("release_memory")
+
+    def resume_memory(self) -> None:
+        self._all("resume_memory")
+
+    def shutdown(self) -> None:
+        self._all("shutdown")
+        for a in self.actors:
+            ray.kill(a)
+
+
+class EngineGroup:
+    """The rollout engine actors; prompts are spread over them in contiguous chunks."""
+
+    def __init__(self, placement: Placement, model_path: str, *, seed: int):
+        remote_cls = ray.remote(HFEngine)
+        self.actors = [
+            remote_cls.options(**placement.options(bundle)).remote(model_path, seed=seed + 1000 * i)
+            for i, bundle in enumerate(placement.engine_bundles)
+        ]
+        self.weight_version = 0
+
+    def generate_async(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[ray.ObjectRef]:
+        chunk = -(-len(prompts) // len(self.actors))
+        return [
+            actor.generate.remote(list(prompts[i * chunk : (i + 1) * chunk]), params)
+            for i, actor in enumerate(self.actors)
+            if prompts[i * chunk : (i + 1) * chunk]
+        ]
+
+    async def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+        outs = [await ref for ref in self.generate_async(prompts, params)]
+        return [g for out in outs for g in out]
+
+    def update_weights(self, weights: ray.ObjectRef, version: int) -> float:
+        """Push the trainer's weights to every engine; returns the seconds it took."""
+        start = time.perf_counter()
+        ray.get([a.update_weights.remote(weights, version) for a in self.actors])
+        self.weight_version = version
+        return time.perf_counter() - start
+
+    def get_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
+        return ray.get(self.actors[index].get_weights.remote())
+
+    def get_rng_state(self) -> list[Any]:
+        return ray.get([a.get_rng_state.remote() for a in self.actors])
+
+    def set_rng_state(self, states: list[Any]) -> None:
+        ray.get([a.set_rng_state.remote(s) for a, s in zip(self.actors, states, strict=True)])
+
+    def release_memory(self) -> None:
+        ray.get([a.release_memory.remote() for a in self.actors])
+
+    def resume_memory(self) -> None:
+        ray.get([a.resume_memory.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)

@@ -1,0 +1,174 @@
+"""Rollout: prompts in, scored groups of samples out, with over-sampling and a dynamic-sampling filter.
+
+The default path sends every sample of a round to the engines in one batched call. A custom generate function
+(``--custom-generate-function-path``, slime's ``async def generate(args, sample, sampling_params) -> Sample``)
+is called once per sample instead; inside it, :func:`generate` (one turn, the default behaviour) and
+:func:`engine_generate` (raw token ids in, a :class:`Generation` out) reach the job's engines, the way slime's
+custom functions post to its SGLang router. A multi-turn function appends tool output itself and sets
+``loss_mask`` 0 on those tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.engines.base import Generation, SamplingParams
+from runtime.filters import FilterFn, filter_groups, reward_value
+from runtime.rewards import RewardHub
+from runtime.sample import Sample
+
+# A filter that keeps rejecting every group would otherwise spin forever.
+MAX_SAMPLING_ROUNDS = 32
+
+
+@dataclass
+class RolloutContext:
+    """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args."""
+
+    engines: Any
+    tokenizer: Any
+    args: Any
+
+
+_CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("rlcore_rollout_context")
+
+
+def current_context() -> RolloutContext:
+    try:
+        return _CONTEXT.get()
+    except LookupError:
+        raise RuntimeError("no rollout is running: engine_generate/generate are for use inside a rollout") from None
+
+
+async def engine_generate(token_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
+    """Sample one continuation of ``token_ids`` on the job's engines (for custom generate functions)."""
+    params = SamplingParams(**{**sampling_params, "stop_token_ids": tuple(sampling_params.get("stop_token_ids", ()))})
+    return (await current_context().engines.generate([list(token_ids)], params))[0]
+
+
+def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> Sample:
+    """``sample`` (a prompt) with ``generation`` appended as its response; returns the same object."""
+    sample.tokens = list(sample.tokens) + list(generation.token_ids)
+    sample.response_length = len(generation.token_ids)
+    sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+    sample.rollout_log_probs = list(generation.log_probs)
+    sample.loss_mask = [1] * len(generation.token_ids)
+    sample.status = Sample.Status.COMPLETED if generation.finish_reason == "stop" else Sample.Status.TRUNCATED
+    sample.weight_versions = [*sample.weight_versions, str(generation.weight_version)]
+    return sample
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """The default generate function, one sample at a time (slime's signature)."""
+    ctx = current_context()
+    return apply_generation(sample, await engine_generate(sample.tokens, sampling_params), ctx.tokenizer)
+
+
+def expand_groups(prompts: Sequence[Sample], n_samples: int, *, first_group: int) -> list[list[Sample]]:
+    """``n_samples`` copies of each prompt sample, one group per prompt, numbered from ``first_group``."""
+    groups = []
+    for offset, prompt in enumerate(prompts):
+        group = []
+        for _ in range(n_samples):
+            s = copy.deepcopy(prompt)
+            s.group_index = first_group + offset
+            group.append(s)
+        groups.append(group)
+    return groups
+
+
+async def _generate_groups(
+    ctx: RolloutContext,
+    groups: list[list[Sample]],
+    params: SamplingParams,
+    custom_generate: Callable[..., Any] | None,
+) -> None:
+    samples = [s for g in groups for s in g]
+    if custom_generate is None:
+        generations = await ctx.engines.generate([s.tokens for s in samples], params)
+        for s, g in zip(samples, generations, strict=True):
+            apply_generation(s, g, ctx.tokenizer)
+        return
+    results = await asyncio.gather(*(custom_generate(ctx.args, s, params.to_dict()) for s in samples))
+    for i, (s, out) in enumerate(zip(samples, results, strict=True)):
+        if not isinstance(out, Sample):
+            raise TypeError(f"custom generate function returned {type(out).__name__} for sample {i}, not a Sample")
+        if out.response_length < 1:
+            raise ValueError(f"custom generate function returned sample {s.index} with an empty response")
+        out.group_index = s.group_index
+    # Custom functions may return new Sample objects; put them where the inputs were.
+    k = 0
+    for g in groups:
+        for j in range(len(g)):
+            g[j] = results[k]
+            k += 1
+
+
+async def collect_rollout(
+    ctx: RolloutContext,
+    next_prompts: Callable[[int], list[Sample]],
+    hub: RewardHub,
+    *,
+    rollout_batch_size: int,
+    n_samples: int,
+    params: SamplingParams,
+    over_sampling_batch_size: int | None = None,
+    filter_fn: FilterFn | None = None,
+    custom_generate: Callable[..., Any] | None = None,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Generate, score and filter groups until ``rollout_batch_size`` of them pass; return their samples in order.
+
+    Each round draws ``over_sampling_batch_size`` prompts (``rollout_batch_size`` when None) from
+    ``next_prompts``. Groups beyond the batch are discarded. Metrics: rounds, groups generated and dropped (by
+    the filter's reason), reward errors and timeouts.
+    """
+    token = _CONTEXT.set(ctx)
+    try:
+        kept: list[list[Sample]] = []
+        dropped: Counter[str] = Counter()
+        rounds = generated = 0
+        while len(kept) < rollout_batch_size:
+            if rounds == MAX_SAMPLING_ROUNDS:
+                raise RuntimeError(
+                    f"the dynamic sampling filter kept {len(kept)} of {generated} groups in {rounds} rounds, short of "
+                    f"--rollout-batch-size {rollout_batch_size} (drop reasons: {dict(dropped)})"
+                )
+            rounds += 1
+            groups = expand_groups(
+                next_prompts(over_sampling_batch_size or rollout_batch_size), n_samples, first_group=generated
+            )
+            generated += len(groups)
+            await _generate_groups(ctx, groups, params, custom_generate)
+            await hub.score([s for g in groups for s in g])
+            passed, reasons = filter_groups(filter_fn, ctx.args, groups)
+            kept.extend(passed)
+            dropped.update(reasons)
+    finally:
+        _CONTEXT.reset(token)
+    samples = [s for g in kept[:rollout_batch_size] for s in g]
+    metrics: dict[str, float] = {
+        "rollout/sampling_rounds": rounds,
+        "rollout/groups_generated": generated,
+        "rollout/groups_dropped": sum(dropped.values()),
+        **{f"rollout/dropped/{reason}": count for reason, count in dropped.items()},
+        **hub.pop_metrics(),
+    }
+    metrics.update(sample_metrics(samples))
+    return samples, metrics
+
+
+def sample_metrics(samples: Sequence[Sample], prefix: str = "rollout") -> dict[str, float]:
+    rewards = [reward_value(s) for s in samples]
+    lengths = [s.response_length for s in samples]
+    return {
+        f"{prefix}/reward_mean": sum(rewards) / len(rewards),
+        f"{prefix}/reward_max": max(rewards),
+        f"{prefix}/response_len_mean": sum(lengths) / len(lengths),
+        f"{prefix}/truncated_frac": sum(s.status == Sample.Status.TRUNCATED for s in samples) / len(samples),
+    }
