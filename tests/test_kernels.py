@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from rlcore.kernels import _torch_ops, linear_logprobs_entropy, logprobs_entropy, reference
 from rlcore.kernels import logprobs as logprobs_module
+from rlcore.kernels._stats import Partial, finalize
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Gradients are rounded to the input dtype; forward outputs are float32 whatever the input.
@@ -146,8 +147,8 @@ def test_chunked_fallback_across_row_chunks(monkeypatch):
     logits = make_logits(n, v, torch.bfloat16, seed=11).requires_grad_()
     targets = torch.randint(0, v, (n,))
     g_lp, g_ent = torch.randn(n), torch.randn(n)
-    part = _torch_ops.partial_stats(logits.detach(), targets, 1.0, True)
-    lse = part.m + part.s.log()
+    m, s, _, _ = _torch_ops.partial_stats(logits.detach(), targets, 0, 1.0, True)
+    lse = m + s.log()
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits.double(), -1), rtol=1e-6, atol=1e-6)
     lp, ent = logprobs_entropy(logits, targets)
     ref_lp, ref_ent, ref_grad = reference_step(logits, targets, g_lp, g_ent)
@@ -176,6 +177,30 @@ def test_invariants(n, v, temperature, shift, seed):
     ref_lp, ref_ent = reference.logprobs_entropy(logits.double(), targets, temperature=temperature)
     assert_forward_close(lp, ref_lp)
     assert_forward_close(ent, ref_ent)
+
+
+@given(
+    n=st.integers(1, 4),
+    cuts=st.lists(st.integers(1, 299), max_size=4, unique=True),
+    with_entropy=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_accumulated_pieces_equal_whole(n, cuts, with_entropy, seed):
+    """Statistics accumulated over any column split of the vocabulary equal those of the whole row."""
+    v = 300
+    logits = make_logits(n, v, torch.float32, seed=seed, kind="mixed")
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    partial_stats, _ = logprobs_module.backend_ops(logits)
+    whole = finalize(Partial(*partial_stats(logits, targets, 0, 0.8, with_entropy)))
+    bounds = [0, *sorted(cuts), v]
+    packed = None
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        packed = partial_stats(logits[:, start:stop].contiguous(), targets, start, 0.8, with_entropy, packed)
+    pieces = finalize(Partial(*packed))
+    # Without entropy the first-moment statistics are not accumulated, so only lse and the target logit count.
+    fields = ("lse", "mu", "entropy", "zt") if with_entropy else ("lse", "zt")
+    for field in fields:
+        torch.testing.assert_close(getattr(pieces, field), getattr(whole, field), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

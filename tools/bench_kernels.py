@@ -209,13 +209,13 @@ def sweep_logits_config(rows, bandwidth, block, warps):
 
 def sweep(rows, bandwidth, rate):
     """Launch configurations of the logits kernels, and chunk / stash sizes of the fused linear op."""
-    for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32)]:
+    for block, warps in [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
         sweep_logits_config(rows, bandwidth, block, warps)
         gc.collect()
         torch.cuda.empty_cache()
     configs = {}
-    for chunk in (4096, 8192, 16384):
-        for stash in (0, 1, 1.5):
+    for chunk in (8192, 12288, 16384):
+        for stash in (0, 1.25, 1.5, 1.75):
             configs[f"chunk={chunk} stash={stash}GiB"] = lambda h, w, t, c=chunk, s=stash: linear_logprobs_entropy(
                 h, w, t, chunk=c, stash_bytes=int(s * GIB)
             )

@@ -7,7 +7,7 @@ size of the logits: a float32 copy of the whole [N, V] logits never exists.
 import torch
 from torch import Tensor
 
-from rlcore.kernels._stats import EMPTY_MAX, Partial
+from rlcore.kernels._stats import EMPTY_MAX, Partial, merge
 
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -24,8 +24,16 @@ def _target_mask(targets: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     return inside, torch.where(inside, targets, torch.zeros_like(targets))
 
 
-def partial_stats(logits: Tensor, targets: Tensor, inv_temperature: float, with_entropy: bool) -> Partial:
-    """:class:`Partial` of ``logits [N, V]``; ``targets [N]`` are column ids in this piece (others contribute 0)."""
+def partial_stats(
+    logits: Tensor,
+    targets: Tensor,
+    col_offset: int,
+    inv_temperature: float,
+    with_entropy: bool,
+    accumulate: Tensor | None = None,
+) -> Tensor:
+    """Packed [4, N] :class:`Partial` of ``logits [N, V]`` (column 0 is vocabulary id ``col_offset``), merged into
+    ``accumulate`` when given (see ``logprobs.triton_partial_stats``)."""
     n, vocab = logits.shape
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     for start, stop in _row_chunks(n, vocab):
@@ -40,15 +48,19 @@ def partial_stats(logits: Tensor, targets: Tensor, inv_temperature: float, with_
             out[2, start:stop] = torch.where(e > 0, e * shifted, 0.0).sum(dim=-1)
         else:
             out[2, start:stop] = 0.0
-        inside, safe = _target_mask(targets[start:stop], vocab)
+        inside, safe = _target_mask(targets[start:stop] - col_offset, vocab)
         picked = z.gather(1, safe[:, None]).squeeze(1)
         out[3, start:stop] = torch.where(inside, picked, 0.0)
-    return Partial(out[0], out[1], out[2], out[3])
+    if accumulate is None:
+        return out
+    accumulate.copy_(torch.stack(merge(Partial(*accumulate), Partial(*out))))
+    return accumulate
 
 
 def logits_grad(
     logits: Tensor,
     targets: Tensor,
+    col_offset: int,
     lse: Tensor,
     mu: Tensor,
     grad_log_probs: Tensor | None,
@@ -65,7 +77,7 @@ def logits_grad(
         if grad_log_probs is not None:
             g = grad_log_probs[start:stop, None].float() * inv_temperature
             grad -= g * p
-            inside, safe = _target_mask(targets[start:stop], vocab)
+            inside, safe = _target_mask(targets[start:stop] - col_offset, vocab)
             grad.scatter_add_(1, safe[:, None], torch.where(inside[:, None], g, 0.0))
         if grad_entropy is not None:
             g = grad_entropy[start:stop, None].float() * inv_temperature

@@ -23,7 +23,6 @@ from rlcore.kernels._stats import (
     check_temperature,
     finalize,
     group_layout,
-    merge,
 )
 from rlcore.kernels.logprobs import backend_ops
 
@@ -33,10 +32,27 @@ DEFAULT_STASH_BYTES = 3 << 29  # 1.5 GiB: with the working chunk, under 2 GiB ex
 
 def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with ``acc`` float32: on CUDA the matmul writes float32 itself, with no rounded temporary."""
-    if a.is_cuda and a.dtype != torch.float32:
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(a @ b)
+
+
+def _stashed_starts(rows: int, vocab: int, chunk: int, element_size: int, stash_bytes: int) -> set[int]:
+    """Starts of the last chunks whose logits fit in ``stash_bytes`` together.
+
+    The last ones: they are the final allocations of the forward, so the stash never coexists with a working chunk.
+    """
+    starts, used = set(), 0
+    for start in reversed(range(0, vocab, chunk)):
+        size = rows * (min(start + chunk, vocab) - start) * element_size
+        if used + size > stash_bytes:
+            break
+        starts.add(start)
+        used += size
+    return starts
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):
@@ -44,26 +60,27 @@ class LinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets_local, inv_temperature, with_entropy, group, chunk, stash_bytes, need_grad
+        ctx, hidden, weight, targets, col_offset, inv_temperature, with_entropy, group, chunk, stash_bytes, need_grad
     ):
         partial_stats, _ = backend_ops(hidden)
         vocab = weight.shape[0]
-        total: Partial | None = None
+        keep = _stashed_starts(hidden.shape[0], vocab, chunk, hidden.element_size(), stash_bytes) if need_grad else ()
+        packed = None
         stash: dict[int, Tensor] = {}
-        stashed_bytes = 0
         for start in range(0, vocab, chunk):
             logits = hidden @ weight[start : start + chunk].T
-            total = merge(total, partial_stats(logits, targets_local - start, inv_temperature, with_entropy))
-            size = logits.numel() * logits.element_size()
-            if need_grad and stashed_bytes + size <= stash_bytes:
+            packed = partial_stats(logits, targets, col_offset + start, inv_temperature, with_entropy, packed)
+            if start in keep:
                 stash[start] = logits
-                stashed_bytes += size
+            del logits
+        total = Partial(*packed)
         if group is not None:
             total = all_reduce(total, group)
         totals = finalize(total)
-        ctx.save_for_backward(hidden, weight, targets_local, totals.lse, totals.mu)
+        ctx.save_for_backward(hidden, weight, targets, totals.lse, totals.mu)
         ctx.stash = stash
         ctx.chunk = chunk
+        ctx.col_offset = col_offset
         ctx.inv_temperature = inv_temperature
         ctx.set_materialize_grads(False)
         log_probs = totals.zt - totals.lse
@@ -72,29 +89,39 @@ class LinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, targets_local, lse, mu = ctx.saved_tensors
+        hidden, weight, targets, lse, mu = ctx.saved_tensors
         stash = ctx.stash
         ctx.stash = None
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         _, logits_grad = backend_ops(hidden)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        # Accumulated transposed ([H, N]): on an H100 cuBLAS ran this form of the product ~3% faster.
+        grad_hidden_t = (
+            torch.zeros(hidden.shape[::-1], dtype=torch.float32, device=hidden.device) if want_hidden else None
+        )
         grad_weight = torch.empty_like(weight) if want_weight else None
         # Stashed chunks first, so their memory is released before recomputed chunks are allocated.
-        starts = list(stash) + [s for s in range(0, weight.shape[0], ctx.chunk) if s not in stash]
+        starts = sorted(stash, reverse=True) + [s for s in range(0, weight.shape[0], ctx.chunk) if s not in stash]
         for start in starts:
             w = weight[start : start + ctx.chunk]
             logits = stash.pop(start) if start in stash else hidden @ w.T
             logits_grad(
-                logits, targets_local - start, lse, mu, grad_log_probs, grad_entropy, ctx.inv_temperature, logits
+                logits,
+                targets,
+                ctx.col_offset + start,
+                lse,
+                mu,
+                grad_log_probs,
+                grad_entropy,
+                ctx.inv_temperature,
+                logits,
             )
             if want_weight:
                 torch.mm(logits.T, hidden, out=grad_weight[start : start + ctx.chunk])
             if want_hidden:
-                _accumulate_matmul(grad_hidden, logits, w)
+                _accumulate_matmul(grad_hidden_t, w.T, logits.T)
             del logits
-        if want_hidden:
-            grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        grad_hidden = torch.empty_like(hidden).copy_(grad_hidden_t.T) if want_hidden else None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_logprobs_entropy(
@@ -155,7 +182,8 @@ def linear_logprobs_entropy(
     log_probs, entropy = LinearLogprobsEntropy.apply(
         hidden.contiguous(),
         weight.contiguous(),
-        targets - rank * vocab_local,
+        targets,
+        rank * vocab_local,
         inv_temperature,
         with_entropy,
         group,

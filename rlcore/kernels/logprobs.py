@@ -33,11 +33,13 @@ def _stats_kernel(
     logits_ptr,
     row_stride,
     targets_ptr,
+    col_offset,
     out_ptr,
     n_rows,
     vocab: tl.constexpr,
     inv_temperature,
     WITH_ENTROPY: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -59,10 +61,22 @@ def _stats_kernel(
             a = (a + s * (m - m_new)) * alpha + tl.sum(tl.where(e > 0, e * shifted, 0.0), axis=0)
         s = s * alpha + tl.sum(e, axis=0)
         m = m_new
-    target = tl.load(targets_ptr + row)
+    target = tl.load(targets_ptr + row) - col_offset
     has_target = (target >= 0) & (target < vocab)
     safe_target = tl.where(has_target, target, 0)
     zt = tl.load(row_ptr + safe_target, mask=has_target, other=0.0).to(tl.float32) * inv_temperature
+    if ACCUMULATE:
+        # Merge with the statistics of the vocabulary pieces already in out (the same algebra as _stats.merge).
+        m_prev = tl.load(out_ptr + row)
+        s_prev = tl.load(out_ptr + n_rows + row)
+        a_prev = tl.load(out_ptr + 2 * n_rows + row)
+        m_new = tl.maximum(m_prev, m)
+        scale_prev = tl.exp(m_prev - m_new)
+        scale = tl.exp(m - m_new)
+        a = (a_prev + s_prev * (m_prev - m_new)) * scale_prev + (a + s * (m - m_new)) * scale
+        s = s_prev * scale_prev + s * scale
+        m = m_new
+        zt += tl.load(out_ptr + 3 * n_rows + row)
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + n_rows + row, s)
     tl.store(out_ptr + 2 * n_rows + row, a)
@@ -76,6 +90,7 @@ def _grad_kernel(
     grad_ptr,
     grad_row_stride,
     targets_ptr,
+    col_offset,
     lse_ptr,
     mu_ptr,
     grad_lp_ptr,
@@ -92,7 +107,7 @@ def _grad_kernel(
     cols = tl.arange(0, BLOCK_V)
     lse = tl.load(lse_ptr + row)
     mu = tl.load(mu_ptr + row)
-    target = tl.load(targets_ptr + row)
+    target = tl.load(targets_ptr + row) - col_offset
     g_lp = 0.0
     g_ent = 0.0
     if HAS_GRAD_LP:
@@ -129,30 +144,41 @@ def _row_major(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def triton_partial_stats(logits: Tensor, targets: Tensor, inv_temperature: float, with_entropy: bool) -> Partial:
-    """:class:`Partial` of ``logits [N, V]`` by the Triton kernel; ``targets`` are column ids in this piece."""
+def triton_partial_stats(
+    logits: Tensor,
+    targets: Tensor,
+    col_offset: int,
+    inv_temperature: float,
+    with_entropy: bool,
+    accumulate: Tensor | None = None,
+) -> Tensor:
+    """Packed [4, N] :class:`Partial` (m, s, a, zt) of ``logits [N, V]``, whose column 0 is vocabulary id
+    ``col_offset``; merged into ``accumulate`` (a previous result, updated and returned) when given."""
     n, vocab = logits.shape
-    out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
+    out = torch.empty(4, n, dtype=torch.float32, device=logits.device) if accumulate is None else accumulate
     if n:
         block, warps = _launch_config(vocab, logits.element_size())
         _stats_kernel[(n,)](
             logits,
             logits.stride(0),
             targets,
+            col_offset,
             out,
             n,
             vocab,
             inv_temperature,
             WITH_ENTROPY=with_entropy,
+            ACCUMULATE=accumulate is not None,
             BLOCK_V=block,
             num_warps=warps,
         )
-    return Partial(out[0], out[1], out[2], out[3])
+    return out
 
 
 def triton_logits_grad(
     logits: Tensor,
     targets: Tensor,
+    col_offset: int,
     lse: Tensor,
     mu: Tensor,
     grad_log_probs: Tensor | None,
@@ -171,6 +197,7 @@ def triton_logits_grad(
         out,
         out.stride(0),
         targets,
+        col_offset,
         lse,
         mu,
         grad_log_probs.contiguous() if grad_log_probs is not None else lse,
@@ -192,16 +219,17 @@ def backend_ops(x: Tensor):
 
 
 class LogprobsEntropy(torch.autograd.Function):
-    """Autograd wrapper: saves the logits (not a copy), the local targets and per-token ``lse`` and ``mu``."""
+    """Autograd wrapper: saves the logits (not a copy), the targets and per-token ``lse`` and ``mu``."""
 
     @staticmethod
-    def forward(ctx, logits, targets_local, inv_temperature, with_entropy, group, inplace_backward):
+    def forward(ctx, logits, targets, col_offset, inv_temperature, with_entropy, group, inplace_backward):
         partial_stats, _ = backend_ops(logits)
-        part = partial_stats(logits, targets_local, inv_temperature, with_entropy)
+        part = Partial(*partial_stats(logits, targets, col_offset, inv_temperature, with_entropy))
         if group is not None:
             part = all_reduce(part, group)
         totals = finalize(part)
-        ctx.save_for_backward(logits, targets_local, totals.lse, totals.mu)
+        ctx.save_for_backward(logits, targets, totals.lse, totals.mu)
+        ctx.col_offset = col_offset
         ctx.inv_temperature = inv_temperature
         ctx.inplace_backward = inplace_backward
         ctx.logits_overwritten = False
@@ -219,11 +247,11 @@ class LogprobsEntropy(torch.autograd.Function):
                     "overwrote the logits with their gradient"
                 )
             ctx.logits_overwritten = True
-        logits, targets_local, lse, mu = ctx.saved_tensors
+        logits, targets, lse, mu = ctx.saved_tensors
         _, logits_grad = backend_ops(logits)
         out = logits if ctx.inplace_backward else torch.empty_like(logits)
-        logits_grad(logits, targets_local, lse, mu, grad_log_probs, grad_entropy, ctx.inv_temperature, out)
-        return out, None, None, None, None, None
+        logits_grad(logits, targets, ctx.col_offset, lse, mu, grad_log_probs, grad_entropy, ctx.inv_temperature, out)
+        return out, None, None, None, None, None, None
 
 
 def logprobs_entropy(
@@ -270,6 +298,6 @@ def logprobs_entropy(
         device=logits.device,
     )
     log_probs, entropy = LogprobsEntropy.apply(
-        _row_major(logits), targets - rank * vocab_local, inv_temperature, with_entropy, group, inplace_backward
+        _row_major(logits), targets, rank * vocab_local, inv_temperature, with_entropy, group, inplace_backward
     )
     return log_probs, entropy if with_entropy else None
