@@ -90,3 +90,46 @@ def test_cuda_linear_matches_reference(dtype, chunk, stash_bytes):
 def test_cuda_out_of_range_target():
     with pytest.raises(ValueError, match="targets must lie in"):
         logprobs_entropy(torch.randn(2, 7, device="cuda"), torch.tensor([0, 7], device="cuda"))
+
+
+def _nccl_vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        n, v, h = 257, 151936, 256
+        v_local = v // world
+        shard = slice(rank * v_local, (rank + 1) * v_local)
+        gen = torch.Generator(device="cuda").manual_seed(7)  # the same full tensors on every rank
+        full = (torch.randn(n, v, device="cuda", generator=gen) * 4).bfloat16()
+        targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+        g_lp, g_ent = torch.randn(n, device="cuda", generator=gen), torch.randn(n, device="cuda", generator=gen)
+        logits = full[:, shard].clone().requires_grad_()
+        lp, ent = logprobs_entropy(logits, targets, temperature=0.7, group=dist.group.WORLD, inplace_backward=True)
+        ref_lp, ref_ent, ref_grad = reference_step(full, targets, g_lp, g_ent, 0.7)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=2e-5, atol=2e-5)
+        (grad,) = torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])
+        assert_grad_close(grad, ref_grad[:, shard], torch.bfloat16)
+
+        hidden = torch.randn(n, h, device="cuda", generator=gen).requires_grad_()
+        weight_full = torch.randn(v, h, device="cuda", generator=gen) / 8
+        weight = weight_full[shard].clone().requires_grad_()
+        lp, ent = linear_logprobs_entropy(hidden, weight, targets, group=dist.group.WORLD, chunk=8192)
+        grad_h, grad_w = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent])
+        dist.all_reduce(grad_h)
+        h64, w64 = hidden.detach().double().requires_grad_(), weight_full.double().requires_grad_()
+        ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, w64, targets)
+        ref_h, ref_w = torch.autograd.grad([ref_lp, ref_ent], [h64, w64], [g_lp.double(), g_ent.double()])
+        for got, want in ((lp, ref_lp), (ent, ref_ent), (grad_h, ref_h), (grad_w, ref_w[shard])):
+            torch.testing.assert_close(got.double(), want, rtol=3e-3, atol=3e-3 * float(want.abs().max()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_vocab_parallel_nccl(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_nccl_vocab_parallel_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

