@@ -86,6 +86,11 @@ def loss_config(cfg: Config) -> LossConfig:
     )
 
 
+def needs_reference(cfg: Config) -> bool:
+    """Whether the trainers keep a frozen reference model (for the KL loss or the KL-in-reward penalty)."""
+    return cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0
+
+
 def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[Sample] | None]:
     """The model folder, its tokenizer, the prompt dataset and the evaluation prompts (None without eval).
 
@@ -162,8 +167,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     torch.manual_seed(cfg.seed)
 
     # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
-    model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
     adv_cfg, loss_cfg = advantage_config(cfg), loss_config(cfg)
+    model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
     hub = RewardHub(cfg.reward, args=cfg)
     filter_fn = (
         load_filter(cfg.rollout.dynamic_sampling_filter_path) if cfg.rollout.dynamic_sampling_filter_path else None
@@ -187,7 +192,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         train_cfg=cfg.train,
         loss_cfg=loss_cfg,
         temperature=cfg.rollout.rollout_temperature,
-        need_ref=cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0,
+        need_ref=needs_reference(cfg),
         seed=cfg.seed,
     )
     engines = EngineGroup(placement, model_path, seed=cfg.seed)

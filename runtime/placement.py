@@ -28,11 +28,13 @@ from runtime.config import Config
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.hf_engine import HFEngine
 
-# Actors inherit no progress bars: a job's console shows the loop's own bar and step lines only.
-_QUIET_ENV = {
+# No progress bars from actors (the console shows the loop's own), and idle OpenMP threads sleep instead of spinning:
+# trainer and engine take turns on the same cores, and a spinning idle actor would slow the working one.
+_ACTOR_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 
@@ -49,7 +51,7 @@ class Placement:
         opts: dict[str, Any] = {
             "num_cpus": self.share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
-            "runtime_env": {"env_vars": {**_QUIET_ENV, "OMP_NUM_THREADS": str(self.threads)}},
+            "runtime_env": {"env_vars": {**_ACTOR_ENV, "OMP_NUM_THREADS": str(self.threads)}},
         }
         if self.use_gpu:
             opts["num_gpus"] = self.share

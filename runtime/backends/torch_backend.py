@@ -6,8 +6,8 @@ One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtim
 
 The loss of an optimizer step is the loss of its whole global batch: every micro-batch is aggregated with a
 :class:`rlcore.losses.Normalizer` of the global batch (summed over micro-batches and reduced over ranks), so its
-gradients add up to the global batch's, and FSDP is told to sum (not average) gradients over ranks. Log-probs and
-entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature.
+gradients add up to the global batch's (FSDP averages over ranks, so each rank scales its loss by the world size).
+Log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature.
 """
 
 from __future__ import annotations
@@ -125,9 +125,6 @@ class TorchTrainer:
                 if type(module).__name__ in block_names:
                     fully_shard(module, **kwargs)
             fully_shard(model, **kwargs)
-            if trainable:
-                # The loss is already the global batch's (a global Normalizer): gradients must add over ranks.
-                model.set_gradient_divide_factor(1.0)
         model.train(trainable)
         return model
 
@@ -135,6 +132,11 @@ class TorchTrainer:
         if self.bf16 and self.world_size == 1:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+    def _backward(self, loss: torch.Tensor, *, real: bool) -> None:
+        # Each rank's loss is its share of the global batch's loss (a global Normalizer), so gradients must add up
+        # over ranks; FSDP averages them (and gloo has no pre-scaled sum), hence the factor world_size.
+        (loss * (self.world_size if real else 0.0)).backward()
 
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
         """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``."""
@@ -238,7 +240,7 @@ class TorchTrainer:
                 batch.set(keys.LOG_PROBS, log_probs)
                 batch.set(keys.ENTROPY, entropy)
                 loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
-                (loss if real else loss * 0.0).backward()
+                self._backward(loss, real=real)
                 if real:
                     for name, value in metrics.items():
                         value = float(value)
@@ -263,7 +265,7 @@ class TorchTrainer:
             log_probs, _ = self._forward(self.model, mb, with_entropy=False)
             mask = mb[keys.MASK].to(self.device)
             loss = aggregate(sft_loss(log_probs), mask, mode="token_mean", norm=norm)
-            (loss if real else loss * 0.0).backward()
+            self._backward(loss, real=real)
             total += float(loss) if real else 0.0
         metrics = self._reduce_metrics({"sft_loss": total}, {})
         metrics["grad_norm"] = self._optimizer_step()

@@ -1,0 +1,469 @@
+"""The runtime end to end on real Ray with a real tiny transformers model on the CPU.
+
+Unit-level checks (batch layout, micro-batching, rank sharding, engine vs trainer log-probs) run in-process; the rest
+start Ray once for the module (``num_cpus=2``) and run real actors and the real loop for a few steps.
+"""
+
+import asyncio
+import json
+import statistics
+import textwrap
+import time
+
+import pytest
+import ray
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlcore import keys
+from rlcore.advantages import compute
+from runtime import checkpoint, task
+from runtime.backends.torch_backend import TorchTrainer, micro_batches
+from runtime.batch import (
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    RESPONSE_TOKENS,
+    TOKENS,
+    build_batch,
+    merge_shards,
+    shard_for_ranks,
+)
+from runtime.cli import EXIT_BAD_INPUT, main
+from runtime.config import Config, from_dict, parse_args, validate
+from runtime.engines import HFEngine, SamplingParams
+from runtime.filters import DynamicFilterOutput
+from runtime.logger import METRICS_FILE, REWARD_PLOT, read_metrics
+from runtime.loop import advantage_config, loss_config, needs_reference, run
+from runtime.placement import EngineGroup, TrainerGroup, create_placement
+from runtime.rewards import RewardHub
+from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
+from runtime.sample import Sample
+from runtime.tiny_model import make_tiny_model
+
+SMALL = {
+    "rollout_batch_size": 4,
+    "n_samples_per_prompt": 4,
+    "rollout_max_response_len": 5,
+    "num_rollout": 2,
+    "global_batch_size": 8,
+    "micro_batch_size": 4,
+    "lr": 1e-3,
+}
+
+
+def small_cfg(tmp_path, **overrides) -> Config:
+    return validate(from_dict(None, output_dir=str(tmp_path / "out"), **{**SMALL, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), alphabet=task.ALPHABET, seed=0))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def random_samples(tokenizer, n_groups, group_size, *, seed):
+    """Scored samples of the built-in task with random responses (varied lengths, some tool-masked tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group, rec in enumerate(task.make_records(n_groups, seed=seed)):
+        prompt = tokenizer(rec["prompt"])["input_ids"]
+        for _ in range(group_size):
+            r = int(torch.randint(1, 6, (), generator=g))
+            response = torch.randint(4, len(tokenizer), (r,), generator=g).tolist()
+            loss_mask = [1] * r
+            if r > 2:
+                loss_mask[1] = 0
+            samples.append(
+                Sample(
+                    group_index=group,
+                    index=group,
+                    tokens=prompt + response,
+                    response_length=r,
+                    loss_mask=loss_mask,
+                    rollout_log_probs=(-torch.rand(r, generator=g)).tolist(),
+                    reward=float(torch.rand((), generator=g)),
+                    label=rec["label"],
+                )
+            )
+    return samples
+
+
+# ---------------------------------------------------------------- batch layout, micro-batches, shards (no Ray)
+
+
+def test_build_batch_layout(tokenizer):
+    samples = random_samples(tokenizer, 3, 2, seed=1)
+    td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+    horizon = max(s.response_length for s in samples)
+    assert td.batch_size == torch.Size([6])
+    assert td[keys.MASK].shape == (6, horizon) and td[keys.MASK].dtype == torch.bool
+    assert td[keys.ROLLOUT_LOG_PROBS].dtype == torch.float32
+    for i, s in enumerate(samples):
+        r = s.response_length
+        assert td[RESPONSE_TOKENS][i, :r].tolist() == s.tokens[-r:]
+        assert td[keys.MASK][i].tolist() == [bool(m) for m in s.loss_mask] + [False] * (horizon - r)
+        assert td[TOKENS][i, : len(s.tokens)].tolist() == s.tokens
+        assert int(td[PROMPT_LENGTHS][i]) + int(td[RESPONSE_LENGTHS][i]) == len(s.tokens)
+        assert td[keys.ROLLOUT_LOG_PROBS][i, :r].tolist() == pytest.approx(s.rollout_log_probs)
+    assert td[keys.GROUP_IDS].tolist() == [s.group_index for s in samples]
+    assert td[keys.REWARDS].tolist() == pytest.approx([s.reward for s in samples])
+
+
+def test_build_batch_rejects_bad_samples(tokenizer):
+    good = random_samples(tokenizer, 1, 1, seed=2)[0]
+    no_group = Sample(tokens=good.tokens, response_length=good.response_length, reward=0.0)
+    with pytest.raises(ValueError, match="group_index"):
+        build_batch([no_group], pad_token_id=0)
+    bad_mask = Sample(group_index=0, tokens=good.tokens, response_length=2, loss_mask=[1], reward=0.0)
+    with pytest.raises(ValueError, match="loss_mask has 1 entries, response 2"):
+        build_batch([bad_mask], pad_token_id=0)
+    empty = Sample(group_index=0, tokens=good.tokens, response_length=0, reward=0.0)
+    with pytest.raises(ValueError, match="response_length 0"):
+        build_batch([empty], pad_token_id=0)
+    with pytest.raises(ValueError, match="at least one"):
+        build_batch([], pad_token_id=0)
+
+
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=30), budget=st.integers(12, 60))
+def test_micro_batches_pack_within_token_budget(lengths, budget):
+    n = len(lengths)
+    td = TensorDict(
+        {PROMPT_LENGTHS: torch.ones(n, dtype=torch.long), RESPONSE_LENGTHS: torch.tensor(lengths) - 1},
+        batch_size=[n],
+    )
+    parts = micro_batches(td, micro_batch_size=1, max_tokens=budget)
+    assert torch.equal(torch.cat([p[RESPONSE_LENGTHS] for p in parts]), td[RESPONSE_LENGTHS])
+    for i, p in enumerate(parts):
+        seq = p[PROMPT_LENGTHS] + p[RESPONSE_LENGTHS]
+        assert len(p) * int(seq.max()) <= budget
+        if i + 1 < len(parts):
+            # Greedy: the next row would not have fitted.
+            nxt = int(parts[i + 1][PROMPT_LENGTHS][0] + parts[i + 1][RESPONSE_LENGTHS][0])
+            assert (len(p) + 1) * max(int(seq.max()), nxt) > budget
+
+
+@given(steps=st.integers(1, 4), world=st.sampled_from([1, 2, 4]), per_rank=st.integers(1, 3))
+def test_shards_cover_each_global_batch_and_merge_back(steps, world, per_rank):
+    gbs = world * per_rank
+    td = TensorDict({"i": torch.arange(steps * gbs)}, batch_size=[steps * gbs])
+    shards = shard_for_ranks(td, global_batch_size=gbs, world_size=world)
+    for s in range(steps):
+        rows = sorted(int(x) for r in range(world) for x in shards[r]["i"][s * per_rank : (s + 1) * per_rank])
+        assert rows == list(range(s * gbs, (s + 1) * gbs))
+    assert torch.equal(merge_shards(shards, global_batch_size=gbs)["i"], td["i"])
+
+
+# ---------------------------------------------------------------- engine and trainer in-process (no Ray)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_log_probs_match_trainer_recompute(model_path, tokenizer, tmp_path, temperature):
+    cfg = small_cfg(tmp_path, rollout_temperature=temperature)
+    engine = HFEngine(model_path, seed=0)
+    trainer = TorchTrainer(
+        model_path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=temperature,
+        need_ref=needs_reference(cfg),
+        seed=0,
+    )
+    prompts = [Sample(tokens=tokenizer(r["prompt"])["input_ids"]) for r in task.make_records(6, seed=3)]
+    gens = engine.generate([p.tokens for p in prompts], SamplingParams(max_new_tokens=6, temperature=temperature))
+    samples = []
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        assert g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.log_probs) >= 1
+        assert g.finish_reason == "length" or g.token_ids[-1] == tokenizer.eos_token_id
+        tokens = p.tokens + g.token_ids
+        samples.append(
+            Sample(group_index=i, tokens=tokens, response_length=len(g.token_ids), rollout_log_probs=g.log_probs)
+        )
+        samples[-1].reward = 0.0
+    td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+    old = trainer.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+    mask = td[keys.MASK]
+    torch.testing.assert_close(old[mask], td[keys.ROLLOUT_LOG_PROBS][mask], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- real actors on Ray
+
+
+@pytest.fixture(scope="class")
+def rig(ray_session, model_path, tokenizer, tmp_path_factory):
+    """One trainer and one engine actor (separate bundles, both CPUs of the session), for one test class."""
+    cfg = small_cfg(tmp_path_factory.mktemp("rig"), use_kl_loss=True)
+    placement = create_placement(cfg)
+    trainers = TrainerGroup(
+        placement,
+        model_path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        need_ref=needs_reference(cfg),
+        seed=0,
+    )
+    engines = EngineGroup(placement, model_path, seed=0)
+    yield cfg, trainers, engines, RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
+    trainers.shutdown()
+    engines.shutdown()
+    ray.util.remove_placement_group(placement.group)
+
+
+def _rollout(ctx, cfg, *, seed=0, **kwargs):
+    hub = RewardHub(cfg.reward, args=cfg)
+    pool = iter(range(10_000))
+
+    def next_prompts(n):
+        recs = task.make_records(n, seed=seed + next(pool))
+        return [
+            Sample(index=i, prompt=r["prompt"], label=r["label"], tokens=ctx.tokenizer(r["prompt"])["input_ids"])
+            for i, r in enumerate(recs)
+        ]
+
+    params = SamplingParams(max_new_tokens=cfg.rollout.rollout_max_response_len)
+    kwargs = {"rollout_batch_size": 4, "n_samples": 4, "params": params, **kwargs}
+    return asyncio.run(collect_rollout(ctx, next_prompts, hub, **kwargs))
+
+
+async def multi_turn_generate(args, sample, sampling_params):
+    """Two model turns around a fake tool output, which is kept out of the loss."""
+    sample = await generate(args, sample, {**sampling_params, "max_new_tokens": 2})
+    sample.metadata = {**sample.metadata, "first_turn": sample.response_length}
+    tool = [task.ALPHABET.index("=") + 4] * 2  # token ids of "==" (after the 4 special tokens)
+    turn = await engine_generate(sample.tokens + tool, {**sampling_params, "max_new_tokens": 2})
+    sample.tokens = sample.tokens + tool + turn.token_ids
+    sample.response_length += len(tool) + len(turn.token_ids)
+    sample.loss_mask = sample.loss_mask + [0] * len(tool) + [1] * len(turn.token_ids)
+    sample.rollout_log_probs = sample.rollout_log_probs + [0.0] * len(tool) + turn.log_probs
+    return sample
+
+
+class TestActors:
+    """Real trainer and engine actors on Ray; the class holds them (and both CPUs) only for its tests."""
+
+    def test_batch_keys_and_shapes_through_actors(self, rig):
+        cfg, trainers, engines, ctx = rig
+        samples, metrics = _rollout(ctx, cfg)
+        assert len(samples) == 16 and metrics["rollout/groups_generated"] == 4
+        assert [s.group_index for s in samples] == [g for g in range(4) for _ in range(4)]
+        td = build_batch(samples, pad_token_id=ctx.tokenizer.pad_token_id)
+        td.update(trainers.compute_log_probs(td, global_batch_size=8))
+        td = compute(td, advantage_config(cfg))
+        horizon = max(s.response_length for s in samples)
+        for key in (keys.MASK, keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS, keys.ROLLOUT_LOG_PROBS, keys.ADVANTAGES):
+            assert td[key].shape == (16, horizon), key
+        for key in (keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS, keys.ROLLOUT_LOG_PROBS, keys.ADVANTAGES, keys.REWARDS):
+            assert td[key].dtype == torch.float32, key
+        assert td[keys.REWARDS].shape == (16,) and td[keys.GROUP_IDS].dtype == torch.int64
+        mask = td[keys.MASK]
+        assert mask.sum(1).tolist() == [s.response_length for s in samples]
+        assert td[keys.REWARDS].tolist() == pytest.approx([task.score(s.response, s.label) for s in samples])
+        # Sampled with the weights the trainer holds: rollout and recomputed log-probs agree.
+        torch.testing.assert_close(td[keys.OLD_LOG_PROBS][mask], td[keys.ROLLOUT_LOG_PROBS][mask], atol=1e-5, rtol=0)
+        # GRPO: the advantages of a group sum to zero (one value per sample, broadcast over its tokens).
+        seq_adv = td[keys.ADVANTAGES][:, 0].view(4, 4)
+        torch.testing.assert_close(seq_adv.sum(1), torch.zeros(4), atol=1e-5, rtol=0)
+
+    def test_weight_sync_makes_engine_equal_trainer(self, rig):
+        cfg, trainers, engines, ctx = rig
+        before = engines.get_weights()
+        samples, _ = _rollout(ctx, cfg, seed=100)
+        td = build_batch(samples, pad_token_id=ctx.tokenizer.pad_token_id)
+        td.update(trainers.compute_log_probs(td, global_batch_size=8))
+        metrics = trainers.train(compute(td, advantage_config(cfg)), global_batch_size=8)
+        assert metrics["num_steps"] == 2 and metrics["grad_norm"] > 0
+        weights = ray.get(trainers.weights_ref())
+        assert any(not torch.equal(weights[k], before[k]) for k in before), "training did not change the weights"
+        engines.update_weights(trainers.weights_ref(), version=7)
+        after = engines.get_weights()
+        assert set(after) <= set(weights) | {"lm_head.weight"}
+        for name, value in after.items():
+            source = weights.get(name, weights.get("model.embed_tokens.weight"))
+            assert torch.equal(value, source), name
+        assert ray.get(engines.actors[0].ping.remote()) == 7
+
+    def test_custom_multi_turn_generate_masks_tool_tokens(self, rig, tokenizer):
+        cfg, trainers, engines, ctx = rig
+        assert tokenizer.convert_ids_to_tokens(task.ALPHABET.index("=") + 4) == "="
+        samples, _ = _rollout(ctx, cfg, custom_generate=multi_turn_generate)
+        td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+        for i, s in enumerate(samples):
+            turn1 = s.metadata["first_turn"]
+            assert td[keys.MASK][i, : s.response_length].tolist() == [True] * turn1 + [False] * 2 + [True] * (
+                s.response_length - turn1 - 2
+            )
+        td.update(trainers.compute_log_probs(td, global_batch_size=8))
+        mask = td[keys.MASK]
+        torch.testing.assert_close(td[keys.OLD_LOG_PROBS][mask], td[keys.ROLLOUT_LOG_PROBS][mask], atol=1e-5, rtol=0)
+
+    def test_over_sampling_keeps_the_batch_full_under_a_filter(self, rig):
+        cfg, _, _, ctx = rig
+
+        def drop_odd_groups(args, group, **kwargs):
+            keep = group[0].group_index % 2 == 0
+            return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
+
+        samples, metrics = _rollout(ctx, cfg, over_sampling_batch_size=6, filter_fn=drop_odd_groups)
+        assert len(samples) == 16
+        assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/groups_generated"] == 12
+        assert metrics["rollout/dropped/odd"] == 6
+        assert all(s.group_index % 2 == 0 for s in samples)
+
+        def drop_all(args, group, **kwargs):
+            return DynamicFilterOutput(keep=False, reason="never")
+
+        with pytest.raises(RuntimeError, match="short of --rollout-batch-size"):
+            _rollout(ctx, cfg, filter_fn=drop_all)
+
+
+def test_two_fsdp_trainers_give_the_single_trainer_gradient(ray_session, model_path, tokenizer, tmp_path):
+    cfg = small_cfg(tmp_path, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, micro_batch_size=2)
+    kwargs = dict(
+        train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, need_ref=needs_reference(cfg), seed=0
+    )
+    td = build_batch(random_samples(tokenizer, 4, 4, seed=5), pad_token_id=tokenizer.pad_token_id)
+    single = TorchTrainer(model_path, **kwargs)
+    td_single = td.clone()
+    td_single.update(single.compute_log_probs(td))
+    td_single = compute(td_single, advantage_config(cfg))
+    expected = single.train(td_single, per_step_rows=8)
+
+    placement = create_placement(cfg)
+    group = TrainerGroup(placement, model_path, **kwargs)
+    try:
+        td_dist = td.clone()
+        td_dist.update(group.compute_log_probs(td_dist, global_batch_size=8))
+        torch.testing.assert_close(td_dist[keys.OLD_LOG_PROBS], td_single[keys.OLD_LOG_PROBS], atol=1e-5, rtol=0)
+        got = group.train(compute(td_dist, advantage_config(cfg)), global_batch_size=8)
+        for name in ("grad_norm", "pg_loss", "loss", "entropy", "clipfrac", "approx_kl_old"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
+        full = ray.get(group.weights_ref())
+        assert set(full) == set(single.get_weights())
+    finally:
+        group.shutdown()
+        ray.util.remove_placement_group(placement.group)
+
+
+# ---------------------------------------------------------------- the whole loop
+
+
+def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
+    cfg = small_cfg(tmp_path, num_rollout=3, eval_interval=2, n_samples_per_eval_prompt=1)
+    result = run(cfg, progress=False)
+    out = result.output_dir
+    rows = read_metrics(out / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    required = ["rollout/reward_mean", "train/loss", "train/kl", "train/entropy", "train/clipfrac"]
+    for row in rows:
+        for key in [*required, "perf/step_time", "perf/weight_sync_time"]:
+            assert key in row, key
+        assert 0.0 <= row["rollout/reward_mean"] <= 1.0
+        assert row["train/num_steps"] == 2  # 16 samples per rollout, global batch 8
+        assert row["train/rollout_log_prob_abs_diff"] < 1e-4
+    assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / REWARD_PLOT).stat().st_size > 0
+    assert parse_args(["--config", str(out / "config.yaml")]) == cfg
+    model = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
+    assert changed, "the final model equals the initial one"
+
+
+def test_raising_reward_function_is_counted_and_the_run_goes_on(ray_session, tmp_path):
+    hook = tmp_path / "flaky_reward.py"
+    hook.write_text(
+        textwrap.dedent(
+            """
+            from runtime import task
+
+            def reward(args, sample, **kwargs):
+                if sample.response.startswith(("1", "3", "5", "7", "9")):
+                    raise RuntimeError("reward server down")
+                return task.score(sample.response, sample.label)
+            """
+        )
+    )
+    cfg = small_cfg(tmp_path, custom_rm_path=f"{hook}:reward")
+    result = run(cfg, progress=False)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert len(rows) == 2
+    assert sum(r["reward/errors"] for r in rows) > 0
+    assert all(r["reward/num_scored"] == 16 for r in rows)
+    assert (result.output_dir / "final_model" / "config.json").is_file()
+
+
+def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, tmp_path):
+    save = tmp_path / "ckpt"
+    full = run(small_cfg(tmp_path / "a", num_rollout=4, save=str(save), save_interval=2), progress=False)
+    assert (save / "latest").read_text() == "step_000004"
+    at_2 = torch.load(save / "step_000002" / checkpoint.LOOP_STATE, weights_only=False)
+    at_4 = torch.load(save / "step_000004" / checkpoint.LOOP_STATE, weights_only=False)
+    assert at_2["step"] == 2 and at_2["data"]["offset"] == 8 and at_4["data"]["offset"] == 16
+
+    save_b = tmp_path / "ckpt_b"
+    resumed = run(
+        small_cfg(tmp_path / "b", num_rollout=4, load=str(save / "step_000002"), save=str(save_b)), progress=False
+    )
+    assert [r["step"] for r in resumed.history] == [2, 3]
+    at_4_resumed = torch.load(save_b / "step_000004" / checkpoint.LOOP_STATE, weights_only=False)
+    assert at_4_resumed["data"] == at_4["data"]
+    # Same weights, optimizer, data position and sampling RNG: the resumed steps repeat the uninterrupted ones.
+    for a, b in zip(full.history[2:], resumed.history, strict=True):
+        assert b["rollout/reward_mean"] == pytest.approx(a["rollout/reward_mean"])
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
+
+
+# ---------------------------------------------------------------- the CLI's errors (nothing starts)
+
+
+def test_cli_reports_inconsistent_config(capsys):
+    assert main(["--global-batch-size", "7", "--micro-batch-size", "2"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--global-batch-size 7" in err and "--micro-batch-size 2" in err
+    assert main(["--n-samples-per-prompt", "1", "--global-batch-size", "32"]) == EXIT_BAD_INPUT
+    assert "--n-samples-per-prompt 1" in capsys.readouterr().err
+
+
+def test_cli_reports_unsupported_estimator(tmp_path, capsys):
+    assert main(["--advantage-estimator", "ppo", "--output-dir", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "--advantage-estimator ppo needs a critic" in capsys.readouterr().err
+
+
+def test_cli_reports_malformed_data_with_its_line(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n" + '{"prompt": "c3=", "label": \n')
+    args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--output-dir", str(tmp_path / "out")]
+    assert main(args) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "line 2" in err and str(data) in err
+
+
+# ---------------------------------------------------------------- the learning run
+
+
+@pytest.mark.slow
+def test_default_job_learns_within_ten_minutes(tmp_path):
+    start = time.perf_counter()
+    cfg = parse_args(["--output-dir", str(tmp_path / "default")])
+    result = run(cfg, progress=False)
+    wall = time.perf_counter() - start
+    rewards = [r["rollout/reward_mean"] for r in read_metrics(result.output_dir / METRICS_FILE)]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    print(f"default job: {len(rewards)} steps, first-10 reward {first:.3f}, last-10 {last:.3f}, wall {wall:.0f}s")
+    assert last - first >= 0.3
+    assert wall <= 600
