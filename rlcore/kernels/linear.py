@@ -13,6 +13,7 @@ for that recomputation.
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from rlcore._checks import check_tensor
 from rlcore.kernels._stats import (
@@ -90,6 +91,7 @@ class LinearLogprobsEntropy(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, targets, lse, mu = ctx.saved_tensors
         stash = ctx.stash

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from triton.runtime.jit import JITFunction
 
 from rlcore.kernels import _torch_ops
@@ -28,6 +29,9 @@ from rlcore.kernels._stats import (
 )
 
 
+# In both kernels the vocabulary size is a compile-time constant: under Triton's interpreter with NumPy >= 2.4 a
+# runtime scalar arrives as a 1-element array that cannot bound a Python range, and a training run sees one or two
+# sizes (the vocabulary, or a chunk and its tail), so one compilation each is cheap.
 @triton.jit
 def _stats_kernel(
     logits_ptr,
@@ -239,6 +243,7 @@ class LogprobsEntropy(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
         if ctx.inplace_backward:
             if ctx.logits_overwritten:
