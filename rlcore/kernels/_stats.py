@@ -8,9 +8,10 @@ one rank's shard) to four float32 numbers per token, on the temperature-scaled l
 - ``a = sum(exp(z - m) * (z - m))`` (kept relative to ``m`` so the entropy does not cancel catastrophically),
 - ``zt``: the target's scaled logit where the target lies in the piece, else 0.
 
-Pieces merge exactly (a log-sum-exp with a shifted first moment), across chunks with :func:`merge` and across ranks
-with :func:`all_reduce`; :func:`finalize` turns the totals into ``lse``, ``mu = sum(p * z)`` and the entropy
-``lse - mu``. The backward only needs ``lse`` and ``mu`` per token.
+Pieces merge exactly (a log-sum-exp with a shifted first moment): across chunks with :func:`merge` (the Triton
+statistics kernel does the same merge in place), across ranks with :func:`all_reduce`; :func:`finalize` turns the
+totals into ``lse``, ``mu = sum(p * z)`` and the entropy ``lse - mu``. The backward only needs ``lse`` and ``mu``
+per token.
 """
 
 import math

@@ -1,14 +1,16 @@
 """Fused LM head + log-probability + entropy: ``hidden [N, H] x weight [V, H]`` without ever holding [N, V] logits.
 
 The vocabulary is walked in column chunks. Forward: each chunk's logits ``hidden @ weight[c]^T`` ([N, chunk], the
-input dtype) go through the logits kernel's statistics pass and are merged exactly (see ``_stats``); the chunk is
-then dropped, unless it fits in the ``stash_bytes`` budget, in which case it is kept for the backward. Backward, per
-chunk: the stashed logits or a recomputed ``hidden @ weight[c]^T``; d(logits) written in place by the logits kernel;
-``grad_weight[c] = d(logits)^T @ hidden`` (complete in one matmul, so it is accumulated in float32 inside the matmul)
-and ``grad_hidden += d(logits) @ weight[c]`` (into a float32 [N, H] accumulator).
+input dtype) go through the logits kernel's statistics pass, which merges them exactly into the running per-token
+statistics (see ``_stats``); the chunk is then dropped, except the last chunks that fit in ``stash_bytes``, which are
+kept for the backward (the last ones, so that no working chunk coexists with the full stash). Backward, per chunk,
+stashed ones first: the stashed logits or a recomputed ``hidden @ weight[c]^T``; d(logits) written in place by the
+logits kernel; ``grad_weight[c] = d(logits)^T @ hidden`` (complete in one matmul, so accumulated in float32 inside
+it) and ``grad_hidden += d(logits) @ weight[c]`` (into a float32 accumulator).
 
 Cost: 2NHV FLOPs forward, and 4NHV backward plus 2NHV for each chunk that was not stashed; the stash trades memory
-for that recomputation.
+for that recomputation. Extra memory: the stash, one working chunk when no stash is held, and the float32
+[N, H] accumulator.
 """
 
 import torch
