@@ -104,6 +104,20 @@ def test_inplace_backward_runs_once():
         lp.sum().backward()
 
 
+@pytest.mark.parametrize("targets_dtype", [torch.int64, torch.int32])
+def test_strided_inputs(targets_dtype):
+    """A strided logits view (copied to row-major) and strided targets give the reference values."""
+    wide = make_logits(4, 600, torch.bfloat16, seed=8)
+    logits = wide[:, ::2].requires_grad_()
+    targets = torch.tensor([5, 0, 17, 0, 299, 0, 42, 0], dtype=targets_dtype)[::2]
+    g_lp, g_ent = torch.randn(4), torch.randn(4)
+    lp, ent = logprobs_entropy(logits, targets, temperature=1.3)
+    ref_lp, ref_ent, ref_grad = reference_step(logits, targets, g_lp, g_ent, temperature=1.3)
+    assert_forward_close(lp, ref_lp)
+    assert_forward_close(ent, ref_ent)
+    assert_grad_close(torch.autograd.grad([lp, ent], logits, [g_lp, g_ent])[0], ref_grad, torch.bfloat16)
+
+
 def test_single_output_gradients():
     n, v = 3, 257
     logits = make_logits(n, v, torch.float32, seed=5).requires_grad_()

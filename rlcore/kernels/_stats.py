@@ -113,7 +113,7 @@ def check_targets(targets: object, *, rows: int, rows_name: str, vocab: int, dev
                 f"(shape {tuple(targets.shape)}). There is no ignore index: give padded positions any valid id "
                 "and mask them downstream."
             )
-    return targets.to(torch.int64)
+    return targets.to(torch.int64).contiguous()
 
 
 def check_float_matrix(name: str, x: object) -> Tensor:
