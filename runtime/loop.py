@@ -8,6 +8,7 @@ the loss inside the trainers) or a small runtime piece with one job (``rollout``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from runtime.data import PromptDataset
 from runtime.engines.base import SamplingParams
 from runtime.filters import load_filter
 from runtime.hooks import load_function
-from runtime.logger import REWARD_PLOT, MetricsLogger, format_step_line, plot_rewards
+from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, format_step_line, plot_rewards
 from runtime.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.rewards import RewardHub
 from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, sample_metrics
@@ -184,38 +185,46 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     )
     gbs = cfg.train.global_batch_size
 
-    started_ray = _init_ray(cfg)
-    placement = create_placement(cfg)
-    trainers = TrainerGroup(
-        placement,
-        model_path,
-        train_cfg=cfg.train,
-        loss_cfg=loss_cfg,
-        temperature=cfg.rollout.rollout_temperature,
-        need_ref=needs_reference(cfg),
-        seed=cfg.seed,
-    )
-    engines = EngineGroup(placement, model_path, seed=cfg.seed)
-    ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
+    # Actors, logger and bar are released in reverse order however the job ends.
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(hub.close)
+        if _init_ray(cfg):
+            cleanup.callback(ray.shutdown)
+        placement = create_placement(cfg)
+        cleanup.callback(ray.util.remove_placement_group, placement.group)
+        trainers = TrainerGroup(
+            placement,
+            model_path,
+            train_cfg=cfg.train,
+            loss_cfg=loss_cfg,
+            temperature=cfg.rollout.rollout_temperature,
+            need_ref=needs_reference(cfg),
+            seed=cfg.seed,
+        )
+        cleanup.callback(trainers.shutdown)
+        engines = EngineGroup(placement, model_path, seed=cfg.seed)
+        cleanup.callback(engines.shutdown)
+        ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
 
-    start_step = 0
-    if cfg.ckpt.load is not None:
-        start_step = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, dataset=dataset)
-    elif cfg.train.sft_warmup_steps:
-        sft_warmup(cfg, trainers, tokenizer)
-    engines.update_weights(trainers.weights_ref(), version=start_step)
+        start_step = 0
+        if cfg.ckpt.load is not None:
+            start_step = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, dataset=dataset)
+        elif cfg.train.sft_warmup_steps:
+            sft_warmup(cfg, trainers, tokenizer)
+        engines.update_weights(trainers.weights_ref(), version=start_step)
 
-    logger = MetricsLogger(
-        out,
-        use_tensorboard=cfg.log.use_tensorboard,
-        use_wandb=cfg.log.use_wandb,
-        wandb_project=cfg.log.wandb_project,
-        config=to_dict(cfg),
-        resume=start_step > 0,
-    )
-    history: list[dict[str, Any]] = []
-    bar = ProgressBar(cfg.rollout.num_rollout, start_step, enabled=progress)
-    try:
+        logger = MetricsLogger(
+            out,
+            use_tensorboard=cfg.log.use_tensorboard,
+            use_wandb=cfg.log.use_wandb,
+            wandb_project=cfg.log.wandb_project,
+            config=to_dict(cfg),
+            resume=start_step > 0,
+        )
+        cleanup.callback(logger.close)
+        history: list[dict[str, Any]] = []
+        bar = ProgressBar(cfg.rollout.num_rollout, start_step, enabled=progress)
+        cleanup.callback(bar.close)
         for step in range(start_step, cfg.rollout.num_rollout):
             step_start = time.perf_counter()
             metrics: dict[str, float] = {}
@@ -278,16 +287,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, dataset=dataset)
 
         trainers.save_hf(str(out / "final_model"))
-        logger.close()
-        plot_rewards(out / "metrics.jsonl", out / REWARD_PLOT)
-    finally:
-        bar.close()
-        hub.close()
-        trainers.shutdown()
-        engines.shutdown()
-        ray.util.remove_placement_group(placement.group)
-        if started_ray:
-            ray.shutdown()
+    plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=cfg.rollout.num_rollout, history=history)
 
 

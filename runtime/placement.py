@@ -10,6 +10,7 @@ each taking half of it, and the loop offloads one while the other works.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Sequence
@@ -146,7 +147,9 @@ class TrainerGroup:
         self._all("resume_memory")
 
     def shutdown(self) -> None:
-        self._all("shutdown")
+        # Best effort: this runs while a failed job unwinds, when an actor may already be dead.
+        with contextlib.suppress(ray.exceptions.RayError):
+            self._all("shutdown")
         for a in self.actors:
             ray.kill(a)
 

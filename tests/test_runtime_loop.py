@@ -384,6 +384,27 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
     assert changed, "the final model equals the initial one"
 
 
+def test_run_colocated_with_two_fsdp_trainers_two_engines_token_budget_and_sft(ray_session, tmp_path):
+    cfg = small_cfg(
+        tmp_path,
+        colocate=True,
+        actor_num_gpus_per_node=2,
+        rollout_num_gpus=2,
+        max_tokens_per_gpu=24,
+        sft_warmup_steps=2,
+    )
+    result = run(cfg, progress=False)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["train/num_steps"] == 2
+        # Two engines sampled with the trainers' weights: their log-probs still agree with the recomputed ones.
+        assert row["train/rollout_log_prob_abs_diff"] < 1e-4
+    # The reference is the initial model and SFT moved the policy away from it before the first rollout.
+    assert rows[0]["train/kl"] > 0
+    assert (result.output_dir / "final_model" / "config.json").is_file()
+
+
 def test_raising_reward_function_is_counted_and_the_run_goes_on(ray_session, tmp_path):
     hook = tmp_path / "flaky_reward.py"
     hook.write_text(

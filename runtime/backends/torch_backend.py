@@ -95,6 +95,8 @@ class TorchTrainer:
         torch.manual_seed(seed + rank)
         self.group = None
         if world_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
                 backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
