@@ -132,6 +132,7 @@ def linear_methods():
 
     methods = {
         "rlcore fused linear": lambda h, w, t: linear_logprobs_entropy(h, w, t),
+        "rlcore fused linear, no stash": lambda h, w, t: linear_logprobs_entropy(h, w, t, stash_bytes=0),
         "naive matmul + fp32 log_softmax": naive,
     }
     try:
