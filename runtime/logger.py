@@ -18,7 +18,7 @@ CONSOLE_FIELDS = (
     ("train/kl", "kl", "{:.4f}"),
     ("train/entropy", "entropy", "{:.3f}"),
     ("train/clipfrac", "clipfrac", "{:.3f}"),
-    ("perf/step_time", "step", "{:.2f}s"),
+    ("perf/step_time", "", "{:.2f}s/step"),
 )
 
 
@@ -31,10 +31,10 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
     parts = [f"step {step}/{total}"]
     for key, label, fmt in CONSOLE_FIELDS:
         if key in metrics:
-            parts.append(f"{label} {fmt.format(metrics[key])}")
+            parts.append(f"{label} {fmt.format(metrics[key])}".strip())
     if "eval/reward_mean" in metrics:
         parts.append(f"eval {metrics['eval/reward_mean']:.3f}")
-    return " | ".join(parts)
+    return "  ".join(parts)
 
 
 class MetricsLogger:

@@ -333,7 +333,7 @@ class ProgressBar:
         if self._progress is None:
             print(line, flush=True)
             return
-        self._progress.console.print(line)
+        self._progress.console.print(line, highlight=False)
         self._progress.advance(self._task)
 
     def close(self) -> None:
