@@ -460,9 +460,14 @@ def test_cli_reports_inconsistent_config(capsys):
     assert "--n-samples-per-prompt 1" in capsys.readouterr().err
 
 
-def test_cli_reports_unsupported_estimator(tmp_path, capsys):
+def test_cli_reports_settings_the_runtime_cannot_run(tmp_path, capsys):
     assert main(["--advantage-estimator", "ppo", "--output-dir", str(tmp_path)]) == EXIT_BAD_INPUT
     assert "--advantage-estimator ppo needs a critic" in capsys.readouterr().err
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n")
+    args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--sft-warmup-steps", "2"]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    assert "--sft-warmup-steps" in capsys.readouterr().err
 
 
 def test_cli_reports_malformed_data_with_its_line(tmp_path, capsys):
