@@ -77,7 +77,7 @@ class RolloutConfig:
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
-    num_rollout: int = field(default=200, metadata=_help("number of rollout (and training) steps"))
+    num_rollout: int = field(default=250, metadata=_help("number of rollout (and training) steps"))
     custom_generate_function_path: str | None = field(
         default=None, metadata=_help("async def generate(args, sample, sampling_params) -> Sample, as module:function")
     )
@@ -133,12 +133,12 @@ class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal["torch"] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
-    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
+    micro_batch_size: int = field(default=32, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
     lr: float = field(
-        default=3e-3, metadata=_help("learning rate (AdamW); the default suits the tiny built-in model only")
+        default=1e-3, metadata=_help("learning rate (AdamW); the default suits the tiny built-in model only")
     )
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
