@@ -1,0 +1,486 @@
+"""A stand-in for an SGLang server, for tests only: SGLang itself cannot run here (no GPU, and its kernel wheel
+alone is over 500 MB), so this serves the same native HTTP endpoints with the same JSON shapes as SGLang 0.5.x (the
+line slime pins, v0.5.15.post1 in its Docker image) and really generates with a transformers model.
+
+What it reproduces, because the adapter depends on it:
+
+- ``/generate`` takes ``input_ids`` (one prompt, or a list of prompts answered by a list), ``sampling_params`` (one
+  object for all prompts, or one per prompt) and the logprob fields; it samples with temperature, top-k and top-p
+  (top-k/top-p truncate and renormalise the tempered distribution) and reports SGLang's default log-probs:
+  ``log_softmax(logits / temperature)`` over the whole vocabulary, taken before the truncation (plain
+  ``log_softmax(logits)`` for greedy, temperature 0). A response ends at the model's eos (unless ``ignore_eos``) or any
+  of ``stop_token_ids``; the stop token is trimmed from ``output_ids`` and ``text`` unless ``no_stop_trim``, but always
+  kept in ``output_token_logprobs``, as in SGLang.
+- Unknown request fields (top level or in ``sampling_params``) and wrongly typed ones are refused with HTTP 400 and
+  SGLang's error body, the way its dataclass/pydantic parsing refuses them, so adapter mistakes fail loudly.
+- ``/update_weights_from_disk`` loads the safetensors of an HF folder into the live model; the memory-occupation
+  endpoints switch a "released" state in which ``/generate`` is refused (a released SGLang has no weights or KV cache);
+  ``/abort_request`` ends running requests with ``finish_reason.type == "abort"``.
+
+Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
+LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+# Field names of SGLang's GenerateReqInput that this fake accepts; any other name is refused like an unknown field.
+GENERATE_FIELDS = {
+    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
+    "return_hidden_states", "lora_path", "custom_logit_processor", "session_params", "priority", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "data_parallel_rank", "image_data", "audio_data", "video_data", "modalities",
+}  # fmt: skip
+# Field names of SGLang's SamplingParams.
+SAMPLING_FIELDS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+}  # fmt: skip
+# Fields of UpdateWeightFromDiskReqInput.
+UPDATE_FROM_DISK_FIELDS = {
+    "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
+    "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
+}  # fmt: skip
+MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
+ABORT_FIELDS = {"rid", "abort_all", "finished_reason", "abort_message"}
+# Values of these sampling fields change sampling in ways the fake does not implement: refused unless neutral.
+NEUTRAL_SAMPLING = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "logit_bias": None, "custom_params": None,
+}  # fmt: skip
+_SAMPLING_EPS = 1e-6
+
+
+class BadRequest(ValueError):
+    """A request SGLang would refuse with HTTP 400."""
+
+
+def _validation_error(message: str) -> web.Response:
+    # SGLang turns request-validation errors into HTTP 400 with an OpenAI-style error object.
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return web.json_response(body, status=400)
+
+
+def _handler_error(message: str) -> web.Response:
+    # Errors raised while serving a parsed request come back as {"error": {"message": ...}}.
+    return web.json_response({"error": {"message": message}}, status=400)
+
+
+def _check_fields(obj: Any, allowed: set[str], what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise BadRequest(f"{what} must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise BadRequest(f"{what}: unexpected keyword argument(s) {unknown}")
+    return obj
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+class _Sampling:
+    """One request's validated sampling settings (SGLang's defaults where the request leaves a field out)."""
+
+    def __init__(self, raw: Any, *, vocab_size: int):
+        raw = _check_fields(raw if raw is not None else {}, SAMPLING_FIELDS, "sampling_params")
+        for name, neutral in NEUTRAL_SAMPLING.items():
+            if raw.get(name, neutral) not in (neutral, None):
+                raise BadRequest(f"sampling_params.{name}={raw[name]!r} is not supported by the fake server")
+        self.max_new_tokens = raw.get("max_new_tokens", 128)
+        self.temperature = raw.get("temperature", 1.0)
+        self.top_p = raw.get("top_p", 1.0)
+        self.top_k = raw.get("top_k", -1)
+        self.ignore_eos = raw.get("ignore_eos", False)
+        self.no_stop_trim = raw.get("no_stop_trim", False)
+        self.skip_special_tokens = raw.get("skip_special_tokens", True)
+        self.sampling_seed = raw.get("sampling_seed")
+        stop = raw.get("stop_token_ids") or []
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens!r}.")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadRequest(f"temperature must be a non-negative finite number, got {self.temperature!r}.")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {self.top_k!r}.")
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadRequest(f"sampling_params.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(stop, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in stop):
+            raise BadRequest(f"stop_token_ids must be a list of token ids below {vocab_size}, got {stop!r}")
+        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
+            raise BadRequest(f"sampling_seed must be an int, got {self.sampling_seed!r}")
+        self.stop_token_ids = set(stop)
+        self.greedy = self.temperature < _SAMPLING_EPS
+
+
+class FakeSGLangServer:
+    """An HTTP server on ``host:port`` (port 0: a free one) in a background thread, serving a HF model folder.
+
+    ``startup_delay`` seconds of ``503`` from the health routes mimic a server still loading; ``token_delay`` slows
+    each decoding step so that a test can abort a running request. Use as a context manager; ``url`` is the base URL.
+    ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state to tests.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        startup_delay: float = 0.0,
+        token_delay: float = 0.0,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_ids = {self.tokenizer.eos_token_id}
+        self.generator = torch.Generator().manual_seed(seed)
+        self.host, self.port = host, port
+        self.startup_delay, self.token_delay = startup_delay, token_delay
+        self.weight_version = "default"
+        self.released = False
+        self.requests: dict[str, int] = {}
+        self._aborted: set[str] = set()
+        self._abort_all = threading.Event()
+        self._running: set[str] = set()
+        self._model_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started_at = 0.0
+        self._request_counter = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> FakeSGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> FakeSGLangServer:
+        self._thread = threading.Thread(target=self._serve, name="fake-sglang", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("fake SGLang server did not start within 30 s")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            self._loop = self._thread = None
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        app = web.Application(middlewares=[self._count])
+        app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/health_generate", self._health),
+                web.get("/get_model_info", self._model_info),
+                web.get("/get_weight_version", self._get_weight_version),
+                web.post("/generate", self._generate),
+                web.put("/generate", self._generate),
+                web.get("/flush_cache", self._flush_cache),
+                web.post("/flush_cache", self._flush_cache),
+                web.post("/update_weights_from_disk", self._update_weights_from_disk),
+                web.get("/release_memory_occupation", self._release),
+                web.post("/release_memory_occupation", self._release),
+                web.get("/resume_memory_occupation", self._resume),
+                web.post("/resume_memory_occupation", self._resume),
+                web.post("/abort_request", self._abort),
+            ]
+        )
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, self.host, self.port)
+        loop.run_until_complete(site.start())
+        self.port = runner.addresses[0][1]
+        self._started_at = time.monotonic()
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        self.requests[request.path] = self.requests.get(request.path, 0) + 1
+        return await handler(request)
+
+    # -- routes ---------------------------------------------------------------------------------------------------
+
+    async def _json_body(self, request: web.Request, allowed: set[str], what: str) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise BadRequest(f"{what}: body is not JSON ({e})") from e
+        return _check_fields({} if body is None else body, allowed, what)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if time.monotonic() - self._started_at < self.startup_delay:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+            }
+        )
+
+    async def _get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        # SGLang refuses to flush while requests are running or waiting.
+        status = 400 if self._running else 200
+        return web.Response(text="Cache flushed.\n", status=status)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        return await self._memory(request, release=True)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._memory(request, release=False)
+
+    async def _memory(self, request: web.Request, *, release: bool) -> web.Response:
+        try:
+            body = await self._json_body(request, {"tags"}, f"{'Release' if release else 'Resume'}MemoryOccupation")
+            tags = body.get("tags")
+            if tags is not None and (not isinstance(tags, list) or not set(tags) <= MEMORY_TAGS):
+                raise BadRequest(f"tags must be null or a list drawn from {sorted(MEMORY_TAGS)}, got {tags!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        if release == self.released:
+            return _handler_error(f"memory is already {'released' if release else 'resumed'}")
+        self.released = release
+        return web.json_response(None)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, ABORT_FIELDS, "AbortReq")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        # As in SGLang, an abort only reaches requests that are running now.
+        if body.get("abort_all") and self._running:
+            self._abort_all.set()
+        elif body.get("rid") in self._running:
+            self._aborted.add(body["rid"])
+        return web.Response(status=200)
+
+    async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, UPDATE_FROM_DISK_FIELDS, "UpdateWeightFromDiskReqInput")
+            if not isinstance(body.get("model_path"), str):
+                raise BadRequest(f"model_path must be a string, got {body.get('model_path')!r}")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest(f"weight_version must be a string or null, got {version!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        try:
+            self._load_weights(Path(body["model_path"]))
+        except (OSError, ValueError, RuntimeError) as e:
+            return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
+        if version is not None:
+            self.weight_version = version
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, GENERATE_FIELDS, "GenerateReqInput")
+            jobs, single = self._parse_generate(body)
+        except BadRequest as e:
+            return _validation_error(str(e))
+        if self.released:
+            return _handler_error("the server's memory is released: call /resume_memory_occupation first")
+        loop = asyncio.get_running_loop()
+        outputs = []
+        for job in jobs:
+            self._running.add(job["rid"])
+            try:
+                outputs.append(await loop.run_in_executor(None, self._generate_one, job))
+            finally:
+                self._running.discard(job["rid"])
+        if not self._running:
+            self._abort_all.clear()
+            self._aborted.clear()
+        return web.json_response(outputs[0] if single else outputs)
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    def _parse_generate(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        if body.get("text") is not None or body.get("input_embeds") is not None:
+            raise BadRequest("the fake server takes input_ids only")
+        if body.get("stream"):
+            raise BadRequest("the fake server does not stream")
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest(f"input_ids must be a non-empty list of ints or of int lists, got {str(ids)[:80]}")
+        single = not isinstance(ids[0], list)
+        prompts = [ids] if single else ids
+        for i, p in enumerate(prompts):
+            if not isinstance(p, list) or not p or not all(_is_int(t) and 0 <= t < self.vocab_size for t in p):
+                raise BadRequest(f"input_ids[{i}] must be a non-empty list of token ids below {self.vocab_size}")
+        n = len(prompts)
+        params = _per_prompt(body.get("sampling_params"), n, "sampling_params")
+        return_logprob = _per_prompt(body.get("return_logprob", False), n, "return_logprob")
+        start_len = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
+        rids = _per_prompt(body.get("rid"), n, "rid") if isinstance(body.get("rid"), list) else None
+        if body.get("rid") is not None and not isinstance(body["rid"], (str, list)):
+            raise BadRequest(f"rid must be a string or a list of strings, got {body['rid']!r}")
+        if not single and isinstance(body.get("rid"), str):
+            rids = [f"{body['rid']}_{i}" for i in range(n)]
+        if not isinstance(body.get("return_text_in_logprobs", False), bool):
+            raise BadRequest("return_text_in_logprobs must be a bool")
+        jobs = []
+        for i in range(n):
+            if not isinstance(return_logprob[i], (bool, type(None))):
+                raise BadRequest(f"return_logprob must be a bool, got {return_logprob[i]!r}")
+            if not _is_int(start_len[i]) or start_len[i] != -1:
+                raise BadRequest(
+                    f"the fake server returns output log-probs only (logprob_start_len -1), got {start_len[i]}"
+                )
+            self._request_counter += 1
+            rid = rids[i] if rids is not None else (body["rid"] if single and body.get("rid") else None)
+            jobs.append(
+                {
+                    "prompt": prompts[i],
+                    "sampling": _Sampling(params[i], vocab_size=self.vocab_size),
+                    "return_logprob": bool(return_logprob[i]),
+                    "text_in_logprobs": body.get("return_text_in_logprobs", False),
+                    "rid": rid or f"fake-{self._request_counter}",
+                }
+            )
+        return jobs, single
+
+    def _is_aborted(self, rid: str) -> bool:
+        return self._abort_all.is_set() or rid in self._aborted
+
+    @torch.no_grad()
+    def _generate_one(self, job: dict[str, Any]) -> dict[str, Any]:
+        s: _Sampling = job["sampling"]
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(s.sampling_seed) if s.sampling_seed is not None else self.generator
+        stops = set() if s.ignore_eos else s.stop_token_ids | self.eos_token_ids
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
+        with self._model_lock:
+            out = self.model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
+            for _ in range(s.max_new_tokens):
+                if self._is_aborted(job["rid"]):
+                    finish = {"type": "abort", "message": "Abort request"}
+                    break
+                logits = out.logits[0, -1].float()
+                token, log_prob = self._sample(logits, s, generator)
+                tokens.append(token)
+                log_probs.append(log_prob)
+                if token in stops:
+                    finish = {"type": "stop", "matched": token}
+                    break
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                out = self.model(
+                    input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+                )
+        trim = finish["type"] == "stop" and not s.no_stop_trim
+        output_ids = tokens[:-1] if trim else tokens
+        meta: dict[str, Any] = {
+            "id": job["rid"],
+            "finish_reason": finish,
+            "prompt_tokens": len(job["prompt"]),
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.perf_counter() - start,
+        }
+        if job["return_logprob"]:
+            texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in tokens]
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=s.skip_special_tokens)
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, s: _Sampling, generator: torch.Generator) -> tuple[int, float]:
+        if s.greedy:
+            token = int(torch.argmax(logits))
+            return token, float(torch.log_softmax(logits, -1)[token])
+        scaled = logits / s.temperature
+        probs = torch.softmax(scaled, -1)
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included), then top_k.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) > s.top_p
+        if s.top_k != -1:
+            drop[s.top_k :] = True
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        token = int(order[torch.multinomial(kept / kept.sum(), 1, generator=generator)])
+        return token, float(torch.log_softmax(scaled, -1)[token])
+
+    def _load_weights(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not folder.is_dir() or not files:
+            raise ValueError(f"no safetensors weights in {str(folder)!r}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        own = self.model.state_dict()
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
+        missing = sorted(set(own) - set(state) - tied)
+        unexpected = sorted(set(state) - set(own))
+        bad = {
+            k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape
+        }
+        if missing or unexpected or bad:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}, shapes {bad}")
+        with self._model_lock:
+            self.model.load_state_dict(state, strict=False)
