@@ -1,0 +1,345 @@
+"""The SGLang engine adapter against a fake SGLang server (``tests/fake_sglang.py``) that speaks SGLang's HTTP API and
+generates with a real tiny transformers model; log-probs are checked against that model's float64 log-softmax."""
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from fake_sglang import FakeSGLangServer
+from transformers import AutoModelForCausalLM
+
+from runtime.engines import RolloutEngine, SamplingParams
+from runtime.engines.sglang_engine import (
+    WEIGHTS_FILE,
+    SGLangConnectionError,
+    SGLangEngine,
+    SGLangHTTPError,
+    generation_from_sglang,
+    sampling_params_to_sglang,
+    save_hf_weights,
+    sglang_launch_command,
+)
+from runtime.tiny_model import TinyModelSpec, make_tiny_model
+
+ALPHABET = "0123456789+="
+SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+PROMPTS = [[1, 5, 6, 7], [1, 4], [1, 13, 14, 5, 9]]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    return (
+        make_tiny_model(root / "a", alphabet=ALPHABET, spec=SPEC, seed=0),
+        make_tiny_model(root / "b", alphabet=ALPHABET, spec=SPEC, seed=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def models(model_dirs):
+    """The two checkpoints in float64: the reference the server's float32 outputs are compared with."""
+    return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval() for d in model_dirs]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    with FakeSGLangServer(model_dirs[0], seed=0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def engine(server, model_dirs):
+    eng = SGLangEngine(server.url, timeout=30, max_retries=2, retry_backoff=0.01, startup_timeout=10)
+    yield eng
+    # Put the server back as the other tests expect it: model A, memory resumed.
+    if server.released:
+        eng.resume_memory()
+    if eng.weight_version != 0:
+        state = AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict()
+        eng.update_weights(state, 0)
+    eng.close()
+
+
+@torch.no_grad()
+def reference_log_probs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) of each response token over the whole vocabulary (SGLang's definition)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def greedy_path(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_satisfies_rollout_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_generate_log_probs_are_the_models_at_the_sampling_temperature(engine, server, models, temperature):
+    eos = server.tokenizer.eos_token_id
+    before = server.requests.get("/generate", 0)
+    gens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=temperature))
+    assert server.requests["/generate"] == before + 1  # the whole batch in one request
+    assert len(gens) == len(PROMPTS)
+    for prompt, g in zip(PROMPTS, gens, strict=True):
+        assert 1 <= len(g.token_ids) == len(g.log_probs) <= 6
+        ref = reference_log_probs(models[0], prompt, g.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(g.log_probs, dtype=torch.float64), ref, atol=1e-5, rtol=1e-5)
+        assert eos not in g.token_ids[:-1]
+        if g.finish_reason == "stop":
+            assert g.token_ids[-1] == eos
+        else:
+            assert g.finish_reason == "length" and len(g.token_ids) == 6
+        assert g.weight_version == 0 and g.extra["rid"]
+
+
+def test_length_and_stop_finish_reasons_on_the_greedy_path(engine, models):
+    prompt, temperature = PROMPTS[2], 0.8
+    path = greedy_path(models[0], prompt, 5)
+    assert 2 not in path  # eos would end the response before max_new_tokens
+    # top_k=1 samples the argmax; the log-probs stay those of the full tempered distribution.
+    g = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=temperature, top_k=1))[0]
+    assert g.finish_reason == "length" and g.token_ids == path
+    torch.testing.assert_close(
+        torch.tensor(g.log_probs, dtype=torch.float64),
+        reference_log_probs(models[0], prompt, path, temperature),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert all(lp < -1e-3 for lp in g.log_probs)  # not the truncated (top-1) distribution, whose log-probs are 0
+    stop = path[0]
+    g = engine.generate([prompt], SamplingParams(max_new_tokens=5, top_k=1, stop_token_ids=(stop,)))[0]
+    assert g.finish_reason == "stop" and g.token_ids == path[: path.index(stop) + 1]
+    assert g.extra["finish"] == {"type": "stop", "matched": stop}
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(engine):
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, top_k=1)
+    batched = engine.generate(PROMPTS, params)
+    for prompt, g in zip(PROMPTS, batched, strict=True):
+        alone = engine.generate([prompt], params)[0]
+        assert alone.token_ids == g.token_ids and alone.finish_reason == g.finish_reason
+        torch.testing.assert_close(alone.log_probs, g.log_probs)
+
+
+def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, server, models, model_dirs):
+    prompt, temperature = PROMPTS[0], 1.0
+    params = SamplingParams(max_new_tokens=5, temperature=temperature)
+    new_state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+
+    engine.update_weights(new_state, version=7)
+    assert server.weight_version == "7" and engine.server_weight_version() == "7"
+    g = engine.generate([prompt], params)[0]
+    assert g.weight_version == 7
+    got = torch.tensor(g.log_probs, dtype=torch.float64)
+    torch.testing.assert_close(
+        got, reference_log_probs(models[1], prompt, g.token_ids, temperature), atol=1e-5, rtol=0
+    )
+    # The check can fail: the old weights give other log-probs for the same tokens.
+    assert (got - reference_log_probs(models[0], prompt, g.token_ids, temperature)).abs().max() > 1e-2
+
+    first = sorted(p for p in engine.weights_dir.iterdir())
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), version=8)
+    g = engine.generate([prompt], params)[0]
+    torch.testing.assert_close(
+        torch.tensor(g.log_probs, dtype=torch.float64),
+        reference_log_probs(models[0], prompt, g.token_ids, temperature),
+        atol=1e-5,
+        rtol=0,
+    )
+    # Only the folder the server loaded last is kept.
+    (current,) = engine.weights_dir.iterdir()
+    assert current not in first and (current / WEIGHTS_FILE).is_file() and (current / "config.json").is_file()
+
+
+def test_weight_update_refused_by_the_server_raises_with_its_message(engine, model_dirs):
+    state = AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict()
+    state["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(SGLangHTTPError, match="shape") as err:
+        engine.update_weights(state, version=5)
+    assert err.value.status_code == 400 and "/update_weights_from_disk" in err.value.url
+    assert engine.weight_version == 0 and not any(engine.weights_dir.iterdir())
+
+
+def test_release_and_resume_memory(engine, server):
+    params = SamplingParams(max_new_tokens=2)
+    engine.release_memory()
+    assert server.released
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate([[1, 4]], params)
+    # The server itself refuses to generate without its memory, whoever asks.
+    other = SGLangEngine(server.url, max_retries=0)
+    with pytest.raises(SGLangHTTPError, match="released") as err:
+        other.generate([[1, 4]], params)
+    assert err.value.status_code == 400
+    other.close()
+    engine.resume_memory(tags=["weights", "kv_cache"])
+    assert not server.released
+    assert len(engine.generate([[1, 4]], params)) == 1
+    with pytest.raises(ValueError, match="tags"):
+        engine.release_memory(tags=["gpu"])
+    assert not server.released
+
+
+def test_http_errors_name_status_and_server_message_and_are_not_retried(engine, server):
+    before = server.requests.get("/generate", 0)
+    with pytest.raises(SGLangHTTPError, match="bogus_field") as err:
+        engine._post("/generate", {"input_ids": [[1, 2]], "bogus_field": 1})
+    assert err.value.status_code == 400 and "HTTP 400" in str(err.value)
+    assert server.requests["/generate"] == before + 1
+    with pytest.raises(SGLangHTTPError, match="temperature") as err:
+        engine._post("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1.0}})
+    with pytest.raises(SGLangHTTPError) as err:
+        engine._get("/no_such_route")
+    assert err.value.status_code == 404
+
+
+def test_connection_errors_are_retried_until_the_server_is_up(model_dirs):
+    port = free_port()
+    srv = FakeSGLangServer(model_dirs[0], port=port)
+    eng = SGLangEngine(f"http://127.0.0.1:{port}", wait_healthy=False, max_retries=10, retry_backoff=0.05)
+    starter = threading.Timer(0.3, srv.start)
+    starter.start()
+    try:
+        gens = eng.generate([[1, 4]], SamplingParams(max_new_tokens=2))
+        assert len(gens) == 1 and srv.requests["/generate"] == 1
+    finally:
+        starter.join()
+        srv.stop()
+        eng.close()
+
+
+def test_connection_errors_raise_after_the_last_retry():
+    eng = SGLangEngine(f"http://127.0.0.1:{free_port()}", wait_healthy=False, max_retries=2, retry_backoff=0.02)
+    start = time.monotonic()
+    with pytest.raises(SGLangConnectionError, match="after 3 attempts"):
+        eng.generate([[1, 4]], SamplingParams(max_new_tokens=2))
+    assert time.monotonic() - start >= 0.02 + 0.04
+    eng.close()
+
+
+def test_start_waits_for_health_and_times_out_with_the_last_status(model_dirs):
+    with FakeSGLangServer(model_dirs[0], startup_delay=0.5) as srv:
+        with pytest.raises(TimeoutError, match="HTTP 503"):
+            SGLangEngine(srv.url, startup_timeout=0.1)
+        eng = SGLangEngine(srv.url, startup_timeout=10)
+        assert eng.health() and time.monotonic() - srv._started_at >= 0.5
+        eng.close()
+
+
+def test_abort_ends_a_running_request(model_dirs, models):
+    prompt = PROMPTS[1]
+    path = greedy_path(models[0], prompt, 40)
+    assert 2 not in path
+    with FakeSGLangServer(model_dirs[0], token_delay=0.02) as srv:
+        eng = SGLangEngine(srv.url)
+        result = []
+        worker = threading.Thread(
+            target=lambda: result.extend(eng.generate([prompt], SamplingParams(max_new_tokens=40, top_k=1)))
+        )
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not srv._running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        eng.abort()
+        worker.join(30)
+        eng.close()
+    (g,) = result
+    assert g.finish_reason == "abort" and 0 < len(g.token_ids) < 40 and g.token_ids == path[: len(g.token_ids)]
+
+
+def test_sampling_params_use_sglang_names():
+    out = sampling_params_to_sglang(
+        SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, stop_token_ids=(2, 5))
+    )
+    assert out == {
+        "max_new_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "stop_token_ids": [2, 5],
+    }
+    assert "stop_token_ids" not in sampling_params_to_sglang(SamplingParams(max_new_tokens=1))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        sampling_params_to_sglang({"max_new_tokens": 1})
+
+
+def test_a_trimmed_stop_token_is_caught(engine, models):
+    # What the adapter would get if it left SGLang's default no_stop_trim=False: output_ids without the stop token.
+    prompt = PROMPTS[0]
+    stop = greedy_path(models[0], prompt, 1)[0]
+    payload = {
+        "input_ids": [prompt],
+        "sampling_params": {"max_new_tokens": 3, "top_k": 1, "stop_token_ids": [stop]},
+        "return_logprob": True,
+    }
+    (out,) = engine._post("/generate", payload)
+    assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"][0][1] == stop
+    with pytest.raises(ValueError, match="no_stop_trim"):
+        generation_from_sglang(out, weight_version=0)
+
+
+def test_generation_from_sglang_checks_the_answer():
+    meta = {
+        "finish_reason": {"type": "length", "length": 2},
+        "output_token_logprobs": [[-0.5, 4, None], [-1.5, 6, None]],
+    }
+    g = generation_from_sglang({"text": "", "meta_info": {**meta, "weight_version": "3"}}, weight_version=1)
+    assert (g.token_ids, g.log_probs, g.finish_reason, g.weight_version) == ([4, 6], [-0.5, -1.5], "length", 3)
+    assert (
+        generation_from_sglang({"meta_info": {**meta, "weight_version": "default"}}, weight_version=1).weight_version
+        == 1
+    )
+    with pytest.raises(ValueError, match="return_logprob"):
+        generation_from_sglang({"meta_info": {"finish_reason": {"type": "stop"}}}, weight_version=0)
+    with pytest.raises(ValueError, match="finish_reason"):
+        generation_from_sglang({"meta_info": {**meta, "finish_reason": "stop"}}, weight_version=0)
+    with pytest.raises(ValueError, match="triples"):
+        generation_from_sglang({"meta_info": {**meta, "output_token_logprobs": [[-0.5]]}}, weight_version=0)
+
+
+def test_saved_weights_are_an_hf_folder_transformers_loads(tmp_path, model_dirs):
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[1])
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied: shared storage
+    folder = save_hf_weights(state, tmp_path / "w", config_source=model_dirs[0])
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert loaded.keys() == state.keys()
+    for k, v in state.items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="lm_head.weight"):
+        save_hf_weights({**state, "lm_head.weight": [1.0]}, tmp_path / "x", config_source=model_dirs[0])
+    with pytest.raises(ValueError, match="config.json"):
+        save_hf_weights(state, tmp_path / "y", config_source=tmp_path)
+
+
+def test_launch_command_for_a_gpu_actor():
+    cmd = sglang_launch_command(
+        "/ckpt/qwen", host="0.0.0.0", port=31000, tp_size=2, mem_fraction_static=0.7, seed=3, enable_memory_saver=True
+    )
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "31000" and flags["--tp-size"] == "2"
+    assert flags["--mem-fraction-static"] == "0.7" and flags["--random-seed"] == "3" and flags["--host"] == "0.0.0.0"
+    assert cmd[-1] == "--enable-memory-saver"
+    assert "--mem-fraction-static" not in sglang_launch_command("/m")
+    with pytest.raises(ValueError, match="tp_size"):
+        sglang_launch_command("/m", tp_size=0)
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        sglang_launch_command("/m", mem_fraction_static=1.5)
