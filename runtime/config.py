@@ -133,7 +133,7 @@ class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal["torch"] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
-    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
+    micro_batch_size: int = field(default=8, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
