@@ -18,6 +18,7 @@ from runtime.engines.sglang_engine import (
     SGLangHTTPError,
     generation_from_sglang,
     sampling_params_to_sglang,
+    sampling_seed,
     save_hf_weights,
     sglang_launch_command,
 )
@@ -337,9 +338,33 @@ def test_launch_command_for_a_gpu_actor():
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "31000" and flags["--tp-size"] == "2"
     assert flags["--mem-fraction-static"] == "0.7" and flags["--random-seed"] == "3" and flags["--host"] == "0.0.0.0"
-    assert cmd[-1] == "--enable-memory-saver"
+    assert cmd[-1] == "--enable-memory-saver" and "--enable-deterministic-inference" not in cmd
+    assert sglang_launch_command("/m", deterministic=True)[-1] == "--enable-deterministic-inference"
     assert "--mem-fraction-static" not in sglang_launch_command("/m")
     with pytest.raises(ValueError, match="tp_size"):
         sglang_launch_command("/m", tp_size=0)
     with pytest.raises(ValueError, match="mem_fraction_static"):
         sglang_launch_command("/m", mem_fraction_static=1.5)
+
+
+def test_seeded_sampling_resumes_with_the_saved_state(server):
+    params = SamplingParams(max_new_tokens=6, temperature=1.5)
+    eng = SGLangEngine(server.url, seed=11)
+    state = eng.get_rng_state()
+    first = [g.token_ids for g in eng.generate(PROMPTS, params)]
+    second = [g.token_ids for g in eng.generate(PROMPTS, params)]
+    assert first != second  # a new call draws new seeds
+    resumed = SGLangEngine(server.url, seed=0)
+    resumed.set_rng_state(state)
+    assert [g.token_ids for g in resumed.generate(PROMPTS, params)] == first
+    assert [g.token_ids for g in resumed.generate(PROMPTS, params)] == second
+    with pytest.raises(ValueError, match="get_rng_state"):
+        resumed.set_rng_state({"seed": 1})
+    eng.close()
+    resumed.close()
+
+
+def test_sampling_seeds_differ_across_prompts_and_calls():
+    seeds = {sampling_seed(3, call, i) for call in range(20) for i in range(64)}
+    assert len(seeds) == 20 * 64 and all(0 <= s < 2**31 for s in seeds)
+    assert sampling_seed(3, 0, 0) != sampling_seed(4, 0, 0)

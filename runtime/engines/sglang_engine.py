@@ -28,6 +28,12 @@ calls ``/update_weights_from_disk``. SGLang also has GPU paths that skip the dis
 ``/update_weights_from_distributed`` (an NCCL group between trainer and server, the trainer broadcasting each
 tensor); slime uses those. They need GPUs on both sides and are not implemented here.
 
+Reproducible sampling: with ``seed`` set, every prompt carries its own ``sampling_seed`` derived from the seed, the
+number of ``generate`` calls so far and its index in the batch; :meth:`SGLangEngine.get_rng_state` /
+:meth:`SGLangEngine.set_rng_state` save and restore that counter, so a resumed job sends the same seeds. SGLang
+applies ``sampling_seed`` in its deterministic-inference mode (``--enable-deterministic-inference``, see
+:func:`sglang_launch_command`); otherwise the server's own generator decides and the seeds only label requests.
+
 Retries: only connection failures (nothing reached the server) are retried, with exponential backoff; a request that
 reached the server is never sent twice, because generation and weight loads are not idempotent.
 """
@@ -44,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from runtime.engines.base import Generation, SamplingParams
 
@@ -86,6 +93,14 @@ def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
     return out
+
+
+def sampling_seed(seed: int, call: int, index: int) -> int:
+    """The ``sampling_seed`` (in ``[0, 2**31)``) of prompt ``index`` in the ``call``-th generate call.
+
+    numpy's ``SeedSequence`` mixes the three, so that neighbouring prompts and calls get unrelated seeds.
+    """
+    return int(np.random.SeedSequence([seed, call, index]).generate_state(1, dtype=np.uint32)[0]) >> 1
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -184,6 +199,7 @@ def sglang_launch_command(
     mem_fraction_static: float | None = None,
     seed: int = 0,
     enable_memory_saver: bool = False,
+    deterministic: bool = False,
     weight_version: int = 0,
     python: str = sys.executable,
     extra_args: tuple[str, ...] = (),
@@ -194,7 +210,8 @@ def sglang_launch_command(
     :class:`SGLangEngine` on ``http://{host}:{port}`` (which waits until the server answers). It cannot run on a
     machine without SGLang and a GPU, so rlcore's CPU tests only check the command it builds.
     ``enable_memory_saver`` is needed for :meth:`SGLangEngine.release_memory` to free anything (``--colocate``);
-    ``mem_fraction_static`` is the share of GPU memory for weights and KV cache (SGLang picks one when ``None``).
+    ``mem_fraction_static`` is the share of GPU memory for weights and KV cache (SGLang picks one when ``None``);
+    ``deterministic`` turns on SGLang's deterministic inference, which honours per-request ``sampling_seed``.
     """
     if not isinstance(model_path, str) or not model_path:
         raise ValueError(f"model_path must be a non-empty string, got {model_path!r}")
@@ -218,6 +235,8 @@ def sglang_launch_command(
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
     if enable_memory_saver:
         cmd.append("--enable-memory-saver")
+    if deterministic:
+        cmd.append("--enable-deterministic-inference")
     return cmd + list(extra_args)
 
 
@@ -229,7 +248,8 @@ class SGLangEngine:
     ``/health_generate`` until the server answers 200 or ``startup_timeout`` passes. ``weights_dir`` is where
     :meth:`update_weights` writes HF folders (a fresh temporary folder by default; it must be readable by the server,
     i.e. on a shared or the same file system); ``hf_checkpoint`` is the folder whose config and tokenizer files go
-    with them (by default the server's own ``model_path`` at start, read from ``/get_model_info``).
+    with them (by default the server's own ``model_path`` at start, read from ``/get_model_info``). ``seed`` turns on
+    per-prompt ``sampling_seed`` (see the module docstring).
     """
 
     def __init__(
@@ -243,6 +263,7 @@ class SGLangEngine:
         startup_timeout: float = 600.0,
         weights_dir: str | Path | None = None,
         hf_checkpoint: str | Path | None = None,
+        seed: int | None = None,
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
@@ -252,6 +273,10 @@ class SGLangEngine:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if retry_backoff < 0:
             raise ValueError(f"retry_backoff must be >= 0, got {retry_backoff}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+        self.seed = seed
+        self.generate_calls = 0
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
@@ -343,11 +368,18 @@ class SGLangEngine:
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
                 raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {ids!r:.80}")
         batch = uuid.uuid4().hex
+        sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
+        if self.seed is not None:
+            sampling = [
+                {**sampling, "sampling_seed": sampling_seed(self.seed, self.generate_calls, i)}
+                for i in range(len(prompts))
+            ]
+        self.generate_calls += 1
         outputs = self._post(
             "/generate",
             {
                 "input_ids": prompts,
-                "sampling_params": sampling_params_to_sglang(params),
+                "sampling_params": sampling,
                 "return_logprob": True,
                 "logprob_start_len": -1,
                 "rid": [f"rlcore-{batch}-{i}" for i in range(len(prompts))],
@@ -387,6 +419,15 @@ class SGLangEngine:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._post("/resume_memory_occupation", _tags_payload(tags))
         self.released = False
+
+    def get_rng_state(self) -> dict[str, Any]:
+        """What decides the next ``sampling_seed``s (the server's own generator cannot be read over HTTP)."""
+        return {"seed": self.seed, "generate_calls": self.generate_calls}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"seed", "generate_calls"}:
+            raise ValueError(f"state must be a dict from get_rng_state, got {state!r:.200}")
+        self.seed, self.generate_calls = state["seed"], state["generate_calls"]
 
     def ping(self) -> int:
         return self.weight_version
