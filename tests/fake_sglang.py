@@ -373,11 +373,16 @@ class FakeSGLangServer:
         params = _per_prompt(body.get("sampling_params"), n, "sampling_params")
         return_logprob = _per_prompt(body.get("return_logprob", False), n, "return_logprob")
         start_len = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
-        rids = _per_prompt(body.get("rid"), n, "rid") if isinstance(body.get("rid"), list) else None
-        if body.get("rid") is not None and not isinstance(body["rid"], (str, list)):
-            raise BadRequest(f"rid must be a string or a list of strings, got {body['rid']!r}")
-        if not single and isinstance(body.get("rid"), str):
-            rids = [f"{body['rid']}_{i}" for i in range(n)]
+        rid = body.get("rid")
+        if isinstance(rid, list):
+            rids = _per_prompt(rid, n, "rid")
+        elif isinstance(rid, str):
+            # One id for a batch is a prefix: SGLang numbers the prompts after it.
+            rids = [rid] if single else [f"{rid}_{i}" for i in range(n)]
+        elif rid is None:
+            rids = [None] * n
+        else:
+            raise BadRequest(f"rid must be a string or a list of strings, got {rid!r}")
         if not isinstance(body.get("return_text_in_logprobs", False), bool):
             raise BadRequest("return_text_in_logprobs must be a bool")
         jobs = []
@@ -389,14 +394,13 @@ class FakeSGLangServer:
                     f"the fake server returns output log-probs only (logprob_start_len -1), got {start_len[i]}"
                 )
             self._request_counter += 1
-            rid = rids[i] if rids is not None else (body["rid"] if single and body.get("rid") else None)
             jobs.append(
                 {
                     "prompt": prompts[i],
                     "sampling": _Sampling(params[i], vocab_size=self.vocab_size),
                     "return_logprob": bool(return_logprob[i]),
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
-                    "rid": rid or f"fake-{self._request_counter}",
+                    "rid": rids[i] or f"fake-{self._request_counter}",
                 }
             )
         return jobs, single
