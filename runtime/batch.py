@@ -20,7 +20,6 @@ TOKENS = "tokens"
 PROMPT_LENGTHS = "prompt_lengths"
 RESPONSE_LENGTHS = "response_lengths"
 RESPONSE_TOKENS = "response_tokens"
-TRUNCATED = "truncated"
 
 
 def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
@@ -29,7 +28,7 @@ def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
     Shapes: ``TOKENS`` [B, L] int64 (prompt then response, right-padded with ``pad_token_id``), ``PROMPT_LENGTHS``
     and ``RESPONSE_LENGTHS`` [B] int64, ``RESPONSE_TOKENS`` [B, T] int64, ``mask`` [B, T] bool (the sample's
     ``loss_mask`` over its response, False on padding), ``rollout_log_probs`` [B, T] float32 (0 where unknown),
-    ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``), ``TRUNCATED`` [B] bool.
+    ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``).
     """
     if not samples:
         raise ValueError("samples must hold at least one Sample, got none")
@@ -68,7 +67,6 @@ def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
             PROMPT_LENGTHS: torch.tensor([len(s.tokens) - s.response_length for s in samples]),
             RESPONSE_LENGTHS: torch.tensor([s.response_length for s in samples]),
             RESPONSE_TOKENS: response_tokens,
-            TRUNCATED: torch.tensor([s.status == Sample.Status.TRUNCATED for s in samples]),
             keys.MASK: mask,
             keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
             keys.REWARDS: torch.tensor([reward_value(s) for s in samples], dtype=torch.float32),

@@ -228,7 +228,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         if cfg.ckpt.load is not None:
             start_step = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, dataset=dataset)
         elif cfg.train.sft_warmup_steps:
-            sft_warmup(cfg, trainers, tokenizer)
+            sft_losses = sft_warmup(cfg, trainers, tokenizer)
+            print(f"SFT warm-up: {len(sft_losses)} steps, loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f}")
         engines.update_weights(trainers.weights_ref(), version=start_step)
 
         logger = MetricsLogger(

@@ -116,7 +116,7 @@ class HFEngine:
         # A response ends at its first stop token (kept); what follows is the padding of finished rows.
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), new_tokens.shape[1])
         results = []
-        for row, end, tokens, lps in zip(range(len(prompts)), first_stop.tolist(), new_tokens, log_probs, strict=True):
+        for end, tokens, lps in zip(first_stop.tolist(), new_tokens, log_probs, strict=True):
             finished = end < new_tokens.shape[1]
             n = end + 1 if finished else end
             results.append(
@@ -125,7 +125,6 @@ class HFEngine:
                     log_probs=lps[:n].tolist(),
                     finish_reason="stop" if finished else "length",
                     weight_version=self.weight_version,
-                    extra={"row": row},
                 )
             )
         return results
