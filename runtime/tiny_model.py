@@ -73,7 +73,8 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng():
+    # The model is built on the CPU: leave every CUDA device's RNG alone.
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     out = Path(output_dir)

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlcore import keys
 from rlcore.advantages import compute
 from runtime import checkpoint, task
+from runtime.algo import advantage_config, loss_config, needs_reference
 from runtime.backends.torch_backend import TorchTrainer, micro_batches
 from runtime.batch import (
     PROMPT_LENGTHS,
@@ -36,7 +37,7 @@ from runtime.config import Config, from_dict, parse_args, validate
 from runtime.engines import HFEngine, SamplingParams
 from runtime.filters import DynamicFilterOutput
 from runtime.logger import METRICS_FILE, REWARD_PLOT, read_metrics
-from runtime.loop import advantage_config, loss_config, needs_reference, run
+from runtime.loop import run
 from runtime.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.rewards import RewardHub
 from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
