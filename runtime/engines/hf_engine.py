@@ -1,9 +1,10 @@
 """The embedded rollout engine: transformers generation with a KV cache, batched with left padding.
 
-Why not transformers' continuous batching (``generate_batch``)? It schedules over a paged KV cache built for GPUs
-and does not return per-token log-probs of the sampled tokens; the batched ``generate`` does both on any device,
-and at the sizes this engine is for (CPU runs, tests, single-GPU debugging) the padding it wastes is small.
-SGLang is the engine for throughput.
+Why not transformers' continuous batching (``generate_batch``, which can return log-probs)? On the CPU it cannot
+start: its paged KV cache sizes itself from free device memory, which it reads as 0 there (transformers 5.17:
+"Memory footprint ... is more than available memory 0", even with ``num_blocks`` and ``max_batch_tokens`` given).
+The batched ``generate`` works on every device, and at the sizes this engine is for (CPU runs, tests, single-GPU
+debugging) the padding it wastes is small; SGLang is the engine for throughput.
 
 Per-token rollout log-probs come from the *processed* scores (``output_scores``): the logits after temperature,
 top-k and top-p, i.e. the distribution the token was actually drawn from. Every other logits processor a model's
