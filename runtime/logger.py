@@ -52,7 +52,7 @@ class MetricsLogger:
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.dir / METRICS_FILE, "a" if resume else "w")  # noqa: SIM115 - closed in close()
+        self._file = open(self.dir / METRICS_FILE, "a" if resume else "w")
         self._tb = None
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -75,6 +75,12 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self._file.close()

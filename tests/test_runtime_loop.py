@@ -36,7 +36,7 @@ from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import Config, from_dict, parse_args, validate
 from runtime.engines import HFEngine, SamplingParams
 from runtime.filters import DynamicFilterOutput
-from runtime.logger import METRICS_FILE, REWARD_PLOT, read_metrics
+from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
 from runtime.loop import run
 from runtime.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.rewards import RewardHub
@@ -166,6 +166,35 @@ def test_shards_cover_each_global_batch_and_merge_back(steps, world, per_rank):
         rows = sorted(int(x) for r in range(world) for x in shards[r]["i"][s * per_rank : (s + 1) * per_rank])
         assert rows == list(range(s * gbs, (s + 1) * gbs))
     assert torch.equal(merge_shards(shards, global_batch_size=gbs)["i"], td["i"])
+
+
+def test_checkpoint_resolve_follows_latest_and_names_what_is_missing(tmp_path):
+    for step in (2, 4):
+        folder = checkpoint.step_dir(tmp_path, step)
+        folder.mkdir()
+        (folder / checkpoint.LOOP_STATE).write_bytes(b"")
+    (tmp_path / checkpoint.LATEST).write_text("step_000002")
+    assert checkpoint.resolve(tmp_path) == tmp_path / "step_000002"
+    assert checkpoint.resolve(tmp_path / "step_000004") == tmp_path / "step_000004"
+    (tmp_path / checkpoint.LATEST).write_text("step_000009")
+    with pytest.raises(FileNotFoundError, match="step_000009"):
+        checkpoint.resolve(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
+        checkpoint.resolve(tmp_path / "step_000002" / "nothing")
+
+
+def test_metrics_of_a_resumed_run_keep_the_last_row_per_step(tmp_path):
+    with MetricsLogger(tmp_path, use_tensorboard=False) as first:
+        for step in range(3):
+            first.log(step, {"rollout/reward_mean": 0.1 * step})
+    with MetricsLogger(tmp_path, use_tensorboard=False, resume=True) as resumed:
+        for step in (2, 3):
+            resumed.log(step, {"rollout/reward_mean": 0.5 + 0.1 * step})
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["rollout/reward_mean"] for r in rows] == pytest.approx([0.0, 0.1, 0.7, 0.8])
+    plot_rewards(tmp_path / METRICS_FILE, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------- engine and trainer in-process (no Ray)
