@@ -87,6 +87,12 @@ class RolloutConfig:
     over_sampling_batch_size: int | None = field(
         default=None, metadata=_help("prompts generated per sampling round when filtering; >= --rollout-batch-size")
     )
+    rollout_engine: Literal["hf", "sglang"] = field(
+        default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
+    )
+    sglang_url: str | None = field(
+        default=None, metadata=_help("comma-separated base URLs of running SGLang servers, one engine each")
+    )
 
 
 @dataclass(frozen=True)
@@ -569,6 +575,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             f"--kl-loss-coef {cfg.algo.kl_loss_coef} has no effect without --use-kl-loss (add it, or use --kl-coef "
             "for a KL penalty in the reward)"
         )
+    if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.sglang_url:
+        problems.append("--rollout-engine sglang needs --sglang-url (the base URLs of running SGLang servers)")
+    if cfg.rollout.sglang_url and cfg.rollout.rollout_engine != "sglang":
+        problems.append("--sglang-url is used only with --rollout-engine sglang")
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
 

@@ -166,7 +166,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             seed=cfg.seed,
         )
         cleanup.callback(trainers.shutdown)
-        engines = EngineGroup(placement, model_path, seed=cfg.seed)
+        sglang_urls = [url for url in (cfg.rollout.sglang_url or "").split(",") if url]
+        engines = EngineGroup(placement, model_path, seed=cfg.seed, sglang_urls=sglang_urls)
         cleanup.callback(engines.shutdown)
         ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
 

@@ -28,6 +28,7 @@ from runtime.batch import merge_shards, shard_for_ranks
 from runtime.config import Config
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.hf_engine import HFEngine
+from runtime.engines.sglang_engine import SGLangEngine
 
 # No progress bars from actors (the console shows the loop's own), and idle OpenMP threads sleep instead of spinning:
 # trainer and engine take turns on the same cores, and a spinning idle actor would slow the working one.
@@ -157,12 +158,21 @@ class TrainerGroup:
 class EngineGroup:
     """The rollout engine actors; prompts are spread over them in contiguous chunks."""
 
-    def __init__(self, placement: Placement, model_path: str, *, seed: int):
-        remote_cls = ray.remote(HFEngine)
-        self.actors = [
-            remote_cls.options(**placement.options(bundle)).remote(model_path, seed=seed + 1000 * i)
-            for i, bundle in enumerate(placement.engine_bundles)
-        ]
+    def __init__(self, placement: Placement, model_path: str, *, seed: int, sglang_urls: Sequence[str] = ()):
+        self.http_clients = bool(sglang_urls)
+        if sglang_urls:
+            # The SGLang servers own their GPUs; these actors are HTTP clients, one per server.
+            remote_cls = ray.remote(SGLangEngine)
+            self.actors = [
+                remote_cls.options(num_cpus=0).remote(url, seed=seed + 1000 * i, hf_checkpoint=model_path)
+                for i, url in enumerate(sglang_urls)
+            ]
+        else:
+            remote_cls = ray.remote(HFEngine)
+            self.actors = [
+                remote_cls.options(**placement.options(bundle)).remote(model_path, seed=seed + 1000 * i)
+                for i, bundle in enumerate(placement.engine_bundles)
+            ]
         self.weight_version = 0
 
     def generate_async(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[ray.ObjectRef]:
@@ -200,5 +210,9 @@ class EngineGroup:
         ray.get([a.resume_memory.remote() for a in self.actors])
 
     def shutdown(self) -> None:
+        # Best effort, as for the trainers: an SGLang client deletes its weight folders on close.
+        if self.http_clients:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get([a.close.remote() for a in self.actors])
         for a in self.actors:
             ray.kill(a)

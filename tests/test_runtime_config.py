@@ -283,6 +283,10 @@ def test_rule_ranges():
 
 def test_rule_combinations(tmp_path):
     assert "--save-interval needs --save" in _problems(["--save-interval", "2"])
+    assert "--rollout-engine sglang needs --sglang-url" in _problems(["--rollout-engine", "sglang"])
+    assert "--sglang-url is used only with --rollout-engine sglang" in _problems(["--sglang-url", "http://h:30000"])
+    cfg = parse_args(["--rollout-engine", "sglang", "--sglang-url", "http://a:30000,http://b:30000"])
+    assert cfg.rollout.sglang_url == "http://a:30000,http://b:30000"
     argv = ["--over-sampling-batch-size", "4", "--rollout-batch-size", "8"]
     assert "--over-sampling-batch-size 4 must be >= --rollout-batch-size 8" in _problems(argv)
     argv = ["--max-tokens-per-gpu", "20", "--rollout-max-prompt-len", "10", "--rollout-max-response-len", "16"]

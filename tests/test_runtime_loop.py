@@ -13,6 +13,7 @@ import time
 import pytest
 import ray
 import torch
+from fake_sglang import FakeSGLangServer
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -412,6 +413,25 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(out / "base_model")
     changed = [n for n, p in model.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
     assert changed, "the final model equals the initial one"
+
+
+def test_run_with_sglang_engine_against_the_fake_server(ray_session, model_path, tmp_path):
+    # SGLang cannot run here: the loop drives the SGLang HTTP adapter against the fake server that speaks its API.
+    with FakeSGLangServer(model_path, seed=0) as server:
+        cfg = small_cfg(tmp_path, hf_checkpoint=model_path, rollout_engine="sglang", sglang_url=server.url)
+        result = run(cfg, progress=False)
+        served = {n: p.detach().clone() for n, p in server.model.state_dict().items()}
+        weight_version = server.weight_version
+        generate_calls = server.requests.get("/generate", 0)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert generate_calls >= 2
+    # At equal weights the server's log-probs (tempered, untruncated: top-p 1, top-k off) equal the trainer's.
+    assert all(r["train/rollout_log_prob_abs_diff"] < 1e-4 for r in rows)
+    assert weight_version == "2"
+    final = AutoModelForCausalLM.from_pretrained(result.output_dir / "final_model").state_dict()
+    for name, tensor in served.items():
+        torch.testing.assert_close(tensor, final[name], rtol=0, atol=0, msg=name)
 
 
 def test_run_colocated_with_two_fsdp_trainers_two_engines_token_budget_and_sft(ray_session, tmp_path):
