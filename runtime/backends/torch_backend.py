@@ -27,7 +27,7 @@ from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.config import TrainConfig
-from runtime.engines.hf_engine import pick_device
+from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 
 
 def _is_max_metric(name: str) -> bool:
@@ -342,15 +342,10 @@ class TorchTrainer:
             raise RuntimeError("trainer memory is released: call resume_memory() first")
 
     def get_rng_state(self) -> dict[str, Any]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+        return rng_state(self.device)
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.device)
+        restore_rng_state(state, self.device)
 
     def shutdown(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -63,6 +63,20 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def check_generate_args(prompts: object, params: SamplingParams | dict[str, Any], *, released: bool) -> SamplingParams:
+    """The checks every engine's ``generate`` makes; returns ``params`` as ``SamplingParams`` (Ray may pass a dict)."""
+    if isinstance(params, dict):
+        params = SamplingParams(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
+    if released:
+        raise RuntimeError("generate called on a released engine: call resume_memory() first")
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    for i, ids in enumerate(prompts):
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {ids!r:.80}")
+    return params
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -18,7 +18,21 @@ from typing import Any
 
 import torch
 
-from runtime.engines.base import Generation, SamplingParams
+from runtime.engines.base import Generation, SamplingParams, check_generate_args
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """torch's CPU generator state, and ``device``'s when it is a GPU: what a checkpoint needs to sample alike."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -89,15 +103,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
         """One response per prompt; ``prompts`` is a list of non-empty token-id lists."""
-        if isinstance(params, dict):
-            params = SamplingParams(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
-        if self.released:
-            raise RuntimeError("generate called on a released engine: call resume_memory() first")
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
-        for i, ids in enumerate(prompts):
-            if not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {ids!r:.80}")
+        params = check_generate_args(prompts, params, released=self.released)
         stop = list(params.stop_token_ids) or [self.eos_token_id]
         width = max(len(ids) for ids in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -157,15 +163,10 @@ class HFEngine:
         self.released = False
 
     def get_rng_state(self) -> dict[str, Any]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+        return rng_state(self.device)
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.device)
+        restore_rng_state(state, self.device)
 
     def ping(self) -> int:
         return self.weight_version

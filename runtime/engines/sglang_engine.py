@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from runtime.engines.base import Generation, SamplingParams
+from runtime.engines.base import Generation, SamplingParams, check_generate_args
 
 FINISH_REASONS = ("stop", "length", "abort")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -358,15 +358,7 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
         """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists."""
-        if isinstance(params, dict):
-            params = SamplingParams(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
-        if self.released:
-            raise RuntimeError("generate called on a released engine: call resume_memory() first")
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
-        for i, ids in enumerate(prompts):
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {ids!r:.80}")
+        params = check_generate_args(prompts, params, released=self.released)
         batch = uuid.uuid4().hex
         sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
         if self.seed is not None:
