@@ -23,6 +23,13 @@ def check_supported(cfg: Config) -> None:
         problems.append(
             "--sft-warmup-steps trains on the built-in task's format examples; it cannot go with --prompt-data"
         )
+    if cfg.resources.actor_num_nodes > 1:
+        # The trainers rendezvous at the driver's 127.0.0.1 with a port picked there: ranks on other nodes
+        # could never reach it.
+        problems.append(
+            f"--actor-num-nodes {cfg.resources.actor_num_nodes}: this runtime runs trainers on one node only; use "
+            "--actor-num-nodes 1 with --actor-num-gpus-per-node N"
+        )
     if problems:
         raise ConfigError(problems)
 

@@ -13,8 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+# numpy and torch are imported where used: config validation calls ``resolve`` and must stay light.
 
 LATEST = "latest"
 LOOP_STATE = "loop_state.pt"
@@ -27,6 +26,9 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 
 def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, dataset: Any) -> Path:
     """Save the state after ``step`` completed steps; returns the step's folder."""
+    import numpy as np
+    import torch
+
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
     trainers.save(str(folder / TRAINER_DIR))
@@ -43,21 +45,42 @@ def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any
     return folder
 
 
+def _missing(folder: Path) -> list[str]:
+    return [
+        name
+        for name, ok in ((LOOP_STATE, (folder / LOOP_STATE).is_file()), (TRAINER_DIR, (folder / TRAINER_DIR).is_dir()))
+        if not ok
+    ]
+
+
 def resolve(path: str | os.PathLike[str]) -> Path:
-    """The step folder that ``--load`` names: a step folder itself, or a ``--save`` root (its ``latest``)."""
+    """The step folder that ``--load`` names: a step folder itself, or a ``--save`` root (its ``latest``).
+
+    Raises ``FileNotFoundError`` naming ``--load`` when neither holds a complete checkpoint; config validation
+    calls this so that a bad ``--load`` stops the job before anything starts.
+    """
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--load: {os.path.abspath(path)!r} does not exist")
     if (path / LOOP_STATE).is_file():
+        if missing := _missing(path):
+            raise FileNotFoundError(f"--load: {str(path)!r}: the checkpoint folder has no {', '.join(missing)}")
         return path
     if (path / LATEST).is_file():
         folder = path / (path / LATEST).read_text().strip()
-        if (folder / LOOP_STATE).is_file():
-            return folder
-        raise FileNotFoundError(f"--load {str(path)!r}: 'latest' names {folder.name!r}, which has no {LOOP_STATE}")
-    raise FileNotFoundError(f"--load {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
+        if missing := _missing(folder):
+            raise FileNotFoundError(
+                f"--load: {str(path)!r}: 'latest' names {folder.name!r}, which has no {', '.join(missing)}"
+            )
+        return folder
+    raise FileNotFoundError(f"--load: {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
 
 
 def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, dataset: Any) -> int:
     """Restore everything :func:`save` wrote; returns the number of completed steps (the step to run next)."""
+    import numpy as np
+    import torch
+
     folder = resolve(path)
     state = torch.load(folder / LOOP_STATE, weights_only=False)
     trainers.load(str(folder / TRAINER_DIR))

@@ -63,7 +63,9 @@ class DataConfig:
     rollout_max_prompt_len: int | None = field(
         default=None, metadata=_help("drop (and count) prompts longer than this many tokens")
     )
-    rollout_shuffle: bool = field(default=True, metadata=_help("reshuffle the prompts every epoch (seeded by --seed)"))
+    rollout_shuffle: bool = field(
+        default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --seed)")
+    )
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
     )
@@ -73,7 +75,9 @@ class DataConfig:
 class RolloutConfig:
     rollout_batch_size: int = field(default=32, metadata=_help("prompts per rollout step"))
     n_samples_per_prompt: int = field(default=8, metadata=_help("responses sampled per prompt (the group size)"))
-    rollout_max_response_len: int = field(default=8, metadata=_help("max new tokens per response"))
+    rollout_max_response_len: int | None = field(
+        default=None, metadata=_help("max new tokens per response; no default (as in slime): set it for your model")
+    )
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
@@ -112,11 +116,11 @@ class AlgoConfig:
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
     kl_coef: float = field(default=0.0, metadata=_help("KL penalty folded into the reward"))
     use_kl_loss: bool = field(
-        default=True, metadata=_help("add a KL-to-reference term to the loss (coefficient 0: KL is only logged)")
+        default=False, metadata=_help("add a KL-to-reference term to the loss (coefficient 0: KL is only logged)")
     )
     kl_loss_coef: float = field(default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)"))
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
-        default="low_var_kl", metadata=_help("KL estimator of the KL loss")
+        default="k1", metadata=_help("KL estimator of the KL loss")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
@@ -143,9 +147,7 @@ class TrainConfig:
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
-    lr: float = field(
-        default=1e-3, metadata=_help("learning rate (AdamW); the default suits the tiny built-in model only")
-    )
+    lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
     sft_warmup_steps: int = field(default=0, metadata=_help("SFT steps before RL (built-in task)"))
@@ -217,10 +219,34 @@ class Config:
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __getattr__(self, name: str) -> Any:
+        # slime's hooks read a flat namespace (args.n_samples_per_prompt); leaf names are unique across sections,
+        # so a flat read resolves to exactly one field. Only called when normal lookup fails.
+        spec = _SPECS.get(name) if not name.startswith("_") else None
+        if spec is None or spec[0] is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, spec[0]), name)
+
+    @property
+    def is_builtin_job(self) -> bool:
+        """Whether this is the built-in demo job: no ``--hf-checkpoint`` and no ``--prompt-data``."""
+        return self.model.hf_checkpoint is None and self.data.prompt_data is None
+
 
 _CONFIG_HINTS = typing.get_type_hints(Config)
 SECTIONS: dict[str, type] = {name: tp for name, tp in _CONFIG_HINTS.items() if dataclasses.is_dataclass(tp)}
 _TOP_LEVEL = tuple(f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS)
+
+
+# The built-in demo job's tuned values (no --hf-checkpoint, no --prompt-data). They fill only the settings the user
+# did not give (flag or YAML key); every other job gets the flag defaults above, which follow slime's.
+BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
+    "rollout_max_response_len": 8,
+    "lr": 1e-3,
+    "use_kl_loss": True,
+    "kl_loss_type": "low_var_kl",
+    "rollout_shuffle": True,
+}
 
 
 def flag(name: str) -> str:
@@ -301,8 +327,9 @@ def _normalise_key(key: Any) -> str:
 def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Config:
     """Build a ``Config`` from a nested (``{"rollout": {"rollout_batch_size": 8}}``) or flat mapping and overrides.
 
-    Keys may use dashes or underscores. Unknown keys raise ``ConfigError``. The result is not validated:
-    call ``validate``.
+    Keys may use dashes or underscores. Unknown keys raise ``ConfigError``. For the built-in job (neither
+    ``hf_checkpoint`` nor ``prompt_data`` given) every setting absent from ``tree`` and ``overrides`` takes its
+    ``BUILTIN_JOB_DEFAULTS`` value. The result is not validated: call ``validate``.
     """
     flat: dict[str, Any] = {}
     problems: list[str] = []
@@ -333,6 +360,9 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         put(_normalise_key(key), value, "top level")
     if problems:
         raise ConfigError(problems)
+    if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
+        for key, value in BUILTIN_JOB_DEFAULTS.items():
+            flat.setdefault(key, value)
 
     sections = {name: cls(**{k: v for k, v in flat.items() if _SPECS[k][0] == name}) for name, cls in SECTIONS.items()}
     return Config(**sections, **{k: flat[k] for k in _TOP_LEVEL if k in flat})
@@ -351,6 +381,11 @@ def dump_yaml(cfg: Config, path: str | os.PathLike[str]) -> None:
 
 def load_yaml(path: str | os.PathLike[str]) -> Config:
     """Read a YAML config file (nested or flat); not validated."""
+    return from_dict(read_yaml_tree(path))
+
+
+def read_yaml_tree(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The mapping a YAML config file holds, as written (only the keys it sets); raises ``ConfigError``."""
     if not os.path.isfile(path):
         raise ConfigError([f"--config: file {os.path.abspath(path)!r} does not exist"])
     with open(path) as fh:
@@ -360,12 +395,13 @@ def load_yaml(path: str | os.PathLike[str]) -> Config:
             raise ConfigError([f"--config: {path} is not valid YAML ({err})"]) from err
     if tree is not None and not isinstance(tree, Mapping):
         raise ConfigError([f"--config: {path} must hold a mapping, got {type(tree).__name__}"])
-    return from_dict(tree)
+    return tree or {}
 
 
 def format_config(cfg: Config) -> str:
-    """A readable listing, one ``--flag value`` per line by section; values changed from the default are starred."""
-    default = to_dict(Config())
+    """A readable listing, one ``--flag value`` per line by section; values changed from the defaults of this kind of
+    job (built-in or not) are starred."""
+    default = to_dict(from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data))
     current = to_dict(cfg)
     width = max(len(flag(name)) for name in _SPECS)
     lines = []
@@ -397,7 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
         prog="rlcore-run",
-        description="Run an RL post-training job (GRPO and friends). With no arguments: the built-in CPU demo job.",
+        description=(
+            "Run an RL post-training job (GRPO and friends). With no arguments: the built-in CPU demo job. Flag "
+            "defaults follow slime's; the built-in job (no --hf-checkpoint and no --prompt-data) uses its own tuned "
+            "values for the flags you leave unset: "
+            + ", ".join(f"{flag(k)} {v}" for k, v in BUILTIN_JOB_DEFAULTS.items())
+            + "."
+        ),
         argument_default=argparse.SUPPRESS,
         # A prefix of a flag must not silently select it: --rollout-max could mean two flags as new ones land.
         allow_abbrev=False,
@@ -409,7 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
         groups[section] = parser.add_argument_group(section)
     for name, (section, f, tp) in _SPECS.items():
         default = getattr(getattr(defaults, section) if section else defaults, name)
-        help_text = f.metadata.get("help", "") + f" (default: {default!r})"
+        help_text = f.metadata.get("help", "") + f" (default: {default!r}"
+        if name in BUILTIN_JOB_DEFAULTS:
+            help_text += f"; built-in job: {BUILTIN_JOB_DEFAULTS[name]!r}"
+        help_text += ")"
         group = groups[section]
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
@@ -424,11 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """Parse ``rlcore-run``'s command line (``sys.argv[1:]`` when None) into a validated ``Config``.
 
-    Precedence: defaults, then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
+    Precedence: defaults (the built-in job's for settings left unset when neither ``--hf-checkpoint`` nor
+    ``--prompt-data`` is given), then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
     """
     namespace = vars(build_parser().parse_args(argv))
     config_path = namespace.pop("config", None)
-    tree = to_dict(load_yaml(config_path)) if config_path is not None else {}
+    tree = read_yaml_tree(config_path) if config_path is not None else {}
     cfg = from_dict(tree, **namespace)
     validate(cfg)
     return cfg
@@ -516,8 +562,10 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
             f"{r.rollout_batch_size}"
         )
     prompt_len = cfg.data.rollout_max_prompt_len
-    if t.max_tokens_per_gpu is not None:
-        longest = r.rollout_max_response_len + (prompt_len if prompt_len is not None else 1)
+    # Without --rollout-max-prompt-len the bound is the data's longest prompt: checked once the data is tokenized
+    # (runtime.loop.prepare_model_and_data, still before Ray starts).
+    if t.max_tokens_per_gpu is not None and prompt_len is not None and r.rollout_max_response_len is not None:
+        longest = r.rollout_max_response_len + prompt_len
         if t.max_tokens_per_gpu < longest:
             problems.append(
                 f"--max-tokens-per-gpu {t.max_tokens_per_gpu} cannot hold one sample of up to {longest} tokens "
@@ -544,8 +592,13 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
             problems.append(f"--hf-checkpoint: directory {os.path.abspath(checkpoint)!r} does not exist")
         elif not os.path.isfile(os.path.join(checkpoint, "config.json")):
             problems.append(f"--hf-checkpoint: {checkpoint!r} has no config.json (not a HF model directory)")
-    if cfg.ckpt.load is not None and not os.path.exists(cfg.ckpt.load):
-        problems.append(f"--load: {os.path.abspath(cfg.ckpt.load)!r} does not exist")
+    if cfg.ckpt.load is not None:
+        from runtime.checkpoint import resolve
+
+        try:
+            resolve(cfg.ckpt.load)
+        except FileNotFoundError as err:
+            problems.append(str(err))
     hooks = {
         "custom_rm_path": cfg.reward.custom_rm_path,
         "custom_generate_function_path": cfg.rollout.custom_generate_function_path,
@@ -561,6 +614,11 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
 
 
 def _check_combinations(problems: list[str], cfg: Config) -> None:
+    if cfg.rollout.rollout_max_response_len is None:
+        problems.append(
+            "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
+            "longest response to sample, e.g. --rollout-max-response-len 1024"
+        )
     if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None:
         problems.append("--save-interval needs --save (the checkpoint directory)")
     if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and cfg.eval.eval_prompt_data is None:

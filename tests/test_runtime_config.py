@@ -1,7 +1,9 @@
 """runtime.config: flag parsing, YAML + flag precedence, round trips, and one test per validation rule."""
 
+import copy
 import dataclasses
 import json
+import pickle
 import typing
 from typing import Literal
 
@@ -10,8 +12,12 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runtime import checkpoint
+from runtime.algo import check_supported
+from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import (
     _SPECS,
+    BUILTIN_JOB_DEFAULTS,
     AlgoConfig,
     Config,
     ConfigError,
@@ -43,13 +49,110 @@ def _problems(argv):
     return "\n".join(info.value.problems)
 
 
+# The built-in job's tuned values (issue 4's review, finding 14): its config.yaml must keep exactly these.
+BUILTIN_TUNED = {
+    "rollout_max_response_len": 8,
+    "lr": 1e-3,
+    "use_kl_loss": True,
+    "kl_loss_type": "low_var_kl",
+    "rollout_shuffle": True,
+}
+# slime's defaults for the same flags (rollout_max_response_len: none, so a real job must set it).
+SLIME_DEFAULTS = {
+    "rollout_max_response_len": None,
+    "lr": 1e-6,
+    "use_kl_loss": False,
+    "kl_loss_type": "k1",
+    "rollout_shuffle": False,
+}
+
+
+def _leaf(cfg, name):
+    section = _SPECS[name][0]
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def _with(cfg, values):
+    tree = to_dict(cfg)
+    for name, value in values.items():
+        tree[_SPECS[name][0]][name] = value
+    return from_dict(tree)
+
+
 def test_defaults_parse_and_validate():
     cfg = parse_args([])
-    assert cfg == Config()
+    assert BUILTIN_JOB_DEFAULTS == BUILTIN_TUNED
+    assert {name: _leaf(cfg, name) for name in BUILTIN_TUNED} == BUILTIN_TUNED
+    # Apart from the tuned values, the built-in job is the flag defaults.
+    assert cfg == _with(Config(), BUILTIN_TUNED)
     assert validate(cfg) is cfg
     # The default batch arithmetic must be whole optimizer steps.
     per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     assert per_rollout % cfg.train.global_batch_size == 0
+
+
+def test_flag_defaults_follow_slime_outside_the_builtin_job(tmp_path):
+    assert {name: _leaf(Config(), name) for name in SLIME_DEFAULTS} == SLIME_DEFAULTS
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
+    for job in (["--hf-checkpoint", str(tmp_path / "model")], ["--prompt-data", str(prompts), "--rm-type", "math"]):
+        assert "--rollout-max-response-len has no default outside the built-in job" in _problems(job)
+        cfg = parse_args([*job, "--rollout-max-response-len", "64"])
+        assert {name: _leaf(cfg, name) for name in SLIME_DEFAULTS} == {
+            **SLIME_DEFAULTS,
+            "rollout_max_response_len": 64,
+        }
+
+
+def test_builtin_job_values_fill_only_what_the_user_left_unset(tmp_path):
+    cfg = parse_args(["--lr", "0.01", "--no-use-kl-loss", "--kl-loss-type", "k1"])
+    assert (cfg.train.lr, cfg.algo.use_kl_loss, cfg.algo.kl_loss_type) == (0.01, False, "k1")
+    assert (cfg.rollout.rollout_max_response_len, cfg.data.rollout_shuffle) == (8, True)
+    # A YAML key counts as set, even when it equals the flag default.
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  rollout_shuffle: false\nrollout_max_response_len: 5\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.data.rollout_shuffle, cfg.rollout.rollout_max_response_len, cfg.train.lr) == (False, 5, 1e-3)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "built-in job: 0.001" in help_text and "--rollout-max-response-len 8" in help_text
+
+
+def test_slime_hooks_read_leaf_fields_flat():
+    cfg = parse_args(["--n-samples-per-prompt", "4", "--global-batch-size", "128", "--seed", "7"])
+    assert (cfg.n_samples_per_prompt, cfg.rollout_max_response_len, cfg.global_batch_size) == (4, 8, 128)
+    for name in _SPECS:
+        assert getattr(cfg, name) == _leaf(cfg, name), name
+    assert not hasattr(cfg, "no_such_flag")
+    with pytest.raises(AttributeError, match="no_such_flag"):
+        cfg.no_such_flag  # noqa: B018
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
+
+
+def test_trainers_on_several_nodes_are_rejected_before_start():
+    with pytest.raises(ConfigError, match="--actor-num-nodes 2: this runtime runs trainers on one node only"):
+        check_supported(parse_args(["--actor-num-nodes", "2", "--global-batch-size", "16"]))
+    check_supported(parse_args([]))
+
+
+def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert "--load" in _problems(["--load", str(tmp_path / "empty")])
+    root = tmp_path / "ckpt"
+    step = checkpoint.step_dir(root, 3)
+    step.mkdir(parents=True)
+    (root / checkpoint.LATEST).write_text(step.name)
+    (step / checkpoint.LOOP_STATE).write_bytes(b"")
+    # A step folder without the trainers' shards is not a checkpoint either.
+    assert "'latest' names 'step_000003', which has no trainer" in _problems(["--load", str(root)])
+    assert main(["--load", str(root), "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    assert "--load" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    (step / checkpoint.TRAINER_DIR).mkdir()
+    assert parse_args(["--load", str(root)]).ckpt.load == str(root)
+    assert checkpoint.resolve(root) == step and checkpoint.resolve(step) == step
 
 
 def test_flags_reach_their_fields():
@@ -146,6 +249,7 @@ def test_config_round_trip_through_yaml_and_dict(tmp_path):
     prompts.write_text('{"prompt": "1+1", "label": "2"}\n')
     cfg = parse_args(
         ["--prompt-data", str(prompts), "--rm-type", "math", "--seed", "5", "--eps-clip-c", "3", "--use-tis"]
+        + ["--rollout-max-response-len", "32"]
     )
     path = tmp_path / "saved.yaml"
     dump_yaml(cfg, path)
