@@ -22,13 +22,18 @@ RESPONSE_LENGTHS = "response_lengths"
 RESPONSE_TOKENS = "response_tokens"
 
 
-def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
+def build_batch(
+    samples: Sequence[Sample], *, pad_token_id: int, require_rollout_log_probs: bool = False
+) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
     Shapes: ``TOKENS`` [B, L] int64 (prompt then response, right-padded with ``pad_token_id``), ``PROMPT_LENGTHS``
     and ``RESPONSE_LENGTHS`` [B] int64, ``RESPONSE_TOKENS`` [B, T] int64, ``mask`` [B, T] bool (the sample's
     ``loss_mask`` over its response, False on padding), ``rollout_log_probs`` [B, T] float32 (0 where unknown),
     ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``).
+
+    ``require_rollout_log_probs`` (set it when ``--use-tis`` is on): a sample without ``rollout_log_probs`` raises
+    instead of getting zeros, which the importance weights would silently read as probability 1.
     """
     if not samples:
         raise ValueError("samples must hold at least one Sample, got none")
@@ -54,6 +59,11 @@ def build_batch(samples: Sequence[Sample], *, pad_token_id: int) -> TensorDict:
         if len(loss_mask) != r:
             raise ValueError(f"sample {i} (index {s.index}): loss_mask has {len(loss_mask)} entries, response {r}")
         mask[i, :r] = torch.tensor(loss_mask, dtype=torch.bool)
+        if s.rollout_log_probs is None and require_rollout_log_probs:
+            raise ValueError(
+                f"sample {i} (index {s.index}) has no rollout_log_probs, which --use-tis needs: a custom generate "
+                "function must set sample.rollout_log_probs (one per response token)"
+            )
         if s.rollout_log_probs is not None:
             if len(s.rollout_log_probs) != r:
                 raise ValueError(

@@ -60,26 +60,46 @@ class Placement:
         return opts
 
 
-def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
-    """Reserve the bundles of ``cfg.resources`` (waits up to ``timeout_s`` for the cluster to have them)."""
+@dataclass(frozen=True)
+class BundlePlan:
+    """How many bundles to reserve and which the trainers and engines take; ``share`` is each actor's part."""
+
+    n_bundles: int
+    trainer_bundles: list[int]
+    engine_bundles: list[int]
+    share: float
+
+
+def plan_bundles(cfg: Config) -> BundlePlan:
+    """The bundles ``cfg`` needs. With ``--rollout-engine sglang`` only the trainers' are reserved: the SGLang
+    servers own their devices and the engine actors are HTTP clients that need none."""
     res = cfg.resources
-    trainers, engines = res.num_trainer_procs, res.rollout_num_gpus
+    trainers = res.num_trainer_procs
+    engines = 0 if cfg.rollout.rollout_engine == "sglang" else res.rollout_num_gpus
+    shared = res.colocate and engines > 0
+    n_bundles = max(trainers, engines) if shared else trainers + engines
+    engine_bundles = list(range(engines)) if shared else [trainers + e for e in range(engines)]
+    return BundlePlan(n_bundles, list(range(trainers)), engine_bundles, 0.5 if shared else 1.0)
+
+
+def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
+    """Reserve the bundles of :func:`plan_bundles` (waits up to ``timeout_s`` for the cluster to have them)."""
+    plan = plan_bundles(cfg)
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    n_bundles = max(trainers, engines) if res.colocate else trainers + engines
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    group = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(plan.n_bundles)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(
-            f"Ray could not reserve {n_bundles} bundles of {bundle} in {timeout_s:.0f}s (cluster has "
+            f"Ray could not reserve {plan.n_bundles} bundles of {bundle} in {timeout_s:.0f}s (cluster has "
             f"{ray.cluster_resources()}); lower --actor-num-gpus-per-node / --rollout-num-gpus or use --colocate"
         )
-    engine_bundles = list(range(engines)) if res.colocate else [trainers + e for e in range(engines)]
     # Trainer and engines take turns (the loop is synchronous), so each may use every core of its share.
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    threads = max(1, cpus // max(trainers, engines, 1)) if not use_gpu else 1
-    return Placement(group, use_gpu, list(range(trainers)), engine_bundles, 0.5 if res.colocate else 1.0, threads)
+    actors = max(len(plan.trainer_bundles), len(plan.engine_bundles), 1)
+    threads = max(1, cpus // actors) if not use_gpu else 1
+    return Placement(group, use_gpu, plan.trainer_bundles, plan.engine_bundles, plan.share, threads)
 
 
 def free_port() -> int:
@@ -155,8 +175,27 @@ class TrainerGroup:
             ray.kill(a)
 
 
+def assign_chunks(n_prompts: int, n_engines: int, *, start: int = 0) -> list[tuple[int, int, int]]:
+    """``(engine, lo, hi)`` per non-empty chunk: prompts ``[lo, hi)`` go to ``engine``, chunk ``i`` to engine
+    ``(start + i) % n_engines``.
+
+    Prompts are split into ``min(n_prompts, n_engines)`` contiguous chunks of near-equal size. Rotating ``start``
+    between calls spreads calls of fewer prompts than engines (custom and multi-turn generate functions send one
+    prompt per call) over all engines instead of piling them onto engine 0.
+    """
+    if n_prompts < 1 or n_engines < 1:
+        raise ValueError(f"n_prompts and n_engines must be >= 1, got {n_prompts} and {n_engines}")
+    chunk = -(-n_prompts // n_engines)
+    out = []
+    for i in range(n_engines):
+        lo, hi = i * chunk, min((i + 1) * chunk, n_prompts)
+        if lo < hi:
+            out.append(((start + i) % n_engines, lo, hi))
+    return out
+
+
 class EngineGroup:
-    """The rollout engine actors; prompts are spread over them in contiguous chunks."""
+    """The rollout engine actors; prompts are spread over them in contiguous chunks (see :func:`assign_chunks`)."""
 
     def __init__(self, placement: Placement, model_path: str, *, seed: int, sglang_urls: Sequence[str] = ()):
         self.http_clients = bool(sglang_urls)
@@ -174,14 +213,13 @@ class EngineGroup:
                 for i, bundle in enumerate(placement.engine_bundles)
             ]
         self.weight_version = 0
+        self._next_engine = 0
 
     def generate_async(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[ray.ObjectRef]:
-        chunk = -(-len(prompts) // len(self.actors))
-        return [
-            actor.generate.remote(list(prompts[i * chunk : (i + 1) * chunk]), params)
-            for i, actor in enumerate(self.actors)
-            if prompts[i * chunk : (i + 1) * chunk]
-        ]
+        """One ``generate`` call per chunk of ``prompts``, in prompt order; the next call starts on the next engine."""
+        chunks = assign_chunks(len(prompts), len(self.actors), start=self._next_engine)
+        self._next_engine = (self._next_engine + len(chunks)) % len(self.actors)
+        return [self.actors[e].generate.remote(list(prompts[lo:hi]), params) for e, lo, hi in chunks]
 
     async def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
         outs = [await ref for ref in self.generate_async(prompts, params)]

@@ -26,6 +26,12 @@ from runtime.sample import Sample
 # A filter that keeps rejecting every group would otherwise spin forever.
 MAX_SAMPLING_ROUNDS = 32
 
+_STATUS_OF_FINISH = {
+    "stop": Sample.Status.COMPLETED,
+    "length": Sample.Status.TRUNCATED,
+    "abort": Sample.Status.ABORTED,
+}
+
 
 @dataclass
 class RolloutContext:
@@ -59,7 +65,7 @@ def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> 
     sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
     sample.rollout_log_probs = list(generation.log_probs)
     sample.loss_mask = [1] * len(generation.token_ids)
-    sample.status = Sample.Status.COMPLETED if generation.finish_reason == "stop" else Sample.Status.TRUNCATED
+    sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
     sample.weight_versions = [*sample.weight_versions, str(generation.weight_version)]
     return sample
 
@@ -96,18 +102,46 @@ async def _generate_groups(
             apply_generation(s, g, ctx.tokenizer)
         return
     results = await asyncio.gather(*(custom_generate(ctx.args, s, params.to_dict()) for s in samples))
+    use_tis = _uses_tis(ctx.args)
     for i, (s, out) in enumerate(zip(samples, results, strict=True)):
         if not isinstance(out, Sample):
             raise TypeError(f"custom generate function returned {type(out).__name__} for sample {i}, not a Sample")
+        out.group_index = s.group_index
+        if out.status == Sample.Status.ABORTED:
+            continue  # dropped with its group below, whatever it holds
         if out.response_length < 1:
             raise ValueError(f"custom generate function returned sample {s.index} with an empty response")
-        out.group_index = s.group_index
+        if use_tis and out.rollout_log_probs is None:
+            raise ValueError(
+                f"--use-tis needs rollout log-probs, but the custom generate function returned sample {s.index} "
+                "with rollout_log_probs None: set sample.rollout_log_probs (one per response token; "
+                "runtime.rollout.engine_generate returns them) or run without --use-tis"
+            )
     # Custom functions may return new Sample objects; put them where the inputs were.
     k = 0
     for g in groups:
         for j in range(len(g)):
             g[j] = results[k]
             k += 1
+
+
+def _uses_tis(args: Any) -> bool:
+    """``--use-tis`` from the job's ``Config`` (``args.algo.use_tis``) or a flat namespace as slime's."""
+    algo = getattr(args, "algo", None)
+    return bool(getattr(algo, "use_tis", False) if algo is not None else getattr(args, "use_tis", False))
+
+
+def split_aborted(groups: list[list[Sample]]) -> tuple[list[list[Sample]], list[list[Sample]]]:
+    """``(whole, aborted)``: groups with no ``ABORTED`` sample, and groups with at least one.
+
+    An aborted sample was cut off by the engine, not by a length limit or a stop token: its response is not the
+    policy's, and a group missing a member has no fair baseline. As slime does with the groups it aborts, the whole
+    group is dropped (not scored, not trained on) and the rollout samples more prompts to fill the batch.
+    """
+    whole, aborted = [], []
+    for g in groups:
+        (aborted if any(s.status == Sample.Status.ABORTED for s in g) else whole).append(g)
+    return whole, aborted
 
 
 async def collect_rollout(
@@ -125,19 +159,21 @@ async def collect_rollout(
     """Generate, score and filter groups until ``rollout_batch_size`` of them pass; return their samples in order.
 
     Each round draws ``over_sampling_batch_size`` prompts (``rollout_batch_size`` when None) from
-    ``next_prompts``. Groups beyond the batch are discarded. Metrics: rounds, groups generated and dropped (by
-    the filter's reason), reward errors and timeouts.
+    ``next_prompts``. Groups with an aborted sample are dropped before scoring (:func:`split_aborted`); groups
+    beyond the batch are discarded. Metrics: rounds, groups generated, aborted (and their aborted samples) and
+    dropped (by the filter's reason), reward errors and timeouts.
     """
     token = _CONTEXT.set(ctx)
     try:
         kept: list[list[Sample]] = []
         dropped: Counter[str] = Counter()
-        rounds = generated = 0
+        rounds = generated = groups_aborted = samples_aborted = 0
         while len(kept) < rollout_batch_size:
             if rounds == MAX_SAMPLING_ROUNDS:
                 raise RuntimeError(
                     f"the dynamic sampling filter kept {len(kept)} of {generated} groups in {rounds} rounds, short of "
-                    f"--rollout-batch-size {rollout_batch_size} (drop reasons: {dict(dropped)})"
+                    f"--rollout-batch-size {rollout_batch_size} (drop reasons: {dict(dropped)}; groups with an "
+                    f"aborted sample: {groups_aborted})"
                 )
             rounds += 1
             groups = expand_groups(
@@ -145,7 +181,11 @@ async def collect_rollout(
             )
             generated += len(groups)
             await _generate_groups(ctx, groups, params, custom_generate)
-            await hub.score([s for g in groups for s in g])
+            groups, aborted = split_aborted(groups)
+            groups_aborted += len(aborted)
+            samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
+            if groups:
+                await hub.score([s for g in groups for s in g])
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             kept.extend(passed)
             dropped.update(reasons)
@@ -156,6 +196,8 @@ async def collect_rollout(
         "rollout/sampling_rounds": rounds,
         "rollout/groups_generated": generated,
         "rollout/groups_dropped": sum(dropped.values()),
+        "rollout/groups_aborted": groups_aborted,
+        "rollout/samples_aborted": samples_aborted,
         **{f"rollout/dropped/{reason}": count for reason, count in dropped.items()},
         **hub.pop_metrics(),
     }

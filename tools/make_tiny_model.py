@@ -1,6 +1,6 @@
 """Build the tiny HF-format causal LM of the default job (random-init Llama + character tokenizer) into a folder.
 
-    python tools/make_tiny_model.py OUTPUT_DIR [--hidden-size 64 --layers 2 --heads 4 --alphabet 0123456789=]
+    python tools/make_tiny_model.py OUTPUT_DIR [--hidden-size 64 --layers 2 --heads 4 --alphabet 0123456789cru=]
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` and can be passed
 to ``rlcore-run --hf-checkpoint``. The logic lives in ``runtime.tiny_model`` so that the runtime builds the same model.

@@ -1,7 +1,9 @@
 """The rollout-engine protocol: what the loop needs from an inference engine, whichever one it is.
 
 An engine turns prompt token ids into sampled response token ids with the log-probability of each sampled token
-under the distribution it sampled from (temperature, top-p and top-k applied), takes new weights from the trainer,
+under ``log_softmax(logits / temperature)`` over the whole vocabulary, *before* top-k/top-p truncation (sampling
+uses the truncated distribution; the log-probs are what SGLang reports and the trainer recomputes, so that
+truncated importance sampling compares like with like), takes new weights from the trainer,
 and gives its device memory back between rollouts when it shares a device with the trainer (``--colocate``).
 The embedded engine (:class:`runtime.engines.HFEngine`) implements it on transformers; an SGLang engine plugs in
 behind the same methods.
@@ -17,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 class SamplingParams:
     """Sampling settings of one generate call (slime's names: ``--rollout-temperature`` and friends).
 
-    ``top_k=-1`` is off; ``stop_token_ids`` end a response (the tokenizer's eos when empty).
+    ``top_k=-1`` is off; ``stop_token_ids`` end a response in addition to the model's eos ids.
     """
 
     max_new_tokens: int

@@ -6,10 +6,13 @@ start: its paged KV cache sizes itself from free device memory, which it reads a
 The batched ``generate`` works on every device, and at the sizes this engine is for (CPU runs, tests, single-GPU
 debugging) the padding it wastes is small; SGLang is the engine for throughput.
 
-Per-token rollout log-probs come from the *processed* scores (``output_scores``): the logits after temperature,
-top-k and top-p, i.e. the distribution the token was actually drawn from. Every other logits processor a model's
-``generation_config.json`` could switch on (repetition penalty, n-gram bans, minimum lengths, ...) is forced off,
-so that these log-probs and the trainer's agree up to numerics at the same weights.
+Per-token rollout log-probs are ``log_softmax(logits / temperature)`` of the sampled token over the whole vocabulary,
+taken from the raw logits (``output_logits``) *before* top-k and top-p truncation: what SGLang reports and what the
+trainer recomputes, so that ``--use-tis`` compares like with like. Sampling itself still draws from the truncated
+distribution. The model's own ``generation_config.json`` is set aside at load: transformers fills every field a call
+leaves unset from it (``min_p``, ``top_h``, repetition penalties, minimum lengths, ...), which would sample from a
+distribution the job never asked for; every such processor is forced off here. The model's eos ids (tokenizer and
+``generation_config.json``, which may list several, as Llama-3 and Qwen do) always end a response.
 """
 
 from __future__ import annotations
@@ -42,9 +45,28 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def eos_token_ids(tokenizer_eos: int | None, generation_config_eos: int | list[int] | None) -> list[int]:
+    """The union of the tokenizer's eos and the model's ``generation_config.eos_token_id`` (an int or a list)."""
+    ids = [] if tokenizer_eos is None else [tokenizer_eos]
+    if isinstance(generation_config_eos, int):
+        ids.append(generation_config_eos)
+    elif generation_config_eos is not None:
+        ids.extend(generation_config_eos)
+    return sorted(set(ids))
+
+
+def bare_generation_config(*, eos: list[int], pad: int):
+    """A ``GenerationConfig`` with only eos and pad set: what transformers fills unset call fields from."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+
+
 def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: int):
     from transformers import GenerationConfig
 
+    # Every field that switches on a logits processor is given its "off" value, not left None: transformers fills
+    # None fields from the model's generation config, and a user's checkpoint may set any of them.
     return GenerationConfig(
         do_sample=True,
         temperature=params.temperature,
@@ -52,26 +74,26 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
         top_k=0 if params.top_k == -1 else params.top_k,
         max_new_tokens=params.max_new_tokens,
         min_new_tokens=0,
-        min_p=None,
+        min_length=0,
+        min_p=0.0,
         typical_p=1.0,
         epsilon_cutoff=0.0,
         eta_cutoff=0.0,
         repetition_penalty=1.0,
         no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
         encoder_repetition_penalty=1.0,
         length_penalty=1.0,
+        guidance_scale=1.0,
         num_beams=1,
         num_return_sequences=1,
         renormalize_logits=False,
-        bad_words_ids=None,
-        suppress_tokens=None,
-        begin_suppress_tokens=None,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
+        remove_invalid_values=False,
         eos_token_id=eos,
         pad_token_id=pad,
         return_dict_in_generate=True,
-        output_scores=True,
+        output_logits=True,
+        output_scores=False,
         use_cache=True,
     )
 
@@ -93,18 +115,27 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_token_id = tokenizer.eos_token_id
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {model_path!r} has no eos token; the engine cannot tell where to stop")
+        self.eos_token_ids = eos_token_ids(tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
+        if not self.eos_token_ids:
+            raise ValueError(
+                f"{model_path!r} names no eos token (tokenizer or generation_config.json): the engine "
+                "cannot tell where to stop"
+            )
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self.model.generation_config = bare_generation_config(eos=self.eos_token_ids, pad=self.pad_token_id)
         self.weight_version = 0
         self.released = False
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
-        """One response per prompt; ``prompts`` is a list of non-empty token-id lists."""
+        """One response per prompt; ``prompts`` is a list of non-empty token-id lists.
+
+        A response ends at the model's eos ids or any of ``params.stop_token_ids`` (they add to the eos, as in
+        SGLang); its log-probs are the untruncated ``log_softmax(logits / temperature)`` of each sampled token.
+        """
         params = check_generate_args(prompts, params, released=self.released)
-        stop = list(params.stop_token_ids) or [self.eos_token_id]
+        stop = sorted({*self.eos_token_ids, *params.stop_token_ids})
         width = max(len(ids) for ids in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -117,8 +148,9 @@ class HFEngine:
             generation_config=_neutral_generation_config(params, eos=stop, pad=self.pad_token_id),
         )
         new_tokens = out.sequences[:, width:]
-        scores = torch.stack(out.scores, dim=1).float()
-        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+        # The same float32 arithmetic as the trainer's log-probs (rlcore.kernels: logits.float() * (1 / T)).
+        logits = torch.stack(out.logits, dim=1).float() * (1.0 / params.temperature)
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
         is_stop = torch.isin(new_tokens, torch.tensor(stop, device=new_tokens.device))
         # A response ends at its first stop token (kept); what follows is the padding of finished rows.
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), new_tokens.shape[1])

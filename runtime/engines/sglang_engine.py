@@ -13,12 +13,12 @@ nothing from SGLang. The endpoints and JSON shapes follow SGLang 0.5.x (the line
   ``cuda_graph``; the server must run with ``--enable-memory-saver``), ``POST /flush_cache``, ``POST /abort_request``,
   ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
-Differences from the embedded engine that callers should know:
+What callers should know:
 
 - SGLang's per-token log-probs are ``log_softmax(logits / temperature)`` over the whole vocabulary, *before* top-k and
-  top-p truncation (the embedded engine reports the truncated distribution). With ``top_p=1`` and ``top_k=-1`` the
-  two agree; otherwise the trainer should compare against the untruncated distribution.
-- The model's eos token always ends a response; ``stop_token_ids`` add to it rather than replace it.
+  top-p truncation, like the embedded engine's and the trainer's.
+- The model's eos token always ends a response; ``stop_token_ids`` add to it rather than replace it (as in the
+  embedded engine).
 - The stop token is kept in ``token_ids`` (``no_stop_trim``), as in the embedded engine.
 
 Weights go through the file system: :meth:`SGLangEngine.update_weights` writes the state dict as safetensors into an
