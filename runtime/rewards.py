@@ -6,22 +6,24 @@ A custom function (``--custom-rm-path``) is one of
 - batched: ``[async] def reward_func(args, samples: list[Sample], **kwargs) -> list[float]``
 
 told apart by the second parameter (named ``samples``, or annotated as a list / sequence; slime says it with
-``--group-rm``). Async functions run on the event loop, sync ones in a small thread pool so that they never
-block it. A call that raises, returns something that is not a finite number, or runs past ``--reward-timeout``
-gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the job goes on.
+``--group-rm``). Async functions run on the event loop, sync ones each in a thread of their own, at most
+``max_workers`` at a time, so that they never block it. A call that raises, returns something that is not a finite
+number, or runs past ``--reward-timeout`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in
+``pop_metrics()``); the job goes on. The timeout of a sync call counts from the moment its thread starts, not
+from when it began waiting for one of the ``max_workers`` slots.
 
-A timed-out sync function cannot be killed from Python: its thread runs on in the background until it returns
-(the pool has ``max_workers`` threads, so a few stuck calls only make later calls time out too).
+A timed-out sync function cannot be killed from Python: its (daemon) thread runs on in the background until it
+returns, but gives its slot back at the timeout, so a stuck call does not make later calls time out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -161,8 +163,12 @@ class RewardHub:
         self.name, self.fn = _resolve(cfg)
         self.batched = is_batched(self.fn)
         self.is_async = _is_async(self.fn)
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         self._max_workers = max_workers
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # One semaphore per event loop (the loop runs a fresh asyncio.run per step); it bounds running sync calls.
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._metrics = self._zero_metrics()
 
     @staticmethod
@@ -175,10 +181,8 @@ class RewardHub:
         return metrics
 
     def close(self) -> None:
-        """Release the thread pool (threads of timed-out calls finish on their own)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        """Nothing to release: each sync call has its own thread (threads of timed-out calls finish on their own)."""
+        self._slots = self._slots_loop = None
 
     async def score(self, samples: Sequence[Sample]) -> list[float]:
         """Score ``samples``, set each ``sample.reward``, and return the scalar rewards (0.0 where scoring failed)."""
@@ -241,8 +245,7 @@ class RewardHub:
                 if self.is_async:
                     result = await call()
                 else:
-                    loop = asyncio.get_running_loop()
-                    result = await loop.run_in_executor(self._get_executor(), call)
+                    result = await _in_thread(call)
                     if inspect.isawaitable(result):
                         result = await result
                 return result, None
@@ -250,7 +253,12 @@ class RewardHub:
                 return None, err
 
         try:
-            result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
+            if self.is_async:
+                result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
+            else:
+                # The slot is taken before the clock starts: waiting for a free thread is not the function's time.
+                async with self._get_slots():
+                    result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
         except TimeoutError:
             self._metrics["reward/timeouts"] += count
             logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
@@ -273,16 +281,17 @@ class RewardHub:
             exc_info=err if first else None,
         )
 
-    def _get_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
-        return self._executor
+    def _get_slots(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:
+            self._slots, self._slots_loop = asyncio.Semaphore(self._max_workers), loop
+        return self._slots
 
     def __getstate__(self) -> dict[str, Any]:
         # A hub may be shipped to a Ray actor: the function is re-imported there by path (a hook loaded
-        # from a file is not importable by module name) and the pool is rebuilt on first use.
+        # from a file is not importable by module name) and the slots are rebuilt on first use.
         state = dict(self.__dict__)
-        state["_executor"] = None
+        state["_slots"] = state["_slots_loop"] = None
         del state["fn"]
         return state
 
@@ -292,3 +301,31 @@ class RewardHub:
 
 
 _FAILED = object()
+
+
+async def _in_thread(call: Callable[[], Any]) -> Any:
+    """Run ``call`` in a new daemon thread and await its result; the thread starts at once (no pool queue), and an
+    abandoned (timed-out) call neither blocks later ones nor keeps the process alive at exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, err: BaseException | None) -> None:
+        if future.done():  # the caller timed out and moved on
+            return
+        if err is not None:
+            future.set_exception(err)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, err = call(), None
+        except BaseException as exc:  # handed to the awaiting coroutine, which decides
+            result, err = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, err)
+        except RuntimeError:  # the event loop closed while this call ran past its timeout
+            pass
+
+    threading.Thread(target=run, name="reward", daemon=True).start()
+    return await future

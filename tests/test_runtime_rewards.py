@@ -326,3 +326,47 @@ def test_load_function_spellings_and_errors(tmp_path):
     check_function_path(f"{path}:fn")
     with pytest.raises(HookError):
         check_function_path("no_such_pkg_q.mod:fn")
+
+
+def test_sync_reward_timeout_counts_only_running_time(tmp_path):
+    # 40 calls of 0.3 s on 8 threads take 1.5 s in all; none runs for 1 s. Timing the wait for a free thread too
+    # (the pool's queue) timed out 16 of them.
+    path = _hook(
+        tmp_path,
+        "steady",
+        """
+        import time
+
+        def steady(args, sample):
+            time.sleep(0.3)
+            return 1.0
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:steady", reward_timeout=1.0), max_workers=8)
+    start = time.perf_counter()
+    assert _score(hub, _samples([("x", None)] * 40)) == [1.0] * 40
+    wall = time.perf_counter() - start
+    metrics = hub.pop_metrics()
+    assert (metrics["reward/timeouts"], metrics["reward/errors"]) == (0, 0)
+    assert 1.5 <= wall < 3.0  # at most 8 at a time: 5 waves of 0.3 s
+    hub.close()
+
+
+def test_stuck_sync_reward_gives_back_its_slot(tmp_path):
+    path = _hook(
+        tmp_path,
+        "stuck",
+        """
+        import time
+
+        def stuck(args, sample):
+            time.sleep(2.0 if sample.index == 0 else 0.05)
+            return 1.0
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:stuck", reward_timeout=0.3), max_workers=1)
+    # With one slot, the stuck call times out and the next calls still get the thread budget they need.
+    assert _score(hub, _samples([("x", None)] * 4)) == [0.0, 1.0, 1.0, 1.0]
+    assert hub.pop_metrics()["reward/timeouts"] == 1
+    with pytest.raises(ValueError, match="max_workers must be a positive int"):
+        RewardHub(RewardConfig(custom_rm_path=f"{path}:stuck"), max_workers=0)
