@@ -160,14 +160,16 @@ async def collect_rollout(
 
     Each round draws ``over_sampling_batch_size`` prompts (``rollout_batch_size`` when None) from
     ``next_prompts``. Groups with an aborted sample are dropped before scoring (:func:`split_aborted`); groups
-    beyond the batch are discarded. Metrics: rounds, groups generated, aborted (and their aborted samples) and
-    dropped (by the filter's reason), reward errors and timeouts.
+    beyond the batch are discarded. Metrics: rounds, groups generated, aborted (and their aborted samples),
+    dropped (by the filter's reason) and discarded (passed, but the batch was full), the mean reward of every scored
+    sample before the filter, reward errors and timeouts.
     """
     token = _CONTEXT.set(ctx)
     try:
         kept: list[list[Sample]] = []
         dropped: Counter[str] = Counter()
         rounds = generated = groups_aborted = samples_aborted = 0
+        scored_rewards: list[float] = []
         while len(kept) < rollout_batch_size:
             if rounds == MAX_SAMPLING_ROUNDS:
                 raise RuntimeError(
@@ -186,6 +188,7 @@ async def collect_rollout(
             samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
             if groups:
                 await hub.score([s for g in groups for s in g])
+                scored_rewards.extend(reward_value(s) for g in groups for s in g)
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             kept.extend(passed)
             dropped.update(reasons)
@@ -196,12 +199,17 @@ async def collect_rollout(
         "rollout/sampling_rounds": rounds,
         "rollout/groups_generated": generated,
         "rollout/groups_dropped": sum(dropped.values()),
+        # Groups that passed the filter but came after the batch was full (over-sampling): generated, not trained.
+        "rollout/groups_discarded": max(len(kept) - rollout_batch_size, 0),
         "rollout/groups_aborted": groups_aborted,
         "rollout/samples_aborted": samples_aborted,
         **{f"rollout/dropped/{reason}": count for reason, count in dropped.items()},
         **hub.pop_metrics(),
     }
     metrics.update(sample_metrics(samples))
+    # rollout/reward_mean is over the trained batch (after the filter); this one is over every scored sample.
+    if scored_rewards:
+        metrics["rollout/reward_mean_before_filter"] = sum(scored_rewards) / len(scored_rewards)
     return samples, metrics
 
 

@@ -22,6 +22,7 @@ from runtime.batch import build_batch
 from runtime.config import RewardConfig, from_dict, validate
 from runtime.engines import HFEngine, SamplingParams
 from runtime.engines.base import Generation
+from runtime.filters import DynamicFilterOutput
 from runtime.placement import EngineGroup, assign_chunks, plan_bundles
 from runtime.rewards import RewardHub
 from runtime.rollout import RolloutContext, apply_generation, collect_rollout
@@ -169,7 +170,11 @@ def _next_prompts():
     counter = iter(range(1000))
 
     def take(n):
-        return [Sample(index=k, tokens=[k + 10], label="ok") for k in (next(counter) for _ in range(n))]
+        # Even prompts earn reward 1 (the fake tokenizer decodes every response to "ok"), odd ones 0.
+        return [Sample(index=k, tokens=[k + 10], label="ok" if k % 2 == 0 else "no") for k in take_ids(n)]
+
+    def take_ids(n):
+        return [next(counter) for _ in range(n)]
 
     return take
 
@@ -199,6 +204,22 @@ def test_groups_with_an_aborted_sample_are_dropped_counted_and_replaced():
     assert all(s.status == Sample.Status.TRUNCATED and s.reward == 1.0 for s in samples)
     assert metrics["rollout/groups_aborted"] == 1 and metrics["rollout/samples_aborted"] == 1
     assert metrics["rollout/groups_generated"] == 3 and metrics["reward/num_scored"] == 4
+
+
+def test_over_sampled_groups_are_counted_and_the_pre_filter_reward_is_logged():
+    samples, metrics = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=3)
+    assert [s.tokens[0] for s in samples] == [10, 10, 11, 11]
+    assert metrics["rollout/groups_discarded"] == 1 and metrics["rollout/groups_dropped"] == 0
+    assert metrics["rollout/reward_mean"] == pytest.approx(0.5)
+    assert metrics["rollout/reward_mean_before_filter"] == pytest.approx(2 / 3)
+
+    def drop_zero(args, group, **kwargs):
+        return DynamicFilterOutput(keep=group[0].reward > 0, reason="zero")
+
+    samples, metrics = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=2, filter_fn=drop_zero)
+    assert [s.tokens[0] for s in samples] == [10, 10, 12, 12]
+    assert metrics["rollout/groups_dropped"] == 2 and metrics["rollout/groups_discarded"] == 0
+    assert metrics["rollout/reward_mean"] == 1.0 and metrics["rollout/reward_mean_before_filter"] == 0.5
 
 
 def test_custom_generate_may_return_an_aborted_empty_sample():
