@@ -149,6 +149,7 @@ class PromptDataset:
         self.cfg = cfg
         self.seed = seed
         self.source = source
+        self.where = where
         self.bad_rows: list[tuple[int, str]] = []
         self.num_dropped_long = 0
 
@@ -239,6 +240,25 @@ class PromptDataset:
             "data/num_dropped_long": self.num_dropped_long,
             "data/num_bad_rows": self.num_bad_rows,
         }
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest kept prompt, in tokens (0 without a tokenizer)."""
+        return max(len(p.tokens) for p in self._prompts)
+
+    def report(self, *, max_rows: int = 10) -> list[str]:
+        """Lines for the job log: the counts of :meth:`stats`, then each skipped row (the first ``max_rows``, then
+        how many more) with its reason."""
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+            raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
+        lines = [
+            f"{self.source}: {len(self._prompts)} prompts; {self.num_dropped_long} dropped as longer than "
+            f"--rollout-max-prompt-len {self.cfg.rollout_max_prompt_len}; {self.num_bad_rows} malformed rows skipped"
+        ]
+        lines += [f"  skipped {self.where} {line_no}: {reason}" for line_no, reason in self.bad_rows[:max_rows]]
+        if self.num_bad_rows > max_rows:
+            lines.append(f"  ... and {self.num_bad_rows - max_rows} more skipped rows")
+        return lines
 
     def next_batch(self, n: int) -> list[Sample]:
         """The next ``n`` prompts as new ``Sample``s, crossing into the next epoch (reshuffled) as needed."""

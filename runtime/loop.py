@@ -21,10 +21,10 @@ from tensordict import TensorDict
 
 from rlcore import keys
 from rlcore.advantages import compute
-from runtime import checkpoint, task
+from runtime import checkpoint, rollout, task
 from runtime.algo import advantage_config, check_supported, loss_config, needs_reference
 from runtime.batch import build_batch
-from runtime.config import Config, dump_yaml, to_dict
+from runtime.config import Config, ConfigError, dump_yaml, to_dict
 from runtime.data import PromptDataset
 from runtime.engines.base import SamplingParams
 from runtime.filters import load_filter
@@ -32,7 +32,7 @@ from runtime.hooks import load_function
 from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, format_step_line, plot_rewards
 from runtime.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.rewards import RewardHub
-from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, sample_metrics
+from runtime.rollout import RolloutContext, collect_rollout, expand_groups, sample_metrics
 from runtime.sample import Sample
 from runtime.tiny_model import make_tiny_model
 
@@ -40,6 +40,8 @@ from runtime.tiny_model import make_tiny_model
 # evaluation prompts, drawn from the strings the pool missed so that evaluation measures generalisation.
 BUILTIN_NUM_PROMPTS = 2048
 BUILTIN_NUM_EVAL_PROMPTS = 64
+# Skipped data rows printed at start (the rest are counted).
+MAX_REPORTED_ROWS = 10
 
 
 @dataclass
@@ -53,8 +55,9 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
     """The model folder, its tokenizer, the prompt dataset and the evaluation prompts (None without eval).
 
     Without ``--hf-checkpoint`` the tiny model is built into ``output_dir/base_model`` and loaded from there like
-    any checkpoint; without ``--prompt-data`` the prompts are the built-in task's. Data errors raise here, before
-    Ray starts.
+    any checkpoint; without ``--prompt-data`` the prompts are the built-in task's. What was dropped or skipped is
+    printed (``PromptDataset.report``). Data errors, and a ``--max-tokens-per-gpu`` too small for the longest
+    prompt plus ``--rollout-max-response-len``, raise here, before Ray starts.
     """
     from transformers import AutoTokenizer
 
@@ -81,6 +84,20 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
             records = list({r["prompt"]: r for r in unseen}.values())[:BUILTIN_NUM_EVAL_PROMPTS]
             eval_set = PromptDataset.from_records(records, tokenizer, cfg.data, seed=cfg.seed)
         eval_prompts = eval_set.next_batch(len(eval_set))
+    for ds in (dataset, eval_set) if eval_prompts is not None else (dataset,):
+        print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
+    budget = cfg.train.max_tokens_per_gpu
+    if budget is not None:
+        longest = max(dataset.max_prompt_tokens, eval_set.max_prompt_tokens if eval_prompts is not None else 0)
+        need = longest + cfg.rollout.rollout_max_response_len
+        if budget < need:
+            raise ConfigError(
+                [
+                    f"--max-tokens-per-gpu {budget} cannot hold the longest sample: a prompt of {longest} tokens + "
+                    f"--rollout-max-response-len {cfg.rollout.rollout_max_response_len} = {need} (raise the budget, "
+                    "or drop long prompts with --rollout-max-prompt-len)"
+                ]
+            )
     return model_path, tokenizer, dataset, eval_prompts
 
 
@@ -125,13 +142,12 @@ def _init_ray(cfg: Config) -> bool:
 
 
 def run(cfg: Config, *, progress: bool = True) -> RunResult:
+    # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
+    check_supported(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
-
-    # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
-    check_supported(cfg)
     adv_cfg, loss_cfg = advantage_config(cfg), loss_config(cfg)
     model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
     hub = RewardHub(cfg.reward, args=cfg)
@@ -193,7 +209,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(bar.close)
         for step in range(start_step, cfg.rollout.num_rollout):
             step_start = time.perf_counter()
-            metrics: dict[str, float] = {}
+            # The data counts go to the first logged step (they do not change during the job).
+            metrics: dict[str, float] = dataset.stats() if step == start_step else {}
 
             # 1. Rollout: generate groups, score them, keep those the filter passes.
             if cfg.resources.colocate:
@@ -241,7 +258,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             # 6. Evaluation, logging, checkpoints.
             done = step + 1
             if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == cfg.rollout.num_rollout):
-                metrics.update(evaluate(ctx, hub, eval_prompts, cfg, params))
+                metrics.update(evaluate(ctx, hub, eval_prompts, cfg, params, custom_generate=custom_generate))
             metrics["perf/step_time"] = time.perf_counter() - step_start
             logger.log(step, metrics)
             history.append({"step": step, **metrics})
@@ -258,19 +275,33 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
 
 
 def evaluate(
-    ctx: RolloutContext, hub: RewardHub, prompts: list[Sample], cfg: Config, params: SamplingParams
+    ctx: RolloutContext,
+    hub: RewardHub,
+    prompts: list[Sample],
+    cfg: Config,
+    params: SamplingParams,
+    *,
+    custom_generate: Any = None,
 ) -> dict[str, float]:
-    """Mean reward over the evaluation prompts (``--n-samples-per-eval-prompt`` each), no filter, no training."""
+    """Mean reward over the evaluation prompts (``--n-samples-per-eval-prompt`` each), no filter, no training.
+
+    Responses come from the same generation path as training rollouts: ``custom_generate`` (the
+    ``--custom-generate-function-path`` hook) when given, the engines' batched generate otherwise.
+    """
     groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
-    samples = [s for g in groups for s in g]
 
-    async def go() -> None:
-        generations = await ctx.engines.generate([s.tokens for s in samples], params)
-        for s, g in zip(samples, generations, strict=True):
-            apply_generation(s, g, ctx.tokenizer)
+    async def go() -> list[Sample]:
+        # The hook may call rollout.generate / engine_generate, which read the rollout context.
+        token = rollout._CONTEXT.set(ctx)
+        try:
+            await rollout._generate_groups(ctx, groups, params, custom_generate)
+        finally:
+            rollout._CONTEXT.reset(token)
+        samples = [s for g in groups for s in g]
         await hub.score(samples)
+        return samples
 
-    asyncio.run(go())
+    samples = asyncio.run(go())
     errors = hub.pop_metrics()
     metrics = sample_metrics(samples, prefix="eval")
     metrics["eval/reward_errors"] = errors["reward/errors"]

@@ -283,3 +283,43 @@ def test_stream_is_epochwise_permutations_and_resume_anywhere_matches(n_prompts,
     resumed = PromptDataset.from_records(records, None, cfg, seed=seed)
     resumed.load_state_dict(state)
     assert [s.index for size in sizes[split:] for s in resumed.next_batch(size)] == tail
+
+
+def test_report_lists_counts_and_the_first_skipped_rows(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
+    ds = PromptDataset(path, tokenizer, DataConfig(on_bad_row="skip"), seed=0)
+    lines = ds.report(max_rows=2)
+    assert lines[0].startswith(f"{path}: {len(ds)} prompts; {ds.num_dropped_long} dropped as longer than")
+    assert "5 malformed rows skipped" in lines[0]
+    assert lines[1].startswith("  skipped line 3: invalid JSON") and lines[2].startswith("  skipped line 5: missing")
+    assert lines[3] == "  ... and 3 more skipped rows" and len(lines) == 4
+    assert ds.stats() == {"data/num_prompts": 3, "data/num_dropped_long": 0, "data/num_bad_rows": 5}
+    # BOS + the 5 words of each kept prompt ("what is 1 plus 2" and alike).
+    assert ds.max_prompt_tokens == max(len(tokenizer(s.prompt)["input_ids"]) for s in ds.next_batch(len(ds))) == 6
+
+
+def _model_dir(tmp_path, tokenizer):
+    folder = tmp_path / "model"
+    tokenizer.save_pretrained(folder)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return folder
+
+
+def test_job_prints_skipped_rows_and_checks_the_token_budget_against_the_data(tmp_path, tokenizer, capsys):
+    from runtime.config import ConfigError, parse_args
+    from runtime.loop import prepare_model_and_data
+
+    rows = [{"prompt": "what is 1 plus 2 plus 3 plus 4", "label": "10"}, {"prompt": "one", "label": "1"}, "{bad"]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    argv = ["--hf-checkpoint", str(_model_dir(tmp_path, tokenizer)), "--prompt-data", str(path)]
+    argv += ["--rm-type", "exact_match", "--on-bad-row", "skip", "--rollout-max-response-len", "4"]
+    argv += ["--output-dir", str(tmp_path / "out")]
+    # Without --rollout-max-prompt-len validation cannot know the longest prompt: BOS + 9 words = 10 tokens.
+    cfg = parse_args([*argv, "--max-tokens-per-gpu", "13", "--global-batch-size", "32"])
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-gpu 13 cannot hold the longest sample: a prompt of 10"):
+        prepare_model_and_data(cfg)
+    _, _, dataset, _ = prepare_model_and_data(parse_args([*argv, "--max-tokens-per-gpu", "14"]))
+    out = capsys.readouterr().out
+    assert f"{path}: 2 prompts; 0 dropped" in out and "1 malformed rows skipped" in out
+    assert "  skipped line 3: invalid JSON" in out
+    assert dataset.max_prompt_tokens == 10
