@@ -215,10 +215,28 @@ class EngineGroup:
         self.weight_version = 0
         self._next_engine = 0
 
+    def rewind(self) -> None:
+        """Send the next call of fewer prompts than engines to engine 0 again.
+
+        The loop calls it at the start of every rollout, so that which engine (and so which engine's RNG) serves
+        which request depends only on the order of calls within the rollout, as it must for a resumed job to sample
+        alike (the position is not checkpointed).
+        """
+        self._next_engine = 0
+
     def generate_async(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[ray.ObjectRef]:
-        """One ``generate`` call per chunk of ``prompts``, in prompt order; the next call starts on the next engine."""
-        chunks = assign_chunks(len(prompts), len(self.actors), start=self._next_engine)
-        self._next_engine = (self._next_engine + len(chunks)) % len(self.actors)
+        """One ``generate`` call per chunk of ``prompts``, in prompt order.
+
+        A batch of at least as many prompts as engines uses every engine, from engine 0. A smaller call (custom and
+        multi-turn generate functions send one prompt per call) starts where the previous small call stopped, so
+        such calls go round-robin over the engines.
+        """
+        n = len(self.actors)
+        if len(prompts) >= n:
+            chunks = assign_chunks(len(prompts), n)
+        else:
+            chunks = assign_chunks(len(prompts), n, start=self._next_engine)
+            self._next_engine = (self._next_engine + len(chunks)) % n
         return [self.actors[e].generate.remote(list(prompts[lo:hi]), params) for e, lo, hi in chunks]
 
     async def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:

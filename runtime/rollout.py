@@ -35,7 +35,11 @@ _STATUS_OF_FINISH = {
 
 @dataclass
 class RolloutContext:
-    """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args."""
+    """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args.
+
+    ``engines`` needs ``async generate(prompts, params) -> list[Generation]`` and ``rewind()`` (see
+    ``runtime.placement.EngineGroup``).
+    """
 
     engines: Any
     tokenizer: Any
@@ -165,6 +169,7 @@ async def collect_rollout(
     sample before the filter, reward errors and timeouts.
     """
     token = _CONTEXT.set(ctx)
+    ctx.engines.rewind()
     try:
         kept: list[list[Sample]] = []
         dropped: Counter[str] = Counter()

@@ -156,6 +156,9 @@ class _Engines:
     def __init__(self, abort=()):
         self.abort, self.seen = set(abort), set()
 
+    def rewind(self):
+        pass
+
     async def generate(self, prompts, params):
         out = []
         for p in prompts:
@@ -280,7 +283,11 @@ def test_single_prompt_calls_go_round_robin_over_engines():
     assert [o[0].token_ids for o in outs] == [[i] for i in range(7)]
     batch = asyncio.run(group.generate([[i] for i in range(5)], SamplingParams(1)))
     assert [g.token_ids for g in batch] == [[i] for i in range(5)]  # prompt order kept
-    assert sorted({g.weight_version for g in batch}) == [0, 1, 2]
+    assert [g.weight_version for g in batch] == [0, 0, 1, 1, 2]  # a full batch starts on engine 0
+    one = asyncio.run(group.generate([[9]], SamplingParams(1)))  # and does not move the round-robin position
+    assert one[0].weight_version == 1
+    group.rewind()
+    assert asyncio.run(group.generate([[9], [8]], SamplingParams(1)))[0].weight_version == 0
 
 
 @given(n_prompts=st.integers(1, 40), n_engines=st.integers(1, 9), start=st.integers(0, 20))
