@@ -27,6 +27,11 @@ def _plain(value: Any) -> float | int:
     return value
 
 
+def _json_value(value: float | int) -> float | int | None:
+    # NaN and infinities are not JSON: json.dumps would write bare NaN, which strict readers reject.
+    return value if math.isfinite(value) else None
+
+
 def format_step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
     parts = [f"step {step}/{total}"]
     for key, label, fmt in CONSOLE_FIELDS:
@@ -66,7 +71,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps({k: _json_value(v) for k, v in row.items()}, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in row.items():
@@ -109,14 +114,16 @@ def plot_rewards(metrics_path: str | os.PathLike[str], png_path: str | os.PathLi
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows if "rollout/reward_mean" in r]
-    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+    # A null (non-finite when logged) reward is no point on the curve.
+    points = [(r["step"], r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean") is not None]
+    steps = [step for step, _ in points]
+    rewards = [reward for _, reward in points]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, alpha=0.4, label="reward (per step)")
     if len(rewards) >= window:
         smooth = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
         ax.plot(steps[window - 1 :], smooth, label=f"reward ({window}-step mean)")
-    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="eval reward")
     ax.set_xlabel("step")

@@ -5,10 +5,12 @@ start Ray once for the module (``num_cpus=2``) and run real actors and the real 
 """
 
 import asyncio
+import importlib.util
 import json
 import statistics
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -172,7 +174,7 @@ def test_shards_cover_each_global_batch_and_merge_back(steps, world, per_rank):
 def test_checkpoint_resolve_follows_latest_and_names_what_is_missing(tmp_path):
     for step in (2, 4):
         folder = checkpoint.step_dir(tmp_path, step)
-        folder.mkdir()
+        (folder / checkpoint.TRAINER_DIR).mkdir(parents=True)
         (folder / checkpoint.LOOP_STATE).write_bytes(b"")
     (tmp_path / checkpoint.LATEST).write_text("step_000002")
     assert checkpoint.resolve(tmp_path) == tmp_path / "step_000002"
@@ -180,6 +182,9 @@ def test_checkpoint_resolve_follows_latest_and_names_what_is_missing(tmp_path):
     (tmp_path / checkpoint.LATEST).write_text("step_000009")
     with pytest.raises(FileNotFoundError, match="step_000009"):
         checkpoint.resolve(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.resolve(tmp_path / "step_000002" / "nothing")
+    (tmp_path / "step_000002" / "nothing").mkdir()
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
         checkpoint.resolve(tmp_path / "step_000002" / "nothing")
 
@@ -196,6 +201,33 @@ def test_metrics_of_a_resumed_run_keep_the_last_row_per_step(tmp_path):
     assert [r["rollout/reward_mean"] for r in rows] == pytest.approx([0.0, 0.1, 0.7, 0.8])
     plot_rewards(tmp_path / METRICS_FILE, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_non_finite_metrics_are_written_as_json_null(tmp_path):
+    with MetricsLogger(tmp_path, use_tensorboard=True) as logger:
+        logger.log(0, {"rollout/reward_mean": float("nan"), "train/kl": float("inf"), "train/loss": 0.5})
+        logger.log(1, {"rollout/reward_mean": 0.25})
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    # Strict JSON (no bare NaN / Infinity tokens).
+    rows = [json.loads(line, parse_constant=lambda name: pytest.fail(f"non-JSON constant {name}")) for line in lines]
+    assert rows[0] == {"step": 0, "rollout/reward_mean": None, "train/kl": None, "train/loss": 0.5}
+    plot_rewards(tmp_path / METRICS_FILE, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_plot_tool_on_metrics_without_rewards(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_rewards", Path(__file__).parents[1] / "tools/plot_rewards.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    plot_main = tool.main
+    (tmp_path / METRICS_FILE).write_text("")
+    assert plot_main([str(tmp_path / METRICS_FILE), str(tmp_path / "c.png")]) == 1
+    assert "no rollout/reward_mean rows" in capsys.readouterr().err and not (tmp_path / "c.png").exists()
+    with MetricsLogger(tmp_path, use_tensorboard=False) as logger:
+        for step in range(3):
+            logger.log(step, {"rollout/reward_mean": 0.25 * step})
+    assert plot_main([str(tmp_path / METRICS_FILE), str(tmp_path / "c.png")]) == 0
+    assert "3 steps; reward first 10: 0.250, last 10: 0.250" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- engine and trainer in-process (no Ray)
@@ -252,6 +284,54 @@ def rig(ray_session, model_path, tokenizer, tmp_path_factory):
     trainers.shutdown()
     engines.shutdown()
     ray.util.remove_placement_group(placement.group)
+
+
+def _trainer(model_path, cfg):
+    return TorchTrainer(
+        model_path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        need_ref=False,
+        seed=0,
+    )
+
+
+def test_save_hf_refuses_weights_that_do_not_fit_the_architecture(model_path, tmp_path):
+    trainer = _trainer(model_path, small_cfg(tmp_path))
+    full = trainer.get_weights()
+    trainer.get_weights = lambda: {k: v for k, v in full.items() if "layers.1." not in k}
+    with pytest.raises(RuntimeError, match=r"missing \['model\.layers\.1\."):
+        trainer.save_hf(str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()
+    trainer.get_weights = lambda: {**full, "extra.weight": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=r"unexpected \['extra\.weight'\]"):
+        trainer.save_hf(str(tmp_path / "bad"))
+    trainer.get_weights = lambda: full
+    trainer.save_hf(str(tmp_path / "good"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "good").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in full.items())
+
+
+def test_dropout_is_off_while_training(model_path, tokenizer, tmp_path):
+    # A model whose config asks for attention dropout: old log-probs (no grad) and the training forward must agree,
+    # or an on-policy step would see ratios != 1.
+    dropout_model = tmp_path / "dropout_model"
+    AutoModelForCausalLM.from_pretrained(model_path).save_pretrained(dropout_model)
+    tokenizer.save_pretrained(dropout_model)
+    config = json.loads((dropout_model / "config.json").read_text())
+    (dropout_model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.9}))
+    trainer = _trainer(str(dropout_model), small_cfg(tmp_path))
+    assert trainer.model.config.attention_dropout == 0.9 and not trainer.model.training
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in task.make_records(4, seed=1)]
+    samples = [
+        Sample(group_index=i, tokens=p + [5, 6, 7], response_length=3, reward=0.0) for i, p in enumerate(prompts)
+    ]
+    td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+    old = trainer.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+    new, _ = trainer._forward(trainer.model, td, with_entropy=False)
+    assert new.requires_grad
+    torch.testing.assert_close(new.detach(), old, atol=1e-6, rtol=0)
 
 
 def _rollout(ctx, cfg, *, seed=0, **kwargs):
@@ -406,6 +486,10 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert row["train/num_steps"] == 2  # 16 samples per rollout, global batch 8
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
+    # The data counts are logged once, at the first step.
+    assert rows[0]["data/num_prompts"] == len({r["prompt"] for r in task.make_records(2048, seed=cfg.seed)})
+    assert (rows[0]["data/num_bad_rows"], rows[0]["data/num_dropped_long"]) == (0, 0)
+    assert "data/num_prompts" not in rows[1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / REWARD_PLOT).stat().st_size > 0
     assert parse_args(["--config", str(out / "config.yaml")]) == cfg
@@ -478,6 +562,31 @@ def test_raising_reward_function_is_counted_and_the_run_goes_on(ray_session, tmp
     assert (result.output_dir / "final_model" / "config.json").is_file()
 
 
+def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
+    hook = tmp_path / "oracle_generate.py"
+    hook.write_text(
+        textwrap.dedent(
+            """
+            from runtime.rollout import current_context
+            from runtime.sample import Sample
+
+            async def generate(args, sample, sampling_params):
+                # Answers with the label: reward 1 wherever this function (and not the engine) generated.
+                tokenizer = current_context().tokenizer
+                ids = tokenizer(sample.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                sample.tokens = list(sample.tokens) + ids
+                sample.response, sample.response_length = sample.label, len(ids)
+                sample.loss_mask, sample.rollout_log_probs = [1] * len(ids), [0.0] * len(ids)
+                sample.status = Sample.Status.COMPLETED
+                return sample
+            """
+        )
+    )
+    cfg = small_cfg(tmp_path, num_rollout=1, eval_interval=1, custom_generate_function_path=f"{hook}:generate")
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
+
+
 def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, tmp_path):
     save = tmp_path / "ckpt"
     full = run(small_cfg(tmp_path / "a", num_rollout=4, save=str(save), save_interval=2), progress=False)
@@ -511,11 +620,13 @@ def test_cli_reports_inconsistent_config(capsys):
 
 
 def test_cli_reports_settings_the_runtime_cannot_run(tmp_path, capsys):
-    assert main(["--advantage-estimator", "ppo", "--output-dir", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert main(["--advantage-estimator", "ppo", "--output-dir", str(tmp_path / "ppo")]) == EXIT_BAD_INPUT
     assert "--advantage-estimator ppo needs a critic" in capsys.readouterr().err
+    assert not (tmp_path / "ppo").exists()  # nothing written for a job that cannot run
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n")
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--sft-warmup-steps", "2"]
+    args += ["--rollout-max-response-len", "4"]
     assert main([*args, "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     assert "--sft-warmup-steps" in capsys.readouterr().err
 
@@ -524,7 +635,7 @@ def test_cli_reports_malformed_data_with_its_line(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n" + '{"prompt": "c3=", "label": \n')
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--output-dir", str(tmp_path / "out")]
-    assert main(args) == EXIT_BAD_INPUT
+    assert main([*args, "--rollout-max-response-len", "4"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "line 2" in err and str(data) in err
 

@@ -127,7 +127,9 @@ class TorchTrainer:
                 if type(module).__name__ in block_names:
                     fully_shard(module, **kwargs)
             fully_shard(model, **kwargs)
-        model.train(trainable)
+        # Training stays in eval mode: dropout on in train() but off when old log-probs are recomputed would make
+        # the on-policy ratio differ from 1 (RL trainers disable dropout for the same reason).
+        model.eval()
         return model
 
     def _autocast(self):
@@ -183,7 +185,6 @@ class TorchTrainer:
         model is kept, [B, T] float32 each, for this rank's shard ``td``."""
         self._check_resident()
         out: dict[str, list[torch.Tensor]] = {keys.OLD_LOG_PROBS: [], keys.REF_LOG_PROBS: []}
-        self.model.eval()
         for mb, real in self._balanced(self._micro_batches(td)):
             old, _ = self._forward(self.model, mb, with_entropy=False)
             ref = self._forward(self.ref_model, mb, with_entropy=False)[0] if self.ref_model is not None else None
@@ -191,7 +192,6 @@ class TorchTrainer:
                 out[keys.OLD_LOG_PROBS].append(old.float().cpu())
                 if ref is not None:
                     out[keys.REF_LOG_PROBS].append(ref.float().cpu())
-        self.model.train()
         return TensorDict({k: torch.cat(v) for k, v in out.items() if v}, batch_size=td.batch_size)
 
     def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
@@ -312,7 +312,17 @@ class TorchTrainer:
             return
         config = AutoConfig.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(weights, strict=False)
+        # A key mismatch would silently leave random weights in the saved model.
+        result = model.load_state_dict(weights, strict=False)
+        # Tied weights (lm_head = embeddings) may be absent from one side without losing anything.
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"save_hf: the trained weights do not match {self.model_path}'s architecture: missing "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
+                f"{result.unexpected_keys[:5]} ({len(result.unexpected_keys)})"
+            )
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
