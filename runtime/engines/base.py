@@ -54,8 +54,9 @@ class SamplingParams:
 class Generation:
     """One sampled response: its token ids, the log-prob of each, and why it ended.
 
-    ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is the last of ``token_ids``) or ``"length"``
-    (``max_new_tokens`` reached).
+    ``finish_reason`` is ``"stop"`` (a stop token was sampled; it is the last of ``token_ids``), ``"length"``
+    (``max_new_tokens`` reached) or ``"abort"`` (the engine cut the request off, e.g. SGLang's ``/abort_request``:
+    the response is not the policy's, and the rollout drops the sample's whole group).
     """
 
     token_ids: list[int]
