@@ -11,7 +11,7 @@ def check_tensor(name: str, x: object, *, ndim: int | None = None, floating: boo
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype} (shape {tuple(x.shape)})")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
     return x

@@ -107,7 +107,7 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
             stats["vclip"].append(float(abs(v - old_v) > cfg.value_clip) if cfg.value_clip is not None else 0.0)
 
     lengths = [sum(d[keys.MASK][b]) for b in range(B)]
-    n_seqs = sum(1 for n in lengths if n)
+    n_seqs = B  # every row is a sample, with or without a valid token
     n_tokens = sum(lengths)
 
     def agg(term):

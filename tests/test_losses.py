@@ -71,7 +71,7 @@ def ref_ppo(lp, old, a, el, eh, c):
 def ref_aggregate(x, mask, mode, num_tokens=None, num_seqs=None, max_len=None):
     rows = [[x[b][t] for t in range(len(x[b])) if mask[b][t]] for b in range(len(x))]
     num_tokens = sum(len(r) for r in rows) if num_tokens is None else num_tokens
-    num_seqs = sum(1 for r in rows if r) if num_seqs is None else num_seqs
+    num_seqs = len(rows) if num_seqs is None else num_seqs
     max_len = len(x[0]) if max_len is None else max_len
     total = sum(sum(r) for r in rows)
     if mode == "token_mean":
@@ -312,7 +312,7 @@ def test_gspo_gradient_equals_sequence_ratio_policy_gradient(shape, seed, on_pol
     (g_seq,) = torch.autograd.grad(aggregate(per_token, mask, mode="seq_mean_token_mean"), lp)
     torch.testing.assert_close(g_ours, g_seq)
     if on_policy:
-        n_seqs = int(mask.any(-1).sum())
+        n_seqs = mask.shape[0]
         torch.testing.assert_close(g_ours, torch.where(mask, -adv / (count[:, None] * n_seqs), 0.0))
 
 
@@ -525,16 +525,17 @@ def test_aggregate_over_any_micro_batch_split_equals_full_batch_loss_and_gradien
 def test_normalizer_counts_and_combination():
     mask = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
     norm = Normalizer.of(mask)
-    assert (int(norm.num_tokens), int(norm.num_seqs), int(norm.max_len)) == (3, 2, 3)
+    # The row without a valid token is a sample all the same: num_seqs counts rows.
+    assert (int(norm.num_tokens), int(norm.num_seqs), int(norm.max_len)) == (3, 3, 3)
     combined = Normalizer(4, 1, 5) + Normalizer(2, 2, 7)
     assert combined == Normalizer(6, 3, 7)
     assert sum([Normalizer(1, 1, 2), Normalizer(2, 1, 9)]) == Normalizer(3, 2, 9)
     assert Normalizer(4, 1, 5).reduce(None) == Normalizer(4, 1, 5)
     x = torch.tensor([[1.0, 2.0, 9.0], [5.0, 5.0, 5.0], [4.0, 0.0, 0.0]], dtype=F64)
     assert float(aggregate(x, mask, mode="token_mean", norm=Normalizer(10, 1, 1))) == pytest.approx(0.7)
-    assert float(aggregate(x, mask, mode="seq_mean_token_sum_norm")) == pytest.approx(7 / 6)
-    assert float(aggregate(x, mask, mode="seq_mean_token_mean")) == pytest.approx((1.5 + 4) / 2)
-    assert float(aggregate(x, mask, mode="seq_mean_token_sum")) == pytest.approx(3.5)
+    assert float(aggregate(x, mask, mode="seq_mean_token_sum_norm")) == pytest.approx(7 / 9)
+    assert float(aggregate(x, mask, mode="seq_mean_token_mean")) == pytest.approx((1.5 + 4) / 3)
+    assert float(aggregate(x, mask, mode="seq_mean_token_sum")) == pytest.approx(7 / 3)
     assert float(aggregate(x, torch.zeros_like(mask))) == 0.0
 
 

@@ -39,10 +39,20 @@ def check_group_ids(group_ids: object, rewards: Tensor) -> Tensor:
     """An integer [B] tensor of the shape of ``rewards``."""
     check_tensor("group_ids", group_ids, ndim=1)
     if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
-        raise TypeError(f"group_ids must be an integer tensor (int64), got dtype {group_ids.dtype}")
+        raise TypeError(
+            f"group_ids must be an integer tensor (int64), got dtype {group_ids.dtype} "
+            f"(shape {tuple(group_ids.shape)})"
+        )
     if group_ids.shape != rewards.shape:
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but rewards has shape {tuple(rewards.shape)}")
     return group_ids
+
+
+def check_positive(name: str, value: float) -> float:
+    """A finite real number > 0 (epsilons that guard a division)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def check_unit_interval(name: str, value: float) -> float:

@@ -8,6 +8,7 @@ row, the scan runs over that dense prefix, and the result is moved back.
 import math
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 
@@ -72,13 +73,13 @@ def discounted_reverse_cumsum(x: Tensor, *, discount: float) -> Tensor:
     Returns:
         [B, T] of ``x``'s dtype.
     """
-    batch, length = x.shape
+    length = x.shape[1]
     if length == 0:
         return x.clone()
     block = 1 << max(3, math.ceil(math.log2(math.sqrt(length))))
     num_blocks = -(-length // block)
     padded = x if length == num_blocks * block else torch.nn.functional.pad(x, (0, num_blocks * block - length))
-    padded = padded.reshape(batch, num_blocks, block)
+    padded = rearrange(padded, "b (n k) -> b n k", k=block)
     within = padded @ _reverse_discount_matrix(block, discount, dtype=x.dtype, device=x.device)
     # Scanned value at the start of each block, from the block-start partial sums of every later-or-equal block.
     starts = within[:, :, 0] @ _reverse_discount_matrix(num_blocks, discount**block, dtype=x.dtype, device=x.device)
@@ -86,4 +87,4 @@ def discounted_reverse_cumsum(x: Tensor, *, discount: float) -> Tensor:
     carry = torch.nn.functional.pad(starts[:, 1:], (0, 1))
     decay = _powers(discount, torch.arange(block, 0, -1, device=x.device), x.dtype)
     out = within + carry[:, :, None] * decay
-    return out.reshape(batch, num_blocks * block)[:, :length]
+    return rearrange(out, "b n k -> b (n k)")[:, :length]

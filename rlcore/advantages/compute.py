@@ -11,6 +11,7 @@ from rlcore import keys
 from rlcore._checks import check_choice, masked_fill_zero
 from rlcore.advantages._checks import (
     check_non_negative,
+    check_positive,
     check_rewards,
     check_token_mask,
     check_token_tensor,
@@ -46,7 +47,7 @@ class AdvantageConfig:
             ``--kl-loss-type``, default ``k1``).
         whiten: whiten the advantages over the valid tokens (slime's ``--normalize-advantages``).
         std_normalize: divide GRPO/GSPO advantages by the group std (off is Dr. GRPO; ``dr_grpo`` forces it off).
-        eps: added to the group std.
+        eps: added to the group std, > 0 (a group of equal rewards has std 0).
         whiten_eps: added to the variance when whitening.
     """
 
@@ -66,7 +67,7 @@ class AdvantageConfig:
         check_unit_interval("gamma", self.gamma)
         check_unit_interval("lam", self.lam)
         check_non_negative("kl_coef", self.kl_coef)
-        check_non_negative("eps", self.eps)
+        check_positive("eps", self.eps)
         check_non_negative("whiten_eps", self.whiten_eps)
 
 

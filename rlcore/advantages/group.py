@@ -11,6 +11,7 @@ from rlcore._checks import check_tensor, masked_fill_zero
 from rlcore.advantages._checks import (
     check_group_ids,
     check_non_negative,
+    check_positive,
     check_rewards,
     check_token_mask,
     check_token_tensor,
@@ -54,14 +55,16 @@ def grpo(rewards: Tensor, group_ids: Tensor, *, std_normalize: bool = True, eps:
         group_ids: [B] integer, samples of the same prompt share an id; any values, groups of any sizes.
         std_normalize: divide by the group's std. A group of one sample then has no std and raises ``ValueError``
             (slime turns std normalisation off when ``n_samples_per_prompt`` is 1); without it, such a group gets 0.
-        eps: added to the std, >= 0.
+        eps: added to the std, > 0: a group whose rewards are all equal has std 0 and centred rewards 0, and
+            ``eps`` is what keeps its advantages at 0 instead of 0 / 0 = NaN (``ValueError`` for ``eps <= 0``,
+            also with ``std_normalize=False``, so that a config is valid or not whatever the switch).
 
     Returns:
         [B] advantages in the promoted dtype (at least float32).
     """
     check_rewards(rewards)
     check_group_ids(group_ids, rewards)
-    eps = check_non_negative("eps", eps)
+    eps = check_positive("eps", eps)
     ids, inverse, counts = _groups(group_ids)
     centered = _centered(rewards.to(compute_dtype(rewards)), inverse, counts)
     if not std_normalize:

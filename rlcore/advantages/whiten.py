@@ -8,6 +8,16 @@ from rlcore._checks import check_finite_where, check_mask, check_tensor, masked_
 from rlcore.advantages._checks import check_non_negative
 
 
+def _summed(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``local`` summed over ``group`` (itself without one). The gradient is that of this rank's share: the sum of
+    the other ranks enters as a constant, since ``all_reduce`` is not differentiable."""
+    if group is None:
+        return local
+    total = local.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return local + (total - local.detach())
+
+
 def whiten(
     x: Tensor,
     mask: Tensor,
@@ -20,10 +30,11 @@ def whiten(
 
     Matches slime's ``distributed_masked_whiten`` (``--normalize-advantages``): the variance is the unbiased one
     (Bessel's correction when there are at least 2 valid entries), ``shift_mean=False`` adds the mean back (scales
-    around the mean), and with ``group`` the moments are global: one ``all_reduce`` of (sum, sum of squares,
-    count). Differences: the moments are accumulated in float64 so that ``E[x^2] - E[x]^2`` does not cancel; with
+    around the mean), and with ``group`` the moments are global. Differences: two passes in float64, the mean
+    first (one ``all_reduce`` of (sum, count)), then the sum of squared deviations from it (a second
+    ``all_reduce``), so that no ``E[x^2] - E[x]^2`` cancels when the spread is small next to the mean; with
     ``group=None`` the moments are local (slime falls back to the default world group; rlcore takes distributed
-    reductions only as arguments); masked positions come out as 0.
+    reductions only as arguments); masked positions come out as 0 and get gradient 0, whatever they hold.
 
     Args:
         x: [...] floating.
@@ -42,19 +53,17 @@ def whiten(
     check_mask(mask, like=x, like_name="x")
     check_finite_where("x", x, mask)
     eps = check_non_negative("eps", eps)
+    # Padding is zeroed before any arithmetic: a NaN there would otherwise reach the backward as 0 * NaN.
     valid = masked_fill_zero(x.to(torch.float64), mask)
-    moments = torch.stack([valid.sum(), valid.square().sum(), mask.sum().to(torch.float64)])
-    if group is not None:
-        dist.all_reduce(moments, op=dist.ReduceOp.SUM, group=group)
-    total, total_sq, count = moments.unbind()
-    if float(count) == 0:
+    total, count = _summed(torch.stack([valid.sum(), mask.sum().to(valid)]), group).unbind()
+    num_valid = int(count.detach())
+    if num_valid == 0:
         where = "across the process group" if group is not None else f"in mask of shape {tuple(mask.shape)}"
         raise ValueError(f"whiten: no valid entry {where}, the mean is undefined")
-    mean = total / count
-    var = (total_sq / count - mean.square()).clamp(min=0.0)
-    if float(count) >= 2:
-        var = var * (count / (count - 1))
-    out = (x.to(torch.float64) - mean) * torch.rsqrt(var + eps)
+    mean = total / num_valid
+    centered = masked_fill_zero(valid - mean, mask)
+    var = _summed(centered.square().sum(), group) / max(num_valid - 1, 1)
+    out = centered * torch.rsqrt(var + eps)
     if not shift_mean:
-        out = out + mean
-    return masked_fill_zero(out.to(x.dtype), mask)
+        out = masked_fill_zero(out + mean, mask)
+    return out.to(x.dtype)

@@ -73,7 +73,11 @@ def all_reduce(p: Partial, group: object) -> Partial:
 
 
 def finalize(p: Partial) -> Totals:
-    """``lse``, ``mu``, entropy and target logit from whole-vocabulary statistics."""
+    """``lse``, ``mu``, entropy and target logit from whole-vocabulary statistics.
+
+    A token whose logits are all ``-inf`` has ``s = 0``: its ``lse`` is ``-inf`` and ``mu``, the entropy and the
+    log-prob ``zt - lse`` are NaN. That input defines no distribution; the NaN is left to show it.
+    """
     log_s = torch.log(p.s)
     mean_shift = p.a / p.s
     return Totals(lse=p.m + log_s, mu=p.m + mean_shift, entropy=log_s - mean_shift, zt=p.zt)

@@ -289,7 +289,9 @@ def logprobs_entropy(
 
     Returns:
         ``(log_probs [N] float32, entropy [N] float32 or None)``, both differentiable with respect to ``logits``.
-        Accumulation is float32 for every input dtype; no float32 copy of the logits is made.
+        Accumulation is float32 for every input dtype; no float32 copy of the logits is made. A row whose logits
+        are all ``-inf`` (after masking, say) defines no distribution: its log-prob and entropy are NaN, not an
+        error, because checking would cost a pass over the logits (the caller's NaN checks downstream catch it).
     """
     logits = check_float_matrix("logits", logits)
     inv_temperature = 1.0 / check_temperature(temperature)

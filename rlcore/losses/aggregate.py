@@ -40,8 +40,9 @@ class Normalizer:
 
     Attributes:
         num_tokens: valid tokens (``token_mean``).
-        num_seqs: samples with at least one valid token (the ``seq_mean_*`` modes; a sample with none adds
-            nothing to any loss, so it does not dilute the mean either).
+        num_seqs: samples, i.e. rows of the batch (the ``seq_mean_*`` modes), those with no valid token
+            included: they add 0 to the numerator, and the denominator stays a property of the batch's shape,
+            so Dr. GRPO's ``num_seqs x max_len`` is the constant normaliser it is meant to be.
         max_len: the ``T`` of Dr. GRPO's ``seq_mean_token_sum_norm``.
 
     Build one per micro-batch with ``Normalizer.of(mask)``, combine them with ``+`` (or ``sum(...)``) and,
@@ -64,7 +65,7 @@ class Normalizer:
         check_tensor("mask", mask, ndim=2)
         return cls(
             num_tokens=mask.sum(),
-            num_seqs=mask.any(-1).sum(),
+            num_seqs=torch.tensor(mask.shape[0], device=mask.device),
             max_len=torch.tensor(mask.shape[-1], device=mask.device),
         )
 
@@ -106,7 +107,8 @@ def aggregate(per_token: Tensor, mask: Tensor, *, mode: str = "token_mean", norm
     Modes (``N`` = ``norm``'s counts, those of this batch when ``norm`` is None):
 
     - ``token_mean``: sum over valid tokens / ``num_tokens``.
-    - ``seq_mean_token_mean``: sum over samples of each sample's mean over its valid tokens / ``num_seqs``.
+    - ``seq_mean_token_mean``: sum over samples of each sample's mean over its valid tokens / ``num_seqs``
+      (a sample with no valid token counts as 0).
     - ``seq_mean_token_sum``: sum over samples of each sample's sum over its valid tokens / ``num_seqs``.
     - ``seq_mean_token_sum_norm``: sum over valid tokens / (``num_seqs`` x ``max_len``), Dr. GRPO's constant
       normaliser.

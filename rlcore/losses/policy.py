@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from rlcore._checks import check_finite_where, check_mask, check_same_shape, check_tensor, masked_fill_zero
-from rlcore.losses._common import upcast
+from rlcore.losses._common import upcast, zero_masked
 
 
 def _check_policy_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor) -> None:
@@ -39,6 +39,7 @@ def ppo_clip(
     eps_clip: float = 0.2,
     eps_clip_high: float | None = None,
     dual_clip: float | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped surrogate per token, with DAPO's clip-higher and the dual clip of Ye et al. (2019).
 
@@ -52,20 +53,26 @@ def ppo_clip(
         eps_clip: lower clip range, ``r >= 1 - eps_clip``.
         eps_clip_high: upper clip range ``r <= 1 + eps_clip_high``; ``None`` means ``eps_clip``.
         dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens by ``-c A``; ``None`` turns it off.
+        mask: [...] bool, valid tokens, or ``None``. With it the inputs must be finite where it is True and the
+            others may hold anything, NaN included: they are zeroed first, so ``loss`` and ``clipped`` are 0 /
+            False there and ``log_probs`` gets gradient 0 there. Without it the function is purely elementwise
+            and a NaN input gives a NaN loss, and a NaN gradient, at its own position only.
 
     Returns:
         ``(loss, clipped)``, both [...]: the per-token loss (float32, float64 for float64 inputs) and a bool
         tensor, True where clipping zeroed the token's gradient. Unlike slime's ``pg_clipfrac``, which only
         counts the PPO clip, ``clipped`` also counts tokens held by the dual clip, since those get no
-        gradient either. The function is elementwise: positions the caller masks out may hold anything.
+        gradient either.
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages)
     eps_low = _check_eps("eps_clip", eps_clip)
     eps_high = eps_low if eps_clip_high is None else _check_eps("eps_clip_high", eps_clip_high)
     if dual_clip is not None and not (isinstance(dual_clip, int | float) and dual_clip > 1.0):
         raise ValueError(f"dual_clip must be a number > 1 (or None), got {dual_clip!r}")
-    advantages = upcast(advantages)
-    ratio = torch.exp(upcast(log_probs) - upcast(old_log_probs))
+    log_probs, old_log_probs, advantages = zero_masked(
+        mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages
+    )
+    ratio = torch.exp(log_probs - old_log_probs)
     loss, clipped = _clipped_surrogate(ratio, advantages, eps_low=eps_low, eps_high=eps_high)
     if dual_clip is not None:
         dual_bound = -float(dual_clip) * advantages
@@ -128,7 +135,12 @@ def gspo(
 
 
 def cispo(
-    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, *, eps_clip_high: float
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    *,
+    eps_clip_high: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5) per token: ``-sg(min(r, 1 + eps_clip_high)) * A * log_probs``.
 
@@ -141,14 +153,18 @@ def cispo(
         old_log_probs: [...] log-probs of the sampling policy.
         advantages: [...] per-token advantages.
         eps_clip_high: upper truncation ``r <= 1 + eps_clip_high``.
+        mask: [...] bool, valid tokens, or ``None``; as in ``ppo_clip``: masked positions are zeroed first and get
+            loss 0, ``clipped`` False and gradient 0 whatever they hold.
 
     Returns:
         ``(loss, clipped)``, both [...]: the per-token loss (its value is a surrogate, its gradient is the
-        point) and a bool tensor, True where the weight was truncated. Elementwise, like ``ppo_clip``.
+        point) and a bool tensor, True where the weight was truncated.
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages)
     eps_high = _check_eps("eps_clip_high", eps_clip_high)
-    log_probs = upcast(log_probs)
-    ratio = torch.exp(log_probs - upcast(old_log_probs)).detach()
+    log_probs, old_log_probs, advantages = zero_masked(
+        mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages
+    )
+    ratio = torch.exp(log_probs - old_log_probs).detach()
     weight = ratio.clamp(max=1.0 + eps_high)
-    return -weight * upcast(advantages) * log_probs, ratio > 1.0 + eps_high
+    return -weight * advantages * log_probs, ratio > 1.0 + eps_high

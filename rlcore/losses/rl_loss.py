@@ -1,5 +1,6 @@
 """The composed RL loss over a batch TensorDict: policy loss, mismatch correction, KL, entropy and value terms."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from rlcore.losses.value import value_loss
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossConfig:
     """Knobs of ``rl_loss``; names follow slime's flags where slime has one.
 
@@ -35,7 +36,8 @@ class LossConfig:
             (``--tis-clip-low``, ``--tis-clip``; slime's ``--tis-clip-low`` defaults to 0, ours to the mode's
             default).
         use_kl_loss, kl_loss_coef, kl_loss_type: KL-to-reference loss (reads ``ref_log_probs``).
-        use_unbiased_kl: weight the KL by ``exp(log_probs - old_log_probs)`` (slime's ``--use-unbiased-kl``).
+        use_unbiased_kl: weight the KL by ``exp(log_probs - old_log_probs)`` (slime's ``--use-unbiased-kl``);
+            ``low_var_kl`` clamps the weighted estimate, as slime does.
         entropy_coef: weight of the entropy bonus (reads ``entropy``).
         value_coef: weight of the value loss; 0 leaves the critic out (reads ``values``, ``old_values``,
             ``returns``).
@@ -67,12 +69,35 @@ class LossConfig:
         check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
         check_choice("tis_mode", self.tis_mode, MISMATCH_MODES)
         check_choice("tis_level", self.tis_level, MISMATCH_LEVELS)
-        if self.eps_clip_c is not None and self.policy_loss != "ppo":
-            raise ValueError(f"eps_clip_c (dual clip) applies to policy_loss 'ppo' only, got {self.policy_loss!r}")
-        for name in ("kl_loss_coef", "entropy_coef", "value_coef", "eps_clip", "tis_clip"):
+        for name in ("use_tis", "use_kl_loss", "use_unbiased_kl"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LossConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        optional = ("eps_clip_high", "eps_clip_c", "tis_clip_low", "value_clip")
+        for name in ("eps_clip", "tis_clip", "kl_loss_coef", "entropy_coef", "value_coef", *optional):
             value = getattr(self, name)
+            if value is None and name in optional:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+                raise TypeError(f"LossConfig.{name} must be a number, got {type(value).__name__} {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"LossConfig.{name} must be finite, got {value!r}")
+        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "value_coef", "value_clip", "tis_clip_low"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"LossConfig.{name} must be >= 0, got {value!r}")
+        if self.tis_clip <= 0:
+            raise ValueError(f"LossConfig.tis_clip must be > 0, got {self.tis_clip!r}")
+        if self.tis_clip_low is not None and self.tis_clip_low >= self.tis_clip:
+            raise ValueError(
+                f"LossConfig.tis_clip_low must be below tis_clip={self.tis_clip!r}, got {self.tis_clip_low!r}"
+            )
+        if self.eps_clip_c is not None:
+            if self.policy_loss != "ppo":
+                raise ValueError(
+                    f"LossConfig.eps_clip_c (dual clip) applies to policy_loss 'ppo' only, got {self.policy_loss!r}"
+                )
+            if self.eps_clip_c <= 1:
+                raise ValueError(f"LossConfig.eps_clip_c must be > 1 (or None), got {self.eps_clip_c!r}")
 
 
 def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tensor:
@@ -206,7 +231,13 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
         metrics["approx_kl_ref"] = token_mean(kl)
         if cfg.use_kl_loss:
             if cfg.use_unbiased_kl:
-                kl = kl * torch.exp(log_probs - old_log_probs)
+                # Weighted before low_var_kl's clamp, as slime's compute_approx_kl does.
+                kl = approx_kl(
+                    log_probs,
+                    ref_log_probs,
+                    kind=cfg.kl_loss_type,
+                    importance_ratio=torch.exp(log_probs - old_log_probs),
+                )
             kl_loss = agg(kept(kl))
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss
