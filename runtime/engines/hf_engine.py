@@ -73,8 +73,8 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
         top_p=params.top_p,
         top_k=0 if params.top_k == -1 else params.top_k,
         max_new_tokens=params.max_new_tokens,
+        # min_length stays unset (transformers warns when both are set): min_new_tokens takes precedence over it.
         min_new_tokens=0,
-        min_length=0,
         min_p=0.0,
         typical_p=1.0,
         epsilon_cutoff=0.0,
