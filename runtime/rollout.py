@@ -129,6 +129,22 @@ async def _generate_groups(
             k += 1
 
 
+async def generate_groups(
+    ctx: RolloutContext,
+    groups: list[list[Sample]],
+    params: SamplingParams,
+    custom_generate: Callable[..., Any] | None = None,
+) -> tuple[list[list[Sample]], list[list[Sample]]]:
+    """Generate every sample of ``groups`` (in place) the way a rollout does, custom hook included, inside ``ctx``;
+    return :func:`split_aborted` of them: ``(whole, aborted)``. For evaluation, which neither filters nor trains."""
+    token = _CONTEXT.set(ctx)
+    try:
+        await _generate_groups(ctx, groups, params, custom_generate)
+    finally:
+        _CONTEXT.reset(token)
+    return split_aborted(groups)
+
+
 def _uses_tis(args: Any) -> bool:
     """``--use-tis`` from the job's ``Config`` (``args.algo.use_tis``) or a flat namespace as slime's."""
     algo = getattr(args, "algo", None)

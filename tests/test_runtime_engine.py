@@ -25,7 +25,7 @@ from runtime.engines.base import Generation
 from runtime.filters import DynamicFilterOutput
 from runtime.placement import EngineGroup, assign_chunks, plan_bundles
 from runtime.rewards import RewardHub
-from runtime.rollout import RolloutContext, apply_generation, collect_rollout
+from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, generate, generate_groups
 from runtime.sample import Sample
 from runtime.tiny_model import make_tiny_model
 
@@ -237,6 +237,17 @@ def test_custom_generate_may_return_an_aborted_empty_sample():
     samples, metrics = _collect(_Engines(), custom_generate=custom, rollout_batch_size=1, over_sampling_batch_size=2)
     assert [s.tokens for s in samples] == [[11, 5], [11, 5]]
     assert metrics["rollout/groups_aborted"] == 1 and metrics["rollout/samples_aborted"] == 2
+
+
+def test_generate_groups_runs_the_hook_in_the_rollout_context_and_splits_aborted_groups():
+    async def custom(args, sample, sampling_params):
+        return await generate(args, sample, sampling_params)  # needs the rollout context
+
+    ctx = RolloutContext(engines=_Engines(abort={11}), tokenizer=_Tokenizer(), args=SimpleNamespace())
+    groups = expand_groups(_next_prompts()(3), 2, first_group=0)
+    whole, aborted = asyncio.run(generate_groups(ctx, groups, SamplingParams(4), custom))
+    assert [g[0].tokens[0] for g in whole] == [10, 12] and [g[0].tokens[0] for g in aborted] == [11]
+    assert [s.status for s in aborted[0]] == [Sample.Status.ABORTED, Sample.Status.TRUNCATED]
 
 
 def test_use_tis_needs_rollout_log_probs_from_custom_generate():
