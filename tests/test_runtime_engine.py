@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from runtime import task
@@ -139,7 +139,6 @@ def test_eos_union_of_tokenizer_and_generation_config():
     assert eos_token_ids(2, [7, 2, 9]) == [2, 7, 9]
     assert eos_token_ids(2, 5) == [2, 5]
     assert eos_token_ids(None, None) == []
-    assert GenerationConfig(eos_token_id=[1, 2]).eos_token_id == [1, 2]
 
 
 # --- rollout and engine group, against fakes -------------------------------------------------------------------
