@@ -40,7 +40,7 @@ from runtime.config import Config, from_dict, parse_args, validate
 from runtime.engines import HFEngine, SamplingParams
 from runtime.filters import DynamicFilterOutput
 from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
-from runtime.loop import run
+from runtime.loop import BUILTIN_NUM_PROMPTS, run
 from runtime.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.rewards import RewardHub
 from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
@@ -487,7 +487,7 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
     # The data counts are logged once, at the first step.
-    assert rows[0]["data/num_prompts"] == len({r["prompt"] for r in task.make_records(2048, seed=cfg.seed)})
+    assert rows[0]["data/num_prompts"] == BUILTIN_NUM_PROMPTS
     assert (rows[0]["data/num_bad_rows"], rows[0]["data/num_dropped_long"]) == (0, 0)
     assert "data/num_prompts" not in rows[1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
