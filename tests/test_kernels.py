@@ -250,6 +250,69 @@ def test_linear_without_entropy_and_without_grad():
     assert_forward_close(lp, reference.linear_logprobs_entropy(hidden.double(), weight.double(), targets)[0])
 
 
+def test_logits_unchanged_without_inplace_backward():
+    """The default backward writes d(logits) into a fresh buffer: the logits read by anything else stay intact."""
+    logits = make_logits(4, 300, torch.bfloat16, seed=12).requires_grad_()
+    before = logits.detach().clone()
+    lp, ent = logprobs_entropy(logits, torch.tensor([0, 299, 150, 7]), inplace_backward=False)
+    (grad,) = torch.autograd.grad([lp, ent], logits, [torch.randn(4), torch.randn(4)])
+    assert grad.data_ptr() != logits.data_ptr()
+    torch.testing.assert_close(logits.detach(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stash_chunks", [0, 2, 5])
+def test_linear_gradients_without_entropy(stash_chunks):
+    n, h, v, chunk = 4, 8, 300, 64
+    gen = torch.Generator().manual_seed(13)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * 0.7).requires_grad_()
+    targets = torch.tensor([0, 299, 64, 127])
+    g_lp = torch.randn(n, generator=gen)
+    stash_bytes = stash_chunks * n * chunk * hidden.element_size()
+    lp, ent = linear_logprobs_entropy(
+        hidden, weight, targets, temperature=1.2, with_entropy=False, chunk=chunk, stash_bytes=stash_bytes
+    )
+    assert ent is None
+    grad_h, grad_w = torch.autograd.grad(lp, [hidden, weight], g_lp)
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, _ = reference.linear_logprobs_entropy(h64, w64, targets, temperature=1.2, with_entropy=False)
+    ref_h, ref_w = torch.autograd.grad(ref_lp, [h64, w64], g_lp.double())
+    assert_forward_close(lp, ref_lp)
+    assert_grad_close(grad_h, ref_h, torch.float32)
+    assert_grad_close(grad_w, ref_w, torch.float32)
+
+
+@pytest.mark.parametrize("stash_chunks", [0, 2, 5])
+def test_linear_backward_twice_with_retain_graph(stash_chunks):
+    """A second backward recomputes the chunks the first one overwrote (and sums the chunks in another order, so
+    equal up to rounding): correct gradients both times."""
+    n, h, v, chunk = 3, 8, 300, 64
+    gen = torch.Generator().manual_seed(14)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    weight = torch.randn(v, h, generator=gen).requires_grad_()
+    targets = torch.tensor([1, 298, 100])
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    stash_bytes = stash_chunks * n * chunk * hidden.element_size()
+    lp, ent = linear_logprobs_entropy(hidden, weight, targets, chunk=chunk, stash_bytes=stash_bytes)
+    first = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent], retain_graph=True)
+    second = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent])
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, w64, targets)
+    ref = torch.autograd.grad([ref_lp, ref_ent], [h64, w64], [g_lp.double(), g_ent.double()])
+    for got_first, got_second, want in zip(first, second, ref, strict=True):
+        assert_grad_close(got_first, want, torch.float32)
+        assert_grad_close(got_second, want, torch.float32)
+
+
+def test_all_minus_inf_row_gives_nan_not_an_error():
+    """Documented degenerate input: a row with no finite logit has no distribution; only that row is NaN."""
+    logits = make_logits(2, 50, torch.float32, seed=15)
+    logits[1] = float("-inf")
+    lp, ent = logprobs_entropy(logits, torch.tensor([3, 4]))
+    assert torch.isfinite(lp[0]) and torch.isfinite(ent[0])
+    assert torch.isnan(lp[1]) and torch.isnan(ent[1])
+
+
 def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -124,6 +124,28 @@ def test_approx_kl_matches_loop_reference(shape, seed, kind):
     torch.testing.assert_close(got, torch.tensor(want, dtype=F64))
 
 
+@given(shape=shapes, seed=seeds, kind=st.sampled_from(KL_KINDS))
+def test_approx_kl_importance_ratio_weights_before_the_clamp(shape, seed, kind):
+    """As slime's compute_approx_kl: ``ratio * estimate``, and low_var_kl clamps that product (not the estimate)."""
+    lp, ref, adv, _ = make(seed, *shape)
+    ref = ref * 3
+    ratio = torch.exp(2 * adv)  # from e^-6 to e^6: products both pushed past 10 and pulled back under it
+    got = approx_kl(lp, ref, kind=kind, importance_ratio=ratio)
+    unclamped = "k3" if kind == "low_var_kl" else kind
+    want = []
+    for ra, rb, rw in zip(lp.tolist(), ref.tolist(), ratio.tolist(), strict=True):
+        row = [w * ref_kl(a, b, unclamped) for a, b, w in zip(ra, rb, rw, strict=True)]
+        want.append([min(max(k, -10.0), 10.0) for k in row] if kind == "low_var_kl" else row)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=F64))
+
+
+def test_low_var_kl_clamps_the_weighted_estimate():
+    """k3 = 20 - 1 - ln 20 ~ 16 is clamped to 10 only after the weight 0.25 brings it to ~4: the result is ~4."""
+    lp, ref = torch.tensor([0.0], dtype=F64), torch.tensor([math.log(20.0)], dtype=F64)
+    got = approx_kl(lp, ref, kind="low_var_kl", importance_ratio=torch.tensor([0.25], dtype=F64))
+    assert float(got) == pytest.approx(0.25 * (20 - 1 - math.log(20.0)), rel=1e-12)
+
+
 @given(
     x=st.lists(st.tuples(st.floats(-30, 0), st.floats(-30, 0)), min_size=1, max_size=20),
     kind=st.sampled_from(["k2", "k3", "low_var_kl"]),
@@ -563,22 +585,48 @@ def test_low_precision_inputs_compute_in_float32(name, dtype):
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
 
 
-@given(shape=shapes, seed=seeds, name=st.sampled_from(["approx_kl", "ppo_clip", "cispo", "value_loss", "sft_loss"]))
-def test_elementwise_losses_keep_masked_nan_out_of_valid_values_and_gradients(shape, seed, name):
-    """Mask-free losses are elementwise: NaN padding stays at its own position, which ``aggregate`` drops.
+MASKED_LOSSES = {
+    "approx_kl": lambda lp, old, adv, mask: approx_kl(lp, old, kind="k3", mask=mask),
+    "approx_kl_weighted": lambda lp, old, adv, mask: approx_kl(
+        lp, old, kind="low_var_kl", importance_ratio=torch.exp(lp - adv), mask=mask
+    ),
+    "ppo_clip": lambda lp, old, adv, mask: ppo_clip(lp, old, adv, eps_clip=0.2, dual_clip=3.0, mask=mask)[0],
+    "cispo": lambda lp, old, adv, mask: cispo(lp, old, adv, eps_clip_high=0.5, mask=mask)[0],
+    "value_loss": lambda lp, old, adv, mask: value_loss(lp, old, adv, clip=0.2, mask=mask),
+    "sft_loss": lambda lp, old, adv, mask: sft_loss(lp, mask=mask),
+    "entropy_bonus": lambda lp, old, adv, mask: entropy_bonus(lp, coef=0.3, mask=mask),
+}
 
-    (Its gradient there is NaN * 0 = NaN, which is why ``rl_loss`` zeroes padding before calling them.)
-    """
-    fn = {**TENSOR_LOSSES, "sft_loss": lambda lp, old, adv, mask: sft_loss(lp)}[name]
+
+@given(shape=shapes, seed=seeds, name=st.sampled_from(sorted(MASKED_LOSSES)))
+def test_elementwise_losses_with_mask_are_clean_at_masked_positions(shape, seed, name):
+    """With ``mask``, NaN padding reaches neither the per-token loss nor any gradient (0 at masked positions),
+    and valid positions get exactly what the mask-free call gives on clean inputs."""
+    fn = MASKED_LOSSES[name]
     lp, old, adv, mask = make(seed, *shape)
     clean = lp.clone().requires_grad_()
     dirty = nan_fill(lp, mask).requires_grad_()
-    la = aggregate(fn(clean, old, adv, mask), mask, mode="seq_mean_token_mean")
-    lb = aggregate(fn(dirty, nan_fill(old, mask), nan_fill(adv, mask), mask), mask, mode="seq_mean_token_mean")
-    torch.testing.assert_close(la, lb)
-    (ga,) = torch.autograd.grad(la, clean)
-    (gb,) = torch.autograd.grad(lb, dirty)
-    torch.testing.assert_close(ga[mask], gb[mask])
+    want = fn(clean, old, adv, None)
+    got = fn(dirty, nan_fill(old, mask), nan_fill(adv, mask), mask)
+    torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=0)
+    assert bool((got[~mask] == 0).all())
+    weights = torch.randn(lp.shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    (g_clean,) = torch.autograd.grad((want * weights)[mask].sum(), clean)
+    (g_dirty,) = torch.autograd.grad((got * weights).sum(), dirty)
+    assert bool(torch.isfinite(g_dirty).all())
+    assert bool((g_dirty[~mask] == 0).all())
+    torch.testing.assert_close(g_dirty[mask], g_clean[mask], rtol=0, atol=0)
+
+
+def test_policy_losses_with_mask_clear_clipped_at_masked_positions():
+    lp, old, adv, mask = make(3, 4, 6)
+    mask[1] = False
+    old = torch.where(mask, old, lp + 5.0)  # a masked token far outside any clip range
+    for _, clipped in (
+        ppo_clip(lp, old, adv, eps_clip=0.1, dual_clip=2.0, mask=mask),
+        cispo(lp, old, adv, eps_clip_high=0.1, mask=mask),
+    ):
+        assert not bool(clipped[~mask].any())
 
 
 # ---------------------------------------------------------------- bad input
@@ -587,6 +635,13 @@ lp2 = torch.zeros(2, 3)
 m2 = torch.ones(2, 3, dtype=torch.bool)
 
 BAD_INPUTS = [
+    (lambda: ppo_clip(lp2, lp2, lp2, mask=m2.float()), TypeError, "mask"),
+    (lambda: cispo(lp2, lp2, lp2, eps_clip_high=0.2, mask=m2[:, :2]), ValueError, "mask has shape (2, 2)"),
+    (lambda: value_loss(lp2, lp2, torch.full((2, 3), float("inf")), mask=m2), ValueError, "returns"),
+    (lambda: approx_kl(lp2, lp2, importance_ratio=torch.ones(3)), ValueError, "importance_ratio (3,)"),
+    (lambda: sft_loss(torch.full((2, 3), float("nan")), mask=m2), ValueError, "log_probs"),
+    (lambda: entropy_bonus(lp2, mask=m2[0]), ValueError, "mask has shape (3,)"),
+    (lambda: approx_kl(torch.zeros(2, 3, dtype=torch.long), lp2), TypeError, "shape (2, 3)"),
     (lambda: approx_kl(lp2, torch.zeros(2, 4)), ValueError, "shapes must match"),
     (lambda: approx_kl(lp2, lp2, kind="k4"), ValueError, "kind"),
     (lambda: approx_kl([0.0], lp2), TypeError, "log_probs"),
