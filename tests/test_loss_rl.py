@@ -88,15 +88,16 @@ def ref_rl_loss(td: TensorDict, cfg: LossConfig) -> tuple[float, dict[str, float
             kl = {"k1": log_ratio_ref, "k2": log_ratio_ref**2 / 2}.get(
                 cfg.kl_loss_type, math.exp(-log_ratio_ref) - 1 + log_ratio_ref
             )
+            kl_loss = kl * r if cfg.use_unbiased_kl else kl  # slime weights first, then clamps low_var_kl
             if cfg.kl_loss_type == "low_var_kl":
-                kl = min(max(kl, -10.0), 10.0)
+                kl, kl_loss = min(max(kl, -10.0), 10.0), min(max(kl_loss, -10.0), 10.0)
             v, old_v, ret = (d[k][b][t] for k in (keys.VALUES, keys.OLD_VALUES, keys.RETURNS))
             vloss = (v - ret) ** 2
             if cfg.value_clip is not None:
                 vloss = max(vloss, (old_v + min(max(v - old_v, -cfg.value_clip), cfg.value_clip) - ret) ** 2)
             entropy = d[keys.ENTROPY][b][t]
             terms["pg"][b, t] = -objective * w if keep else 0.0
-            terms["kl"][b, t] = kl if keep else 0.0
+            terms["kl"][b, t] = kl_loss if keep else 0.0
             terms["ent"][b, t] = -entropy if keep else 0.0
             terms["value"][b, t] = vloss
             stats["clip"].append(float(clipped))
@@ -164,6 +165,7 @@ configs = st.builds(
     use_kl_loss=st.just(True),
     kl_loss_coef=st.floats(0.0, 1.0),
     kl_loss_type=st.sampled_from(["k1", "k2", "k3", "low_var_kl"]),
+    use_unbiased_kl=st.booleans(),
     entropy_coef=st.floats(0.001, 0.1),
     value_coef=st.floats(0.1, 1.0),
     value_clip=st.one_of(st.none(), st.floats(0.05, 0.5)),
@@ -183,6 +185,26 @@ def test_rl_loss_and_metrics_match_hand_computation(shape, seed, cfg):
     for name, want in want_metrics.items():
         assert math.isclose(float(metrics[name]), want, rel_tol=1e-9, abs_tol=1e-12), name
     assert all(not v.requires_grad for v in metrics.values())
+
+
+def test_unbiased_low_var_kl_clamps_after_the_importance_ratio():
+    """k3 of a token with pi_ref / pi = 20 is ~16; with ratio pi / pi_old = 1/4 slime's loss term is ~4 (weighted,
+    then clamped), not 2.5 (clamped to 10, then weighted)."""
+    td = TensorDict(
+        {
+            keys.MASK: torch.tensor([[True, False]]),
+            keys.LOG_PROBS: torch.tensor([[0.0, float("nan")]], dtype=F64),
+            keys.OLD_LOG_PROBS: torch.tensor([[math.log(4.0), 0.0]], dtype=F64),
+            keys.REF_LOG_PROBS: torch.tensor([[math.log(20.0), float("nan")]], dtype=F64),
+            keys.ADVANTAGES: torch.tensor([[0.0, 0.0]], dtype=F64),
+        },
+        batch_size=[1],
+    )
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="low_var_kl", use_unbiased_kl=True)
+    _, metrics = rl_loss(td, cfg)
+    k3 = 20.0 - 1.0 - math.log(20.0)
+    assert float(metrics["kl_loss"]) == pytest.approx(0.25 * k3, rel=1e-12)
+    assert float(metrics["approx_kl_ref"]) == pytest.approx(10.0)  # the metric is the unweighted estimate
 
 
 def test_rl_loss_on_a_tiny_batch_by_hand():
@@ -323,6 +345,19 @@ def _td(**changes):
 
 
 BAD_CONFIGS = [
+    (dict(eps_clip=-0.1), ValueError, "LossConfig.eps_clip must be >= 0"),
+    (dict(eps_clip_high=-0.1), ValueError, "LossConfig.eps_clip_high"),
+    (dict(eps_clip=float("nan")), ValueError, "LossConfig.eps_clip must be finite"),
+    (dict(eps_clip_c=1.0), ValueError, "LossConfig.eps_clip_c must be > 1"),
+    (dict(value_clip=-0.2), ValueError, "LossConfig.value_clip"),
+    (dict(value_coef=-1.0), ValueError, "LossConfig.value_coef"),
+    (dict(kl_loss_coef=-0.1), ValueError, "LossConfig.kl_loss_coef"),
+    (dict(tis_clip=0.0), ValueError, "LossConfig.tis_clip must be > 0"),
+    (dict(tis_clip_low=2.0, tis_clip=2.0), ValueError, "LossConfig.tis_clip_low"),
+    (dict(tis_clip_low=-0.5), ValueError, "LossConfig.tis_clip_low"),
+    (dict(use_tis="yes"), TypeError, "LossConfig.use_tis"),
+    (dict(use_unbiased_kl=1), TypeError, "LossConfig.use_unbiased_kl"),
+    (dict(eps_clip_high="0.3"), TypeError, "LossConfig.eps_clip_high"),
     (dict(policy_loss="grpo"), ValueError, "policy_loss"),
     (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
     (dict(kl_loss_type="k4"), ValueError, "kl_loss_type"),
@@ -339,6 +374,11 @@ def test_bad_loss_config_raises(kwargs, error, needle):
     with pytest.raises(error) as info:
         LossConfig(**kwargs)
     assert needle in str(info.value)
+
+
+def test_loss_config_is_keyword_only():
+    with pytest.raises(TypeError):
+        LossConfig("ppo")
 
 
 BAD_CALLS = [
