@@ -1,6 +1,8 @@
 """rlcore.advantages against float64 loop references, torchrl, and invariants (hypothesis)."""
 
 import math
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -476,6 +478,98 @@ def test_compute_ignores_masked_values(case, estimator, whiten_it):
         assert (out_dirty[key][~mask] == 0).all()
 
 
+def _token_advantage_calls(mask, rewards, group_ids, gamma, lam):
+    """Every token-level advantage function as ``(name, number of [B, T] inputs, call)``."""
+    calls = [
+        ("gae", 2, lambda a, b: torch.cat(gae(a, b, mask, gamma=gamma, lam=lam))),
+        ("reinforce_plus_plus", 1, lambda a: reinforce_plus_plus(rewards, a, mask, kl_coef=0.3, gamma=gamma)),
+        (
+            "reinforce_plus_plus_baseline",
+            1,
+            lambda a: reinforce_plus_plus_baseline(rewards, group_ids, a, mask, kl_coef=0.3),
+        ),
+        ("distillation", 2, lambda a, b: distillation(a, b, mask)),
+    ]
+    if mask.any():
+        calls += [
+            ("whiten", 1, lambda a: whiten(a, mask)),
+            ("whiten (shift_mean=False)", 1, lambda a: whiten(a, mask, shift_mean=False)),
+        ]
+    return calls
+
+
+@given(case=token_case)
+def test_token_functions_give_clean_gradients_under_nan_padding(case):
+    """NaN/inf padding gives gradients that are finite everywhere, 0 at masked positions and, at valid ones, equal
+    to those of zero padding (the backward must never meet 0 * NaN)."""
+    batch, length, seed, gamma, lam = case
+    mask = random_mask(batch, length, seed=seed)
+    rewards = torch.randn(batch, generator=_gen(seed), dtype=F64)
+    group_ids = torch.arange(batch) // 2
+    weights = torch.randn(batch, length, generator=_gen(seed + 3), dtype=F64)
+    for name, arity, call in _token_advantage_calls(mask, rewards, group_ids, gamma, lam):
+        clean_inputs = [torch.where(mask, random_tokens(mask, seed=seed + k), 0.0) for k in range(arity)]
+        clean = [x.clone().requires_grad_() for x in clean_inputs]
+        dirty = [poison(x, mask, seed=seed + k).requires_grad_() for k, x in enumerate(clean_inputs)]
+        out_clean, out_dirty = call(*clean), call(*dirty)
+        w = weights.repeat(out_clean.shape[0] // batch, 1)
+        grads_clean = torch.autograd.grad((out_clean * w).sum(), clean)
+        grads_dirty = torch.autograd.grad((out_dirty * w).sum(), dirty)
+        for g_clean, g_dirty in zip(grads_clean, grads_dirty, strict=True):
+            assert bool(torch.isfinite(g_dirty).all()), name
+            assert bool((g_dirty[~mask] == 0).all()), name
+            torch.testing.assert_close(g_dirty, g_clean, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_whiten_has_no_cancellation_when_the_spread_is_tiny_next_to_the_mean():
+    """Values near 1e8 spread by ~0.1: E[x^2] - E[x]^2 would lose every digit of the variance in float64 (the
+    spacing of doubles near 1e16 is 2). The tolerance is what the inputs' own rounding (1.5e-8 / 0.1) allows."""
+    mask = torch.ones(50, dtype=torch.bool)
+    mask[::7] = False
+    x = 1e8 + 0.1 * torch.randn(50, generator=_gen(5), dtype=F64)
+    valid = x[mask].tolist()
+    mean, var = statistics.mean(valid), statistics.variance(valid)  # exact rational arithmetic
+    want = torch.tensor([(v - mean) / math.sqrt(var + 1e-8) for v in valid], dtype=F64)
+    torch.testing.assert_close(whiten(x, mask)[mask], want, rtol=1e-5, atol=1e-5)
+
+
+def test_whiten_of_a_tensor_that_requires_grad_does_not_warn():
+    x = torch.randn(3, 4, generator=_gen(6), dtype=F64).requires_grad_()
+    mask = torch.rand(3, 4, generator=_gen(7)) < 0.8
+    mask[0, 0] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whiten(x, mask).sum().backward()
+
+
+@given(
+    batch=st.integers(1, 6),
+    length=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, F64, torch.bfloat16]),
+)
+def test_broadcast_spreads_each_value_over_its_valid_tokens_only(batch, length, seed, dtype):
+    mask = random_mask(batch, length, seed=seed)
+    values = torch.randn(batch, generator=_gen(seed), dtype=F64).to(dtype)
+    # A sample without a valid token may hold anything, NaN included: it reaches neither output nor gradient.
+    values = torch.where(mask.any(1), values, torch.tensor(math.nan, dtype=dtype)).requires_grad_()
+    out = broadcast(values, mask)
+    assert out.dtype == dtype and out.shape == mask.shape
+    assert bool((out[~mask] == 0).all())
+    rows, cols = mask.nonzero(as_tuple=True)
+    torch.testing.assert_close(out[rows, cols], values.detach()[rows], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.sum(), values)
+    torch.testing.assert_close(grad, mask.sum(1).to(dtype), rtol=0, atol=0)
+
+
+def test_grpo_rejects_eps_zero_because_equal_rewards_would_give_nan():
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0, got 0.0"):
+        grpo(torch.ones(3), torch.tensor([7, 7, 7]), eps=0.0)
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0"):
+        AdvantageConfig(eps=0.0)
+    assert bool((grpo(torch.full((4,), 0.5), torch.tensor([1, 1, 1, 1])) == 0).all())
+
+
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 60), loc=st.floats(-100, 100), scale=st.floats(0.01, 100))
 def test_whiten_gives_mean_zero_and_unit_variance(seed, n, loc, scale):
     mask = torch.rand(n + 5, generator=_gen(seed)) < 0.7
@@ -595,11 +689,11 @@ BAD_INPUTS = {
     "gae 1-d mask": (lambda: gae(X[0], X[0], M[0]), ValueError, r"mask.*\(3,\)"),
     "gae nan reward": (lambda: gae(X_NAN, X, M), ValueError, r"token_rewards.*non-finite.*\(0, 1\)"),
     "gae nan value": (lambda: gae(X, X_NAN, M), ValueError, r"values.*non-finite"),
-    "gae int rewards": (lambda: gae(X.long(), X, M), TypeError, r"token_rewards.*floating"),
+    "gae int rewards": (lambda: gae(X.long(), X, M), TypeError, r"token_rewards.*floating.*int64 \(shape \(2, 3\)\)"),
     "gae gamma": (lambda: gae(X, X, M, gamma=1.5), ValueError, r"gamma.*\[0, 1\]"),
     "gae lam": (lambda: gae(X, X, M, lam=-0.1), ValueError, r"lam.*\[0, 1\]"),
     "grpo group of one": (lambda: grpo(torch.zeros(3), torch.tensor([1, 1, 2])), ValueError, r"group_ids.*group 2"),
-    "grpo float ids": (lambda: grpo(R, G.float()), TypeError, r"group_ids.*integer"),
+    "grpo float ids": (lambda: grpo(R, G.float()), TypeError, r"group_ids.*integer.*float32 \(shape \(2,\)\)"),
     "grpo ids shape": (lambda: grpo(R, torch.tensor([1, 1, 1])), ValueError, r"group_ids.*\(3,\).*rewards.*\(2,\)"),
     "grpo nan reward": (lambda: grpo(torch.tensor([0.0, math.nan]), G), ValueError, r"rewards.*non-finite.*1"),
     "grpo 2-d rewards": (lambda: grpo(X, G), ValueError, r"rewards.*\(2, 3\)"),
