@@ -290,21 +290,18 @@ def evaluate(
     """
     groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
 
-    async def go() -> list[Sample]:
-        # The hook may call rollout.generate / engine_generate, which read the rollout context.
-        token = rollout._CONTEXT.set(ctx)
-        try:
-            await rollout._generate_groups(ctx, groups, params, custom_generate)
-        finally:
-            rollout._CONTEXT.reset(token)
-        samples = [s for g in groups for s in g]
+    async def go() -> tuple[list[Sample], int]:
+        # Aborted groups are left out of the score, as the rollout leaves them out of training.
+        whole, aborted = await rollout.generate_groups(ctx, groups, params, custom_generate)
+        samples = [s for g in whole for s in g]
         await hub.score(samples)
-        return samples
+        return samples, len(aborted)
 
-    samples = asyncio.run(go())
+    samples, num_aborted = asyncio.run(go())
     errors = hub.pop_metrics()
-    metrics = sample_metrics(samples, prefix="eval")
+    metrics = sample_metrics(samples, prefix="eval") if samples else {}
     metrics["eval/reward_errors"] = errors["reward/errors"]
+    metrics["eval/groups_aborted"] = num_aborted
     return metrics
 
 
