@@ -537,9 +537,15 @@ def test_whiten_of_a_tensor_that_requires_grad_does_not_warn():
     x = torch.randn(3, 4, generator=_gen(6), dtype=F64).requires_grad_()
     mask = torch.rand(3, 4, generator=_gen(7)) < 0.8
     mask[0, 0] = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        whiten(x, mask).sum().backward()
+    # torch warns about converting a tensor that requires grad to a scalar only once per process unless told always.
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            whiten(x, mask).sum().backward()
+    finally:
+        torch.set_warn_always(warn_always)
 
 
 @given(
