@@ -237,7 +237,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
 
             # 2. The batch, with the trainers' log-probs of the policy that sampled it (and of the reference).
             t = time.perf_counter()
-            batch: TensorDict = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+            batch: TensorDict = build_batch(
+                samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
+            )
             batch.update(trainers.compute_log_probs(batch, global_batch_size=gbs))
             metrics["perf/log_prob_time"] = time.perf_counter() - t
 
