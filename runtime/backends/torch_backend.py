@@ -161,6 +161,9 @@ class TorchTrainer:
             response.reshape(-1),
             temperature=self.temperature,
             with_entropy=with_entropy,
+            # ``picked`` is a fresh copy nothing else reads (gather's backward does not need its output), so the
+            # backward may write d(logits) into it instead of allocating another [b * T, V] buffer.
+            inplace_backward=True,
         )
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
