@@ -83,6 +83,16 @@ def finalize(p: Partial) -> Totals:
     return Totals(lse=p.m + log_s, mu=p.m + mean_shift, entropy=log_s - mean_shift, zt=p.zt)
 
 
+def outputs(p: Partial, group: object, with_entropy: bool) -> tuple[Totals, Tensor, Tensor]:
+    """Whole-vocabulary ``Totals`` of this rank's statistics ``p`` (all-reduced over ``group`` when given), with the
+    forward's ``(log_probs, entropy)``; the entropy is zeros without ``with_entropy`` (autograd needs a tensor)."""
+    if group is not None:
+        p = all_reduce(p, group)
+    totals = finalize(p)
+    log_probs = totals.zt - totals.lse
+    return totals, log_probs, totals.entropy if with_entropy else torch.zeros_like(log_probs)
+
+
 def check_temperature(temperature: float) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")

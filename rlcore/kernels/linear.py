@@ -20,12 +20,11 @@ from torch.autograd.function import once_differentiable
 from rlcore._checks import check_tensor
 from rlcore.kernels._stats import (
     Partial,
-    all_reduce,
     check_float_matrix,
     check_targets,
     check_temperature,
-    finalize,
     group_layout,
+    outputs,
 )
 from rlcore.kernels.logprobs import backend_ops
 
@@ -78,18 +77,13 @@ class LinearLogprobsEntropy(torch.autograd.Function):
             if start in keep:
                 stash[start] = logits
             del logits
-        total = Partial(*packed)
-        if group is not None:
-            total = all_reduce(total, group)
-        totals = finalize(total)
+        totals, log_probs, entropy = outputs(Partial(*packed), group, with_entropy)
         ctx.save_for_backward(hidden, weight, targets, totals.lse, totals.mu)
         ctx.stash = stash
         ctx.chunk = chunk
         ctx.col_offset = col_offset
         ctx.inv_temperature = inv_temperature
         ctx.set_materialize_grads(False)
-        log_probs = totals.zt - totals.lse
-        entropy = totals.entropy if with_entropy else torch.zeros_like(log_probs)
         return log_probs, entropy
 
     @staticmethod

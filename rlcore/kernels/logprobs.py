@@ -20,12 +20,11 @@ from triton.runtime.jit import JITFunction
 from rlcore.kernels import _torch_ops
 from rlcore.kernels._stats import (
     Partial,
-    all_reduce,
     check_float_matrix,
     check_targets,
     check_temperature,
-    finalize,
     group_layout,
+    outputs,
 )
 
 
@@ -229,17 +228,13 @@ class LogprobsEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, col_offset, inv_temperature, with_entropy, group, inplace_backward):
         partial_stats, _ = backend_ops(logits)
         part = Partial(*partial_stats(logits, targets, col_offset, inv_temperature, with_entropy))
-        if group is not None:
-            part = all_reduce(part, group)
-        totals = finalize(part)
+        totals, log_probs, entropy = outputs(part, group, with_entropy)
         ctx.save_for_backward(logits, targets, totals.lse, totals.mu)
         ctx.col_offset = col_offset
         ctx.inv_temperature = inv_temperature
         ctx.inplace_backward = inplace_backward
         ctx.logits_overwritten = False
         ctx.set_materialize_grads(False)
-        log_probs = totals.zt - totals.lse
-        entropy = totals.entropy if with_entropy else torch.zeros_like(log_probs)
         return log_probs, entropy
 
     @staticmethod
