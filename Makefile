@@ -18,9 +18,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+test: lint
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
 
 run: $(STAMP)
