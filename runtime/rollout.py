@@ -58,7 +58,7 @@ def current_context() -> RolloutContext:
 
 async def engine_generate(token_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
     """Sample one continuation of ``token_ids`` on the job's engines (for custom generate functions)."""
-    params = SamplingParams(**{**sampling_params, "stop_token_ids": tuple(sampling_params.get("stop_token_ids", ()))})
+    params = SamplingParams.from_dict(sampling_params)
     return (await current_context().engines.generate([list(token_ids)], params))[0]
 
 

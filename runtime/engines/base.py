@@ -40,6 +40,11 @@ class SamplingParams:
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
 
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
+        """The inverse of :meth:`to_dict` (``stop_token_ids`` may be any sequence, as the list it writes)."""
+        return cls(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_new_tokens": self.max_new_tokens,
@@ -69,7 +74,7 @@ class Generation:
 def check_generate_args(prompts: object, params: SamplingParams | dict[str, Any], *, released: bool) -> SamplingParams:
     """The checks every engine's ``generate`` makes; returns ``params`` as ``SamplingParams`` (Ray may pass a dict)."""
     if isinstance(params, dict):
-        params = SamplingParams(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
+        params = SamplingParams.from_dict(params)
     if released:
         raise RuntimeError("generate called on a released engine: call resume_memory() first")
     if not isinstance(prompts, list) or not prompts:
