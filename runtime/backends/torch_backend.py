@@ -27,7 +27,7 @@ from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.config import TrainConfig
-from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
+from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 
 
 def _is_max_metric(name: str) -> bool:
@@ -316,15 +316,12 @@ class TorchTrainer:
         config = AutoConfig.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         # A key mismatch would silently leave random weights in the saved model.
-        result = model.load_state_dict(weights, strict=False)
-        # Tied weights (lm_head = embeddings) may be absent from one side without losing anything.
-        tied = set(getattr(model, "_tied_weights_keys", None) or ())
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
+        missing, unexpected = load_untied_state_dict(model, weights)
+        if missing or unexpected:
             raise RuntimeError(
                 f"save_hf: the trained weights do not match {self.model_path}'s architecture: missing "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
-                f"{result.unexpected_keys[:5]} ({len(result.unexpected_keys)})"
+                f"{unexpected[:5]} ({len(unexpected)})"
             )
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)

@@ -38,6 +38,15 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def load_untied_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Load ``state_dict`` into ``model`` (``strict=False``); return the keys that do not fit, ``(missing,
+    unexpected)``. Tied weights (lm_head = embeddings) may be absent from one side without losing anything, so they
+    are not counted as missing."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    return [k for k in missing if k not in tied], list(unexpected)
+
+
 def pick_device(device: str = "auto") -> torch.device:
     """``auto``: the CUDA device Ray (or the user) made visible, else the CPU."""
     if device == "auto":
@@ -170,9 +179,7 @@ class HFEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's full state dict into the model (tied weights may appear under either name)."""
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
-        missing = [k for k in missing if k not in tied]
+        missing, unexpected = load_untied_state_dict(self.model, state_dict)
         if missing or unexpected:
             raise ValueError(
                 f"update_weights: state dict does not fit the model (missing {missing}, unexpected {unexpected})"
