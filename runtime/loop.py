@@ -84,11 +84,12 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
             records = list({r["prompt"]: r for r in unseen}.values())[:BUILTIN_NUM_EVAL_PROMPTS]
             eval_set = PromptDataset.from_records(records, tokenizer, cfg.data, seed=cfg.seed)
         eval_prompts = eval_set.next_batch(len(eval_set))
-    for ds in (dataset, eval_set) if eval_prompts is not None else (dataset,):
+    datasets = (dataset,) if eval_prompts is None else (dataset, eval_set)
+    for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu
     if budget is not None:
-        longest = max(dataset.max_prompt_tokens, eval_set.max_prompt_tokens if eval_prompts is not None else 0)
+        longest = max(ds.max_prompt_tokens for ds in datasets)
         need = longest + cfg.rollout.rollout_max_response_len
         if budget < need:
             raise ConfigError(
