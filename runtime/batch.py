@@ -74,7 +74,7 @@ def build_batch(
     return TensorDict(
         {
             TOKENS: tokens,
-            PROMPT_LENGTHS: torch.tensor([len(s.tokens) - s.response_length for s in samples]),
+            PROMPT_LENGTHS: torch.tensor([s.prompt_length for s in samples]),
             RESPONSE_LENGTHS: torch.tensor([s.response_length for s in samples]),
             RESPONSE_TOKENS: response_tokens,
             keys.MASK: mask,
