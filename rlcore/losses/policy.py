@@ -7,7 +7,7 @@ saying where clipping took the token's gradient away (PPO, GSPO) or truncated it
 import torch
 from torch import Tensor
 
-from rlcore._checks import check_finite_where, check_mask, check_same_shape, check_tensor, masked_fill_zero
+from rlcore._checks import check_mask, check_same_shape, check_tensor, masked_fill_zero
 from rlcore.losses._common import upcast, zero_masked
 
 
@@ -121,13 +121,12 @@ def gspo(
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages)
     check_tensor("log_probs", log_probs, ndim=2)
-    check_mask(mask, like=log_probs)
-    for name, x in (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("advantages", advantages)):
-        check_finite_where(name, x, mask)
+    check_mask(mask, like=log_probs)  # required here: zero_masked would take None for "no mask"
+    log_probs, old_log_probs, advantages = zero_masked(
+        mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages
+    )
     eps_low = _check_eps("eps_clip", eps_clip)
     eps_high = eps_low if eps_clip_high is None else _check_eps("eps_clip_high", eps_clip_high)
-    log_probs = masked_fill_zero(upcast(log_probs), mask)
-    advantages = masked_fill_zero(upcast(advantages), mask)
     seq_ratio = torch.exp(sequence_log_ratio(log_probs, old_log_probs, mask)).detach()
     token_ratio = seq_ratio[:, None] * torch.exp(log_probs - log_probs.detach())
     loss, clipped = _clipped_surrogate(token_ratio, advantages, eps_low=eps_low, eps_high=eps_high)
