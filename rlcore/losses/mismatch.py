@@ -3,7 +3,14 @@
 import torch
 from torch import Tensor
 
-from rlcore._checks import check_choice, check_finite_where, check_mask, check_same_shape, check_tensor
+from rlcore._checks import (
+    check_choice,
+    check_finite_where,
+    check_mask,
+    check_same_shape,
+    check_tensor,
+    masked_fill_zero,
+)
 from rlcore.losses._common import upcast
 
 MISMATCH_MODES = ("tis", "mis", "icepop")
@@ -68,8 +75,7 @@ def mismatch_weights(
     if low is not None and not (isinstance(low, int | float) and 0 <= low < high):
         raise ValueError(f"low must be a number in [0, high={high}), got {low!r} (mode {mode!r})")
 
-    zero = torch.zeros((), dtype=upcast(old_log_probs).dtype, device=old_log_probs.device)
-    log_ratio = torch.where(mask, upcast(old_log_probs) - upcast(rollout_log_probs), zero).detach()
+    log_ratio = masked_fill_zero(upcast(old_log_probs) - upcast(rollout_log_probs), mask).detach()
     if level != "token":
         total = log_ratio.sum(-1, keepdim=True)
         if level == "geometric":
@@ -86,4 +92,4 @@ def mismatch_weights(
             in_range = in_range & (ratio >= low)
         keep = mask & in_range
         weights = ratio
-    return torch.where(keep, weights, zero), keep
+    return masked_fill_zero(weights, keep), keep
