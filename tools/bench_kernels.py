@@ -96,8 +96,6 @@ def logits_step(method, logits, targets, g_lp, g_ent):
         log_probs, entropy = method(x, targets)
         if entropy is None:
             return torch.autograd.grad(log_probs, x)[0]
-        if log_probs.dim() == 0:
-            return torch.autograd.grad(log_probs, x)[0]
         return torch.autograd.grad([log_probs, entropy], x, [g_lp, g_ent])[0]
 
     return step
