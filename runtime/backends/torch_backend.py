@@ -211,15 +211,14 @@ class TorchTrainer:
 
     def _reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
         if self.group is not None:
-            names = sorted(sums)
-            t = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, group=self.group)
-            sums = dict(zip(names, t.tolist(), strict=True))
-            names = sorted(maxes)
-            t = torch.tensor([maxes[k] for k in names], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            maxes = dict(zip(names, t.tolist(), strict=True))
+            sums, maxes = self._all_reduce(sums, dist.ReduceOp.SUM), self._all_reduce(maxes, dist.ReduceOp.MAX)
         return {**sums, **maxes}
+
+    def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+        names = sorted(values)
+        t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return dict(zip(names, t.tolist(), strict=True))
 
     def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
         """Optimizer steps over this rank's shard ``td``: ``per_step_rows`` consecutive rows per step.
