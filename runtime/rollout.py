@@ -11,10 +11,11 @@ custom functions post to its SGLang router. A multi-turn function appends tool o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,16 @@ class RolloutContext:
 
 
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("rlcore_rollout_context")
+
+
+@contextlib.contextmanager
+def _running(ctx: RolloutContext) -> Iterator[None]:
+    """``ctx`` is :func:`current_context` inside the block (generate functions reach the engines through it)."""
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
 
 
 def current_context() -> RolloutContext:
@@ -137,11 +148,8 @@ async def generate_groups(
 ) -> tuple[list[list[Sample]], list[list[Sample]]]:
     """Generate every sample of ``groups`` (in place) the way a rollout does, custom hook included, inside ``ctx``;
     return :func:`split_aborted` of them: ``(whole, aborted)``. For evaluation, which neither filters nor trains."""
-    token = _CONTEXT.set(ctx)
-    try:
+    with _running(ctx):
         await _generate_groups(ctx, groups, params, custom_generate)
-    finally:
-        _CONTEXT.reset(token)
     return split_aborted(groups)
 
 
@@ -184,9 +192,8 @@ async def collect_rollout(
     dropped (by the filter's reason) and discarded (passed, but the batch was full), the mean reward of every scored
     sample before the filter, reward errors and timeouts.
     """
-    token = _CONTEXT.set(ctx)
-    ctx.engines.rewind()
-    try:
+    with _running(ctx):
+        ctx.engines.rewind()
         kept: list[list[Sample]] = []
         dropped: Counter[str] = Counter()
         rounds = generated = groups_aborted = samples_aborted = 0
@@ -213,8 +220,6 @@ async def collect_rollout(
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             kept.extend(passed)
             dropped.update(reasons)
-    finally:
-        _CONTEXT.reset(token)
     samples = [s for g in kept[:rollout_batch_size] for s in g]
     metrics: dict[str, float] = {
         "rollout/sampling_rounds": rounds,
