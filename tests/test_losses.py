@@ -587,8 +587,13 @@ def test_low_precision_inputs_compute_in_float32(name, dtype):
 
 MASKED_LOSSES = {
     "approx_kl": lambda lp, old, adv, mask: approx_kl(lp, old, kind="k3", mask=mask),
+    # The ratio is the caller's tensor: built from the padded inputs it must not put NaN into the graph itself.
     "approx_kl_weighted": lambda lp, old, adv, mask: approx_kl(
-        lp, old, kind="low_var_kl", importance_ratio=torch.exp(lp - adv), mask=mask
+        lp,
+        old,
+        kind="low_var_kl",
+        importance_ratio=torch.exp(lp - adv if mask is None else torch.where(mask, lp - adv, 0.0)),
+        mask=mask,
     ),
     "ppo_clip": lambda lp, old, adv, mask: ppo_clip(lp, old, adv, eps_clip=0.2, dual_clip=3.0, mask=mask)[0],
     "cispo": lambda lp, old, adv, mask: cispo(lp, old, adv, eps_clip_high=0.5, mask=mask)[0],
