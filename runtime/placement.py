@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -212,7 +211,6 @@ class EngineGroup:
                 remote_cls.options(**placement.options(bundle)).remote(model_path, seed=seed + 1000 * i)
                 for i, bundle in enumerate(placement.engine_bundles)
             ]
-        self.weight_version = 0
         self._next_engine = 0
 
     def rewind(self) -> None:
@@ -243,12 +241,9 @@ class EngineGroup:
         outs = [await ref for ref in self.generate_async(prompts, params)]
         return [g for out in outs for g in out]
 
-    def update_weights(self, weights: ray.ObjectRef, version: int) -> float:
-        """Push the trainer's weights to every engine; returns the seconds it took."""
-        start = time.perf_counter()
+    def update_weights(self, weights: ray.ObjectRef, version: int) -> None:
+        """Push the trainer's weights to every engine."""
         ray.get([a.update_weights.remote(weights, version) for a in self.actors])
-        self.weight_version = version
-        return time.perf_counter() - start
 
     def get_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
         return ray.get(self.actors[index].get_weights.remote())

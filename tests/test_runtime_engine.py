@@ -278,7 +278,7 @@ class _Actor:
 
 def _engine_group(n):
     group = EngineGroup.__new__(EngineGroup)
-    group.actors, group.weight_version, group._next_engine = [_Actor(i) for i in range(n)], 0, 0
+    group.actors, group._next_engine = [_Actor(i) for i in range(n)], 0
     return group
 
 
