@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     for section in SECTIONS:
         groups[section] = parser.add_argument_group(section)
     for name, (section, f, tp) in _SPECS.items():
-        default = getattr(getattr(defaults, section) if section else defaults, name)
+        default = getattr(defaults, name)
         help_text = f.metadata.get("help", "") + f" (default: {default!r}"
         if name in BUILTIN_JOB_DEFAULTS:
             help_text += f"; built-in job: {BUILTIN_JOB_DEFAULTS[name]!r}"
@@ -646,9 +646,8 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be a runtime.config.Config, got {type(cfg).__name__}")
     problems: list[str] = []
-    for name, (section, _, tp) in _SPECS.items():
-        value = getattr(getattr(cfg, section) if section else cfg, name)
-        problem = _type_problem(name, value, tp)
+    for name, (_, _, tp) in _SPECS.items():
+        problem = _type_problem(name, getattr(cfg, name), tp)
         if problem:
             problems.append(problem)
     if problems:
