@@ -158,7 +158,7 @@ class PromptDataset:
         for line_no, row, error in rows:
             text, label, metadata, error = self._parse_row(row, error, tokenizer)
             if error is not None:
-                self._bad_row(line_no, error, where)
+                self._bad_row(line_no, error)
                 continue
             texts.append(text)
             pending.append((label, metadata))
@@ -215,9 +215,9 @@ class PromptDataset:
         encoded = tokenizer(texts, add_special_tokens=not self.cfg.apply_chat_template)
         return [list(ids) for ids in encoded["input_ids"]]
 
-    def _bad_row(self, line_no: int, reason: str, where: str) -> None:
+    def _bad_row(self, line_no: int, reason: str) -> None:
         if self.cfg.on_bad_row == "fail":
-            raise DataError(f"{self.source} {where} {line_no}: {reason} (--on-bad-row skip skips such rows)")
+            raise DataError(f"{self.source} {self.where} {line_no}: {reason} (--on-bad-row skip skips such rows)")
         self.bad_rows.append((line_no, reason))
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
