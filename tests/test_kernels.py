@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore.kernels import _torch_ops, linear_logprobs_entropy, logprobs_entropy, reference
+from rlcore.kernels import linear as linear_module
 from rlcore.kernels import logprobs as logprobs_module
 from rlcore.kernels._stats import Partial, finalize
 
@@ -219,7 +220,9 @@ def test_accumulated_pieces_equal_whole(n, cuts, with_entropy, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("n", "h", "v", "chunk", "stash_chunks"), [(1, 8, 300, 128, 0), (5, 16, 257, 64, 2), (4, 8, 300, 1000, 1)]
+    ("n", "h", "v", "chunk", "stash_chunks"),
+    # The last two have N >= H: head pieces kept in the weight gradient's buffer (with and without a tail stash).
+    [(1, 8, 300, 128, 0), (5, 16, 257, 64, 2), (4, 8, 300, 1000, 1), (40, 8, 300, 16, 0), (33, 8, 301, 24, 2)],
 )
 def test_linear_matches_reference(dtype, n, h, v, chunk, stash_chunks):
     gen = torch.Generator().manual_seed(n + h + v)
@@ -240,6 +243,83 @@ def test_linear_matches_reference(dtype, n, h, v, chunk, stash_chunks):
     for got, want in ((grad_h, ref_h), (grad_w, ref_w)):
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@settings(deadline=None)
+@given(
+    rows=st.integers(0, 70),
+    hidden_size=st.integers(1, 40),
+    vocab=st.integers(1, 400),
+    element_size=st.sampled_from([2, 4]),
+    chunk=st.integers(1, 200),
+    stash_bytes=st.integers(0, 60_000),
+    keep=st.booleans(),
+    head=st.booleans(),
+    split=st.sampled_from([1, 2]),
+)
+def test_plan_pieces_invariants(rows, hidden_size, vocab, element_size, chunk, stash_bytes, keep, head, split):
+    """Both orders cover the vocabulary once; head pieces fit the gradient buffer and are never overwritten before
+    they are read; the tail fits ``stash_bytes``; working pieces fit the budget."""
+    plan = linear_module.plan_pieces(
+        rows, hidden_size, vocab, element_size, chunk=chunk, stash_bytes=stash_bytes, keep=keep, head=head, split=split
+    )
+    for order in plan:
+        assert sorted((p.start, p.stop) for p in order) == [(p.start, p.stop) for p in plan.forward]
+    cover = sorted((p.start, p.stop) for p in plan.forward)
+    assert cover[0][0] == 0 and cover[-1][1] == vocab
+    assert all(a < b for a, b in cover) and all(x[1] == y[0] for x, y in zip(cover, cover[1:], strict=False))
+    kinds = [p.kept for p in plan.backward]
+    assert kinds == sorted(kinds, key=["head", "tail", ""].index), "backward: head, then tail, then recomputed"
+    heads = [p for p in plan.backward if p.kept == "head"]
+    tails = [p for p in plan.backward if p.kept == "tail"]
+    if not keep:
+        assert not heads and not tails
+    if not head or not rows:
+        assert not heads
+    width = max(1, max(chunk, stash_bytes // (rows * element_size) if rows else vocab) // split)
+    for p in plan.backward:
+        if not p.kept:
+            assert p.stop - p.start <= width
+        assert p.start % min(128, width) == 0 and (p.stop == vocab or p.stop % min(128, width) == 0)
+    # Head pieces: consecutive from column 0, disjoint in the [V, H] buffer, and piece j's gradient rows
+    # (elements [H * start, H * stop)) end before its own logits, so they never land on logits still to be read.
+    end = 0
+    for p in heads:
+        assert p.start == end
+        end = p.stop
+        assert hidden_size * p.stop <= p.offset
+        assert p.offset + rows * (p.stop - p.start) <= vocab * hidden_size
+    for x, y in zip(heads, heads[1:], strict=False):
+        assert y.offset >= x.offset + rows * (x.stop - x.start)
+    # Tail: the last columns, within the stash budget, in at most `split` pieces.
+    tail_cols = sum(p.stop - p.start for p in tails)
+    assert rows * element_size * tail_cols <= stash_bytes or not rows
+    assert not tails or max(p.stop for p in tails) == vocab
+    assert len(tails) <= split
+
+
+def test_head_pieces_use_the_gradient_buffer():
+    """At N = 4H (a long sequence batch) the buffer holds about (V - chunk) / 4 columns besides the first piece."""
+    plan = linear_module.plan_pieces(16384, 4096, 151936, 2, chunk=12288, stash_bytes=0, keep=True, head=True, split=1)
+    kept = sum(p.stop - p.start for p in plan.forward if p.kept == "head")
+    assert 34_000 <= kept <= (151936 - 12288) // 4
+
+
+def test_linear_weight_gradient_not_requested():
+    """The weight requires a gradient (its buffer keeps head logits) but only hidden's is asked for; and a frozen
+    weight (no head pieces at all)."""
+    n, h, v = 40, 8, 300
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    for weight in (torch.randn(v, h, generator=gen).requires_grad_(), torch.randn(v, h, generator=gen)):
+        lp, ent = linear_logprobs_entropy(hidden, weight, targets, chunk=32, stash_bytes=0)
+        (grad_h,) = torch.autograd.grad([lp, ent], [hidden], [g_lp, g_ent])
+        h64 = hidden.detach().double().requires_grad_()
+        ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, weight.detach().double(), targets)
+        (ref_h,) = torch.autograd.grad([ref_lp, ref_ent], [h64], [g_lp.double(), g_ent.double()])
+        assert_grad_close(grad_h, ref_h, torch.float32)
 
 
 def test_linear_without_entropy_and_without_grad():
@@ -283,14 +363,15 @@ def test_linear_gradients_without_entropy(stash_chunks):
 
 
 @pytest.mark.parametrize("stash_chunks", [0, 2, 5])
-def test_linear_backward_twice_with_retain_graph(stash_chunks):
-    """A second backward recomputes the chunks the first one overwrote (and sums the chunks in another order, so
-    equal up to rounding): correct gradients both times."""
-    n, h, v, chunk = 3, 8, 300, 64
+@pytest.mark.parametrize("n", [3, 40])
+def test_linear_backward_twice_with_retain_graph(stash_chunks, n):
+    """A second backward recomputes the pieces the first one overwrote (the head ones too, whose buffer the first
+    backward handed out as the weight gradient): correct gradients both times."""
+    h, v, chunk = 8, 300, 64
     gen = torch.Generator().manual_seed(14)
     hidden = torch.randn(n, h, generator=gen).requires_grad_()
     weight = torch.randn(v, h, generator=gen).requires_grad_()
-    targets = torch.tensor([1, 298, 100])
+    targets = torch.randint(0, v, (n,), generator=gen)
     g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     stash_bytes = stash_chunks * n * chunk * hidden.element_size()
     lp, ent = linear_logprobs_entropy(hidden, weight, targets, chunk=chunk, stash_bytes=stash_bytes)

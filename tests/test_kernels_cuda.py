@@ -6,6 +6,7 @@ Skipped without CUDA (CI has none; ``test_kernels.py`` runs the same kernels the
 import pytest
 import torch
 
+from rlcore.kernels import linear as linear_module
 from rlcore.kernels import linear_logprobs_entropy, logprobs_entropy, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -68,6 +69,7 @@ def test_cuda_beyond_int32_offsets():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("chunk", "stash_bytes"), [(1024, 0), (1024, 3 * 300 * 1024 * 2), (8192, 1 << 30)])
 def test_cuda_linear_matches_reference(dtype, chunk, stash_bytes):
+    """N > H: head pieces in the weight gradient's buffer."""
     n, h, v = 300, 64, 5003
     gen = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -133,3 +135,24 @@ def test_cuda_vocab_parallel_nccl(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_nccl_vocab_parallel_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def test_cuda_linear_every_kind_of_piece():
+    """A medium shape with head pieces, a tail stash and recomputed pieces, all several cuBLAS waves wide."""
+    n, h, v = 2048, 256, 32000
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hidden = torch.randn(n, h, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 4).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=gen), torch.randn(n, device="cuda", generator=gen)
+    plan = linear_module.plan_pieces(n, h, v, 2, chunk=1024, stash_bytes=n * 6000 * 2, keep=True, head=True)
+    assert {p.kept for p in plan.forward} == {"head", "tail", ""}
+    lp, ent = linear_logprobs_entropy(hidden, weight, targets, chunk=1024, stash_bytes=n * 6000 * 2)
+    grad_h, grad_w = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_ent])
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = reference.linear_logprobs_entropy(h64, w64, targets)
+    ref_h, ref_w = torch.autograd.grad([ref_lp, ref_ent], [h64, w64], [g_lp.double(), g_ent.double()])
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=3e-2, atol=3e-2)
+    for got, want in ((grad_h, ref_h), (grad_w, ref_w)):
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))

@@ -11,6 +11,7 @@ Usage: python tools/bench_kernels.py [--quick] [--sweep]   (Liger is optional: t
 """
 
 import argparse
+import functools
 import gc
 import sys
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlcore.kernels import linear as linear_module  # noqa: E402
 from rlcore.kernels import linear_logprobs_entropy, logprobs_entropy  # noqa: E402
 from rlcore.kernels import logprobs as logprobs_module  # noqa: E402
 from rlcore.kernels.linear import DEFAULT_CHUNK  # noqa: E402
@@ -209,18 +211,28 @@ def sweep_logits_config(rows, bandwidth, block, warps):
 
 
 def sweep(rows, bandwidth, rate):
-    """Launch configurations of the logits kernels, and chunk / stash sizes of the fused linear op."""
+    """Launch configurations of the logits kernels, and chunk / stash / piece sizes of the fused linear op."""
     for block, warps in [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
         sweep_logits_config(rows, bandwidth, block, warps)
         gc.collect()
         torch.cuda.empty_cache()
     configs = {}
-    for chunk in (8192, 12288, 16384):
-        for stash in (0, 1.25, 1.5, 1.75):
-            configs[f"chunk={chunk} stash={stash}GiB"] = lambda h, w, t, c=chunk, s=stash: linear_logprobs_entropy(
-                h, w, t, chunk=c, stash_bytes=int(s * GIB)
-            )
+    for chunk, stash, split in [(12288, 0, 2), (12288, 1.5, 2), (12288, 1.85, 2), (8192, 1.75, 2)] + [
+        (12288, 1.75, split) for split in (1, 2, 3)
+    ]:
+        configs[f"chunk={chunk} stash={stash}GiB split={split}"] = functools.partial(
+            _linear_with_split, chunk=chunk, stash_bytes=int(stash * GIB), split=split
+        )
     bench_linear(rows, rate, methods=configs, label="sweep linear")
+
+
+def _linear_with_split(hidden, weight, targets, *, chunk, stash_bytes, split):
+    default = linear_module.DEFAULT_SPLIT
+    linear_module.DEFAULT_SPLIT = split
+    try:
+        return linear_logprobs_entropy(hidden, weight, targets, chunk=chunk, stash_bytes=stash_bytes)
+    finally:
+        linear_module.DEFAULT_SPLIT = default
 
 
 def main() -> None:
