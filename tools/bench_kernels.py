@@ -191,7 +191,7 @@ def sweep_logits_config(rows, bandwidth, block, warps):
     targets = torch.randint(0, v, (n,), device="cuda")
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     default = logprobs_module._launch_config
-    logprobs_module._launch_config = lambda vocab, size: (block, warps)
+    logprobs_module._launch_config = lambda vocab, size, kind: (block, warps)
     try:
         lp, ent = logprobs_entropy(x, targets)
         fwd = median_ms(lambda: logprobs_entropy(x, targets))
@@ -212,7 +212,7 @@ def sweep_logits_config(rows, bandwidth, block, warps):
 
 def sweep(rows, bandwidth, rate):
     """Launch configurations of the logits kernels, and chunk / stash / piece sizes of the fused linear op."""
-    for block, warps in [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
+    for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
         sweep_logits_config(rows, bandwidth, block, warps)
         gc.collect()
         torch.cuda.empty_cache()
