@@ -21,8 +21,16 @@ from rlcore.kernels import logprobs as logprobs_module
 from rlcore.kernels._stats import Partial, finalize
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Gradients are rounded to the input dtype; forward outputs are float32 whatever the input.
-GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+# Gradients are rounded to the input dtype; forward outputs are float32 whatever the input. float32: p = exp(z - lse)
+# carries the rounding of z - lse, ~|z| * 2**-24 relative; the "mixed" rows reach |z| ~ 150 at temperature 0.6, so
+# 1e-5 failed for 7 of 300 random upstream gradients there (2.5e-5 seen); 4e-5 passed all 300.
+GRAD_RTOL = {torch.float32: 4e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    """Tests draw upstream gradients from torch's global generator: seed it, so no result depends on test order."""
+    torch.manual_seed(0)
 
 
 def make_logits(n: int, v: int, dtype: torch.dtype, *, seed: int, kind: str = "normal") -> torch.Tensor:

@@ -15,6 +15,7 @@ per token.
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -110,8 +111,17 @@ def group_layout(group: object) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def check_targets(targets: object, *, rows: int, rows_name: str, vocab: int, device: torch.device) -> Tensor:
-    """Raise unless ``targets`` is an integer [rows] tensor on ``device`` with every id in ``[0, vocab)``."""
+def check_targets(
+    targets: object, *, rows: int, rows_name: str, vocab: int, device: torch.device
+) -> tuple[Tensor, Callable[[], None]]:
+    """``targets`` as a contiguous int64 [rows] tensor on ``device``, and ``verify()``, which raises unless every id is
+    in ``[0, vocab)``.
+
+    Dtype, shape and device are checked at once. The id range is checked without stalling the GPU: the ids' minimum
+    and maximum are copied to the host asynchronously, and the op calls ``verify()`` after launching its kernels
+    (which ignore ids outside their piece of the vocabulary), so the host waits for that copy only while the GPU
+    already has the op's work queued behind it. Nothing is written to any input either way.
+    """
     targets = check_tensor("targets", targets, ndim=1)
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must have dtype int64 or int32, got {targets.dtype} (shape {tuple(targets.shape)})")
@@ -119,15 +129,29 @@ def check_targets(targets: object, *, rows: int, rows_name: str, vocab: int, dev
         raise ValueError(f"targets has shape {tuple(targets.shape)} but {rows_name} has {rows} rows")
     if targets.device != device:
         raise ValueError(f"targets is on {targets.device} but {rows_name} is on {device}")
-    if rows:
-        low, high = (int(v) for v in torch.aminmax(targets))
+    if not rows:
+        return targets.to(torch.int64).contiguous(), lambda: None
+    bounds = torch.stack(torch.aminmax(targets))
+    done = None
+    if bounds.is_cuda:
+        host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
+        host.copy_(bounds, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        bounds = host
+
+    def verify() -> None:
+        if done is not None:
+            done.synchronize()
+        low, high = bounds.tolist()
         if low < 0 or high >= vocab:
             raise ValueError(
                 f"targets must lie in [0, {vocab}) (the full vocabulary); got ids from {low} to {high} "
                 f"(shape {tuple(targets.shape)}). There is no ignore index: give padded positions any valid id "
                 "and mask them downstream."
             )
-    return targets.to(torch.int64).contiguous()
+
+    return targets.to(torch.int64).contiguous(), verify
 
 
 def check_float_matrix(name: str, x: object) -> Tensor:

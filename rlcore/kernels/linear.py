@@ -309,7 +309,7 @@ def linear_logprobs_entropy(
     inv_temperature = 1.0 / check_temperature(temperature)
     rank, world = group_layout(group)
     vocab_local = weight.shape[0]
-    targets = check_targets(
+    targets, verify_targets = check_targets(
         targets,
         rows=hidden.shape[0],
         rows_name=f"hidden {tuple(hidden.shape)}",
@@ -329,4 +329,5 @@ def linear_logprobs_entropy(
         stash_bytes,
         (grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad),
     )
+    verify_targets()
     return log_probs, entropy if with_entropy else None

@@ -299,7 +299,7 @@ def logprobs_entropy(
     inv_temperature = 1.0 / check_temperature(temperature)
     rank, world = group_layout(group)
     vocab_local = logits.shape[1]
-    targets = check_targets(
+    targets, verify_targets = check_targets(
         targets,
         rows=logits.shape[0],
         rows_name=f"logits {tuple(logits.shape)}",
@@ -309,4 +309,5 @@ def logprobs_entropy(
     log_probs, entropy = LogprobsEntropy.apply(
         _row_major(logits), targets, rank * vocab_local, inv_temperature, with_entropy, group, inplace_backward
     )
+    verify_targets()
     return log_probs, entropy if with_entropy else None
