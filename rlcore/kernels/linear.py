@@ -30,7 +30,6 @@ from torch.autograd.function import once_differentiable
 
 from rlcore._checks import check_tensor
 from rlcore.kernels._stats import (
-    EMPTY_MAX,
     Partial,
     check_float_matrix,
     check_targets,
@@ -164,18 +163,11 @@ def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
 def _piece_logits(hidden: Tensor, weight: Tensor, piece: Piece, buffer: Tensor | None) -> Tensor:
     """``hidden @ weight[piece]^T``, written into its place in ``buffer`` for a head piece."""
     w = weight[piece.start : piece.stop]
-    if piece.kept != "head" or buffer is None:
+    if piece.kept != "head":
         return hidden @ w.T
     size = hidden.shape[0] * (piece.stop - piece.start)
     out = buffer.view(-1)[piece.offset : piece.offset + size].view(hidden.shape[0], -1)
     return torch.mm(hidden, w.T, out=out)
-
-
-def _identity_stats(rows: int, device: torch.device) -> Tensor:
-    """Packed statistics of an empty vocabulary piece, which merging leaves unchanged."""
-    packed = torch.zeros(4, rows, dtype=torch.float32, device=device)
-    packed[0] = EMPTY_MAX
-    return packed
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):
@@ -196,15 +188,15 @@ class LinearLogprobsEntropy(torch.autograd.Function):
             stash_bytes=stash_bytes,
             keep=want_hidden or want_weight,
             head=want_weight,
-            split=DEFAULT_SPLIT,
+            split=DEFAULT_SPLIT,  # read at call time, so that tools/bench_kernels.py --sweep can vary it
         )
         # The weight gradient's buffer, holding the head pieces' logits until the backward overwrites them.
         buffer = torch.empty_like(weight) if any(p.kept == "head" for p in plan.forward) else None
-        packed = _identity_stats(hidden.shape[0], hidden.device)
+        packed = None
         kept: dict[int, Tensor] = {}
         for piece in plan.forward:
             logits = _piece_logits(hidden, weight, piece, buffer)
-            partial_stats(logits, targets, col_offset + piece.start, inv_temperature, with_entropy, packed)
+            packed = partial_stats(logits, targets, col_offset + piece.start, inv_temperature, with_entropy, packed)
             if piece.kept:
                 kept[piece.start] = logits
             del logits
