@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from runtime.config import ConfigError, format_config, parse_args
-from runtime.data import DataError
+from runtime.rollout.data import DataError
 from runtime.hooks import HookError
 
 # Exit status of a job that could not start because of its inputs (argparse uses 2 for bad flags too).

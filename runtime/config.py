@@ -593,7 +593,7 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
         elif not os.path.isfile(os.path.join(checkpoint, "config.json")):
             problems.append(f"--hf-checkpoint: {checkpoint!r} has no config.json (not a HF model directory)")
     if cfg.ckpt.load is not None:
-        from runtime.checkpoint import resolve
+        from runtime.cluster.checkpoint import resolve
 
         try:
             resolve(cfg.ckpt.load)

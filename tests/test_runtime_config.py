@@ -12,8 +12,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime import checkpoint
-from runtime.algo import check_supported
+from runtime.cluster import checkpoint
+from runtime.train.algo import check_supported
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import (
     _SPECS,
@@ -357,7 +357,7 @@ def test_rule_hook_paths(tmp_path):
     (tmp_path / "reward.py").write_text("def score(args, sample):\n    return 1.0\n")
     cfg = parse_args(["--custom-rm-path", f"{tmp_path / 'reward.py'}:score"])
     assert cfg.reward.custom_rm_path.endswith("reward.py:score")
-    parse_args(["--dynamic-sampling-filter-path", "runtime.filters.check_reward_nonzero_std"])
+    parse_args(["--dynamic-sampling-filter-path", "runtime.rollout.filters.check_reward_nonzero_std"])
 
 
 def test_rule_ranges():

@@ -1,4 +1,4 @@
-"""runtime.data: JSONL/Parquet prompt sets through a real HF tokenizer, filtering, bad rows, shuffling, resumption."""
+"""runtime.rollout.data: JSONL/Parquet prompt sets through a real HF tokenizer, filtering, bad rows, shuffling, resumption."""
 
 import json
 
@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from runtime.config import DataConfig
-from runtime.data import DataError, PromptDataset
-from runtime.sample import Sample
+from runtime.rollout.data import DataError, PromptDataset
+from runtime.rollout.sample import Sample
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"

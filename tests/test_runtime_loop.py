@@ -23,10 +23,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute
-from runtime import checkpoint, task
-from runtime.algo import advantage_config, loss_config, needs_reference
-from runtime.backends.torch_backend import TorchTrainer, micro_batches
-from runtime.batch import (
+from runtime.cluster import checkpoint
+from runtime.demo import task
+from runtime.train.algo import advantage_config, loss_config, needs_reference
+from runtime.train.backends.torch_backend import TorchTrainer, micro_batches
+from runtime.train.batch import (
     PROMPT_LENGTHS,
     RESPONSE_LENGTHS,
     RESPONSE_TOKENS,
@@ -38,14 +39,14 @@ from runtime.batch import (
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import Config, from_dict, parse_args, validate
 from runtime.engines import HFEngine, SamplingParams
-from runtime.filters import DynamicFilterOutput
+from runtime.rollout.filters import DynamicFilterOutput
 from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
 from runtime.loop import BUILTIN_NUM_PROMPTS, run
-from runtime.placement import EngineGroup, TrainerGroup, create_placement
-from runtime.rewards import RewardHub
+from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
+from runtime.rollout.rewards import RewardHub
 from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
-from runtime.sample import Sample
-from runtime.tiny_model import make_tiny_model
+from runtime.rollout.sample import Sample
+from runtime.demo.tiny_model import make_tiny_model
 
 SMALL = {
     "rollout_batch_size": 4,
@@ -544,7 +545,7 @@ def test_raising_reward_function_is_counted_and_the_run_goes_on(ray_session, tmp
     hook.write_text(
         textwrap.dedent(
             """
-            from runtime import task
+            from runtime.demo import task
 
             def reward(args, sample, **kwargs):
                 if sample.response.startswith(("1", "3", "5", "7", "9")):
@@ -568,7 +569,7 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
         textwrap.dedent(
             """
             from runtime.rollout import current_context
-            from runtime.sample import Sample
+            from runtime.rollout.sample import Sample
 
             async def generate(args, sample, sampling_params):
                 # Answers with the label: reward 1 wherever this function (and not the engine) generated.

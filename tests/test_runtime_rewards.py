@@ -1,4 +1,4 @@
-"""runtime.rewards, runtime.filters, runtime.hooks: built-in and custom rewards, failure counting, filters, hooks."""
+"""runtime.rollout.rewards, runtime.rollout.filters, runtime.hooks: built-in and custom rewards, failure counting, filters, hooks."""
 
 import asyncio
 import pickle
@@ -10,12 +10,12 @@ import pytest
 import torch
 from math_verify import parse, verify
 
-from runtime import task
+from runtime.demo import task
 from runtime.config import RewardConfig
-from runtime.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
+from runtime.rollout.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
 from runtime.hooks import HookError, check_function_path, load_function
-from runtime.rewards import RewardHub, is_batched
-from runtime.sample import Sample
+from runtime.rollout.rewards import RewardHub, is_batched
+from runtime.rollout.sample import Sample
 
 
 def _samples(pairs):
@@ -116,7 +116,7 @@ def test_custom_batched_sync_and_async(tmp_path):
         tmp_path,
         "batched_rm",
         """
-        from runtime.sample import Sample
+        from runtime.rollout.sample import Sample
 
         CALLS = []
 
@@ -234,7 +234,7 @@ def test_reward_function_signature_checks():
 
     flagged.batched = True
     assert is_batched(flagged)
-    with pytest.raises(TypeError, match="list of runtime.sample.Sample"):
+    with pytest.raises(TypeError, match="list of runtime.rollout.sample.Sample"):
         _score(RewardHub(RewardConfig(rm_type="exact_match")), ["not a sample"])
 
 
@@ -264,9 +264,9 @@ def test_filter_reads_dict_rewards_and_rejects_unscored():
 
 
 def test_load_filter_builtin_and_custom(tmp_path):
-    builtin = load_filter("runtime.filters.check_reward_nonzero_std")
+    builtin = load_filter("runtime.rollout.filters.check_reward_nonzero_std")
     assert builtin(None, _group([0.0, 1.0])).keep
-    assert not load_filter("runtime.filters:check_reward_nonzero_std")(None, _group([1.0, 1.0])).keep
+    assert not load_filter("runtime.rollout.filters:check_reward_nonzero_std")(None, _group([1.0, 1.0])).keep
     path = _hook(
         tmp_path,
         "filters_hook",
@@ -304,8 +304,8 @@ def test_filter_groups_keeps_order_and_counts_reasons():
 
 
 def test_load_function_spellings_and_errors(tmp_path):
-    assert load_function("runtime.task:reward") is task.reward
-    assert load_function("runtime.task.reward") is task.reward
+    assert load_function("runtime.demo.task:reward") is task.reward
+    assert load_function("runtime.demo.task.reward") is task.reward
     path = _hook(tmp_path, "plain", "VALUE = 3\n\ndef fn():\n    return VALUE\n")
     fn = load_function(f"{path}:fn")
     assert fn() == 3 and load_function(f"{path}:fn") is fn  # one module per file

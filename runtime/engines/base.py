@@ -87,12 +87,38 @@ def check_generate_args(prompts: object, params: SamplingParams | dict[str, Any]
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """One inference engine, as the runtime drives it (a Ray actor; every method is called through ``.remote``).
+
+    Weight versions: an engine starts at version 0 (the checkpoint it loaded) and takes the version of each weight
+    update; every :class:`Generation` carries the version it was sampled with, and a generation that spans an
+    update (partial rollout) is cut at the update with :meth:`abort` first, so one generation never mixes versions.
+    """
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Sample one response per prompt (token ids in, token ids and per-token log-probs out)."""
         ...
 
-    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Load the trainer's weights (a full, unsharded state dict on the CPU) and tag them with ``version``."""
+    def load_weights(self, bucket: dict[str, Any], *, weight_version: int | None = None) -> None:
+        """Load one bucket of HF-named tensors (a part of the model, tied weights once); ``weight_version`` is given
+        with the last bucket of an update and becomes the engine's version once that bucket is loaded."""
+        ...
+
+    def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
+        """Load a whole HF folder of safetensors written by the trainer and take ``weight_version``."""
+        ...
+
+    def weight_version(self) -> int:
+        """The version of the weights the engine samples with now."""
+        ...
+
+    def weight_dtype(self) -> str:
+        """The torch dtype name the engine holds its weights in (``"bfloat16"``, ``"float32"``): what a weight sync
+        sends, so that nothing is converted twice."""
+        ...
+
+    def abort(self) -> None:
+        """End every running :meth:`generate` call early: each returns what it has sampled so far, with
+        ``finish_reason="abort"`` (partial rollout resumes such samples after a weight update)."""
         ...
 
     def release_memory(self) -> None:
@@ -101,4 +127,18 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self) -> None:
         """Take device memory again after :meth:`release_memory`."""
+        ...
+
+    def get_rng_state(self) -> Any:
+        """What a checkpoint needs so that a resumed job samples alike."""
+        ...
+
+    def set_rng_state(self, state: Any) -> None: ...
+
+    def health(self) -> bool:
+        """Whether the engine can generate now (SGLang's ``/health_generate``)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside its process (temporary folders, connections)."""
         ...

@@ -30,11 +30,11 @@ from typing import Any
 
 from runtime.config import RewardConfig
 from runtime.hooks import load_function
-from runtime.sample import Sample
+from runtime.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_TASK_REWARD = "runtime.task:reward"
+BUILTIN_TASK_REWARD = "runtime.demo.task:reward"
 
 
 class _DropTimeoutDisabledNotice(logging.Filter):
@@ -189,7 +189,7 @@ class RewardHub:
         samples = list(samples)
         if not all(isinstance(s, Sample) for s in samples):
             kinds = sorted({type(s).__name__ for s in samples})
-            raise TypeError(f"samples must be a list of runtime.sample.Sample, got {kinds}")
+            raise TypeError(f"samples must be a list of runtime.rollout.sample.Sample, got {kinds}")
         if not samples:
             return []
         start = time.perf_counter()

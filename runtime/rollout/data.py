@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import DataConfig
-from runtime.sample import Sample
+from runtime.rollout.sample import Sample
 
 
 class DataError(ValueError):

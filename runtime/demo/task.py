@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.sample import Sample
+from runtime.rollout.sample import Sample
 
 DIGITS = "0123456789"
 OPS = {"c": "copy", "r": "reverse", "u": "count_up"}

@@ -1,6 +1,6 @@
 """The ``torch`` training backend: a transformers causal LM trained with AdamW, sharded with FSDP2 across processes.
 
-One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtime.placement``). Ranks form a
+One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtime.cluster.placement``). Ranks form a
 ``torch.distributed`` group (gloo on the CPU, NCCL on GPUs) and the model's decoder layers and root are wrapped with
 ``torch.distributed.fsdp.fully_shard``; with one rank the model is used as is.
 
@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from rlcore import keys
 from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
-from runtime.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 

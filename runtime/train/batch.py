@@ -13,8 +13,8 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys
-from runtime.filters import reward_value
-from runtime.sample import Sample
+from runtime.rollout.filters import reward_value
+from runtime.rollout.sample import Sample
 
 TOKENS = "tokens"
 PROMPT_LENGTHS = "prompt_lengths"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.hooks import load_function
-from runtime.sample import Sample
+from runtime.rollout.sample import Sample
 
 
 @dataclass

@@ -22,8 +22,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
-from runtime.backends.torch_backend import TorchTrainer
-from runtime.batch import merge_shards, shard_for_ranks
+from runtime.train.backends.torch_backend import TorchTrainer
+from runtime.train.batch import merge_shards, shard_for_ranks
 from runtime.config import Config
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.hf_engine import HFEngine

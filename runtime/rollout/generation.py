@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.engines.base import Generation, SamplingParams
-from runtime.filters import FilterFn, filter_groups, reward_value
-from runtime.rewards import RewardHub
-from runtime.sample import Sample
+from runtime.rollout.filters import FilterFn, filter_groups, reward_value
+from runtime.rollout.rewards import RewardHub
+from runtime.rollout.sample import Sample
 
 # A filter that keeps rejecting every group would otherwise spin forever.
 MAX_SAMPLING_ROUNDS = 32
@@ -39,7 +39,7 @@ class RolloutContext:
     """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args.
 
     ``engines`` needs ``async generate(prompts, params) -> list[Generation]`` and ``rewind()`` (see
-    ``runtime.placement.EngineGroup``).
+    ``runtime.cluster.placement.EngineGroup``).
     """
 
     engines: Any

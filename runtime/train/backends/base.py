@@ -1,8 +1,8 @@
 """The training-backend protocol: what the loop asks of one data-parallel trainer rank.
 
 Every method is called on all ranks at once (they may run collectives). Batches are TensorDicts of the batch
-contract plus ``runtime.batch``'s sequence keys; this rank's shard only. The ``torch`` backend
-(:class:`runtime.backends.torch_backend.TorchTrainer`) implements it; a Megatron backend plugs in behind the same
+contract plus ``runtime.train.batch``'s sequence keys; this rank's shard only. The ``torch`` backend
+(:class:`runtime.train.backends.torch_backend.TorchTrainer`) implements it; a Megatron backend plugs in behind the same
 methods.
 """
 

@@ -1,0 +1,1 @@
+"""The cluster: Ray placement, trainer and engine groups, weight sync, checkpoints."""

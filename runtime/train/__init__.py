@@ -1,0 +1,1 @@
+"""Training: rollout batches, the advantage and loss settings, and the training backends."""
