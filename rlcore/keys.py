@@ -17,3 +17,5 @@ REWARDS = "rewards"
 GROUP_IDS = "group_ids"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
+# [B] float32, the group-baseline part of the advantage over a whole batch (rlcore.advantages.sequence_advantages).
+SEQUENCE_ADVANTAGES = "sequence_advantages"

@@ -6,8 +6,8 @@ import sys
 from collections.abc import Sequence
 
 from runtime.config import ConfigError, format_config, parse_args
-from runtime.rollout.data import DataError
 from runtime.hooks import HookError
+from runtime.rollout.data import DataError
 
 # Exit status of a job that could not start because of its inputs (argparse uses 2 for bad flags too).
 EXIT_BAD_INPUT = 2

@@ -21,22 +21,22 @@ from tensordict import TensorDict
 
 from rlcore import keys
 from rlcore.advantages import compute
-from runtime.cluster import checkpoint
-from runtime.demo import task
 from runtime import rollout
-from runtime.train.algo import advantage_config, check_supported, loss_config, needs_reference
-from runtime.train.batch import build_batch
+from runtime.cluster import checkpoint
+from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
 from runtime.config import Config, ConfigError, dump_yaml, to_dict
-from runtime.rollout.data import PromptDataset
+from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines.base import SamplingParams
-from runtime.rollout.filters import load_filter
 from runtime.hooks import load_function
 from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, format_step_line, plot_rewards
-from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
-from runtime.rollout.rewards import RewardHub
 from runtime.rollout import RolloutContext, collect_rollout, expand_groups, sample_metrics
+from runtime.rollout.data import PromptDataset
+from runtime.rollout.filters import load_filter
+from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
-from runtime.demo.tiny_model import make_tiny_model
+from runtime.train.algo import advantage_config, check_supported, loss_config, needs_reference
+from runtime.train.batch import build_batch
 
 # The built-in task's prompt pool (draws of 3-digit strings: about 870 of the 1000 distinct prompts) and its
 # evaluation prompts, drawn from the strings the pool missed so that evaluation measures generalisation.

@@ -12,9 +12,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.cluster import checkpoint
-from runtime.train.algo import check_supported
 from runtime.cli import EXIT_BAD_INPUT, main
+from runtime.cluster import checkpoint
 from runtime.config import (
     _SPECS,
     BUILTIN_JOB_DEFAULTS,
@@ -32,6 +31,7 @@ from runtime.config import (
     to_dict,
     validate,
 )
+from runtime.train.algo import check_supported
 
 # The flags issue 4 lists, spelled as slime spells them.
 ISSUE_FLAGS = """--hf-checkpoint --prompt-data --input-key --label-key --metadata-key --apply-chat-template

@@ -1,4 +1,4 @@
-"""runtime.rollout.data: JSONL/Parquet prompt sets through a real HF tokenizer, filtering, bad rows, shuffling, resumption."""
+"""runtime.rollout.data: JSONL/Parquet prompt sets filtering, bad rows, shuffling, resume."""
 
 import json
 

@@ -15,19 +15,19 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
+from runtime.cluster.placement import EngineGroup, assign_chunks, plan_bundles
+from runtime.config import RewardConfig, from_dict, validate
 from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
+from runtime.engines import HFEngine, SamplingParams
+from runtime.engines.base import Generation
+from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, generate, generate_groups
+from runtime.rollout.filters import DynamicFilterOutput
+from runtime.rollout.rewards import RewardHub
+from runtime.rollout.sample import Sample
 from runtime.train.algo import loss_config
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
-from runtime.config import RewardConfig, from_dict, validate
-from runtime.engines import HFEngine, SamplingParams
-from runtime.engines.base import Generation
-from runtime.rollout.filters import DynamicFilterOutput
-from runtime.cluster.placement import EngineGroup, assign_chunks, plan_bundles
-from runtime.rollout.rewards import RewardHub
-from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, generate, generate_groups
-from runtime.rollout.sample import Sample
-from runtime.demo.tiny_model import make_tiny_model
 
 SMALL = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4}
 

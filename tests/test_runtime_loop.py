@@ -23,8 +23,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute
+from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.cluster import checkpoint
+from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
+from runtime.config import Config, from_dict, parse_args, validate
 from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
+from runtime.engines import HFEngine, SamplingParams
+from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
+from runtime.loop import BUILTIN_NUM_PROMPTS, run
+from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
+from runtime.rollout.filters import DynamicFilterOutput
+from runtime.rollout.rewards import RewardHub
+from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, needs_reference
 from runtime.train.backends.torch_backend import TorchTrainer, micro_batches
 from runtime.train.batch import (
@@ -36,17 +47,6 @@ from runtime.train.batch import (
     merge_shards,
     shard_for_ranks,
 )
-from runtime.cli import EXIT_BAD_INPUT, main
-from runtime.config import Config, from_dict, parse_args, validate
-from runtime.engines import HFEngine, SamplingParams
-from runtime.rollout.filters import DynamicFilterOutput
-from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
-from runtime.loop import BUILTIN_NUM_PROMPTS, run
-from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
-from runtime.rollout.rewards import RewardHub
-from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
-from runtime.rollout.sample import Sample
-from runtime.demo.tiny_model import make_tiny_model
 
 SMALL = {
     "rollout_batch_size": 4,

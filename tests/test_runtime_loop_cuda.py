@@ -12,14 +12,14 @@ from transformers import AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute
+from runtime.config import from_dict, validate
 from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
+from runtime.engines import HFEngine, SamplingParams
+from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, needs_reference
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
-from runtime.config import from_dict, validate
-from runtime.engines import HFEngine, SamplingParams
-from runtime.rollout.sample import Sample
-from runtime.demo.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

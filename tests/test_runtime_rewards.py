@@ -1,4 +1,4 @@
-"""runtime.rollout.rewards, runtime.rollout.filters, runtime.hooks: built-in and custom rewards, failure counting, filters, hooks."""
+"""runtime.rollout.rewards, .filters and runtime.hooks: custom rewards, failure counting, filters, hooks."""
 
 import asyncio
 import pickle
@@ -10,10 +10,10 @@ import pytest
 import torch
 from math_verify import parse, verify
 
-from runtime.demo import task
 from runtime.config import RewardConfig
-from runtime.rollout.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
+from runtime.demo import task
 from runtime.hooks import HookError, check_function_path, load_function
+from runtime.rollout.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
 from runtime.rollout.rewards import RewardHub, is_batched
 from runtime.rollout.sample import Sample
 

@@ -10,6 +10,7 @@ import torch
 from fake_sglang import FakeSGLangServer
 from transformers import AutoModelForCausalLM
 
+from runtime.demo.tiny_model import TinyModelSpec, make_tiny_model
 from runtime.engines import RolloutEngine, SamplingParams
 from runtime.engines.sglang_engine import (
     WEIGHTS_FILE,
@@ -22,7 +23,6 @@ from runtime.engines.sglang_engine import (
     save_hf_weights,
     sglang_launch_command,
 )
-from runtime.demo.tiny_model import TinyModelSpec, make_tiny_model
 
 ALPHABET = "0123456789+="
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)

@@ -3,7 +3,7 @@
     python tools/make_tiny_model.py OUTPUT_DIR [--hidden-size 64 --layers 2 --heads 4 --alphabet 0123456789cru=]
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` and can be passed
-to ``rlcore-run --hf-checkpoint``. The logic lives in ``runtime.demo.tiny_model`` so that the runtime builds the same model.
+to ``rlcore-run --hf-checkpoint``. The logic lives in ``runtime.demo.tiny_model`` (the runtime builds the same).
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
-from runtime.train.backends.torch_backend import TorchTrainer
-from runtime.train.batch import merge_shards, shard_for_ranks
 from runtime.config import Config
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.hf_engine import HFEngine
 from runtime.engines.sglang_engine import SGLangEngine
+from runtime.train.backends.torch_backend import TorchTrainer
+from runtime.train.batch import merge_shards, shard_for_ranks
 
 # No progress bars from actors (the console shows the loop's own), and idle OpenMP threads sleep instead of spinning:
 # trainer and engine take turns on the same cores, and a spinning idle actor would slow the working one.

@@ -110,8 +110,8 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
 class HFEngine:
     """A causal LM from a HF folder that samples responses with per-token log-probs (see :class:`RolloutEngine`).
 
-    Runs in its own Ray actor process (``runtime.cluster.placement``); sampling uses the process's torch RNG, seeded here
-    and saved/restored with :meth:`get_rng_state` / :meth:`set_rng_state` so that a resumed job samples alike.
+    Runs in its own Ray actor process (``runtime.cluster``); sampling uses the process's torch RNG, seeded here and
+    saved/restored with :meth:`get_rng_state` / :meth:`set_rng_state` so that a resumed job samples alike.
     """
 
     def __init__(self, model_path: str, *, seed: int, device: str = "auto", dtype: str = "auto"):

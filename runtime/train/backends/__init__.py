@@ -1,4 +1,4 @@
-"""Training backends behind :class:`runtime.train.backends.base.TrainBackend`; ``torch`` (HF model, FSDP2) is the first."""
+"""Training backends behind :class:`runtime.train.backends.base.TrainBackend`; ``torch`` (HF model, FSDP2) first."""
 
 from runtime.train.backends.base import TrainBackend
 

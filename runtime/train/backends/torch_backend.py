@@ -25,9 +25,9 @@ from tensordict import TensorDict
 from rlcore import keys
 from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
-from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 
 
 def _is_max_metric(name: str) -> bool:
