@@ -23,7 +23,14 @@ from typing import Any, Literal
 
 import yaml
 
+from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, check_function_path
+from runtime.train.backends import TRAIN_BACKENDS
+
+# Choices that registries define: the flags take exactly their names.
+TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
+ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
+ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 
 # Estimators whose baseline is the other samples of the prompt's group: a group of one has no baseline.
 GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
@@ -91,11 +98,33 @@ class RolloutConfig:
     over_sampling_batch_size: int | None = field(
         default=None, metadata=_help("prompts generated per sampling round when filtering; >= --rollout-batch-size")
     )
-    rollout_engine: Literal["hf", "sglang"] = field(
+    rollout_engine: Literal[ROLLOUT_ENGINE_NAMES] = field(
         default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
     )
     sglang_url: str | None = field(
         default=None, metadata=_help("comma-separated base URLs of running SGLang servers, one engine each")
+    )
+    rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
+        default="sync",
+        metadata=_help(
+            "ours: sync, one_step (rollout k+1 generated while step k trains, slime's train_async.py; --async) or "
+            "fully_async (groups in flight across steps under --max-staleness; --fully-async)"
+        ),
+    )
+    update_weights_interval: int = field(default=1, metadata=_help("sync weights to the engines every N steps"))
+    update_weight_buffer_size: int = field(default=512 * 1024**2, metadata=_help("bytes per bucket of a weight sync"))
+    max_staleness: int = field(
+        default=1,
+        metadata=_help(
+            "ours, fully_async: a group admitted at weight version v is trained by step v + N (admission control)"
+        ),
+    )
+    partial_rollout: bool = field(
+        default=False,
+        metadata=_help("fully_async: cut generations off at a weight update and resume them with the new weights"),
+    )
+    mask_offpolicy_in_partial_rollout: bool = field(
+        default=False, metadata=_help("partial rollout: tokens sampled before the weight update leave the loss")
     )
 
 
@@ -141,7 +170,7 @@ class AlgoConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
-    train_backend: Literal["torch"] = field(default="torch", metadata=_help("training backend"))
+    train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
     micro_batch_size: int = field(default=8, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
@@ -445,6 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
+    for shorthand, schedule in (("--async", "one_step"), ("--fully-async", "fully_async")):
+        parser.add_argument(
+            shorthand,
+            dest="rollout_schedule",
+            action="store_const",
+            const=schedule,
+            help=f"--rollout-schedule {schedule}",
+        )
     defaults = Config()
     groups = {None: parser.add_argument_group("general")}
     for section in SECTIONS:
@@ -504,6 +541,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "eval_interval": e.eval_interval,
         "save_interval": c.save_interval,
         "eps_clip_high": cfg.algo.eps_clip_high,
+        "update_weights_interval": r.update_weights_interval,
+        "update_weight_buffer_size": r.update_weight_buffer_size,
     }
     for name, value in positive.items():
         if value is not None and value <= 0:
@@ -513,6 +552,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "sft_warmup_steps": t.sft_warmup_steps,
         "kl_coef": cfg.algo.kl_coef,
         "kl_loss_coef": cfg.algo.kl_loss_coef,
+        "max_staleness": r.max_staleness,
     }
     for name, value in non_negative.items():
         if value < 0:
@@ -637,8 +677,31 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append("--rollout-engine sglang needs --sglang-url (the base URLs of running SGLang servers)")
     if cfg.rollout.sglang_url and cfg.rollout.rollout_engine != "sglang":
         problems.append("--sglang-url is used only with --rollout-engine sglang")
+    _check_schedule(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
+
+
+def _check_schedule(problems: list[str], cfg: Config) -> None:
+    r = cfg.rollout
+    if r.rollout_schedule != "sync" and cfg.resources.colocate:
+        problems.append(
+            f"--rollout-schedule {r.rollout_schedule} (--async / --fully-async) overlaps rollout and training, which "
+            "needs trainers and engines on separate devices: colocated mode (--colocate) stays synchronous"
+        )
+    if r.rollout_schedule == "fully_async" and r.max_staleness < r.update_weights_interval - 1:
+        problems.append(
+            f"--max-staleness {r.max_staleness} must be >= --update-weights-interval {r.update_weights_interval} - 1: "
+            "between two weight syncs the engines sample with one version for that many steps"
+        )
+    if r.partial_rollout and r.rollout_schedule != "fully_async":
+        problems.append("--partial-rollout resumes generations cut off at a weight update: it needs --fully-async")
+    if r.partial_rollout and r.custom_generate_function_path:
+        problems.append(
+            "--partial-rollout continues the default generation; it cannot resume a --custom-generate-function-path"
+        )
+    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
+        problems.append("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
 
 
 def validate(cfg: Config) -> Config:

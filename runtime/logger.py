@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+# Per step: the dataset indices of the prompts trained, and of those generated but filtered, discarded or aborted.
+LEDGER_FILE = "rollout_ledger.jsonl"
 REWARD_PLOT = "reward_curve.png"
 
 # The per-step console line: (metric, label, format).
@@ -95,8 +97,15 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def append_ledger(output_dir: str | os.PathLike[str], step: int, prompts: Mapping[str, list[int]]) -> None:
+    """Append step ``step``'s row to ``LEDGER_FILE``: prompt indices by what became of them (``trained``, ...)."""
+    with open(Path(output_dir) / LEDGER_FILE, "a") as fh:
+        fh.write(json.dumps({"step": step, **{k: list(v) for k, v in prompts.items()}}) + "\n")
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl``; a step logged twice (a resumed job) keeps its last row."""
+    """The rows of a ``metrics.jsonl`` (or ``LEDGER_FILE``); a step logged twice (a resumed job) keeps its last
+    row."""
     rows: dict[int, dict[str, Any]] = {}
     with open(path) as fh:
         for line in fh:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
-from runtime.cluster.placement import EngineGroup, assign_chunks, plan_bundles
+from runtime.cluster.engines import EngineGroup, assign_chunks
+from runtime.cluster.placement import plan_bundles
 from runtime.config import RewardConfig, from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
@@ -93,9 +94,7 @@ def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tin
         assert torch.allclose(torch.tensor(g.log_probs, dtype=torch.float64), ref, atol=1e-5)
     td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
     cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **SMALL))
-    trainer = TorchTrainer(
-        tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, need_ref=False, seed=0
-    )
+    trainer = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
     td.update(trainer.compute_log_probs(td))
     mask = td[keys.MASK]
     gap = (td[keys.OLD_LOG_PROBS] - td[keys.ROLLOUT_LOG_PROBS])[mask].abs().max()
@@ -201,7 +200,7 @@ def test_apply_generation_maps_finish_reason_to_status(reason, status):
 
 
 def test_groups_with_an_aborted_sample_are_dropped_counted_and_replaced():
-    samples, metrics = _collect(_Engines(abort={11}), rollout_batch_size=2, over_sampling_batch_size=3)
+    samples, metrics, _ = _collect(_Engines(abort={11}), rollout_batch_size=2, over_sampling_batch_size=3)
     assert [s.tokens[0] for s in samples] == [10, 10, 12, 12]
     assert all(s.status == Sample.Status.TRUNCATED and s.reward == 1.0 for s in samples)
     assert metrics["rollout/groups_aborted"] == 1 and metrics["rollout/samples_aborted"] == 1
@@ -209,7 +208,7 @@ def test_groups_with_an_aborted_sample_are_dropped_counted_and_replaced():
 
 
 def test_over_sampled_groups_are_counted_and_the_pre_filter_reward_is_logged():
-    samples, metrics = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=3)
+    samples, metrics, _ = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=3)
     assert [s.tokens[0] for s in samples] == [10, 10, 11, 11]
     assert metrics["rollout/groups_discarded"] == 1 and metrics["rollout/groups_dropped"] == 0
     assert metrics["rollout/reward_mean"] == pytest.approx(0.5)
@@ -218,7 +217,7 @@ def test_over_sampled_groups_are_counted_and_the_pre_filter_reward_is_logged():
     def drop_zero(args, group, **kwargs):
         return DynamicFilterOutput(keep=group[0].reward > 0, reason="zero")
 
-    samples, metrics = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=2, filter_fn=drop_zero)
+    samples, metrics, _ = _collect(_Engines(), rollout_batch_size=2, over_sampling_batch_size=2, filter_fn=drop_zero)
     assert [s.tokens[0] for s in samples] == [10, 10, 12, 12]
     assert metrics["rollout/groups_dropped"] == 2 and metrics["rollout/groups_discarded"] == 0
     assert metrics["rollout/reward_mean"] == 1.0 and metrics["rollout/reward_mean_before_filter"] == 0.5
@@ -233,7 +232,9 @@ def test_custom_generate_may_return_an_aborted_empty_sample():
         sample.rollout_log_probs, sample.status = [-0.3], Sample.Status.COMPLETED
         return sample
 
-    samples, metrics = _collect(_Engines(), custom_generate=custom, rollout_batch_size=1, over_sampling_batch_size=2)
+    samples, metrics, _ = _collect(
+        _Engines(), custom_generate=custom, rollout_batch_size=1, over_sampling_batch_size=2
+    )
     assert [s.tokens for s in samples] == [[11, 5], [11, 5]]
     assert metrics["rollout/groups_aborted"] == 1 and metrics["rollout/samples_aborted"] == 2
 
@@ -257,7 +258,7 @@ def test_use_tis_needs_rollout_log_probs_from_custom_generate():
     tis = SimpleNamespace(algo=SimpleNamespace(use_tis=True))
     with pytest.raises(ValueError, match="--use-tis needs rollout log-probs"):
         _collect(_Engines(), args=tis, custom_generate=custom, rollout_batch_size=1)
-    samples, _ = _collect(_Engines(), custom_generate=custom, rollout_batch_size=1)
+    samples, _, _ = _collect(_Engines(), custom_generate=custom, rollout_batch_size=1)
     with pytest.raises(ValueError, match=r"sample 0 \(index 0\) has no rollout_log_probs"):
         build_batch(samples, pad_token_id=0, require_rollout_log_probs=True)
     td = build_batch(samples, pad_token_id=0)

@@ -22,10 +22,13 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
-from rlcore.advantages import compute
+from rlcore.advantages import compute, sequence_advantages
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.cluster import checkpoint
-from runtime.cluster.placement import EngineGroup, TrainerGroup, create_placement
+from runtime.cluster.engines import EngineGroup
+from runtime.cluster.placement import create_placement
+from runtime.cluster.trainers import TrainerGroup
+from runtime.cluster.weight_sync import make_weight_sync
 from runtime.config import Config, from_dict, parse_args, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
@@ -36,7 +39,7 @@ from runtime.rollout import RolloutContext, collect_rollout, engine_generate, ge
 from runtime.rollout.filters import DynamicFilterOutput
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
-from runtime.train.algo import advantage_config, loss_config, needs_reference
+from runtime.train.algo import advantage_config, loss_config, model_roles
 from runtime.train.backends.torch_backend import TorchTrainer, micro_batches
 from runtime.train.batch import (
     PROMPT_LENGTHS,
@@ -243,7 +246,7 @@ def test_engine_log_probs_match_trainer_recompute(model_path, tokenizer, tmp_pat
         train_cfg=cfg.train,
         loss_cfg=loss_config(cfg),
         temperature=temperature,
-        need_ref=needs_reference(cfg),
+        roles=model_roles(cfg),
         seed=0,
     )
     prompts = [Sample(tokens=tokenizer(r["prompt"])["input_ids"]) for r in task.make_records(6, seed=3)]
@@ -273,14 +276,15 @@ def rig(ray_session, model_path, tokenizer, tmp_path_factory):
     placement = create_placement(cfg)
     trainers = TrainerGroup(
         placement,
-        model_path,
+        backend="torch",
+        model_path=model_path,
         train_cfg=cfg.train,
         loss_cfg=loss_config(cfg),
         temperature=1.0,
-        need_ref=needs_reference(cfg),
+        roles=model_roles(cfg),
         seed=0,
     )
-    engines = EngineGroup(placement, model_path, seed=0)
+    engines = EngineGroup(cfg, placement, model_path)
     yield cfg, trainers, engines, RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
     trainers.shutdown()
     engines.shutdown()
@@ -293,7 +297,6 @@ def _trainer(model_path, cfg):
         train_cfg=cfg.train,
         loss_cfg=loss_config(cfg),
         temperature=1.0,
-        need_ref=False,
         seed=0,
     )
 
@@ -369,11 +372,11 @@ class TestActors:
 
     def test_batch_keys_and_shapes_through_actors(self, rig):
         cfg, trainers, engines, ctx = rig
-        samples, metrics = _rollout(ctx, cfg)
+        samples, metrics, _ = _rollout(ctx, cfg)
         assert len(samples) == 16 and metrics["rollout/groups_generated"] == 4
         assert [s.group_index for s in samples] == [g for g in range(4) for _ in range(4)]
         td = build_batch(samples, pad_token_id=ctx.tokenizer.pad_token_id)
-        td.update(trainers.compute_log_probs(td, global_batch_size=8))
+        td.update(trainers.call("compute_log_probs", td)[0])
         td = compute(td, advantage_config(cfg))
         horizon = max(s.response_length for s in samples)
         for key in (keys.MASK, keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS, keys.ROLLOUT_LOG_PROBS, keys.ADVANTAGES):
@@ -393,32 +396,35 @@ class TestActors:
     def test_weight_sync_makes_engine_equal_trainer(self, rig):
         cfg, trainers, engines, ctx = rig
         before = engines.get_weights()
-        samples, _ = _rollout(ctx, cfg, seed=100)
+        samples, _, _ = _rollout(ctx, cfg, seed=100)
         td = build_batch(samples, pad_token_id=ctx.tokenizer.pad_token_id)
-        td.update(trainers.compute_log_probs(td, global_batch_size=8))
-        metrics = trainers.train(compute(td, advantage_config(cfg)), global_batch_size=8)
+        adv_cfg = advantage_config(cfg)
+        metrics = trainers.train_rollout(sequence_advantages(td, adv_cfg), global_batch_size=8, adv_cfg=adv_cfg)
         assert metrics["num_steps"] == 2 and metrics["grad_norm"] > 0
-        weights = ray.get(trainers.weights_ref())
-        assert any(not torch.equal(weights[k], before[k]) for k in before), "training did not change the weights"
-        engines.update_weights(trainers.weights_ref(), version=7)
+        weights = trainers.get_weights()
+        assert any(not torch.equal(weights[k], before[k]) for k in weights), "training did not change the weights"
+        # Buckets far smaller than the model: the weights arrive in many pieces, the version with the last one.
+        sync = make_weight_sync(trainers, engines, bucket_bytes=4096)
+        sync.push(7)
+        assert sync.bytes_sent == sum(v.nbytes for v in weights.values())
         after = engines.get_weights()
         assert set(after) <= set(weights) | {"lm_head.weight"}
         for name, value in after.items():
             source = weights.get(name, weights.get("model.embed_tokens.weight"))
             assert torch.equal(value, source), name
-        assert ray.get(engines.actors[0].ping.remote()) == 7
+        assert engines.weight_versions() == [7]
 
     def test_custom_multi_turn_generate_masks_tool_tokens(self, rig, tokenizer):
         cfg, trainers, engines, ctx = rig
         assert tokenizer.convert_ids_to_tokens(task.ALPHABET.index("=") + 4) == "="
-        samples, _ = _rollout(ctx, cfg, custom_generate=multi_turn_generate)
+        samples, _, _ = _rollout(ctx, cfg, custom_generate=multi_turn_generate)
         td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
         for i, s in enumerate(samples):
             turn1 = s.metadata["first_turn"]
             assert td[keys.MASK][i, : s.response_length].tolist() == [True] * turn1 + [False] * 2 + [True] * (
                 s.response_length - turn1 - 2
             )
-        td.update(trainers.compute_log_probs(td, global_batch_size=8))
+        td.update(trainers.call("compute_log_probs", td)[0])
         mask = td[keys.MASK]
         torch.testing.assert_close(td[keys.OLD_LOG_PROBS][mask], td[keys.ROLLOUT_LOG_PROBS][mask], atol=1e-5, rtol=0)
 
@@ -429,7 +435,7 @@ class TestActors:
             keep = group[0].group_index % 2 == 0
             return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
 
-        samples, metrics = _rollout(ctx, cfg, over_sampling_batch_size=6, filter_fn=drop_odd_groups)
+        samples, metrics, _ = _rollout(ctx, cfg, over_sampling_batch_size=6, filter_fn=drop_odd_groups)
         assert len(samples) == 16
         assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/groups_generated"] == 12
         assert metrics["rollout/dropped/odd"] == 6
@@ -444,9 +450,7 @@ class TestActors:
 
 def test_two_fsdp_trainers_give_the_single_trainer_gradient(ray_session, model_path, tokenizer, tmp_path):
     cfg = small_cfg(tmp_path, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, micro_batch_size=2)
-    kwargs = dict(
-        train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, need_ref=needs_reference(cfg), seed=0
-    )
+    kwargs = dict(train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, roles=model_roles(cfg), seed=0)
     td = build_batch(random_samples(tokenizer, 4, 4, seed=5), pad_token_id=tokenizer.pad_token_id)
     single = TorchTrainer(model_path, **kwargs)
     td_single = td.clone()
@@ -455,16 +459,18 @@ def test_two_fsdp_trainers_give_the_single_trainer_gradient(ray_session, model_p
     expected = single.train(td_single, per_step_rows=8)
 
     placement = create_placement(cfg)
-    group = TrainerGroup(placement, model_path, **kwargs)
+    group = TrainerGroup(placement, backend="torch", model_path=model_path, **kwargs)
     try:
-        td_dist = td.clone()
-        td_dist.update(group.compute_log_probs(td_dist, global_batch_size=8))
-        torch.testing.assert_close(td_dist[keys.OLD_LOG_PROBS], td_single[keys.OLD_LOG_PROBS], atol=1e-5, rtol=0)
-        got = group.train(compute(td_dist, advantage_config(cfg)), global_batch_size=8)
+        # One trip: both ranks get the whole batch (group baselines in it) and cut their shards themselves.
+        adv_cfg = advantage_config(cfg)
+        got = group.train_rollout(sequence_advantages(td, adv_cfg), global_batch_size=8, adv_cfg=adv_cfg)
         for name in ("grad_norm", "pg_loss", "loss", "entropy", "clipfrac", "approx_kl_old"):
             assert got[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
-        full = ray.get(group.weights_ref())
-        assert set(full) == set(single.get_weights())
+        full = group.get_weights()
+        expected_weights = single.get_weights()
+        assert set(full) == set(expected_weights)
+        for name, value in full.items():
+            torch.testing.assert_close(value, expected_weights[name], atol=1e-5, rtol=1e-4)
     finally:
         group.shutdown()
         ray.util.remove_placement_group(placement.group)

@@ -17,7 +17,7 @@ from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import HFEngine, SamplingParams
 from runtime.rollout.sample import Sample
-from runtime.train.algo import advantage_config, loss_config, needs_reference
+from runtime.train.algo import advantage_config, loss_config, model_roles
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
 
@@ -49,7 +49,7 @@ def test_bf16_engine_and_trainer_on_one_gpu(tmp_path):
     engine = HFEngine(path, seed=0)
     assert engine.device.type == "cuda" and next(engine.model.parameters()).dtype == torch.bfloat16
     trainer = TorchTrainer(
-        path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, need_ref=needs_reference(cfg), seed=0
+        path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, roles=model_roles(cfg), seed=0
     )
     assert trainer.bf16
     td = _rollout_batch(engine, tokenizer, seed=1)
@@ -61,7 +61,10 @@ def test_bf16_engine_and_trainer_on_one_gpu(tmp_path):
     metrics = trainer.train(compute(td, advantage_config(cfg)), per_step_rows=16)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
     weights = trainer.get_weights()
-    engine.update_weights(weights, version=1)
+    for bucket in trainer.weight_buckets(dtype=torch.bfloat16, bucket_bytes=1 << 20):
+        engine.load_weights(bucket)
+    engine.load_weights({}, weight_version=1)
+    assert engine.weight_version() == 1
     for name, value in engine.get_weights().items():
         source = weights.get(name, weights.get("model.embed_tokens.weight"))
         assert torch.equal(value, source.to(value.dtype)), name
@@ -86,7 +89,7 @@ def _fsdp_rank(rank, world_size, port, path, cfg, td, out):
         train_cfg=cfg.train,
         loss_cfg=loss_config(cfg),
         temperature=1.0,
-        need_ref=needs_reference(cfg),
+        roles=model_roles(cfg),
         seed=0,
         rank=rank,
         world_size=world_size,
@@ -109,7 +112,7 @@ def test_fsdp_over_nccl_gives_the_single_gpu_gradient(tmp_path):
     engine = HFEngine(path, seed=0, dtype="float32")
     td = _rollout_batch(engine, tokenizer, seed=2)
     single = TorchTrainer(
-        path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, need_ref=needs_reference(cfg), seed=0
+        path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, roles=model_roles(cfg), seed=0
     )
     td.update(single.compute_log_probs(td))
     td = compute(td, advantage_config(cfg))

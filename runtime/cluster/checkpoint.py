@@ -1,7 +1,8 @@
-"""Job checkpoints: the trainers' model and optimizer state, the data position, the step, and the RNG states.
+"""Job checkpoints: the trainers' model and optimizer state, the prompt feed, the step, and the RNG states.
 
 Layout under ``--save``: one folder per saved step, ``step_000012/`` holding ``trainer/`` (torch.distributed.checkpoint
-shards of model and optimizer, plus each rank's RNG state) and ``loop_state.pt`` (step, data position, engine and
+shards of model and optimizer, plus each rank's RNG state) and ``loop_state.pt`` (step; the prompt feed: the data
+position and every prompt handed out but not yet trained, see ``runtime.rollout.source.PromptFeed``; engine and
 driver RNG states); ``latest`` names the newest folder and is replaced atomically after the folder is complete, so a
 job killed while saving resumes from the previous checkpoint.
 """
@@ -24,7 +25,7 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, dataset: Any) -> Path:
+def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, feed: Any) -> Path:
     """Save the state after ``step`` completed steps; returns the step's folder."""
     import numpy as np
     import torch
@@ -34,7 +35,7 @@ def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any
     trainers.save(str(folder / TRAINER_DIR))
     state = {
         "step": step,
-        "data": dataset.state_dict(),
+        "feed": feed.state_dict(),
         "engine_rng": engines.get_rng_state(),
         "driver_rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
     }
@@ -76,7 +77,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"--load: {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
 
 
-def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, dataset: Any) -> int:
+def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, feed: Any) -> int:
     """Restore everything :func:`save` wrote; returns the number of completed steps (the step to run next)."""
     import numpy as np
     import torch
@@ -84,7 +85,7 @@ def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, dataset: 
     folder = resolve(path)
     state = torch.load(folder / LOOP_STATE, weights_only=False)
     trainers.load(str(folder / TRAINER_DIR))
-    dataset.load_state_dict(state["data"])
+    feed.load_state_dict(state["feed"])
     if len(state["engine_rng"]) == len(engines.actors):
         engines.set_rng_state(state["engine_rng"])
     rng = state["driver_rng"]

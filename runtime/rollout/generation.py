@@ -183,8 +183,13 @@ async def collect_rollout(
     over_sampling_batch_size: int | None = None,
     filter_fn: FilterFn | None = None,
     custom_generate: Callable[..., Any] | None = None,
-) -> tuple[list[Sample], dict[str, float]]:
-    """Generate, score and filter groups until ``rollout_batch_size`` of them pass; return their samples in order.
+) -> tuple[list[Sample], dict[str, float], dict[str, list[int]]]:
+    """Generate, score and filter groups until ``rollout_batch_size`` of them pass.
+
+    Returns ``(samples, metrics, outcomes)``: the kept groups' samples in order, the metrics below, and the prompt
+    indices (``Sample.index``) of every group generated but not kept, by outcome: ``filtered`` (the filter dropped
+    it), ``discarded`` (it passed after the batch was full) and ``aborted`` (the engine cut a sample of it off), so
+    that every prompt handed out is accounted for.
 
     Each round draws ``over_sampling_batch_size`` prompts (``rollout_batch_size`` when None) from
     ``next_prompts``. Groups with an aborted sample are dropped before scoring (:func:`split_aborted`); groups
@@ -198,6 +203,7 @@ async def collect_rollout(
         dropped: Counter[str] = Counter()
         rounds = generated = groups_aborted = samples_aborted = 0
         scored_rewards: list[float] = []
+        outcomes: dict[str, list[int]] = {"filtered": [], "discarded": [], "aborted": []}
         while len(kept) < rollout_batch_size:
             if rounds == MAX_SAMPLING_ROUNDS:
                 raise RuntimeError(
@@ -212,15 +218,19 @@ async def collect_rollout(
             generated += len(groups)
             await _generate_groups(ctx, groups, params, custom_generate)
             groups, aborted = split_aborted(groups)
+            outcomes["aborted"].extend(g[0].index for g in aborted)
             groups_aborted += len(aborted)
             samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
             if groups:
                 await hub.score([s for g in groups for s in g])
                 scored_rewards.extend(reward_value(s) for g in groups for s in g)
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
+            passed_ids = {id(g[0]) for g in passed}
+            outcomes["filtered"].extend(g[0].index for g in groups if id(g[0]) not in passed_ids)
             kept.extend(passed)
             dropped.update(reasons)
     samples = [s for g in kept[:rollout_batch_size] for s in g]
+    outcomes["discarded"] = [g[0].index for g in kept[rollout_batch_size:]]
     metrics: dict[str, float] = {
         "rollout/sampling_rounds": rounds,
         "rollout/groups_generated": generated,
@@ -236,7 +246,7 @@ async def collect_rollout(
     # rollout/reward_mean is over the trained batch (after the filter); this one is over every scored sample.
     if scored_rewards:
         metrics["rollout/reward_mean_before_filter"] = sum(scored_rewards) / len(scored_rewards)
-    return samples, metrics
+    return samples, metrics, outcomes
 
 
 def sample_metrics(samples: Sequence[Sample], prefix: str = "rollout") -> dict[str, float]:

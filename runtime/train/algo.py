@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
 from runtime.config import Config, ConfigError
+from runtime.train.roles import ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
 _UNSUPPORTED_ESTIMATORS = {"gae": "a critic (value model)", "distillation": "a teacher model"}
@@ -62,6 +63,7 @@ def loss_config(cfg: Config) -> LossConfig:
     )
 
 
-def needs_reference(cfg: Config) -> bool:
-    """Whether the trainers keep a frozen reference model (for the KL loss or the KL-in-reward penalty)."""
-    return cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0
+def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
+    """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; ...)."""
+    a = cfg.algo
+    return roles_for(use_kl_loss=a.use_kl_loss, kl_coef=a.kl_coef, estimator=a.core_estimator)

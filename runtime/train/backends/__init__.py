@@ -1,5 +1,26 @@
-"""Training backends behind :class:`runtime.train.backends.base.TrainBackend`; ``torch`` (HF model, FSDP2) first."""
+"""Training backends by ``--train-backend`` name (the protocol is :class:`runtime.train.backends.base.TrainBackend`).
 
-from runtime.train.backends.base import TrainBackend
+A new backend is one module with a class implementing the protocol plus one line in :data:`TRAIN_BACKENDS`. Classes
+are named by import path and imported on first use, so this module stays light (the config reads its names) and a
+backend's heavy dependencies (megatron-core) load only in jobs that pick it.
+"""
 
-__all__ = ["TrainBackend"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+TRAIN_BACKENDS: dict[str, str] = {
+    "torch": "runtime.train.backends.torch_backend:TorchTrainer",
+}
+
+
+def backend_class(name: str) -> type[Any]:
+    """The class registered as ``--train-backend name``; ``ValueError`` naming the choices for an unknown name."""
+    if name not in TRAIN_BACKENDS:
+        raise ValueError(f"--train-backend {name!r} is not one of {', '.join(TRAIN_BACKENDS)}")
+    module, _, attr = TRAIN_BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["TRAIN_BACKENDS", "backend_class"]

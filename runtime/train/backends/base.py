@@ -1,44 +1,74 @@
-"""The training-backend protocol: what the loop asks of one data-parallel trainer rank.
+"""The training-backend protocol: everything the runtime asks of one trainer rank.
 
-Every method is called on all ranks at once (they may run collectives). Batches are TensorDicts of the batch
-contract plus ``runtime.train.batch``'s sequence keys; this rank's shard only. The ``torch`` backend
-(:class:`runtime.train.backends.torch_backend.TorchTrainer`) implements it; a Megatron backend plugs in behind the same
-methods.
+Every method is called on all ranks at once (they may run collectives). Batches are TensorDicts of the batch contract
+plus ``runtime.train.batch``'s sequence keys, this rank's shard only (:func:`runtime.train.step.train_rollout` cuts
+the shard by :meth:`TrainBackend.dp_info`). Backends are listed in :data:`runtime.train.backends.TRAIN_BACKENDS`
+(``--train-backend``); the loop never names one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from tensordict import TensorDict
 
 
 @runtime_checkable
 class TrainBackend(Protocol):
+    def dp_info(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: this rank's data-parallel shard and the number of shards. Ranks that split one
+        model (tensor or pipeline parallel) report the same ``dp_rank`` and get the same shard."""
+        ...
+
+    def dp_group(self) -> Any:
+        """The data-parallel ``torch.distributed`` process group (None with one shard): global moments (whitening)
+        and metric reductions run over it."""
+        ...
+
     def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` (and ``ref_log_probs`` with a reference model), [B, T] float32, for shard ``td``."""
+        """What every role's forward writes on shard ``td`` (the actor's ``old_log_probs``, the reference's
+        ``ref_log_probs``, ...), [B, T] float32 each, under the current weights."""
         ...
 
     def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
-        """Optimizer steps over ``td``, ``per_step_rows`` rows each; metrics of the global batches."""
+        """Optimizer steps over ``td``, ``per_step_rows`` rows each; metrics of the global batches (the same on every
+        rank)."""
         ...
 
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step on the responses of ``td``."""
         ...
 
-    def get_weights(self) -> dict[str, Any] | None:
-        """The full state dict on the CPU on rank 0 (None elsewhere), for the engines."""
+    def weight_buckets(self, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The actor's weights for the engines: HF names, ``dtype``, tied weights once, on the CPU, in buckets of about
+        ``bucket_bytes`` (a tensor larger than that is a bucket of its own). A collective: every rank iterates it to
+        the end; only the rank that holds the gathered weights (rank 0) yields buckets."""
         ...
 
-    def save(self, path: str) -> None: ...
+    def save(self, path: str) -> None:
+        """Model, optimizer and RNG state into the folder ``path`` (every rank writes its part)."""
+        ...
 
-    def load(self, path: str) -> None: ...
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote."""
+        ...
 
     def save_hf(self, path: str) -> None:
-        """A HF folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        """A HF folder that ``AutoModelForCausalLM.from_pretrained`` loads (written by rank 0)."""
         ...
 
-    def release_memory(self) -> None: ...
+    def release_memory(self) -> None:
+        """Give device memory back (colocated with an engine) until :meth:`resume_memory`."""
+        ...
 
     def resume_memory(self) -> None: ...
+
+    def get_rng_state(self) -> Any: ...
+
+    def set_rng_state(self, state: Any) -> None: ...
+
+    def shutdown(self) -> None:
+        """Leave the process group; the rank is not used again."""
+        ...

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -28,6 +28,10 @@ from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.roles import ACTOR, REFERENCE, ModelRole
+
+# The roles this backend builds a model for; others (critic, teacher) are refused by name at construction.
+SUPPORTED_ROLES = (ACTOR, REFERENCE)
 
 
 def _is_max_metric(name: str) -> bool:
@@ -76,8 +80,8 @@ class TorchTrainer:
         train_cfg: TrainConfig,
         loss_cfg: LossConfig,
         temperature: float,
-        need_ref: bool,
         seed: int,
+        roles: Sequence[ModelRole] = (ACTOR,),
         rank: int = 0,
         world_size: int = 1,
         master_addr: str = "127.0.0.1",
@@ -86,6 +90,12 @@ class TorchTrainer:
     ):
         from transformers import AutoModelForCausalLM
 
+        unsupported = [role.name for role in roles if role not in SUPPORTED_ROLES]
+        if unsupported or ACTOR not in roles:
+            raise ValueError(
+                f"the torch backend runs the roles {[r.name for r in SUPPORTED_ROLES]} (the actor always); "
+                f"asked for {[r.name for r in roles]}"
+            )
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg
         self.temperature = temperature
@@ -104,7 +114,10 @@ class TorchTrainer:
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
         self.model = self._load(AutoModelForCausalLM, trainable=True)
-        self.ref_model = self._load(AutoModelForCausalLM, trainable=False) if need_ref else None
+        # Frozen roles by the key they write (the reference's ref_log_probs).
+        self.frozen = {
+            role.writes: self._load(AutoModelForCausalLM, trainable=False) for role in roles if role != ACTOR
+        }
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=train_cfg.lr,
@@ -182,20 +195,26 @@ class TorchTrainer:
         per_rank = self.cfg.micro_batch_size
         return micro_batches(td, micro_batch_size=per_rank, max_tokens=self.cfg.max_tokens_per_gpu)
 
+    def dp_info(self) -> tuple[int, int]:
+        """Every rank is a data-parallel shard (FSDP shards parameters, not data)."""
+        return self.rank, self.world_size
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
     @torch.no_grad()
     def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` (the current weights: those that sampled ``td``) and ``ref_log_probs`` when a reference
-        model is kept, [B, T] float32 each, for this rank's shard ``td``."""
+        """``old_log_probs`` (the actor's current weights) and what each frozen role writes (``ref_log_probs`` for the
+        reference), [B, T] float32 each, for this rank's shard ``td``."""
         self._check_resident()
-        out: dict[str, list[torch.Tensor]] = {keys.OLD_LOG_PROBS: [], keys.REF_LOG_PROBS: []}
+        models = {ACTOR.writes: self.model, **self.frozen}
+        out: dict[str, list[torch.Tensor]] = {key: [] for key in models}
         for mb, real in self._balanced(self._micro_batches(td)):
-            old, _ = self._forward(self.model, mb, with_entropy=False)
-            ref = self._forward(self.ref_model, mb, with_entropy=False)[0] if self.ref_model is not None else None
-            if real:
-                out[keys.OLD_LOG_PROBS].append(old.float().cpu())
-                if ref is not None:
-                    out[keys.REF_LOG_PROBS].append(ref.float().cpu())
-        return TensorDict({k: torch.cat(v) for k, v in out.items() if v}, batch_size=td.batch_size)
+            for key, model in models.items():
+                log_probs, _ = self._forward(model, mb, with_entropy=False)
+                if real:
+                    out[key].append(log_probs.float().cpu())
+        return TensorDict({k: torch.cat(v) for k, v in out.items()}, batch_size=td.batch_size)
 
     def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
         norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)
@@ -275,14 +294,43 @@ class TorchTrainer:
         metrics["grad_norm"] = self._optimizer_step()
         return metrics
 
-    def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full (unsharded) state dict on the CPU on rank 0, None on the other ranks (a collective)."""
-        if self.group is None:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def weight_buckets(self, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-named weights in ``dtype`` on the CPU, tied weights once, in buckets of about ``bucket_bytes``.
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return full if self.rank == 0 else None
+        Each FSDP-sharded tensor is gathered on its own (``full_tensor``, a collective every rank runs in the same
+        order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields.
+        """
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self._check_resident()
+        seen: set[int] = set()
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            # A tied weight (lm_head = embed_tokens) is one tensor under two names: sent once, under the first.
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            value = value.detach()
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            if self.rank != 0:
+                continue
+            tensor = value.to("cpu", dtype=dtype, copy=True)
+            if bucket and size + tensor.nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[name] = tensor
+            size += tensor.nbytes
+        if bucket:
+            yield bucket
+
+    def get_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full float32 weights on the CPU on rank 0 (tied weights once), None on other ranks (a collective)."""
+        weights: dict[str, torch.Tensor] = {}
+        for bucket in self.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 62):
+            weights.update(bucket)
+        return weights if self.rank == 0 else None
 
     def save(self, path: str) -> None:
         """Model and optimizer state (sharded with torch.distributed.checkpoint) into the folder ``path``."""
@@ -339,8 +387,8 @@ class TorchTrainer:
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
-        if self.ref_model is not None:
-            self.ref_model.to(device)
+        for model in self.frozen.values():
+            model.to(device)
         for state in self.optimizer.state.values():
             for name, value in state.items():
                 if torch.is_tensor(value):

@@ -1,0 +1,177 @@
+"""The trainer group: one Ray actor per trainer rank, each wrapping the backend ``--train-backend`` names.
+
+:class:`TrainerWorker` is the actor. It builds its backend inside its own process (from the registry, so the group
+never names a backend class) and runs the composite steps that must not cross the driver: a rollout's training
+(:func:`runtime.train.step.train_rollout`) and the trainer side of a weight sync. :class:`TrainerGroup` drives all
+ranks as one: each call goes to every rank at once, and a batch goes out as one object ref that every rank reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from rlcore.advantages import AdvantageConfig
+from runtime.cluster.placement import Placement, free_port
+from runtime.train.backends import backend_class
+from runtime.train.step import train_rollout
+
+# Files of an HF folder that describe the model (not its weights): copied beside synced weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class TrainerWorker:
+    """One trainer rank: a backend plus the steps that run next to it (see the module docstring)."""
+
+    def __init__(self, backend: str, model_path: str, **backend_kwargs: Any):
+        self.model_path = model_path
+        self.backend = backend_class(backend)(model_path, **backend_kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A :class:`runtime.train.backends.base.TrainBackend` method by name."""
+        return getattr(self.backend, method)(*args, **kwargs)
+
+    def train_rollout(
+        self, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+    ) -> dict[str, float]:
+        return train_rollout(self.backend, batch, global_batch_size=global_batch_size, adv_cfg=adv_cfg)
+
+    def sft_train(self, batch: TensorDict) -> dict[str, float]:
+        dp_rank, dp_size = self.backend.dp_info()
+        return self.backend.sft_train(batch[dp_rank::dp_size])
+
+    def push_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
+        """Send the weights to ``engines`` bucket by bucket through the object store (each bucket put once, read by
+        every engine); the last bucket carries ``version``. Every rank joins the gather; returns the bytes sent."""
+        sent = 0
+        previous = None
+        for bucket in self.backend.weight_buckets(dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes):
+            # One bucket is held back so that the last one, and only it, can carry the version.
+            if previous is not None:
+                sent += self._send(engines, previous, version=None)
+            previous = bucket
+        if previous is not None:
+            sent += self._send(engines, previous, version=version)
+        return sent
+
+    @staticmethod
+    def _send(engines: list[Any], bucket: dict[str, torch.Tensor], *, version: int | None) -> int:
+        ref = ray.put(bucket)
+        ray.get([e.load_weights.remote(ref, weight_version=version) for e in engines])
+        return sum(t.nbytes for t in bucket.values())
+
+    def write_weights(self, folder: str, *, dtype: str, bucket_bytes: int) -> str | None:
+        """Write the weights as an HF folder (one safetensors file per bucket plus their index, and the checkpoint's
+        config and tokenizer files) that engines load with ``update_weights_from_disk``; rank 0 returns its path."""
+        from safetensors.torch import save_file
+
+        out = Path(folder)
+        weight_map: dict[str, str] = {}
+        files = []
+        for i, bucket in enumerate(
+            self.backend.weight_buckets(dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes)
+        ):
+            files.append((f"model-{i + 1:05d}.safetensors", bucket))
+        if not files:
+            return None
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        for name, bucket in files:
+            save_file({k: v.contiguous() for k, v in bucket.items()}, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(bucket, name))
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        for src in Path(self.model_path).iterdir():
+            if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and src.name not in _WEIGHT_INDEXES:
+                shutil.copy2(src, out / src.name)
+        return str(out)
+
+
+class TrainerGroup:
+    """The trainer ranks of one model role group, driven as one (every method runs on every rank at once)."""
+
+    def __init__(self, placement: Placement, *, backend: str, model_path: str, **backend_kwargs: Any):
+        world_size = len(placement.trainer_bundles)
+        port = free_port()
+        remote_cls = ray.remote(TrainerWorker)
+        self.actors = [
+            remote_cls.options(**placement.options(bundle)).remote(
+                backend,
+                model_path,
+                rank=rank,
+                world_size=world_size,
+                master_addr="127.0.0.1",
+                master_port=port,
+                **backend_kwargs,
+            )
+            for rank, bundle in enumerate(placement.trainer_bundles)
+        ]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """A backend method on every rank; each rank's result, in rank order."""
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def train_rollout(
+        self, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+    ) -> dict[str, float]:
+        """Train every rank on its shard of ``batch``, which goes out once, as one object ref."""
+        ref = ray.put(batch)
+        outs = ray.get(
+            [a.train_rollout.remote(ref, global_batch_size=global_batch_size, adv_cfg=adv_cfg) for a in self.actors]
+        )
+        return outs[0]
+
+    def sft_train(self, batch: TensorDict) -> dict[str, float]:
+        ref = ray.put(batch)
+        return ray.get([a.sft_train.remote(ref) for a in self.actors])[0]
+
+    def push_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
+        # Only rank 0 holds gathered weights; handing the engines to the others would make them send nothing anyway.
+        outs = ray.get(
+            [
+                a.push_buckets.remote(
+                    engines if rank == 0 else [], version=version, dtype=dtype, bucket_bytes=bucket_bytes
+                )
+                for rank, a in enumerate(self.actors)
+            ]
+        )
+        return outs[0]
+
+    def write_weights(self, folder: str, *, dtype: str, bucket_bytes: int) -> str:
+        return ray.get([a.write_weights.remote(folder, dtype=dtype, bucket_bytes=bucket_bytes) for a in self.actors])[
+            0
+        ]
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The full float32 weights (rank 0's gather; tied weights once), for tests and exports."""
+        return self.call("get_weights")[0]
+
+    def save(self, path: str) -> None:
+        self.call("save", path)
+
+    def load(self, path: str) -> None:
+        self.call("load", path)
+
+    def save_hf(self, path: str) -> None:
+        self.call("save_hf", path)
+
+    def release_memory(self) -> None:
+        self.call("release_memory")
+
+    def resume_memory(self) -> None:
+        self.call("resume_memory")
+
+    def shutdown(self) -> None:
+        # Best effort: this runs while a failed job unwinds, when an actor may already be dead.
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.call("shutdown")
+        for a in self.actors:
+            ray.kill(a)

@@ -1,0 +1,60 @@
+"""One rollout's training on one trainer rank: its shard, the log-probs it needs, its advantages, the optimizer steps.
+
+This is what makes a step one trip: the driver hands every rank the same rollout batch (one object ref) with the
+sequence-level advantages already in it (:func:`rlcore.advantages.sequence_advantages`, computed over the whole
+batch because a shard can split a group); each rank cuts its own shard, recomputes old and reference log-probs,
+adds the per-token terms (KL in the reward, whitening over the data-parallel group) and trains. Nothing returns to
+the driver but metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from rlcore import keys
+from rlcore.advantages import AdvantageConfig, compute
+from runtime.train.backends.base import TrainBackend
+
+
+def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """Row indices of rank ``dp_rank``'s shard of an ``n``-row batch consumed in optimizer steps of
+    ``global_batch_size`` consecutive rows: the rank's ``1/dp_size`` slice of every step, in step order."""
+    if n % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(
+            f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
+            f"dp_size {dp_size}"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    per_rank = global_batch_size // dp_size
+    return torch.arange(n).view(n // global_batch_size, dp_size, per_rank)[:, dp_rank].reshape(-1)
+
+
+def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    stats = torch.stack([x.abs()[mask].sum().double(), mask.sum().double()])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    return float(stats[0] / stats[1].clamp(min=1))
+
+
+def train_rollout(
+    backend: TrainBackend, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+) -> dict[str, float]:
+    """Train ``backend`` on its shard of the whole rollout ``batch``; return the step's metrics (every rank alike).
+
+    ``batch`` holds the batch contract's rollout keys plus ``sequence_advantages`` for estimators with a group
+    baseline. Metrics: the backend's training metrics plus ``advantage_abs_mean`` over the valid tokens of the
+    whole batch.
+    """
+    dp_rank, dp_size = backend.dp_info()
+    group = backend.dp_group()
+    shard = batch[
+        shard_rows(batch.batch_size[0], global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    ]
+    shard.update(backend.compute_log_probs(shard))
+    shard = compute(shard, adv_cfg, group=group)
+    metrics = backend.train(shard, per_step_rows=global_batch_size // dp_size)
+    metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
+    return metrics
