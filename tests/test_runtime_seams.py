@@ -102,7 +102,7 @@ def test_model_roles_follow_the_algorithm(tmp_path):
     def roles(**kw):
         return model_roles(from_dict(None, output_dir=str(tmp_path), **kw))
 
-    assert roles() == (ACTOR,)
+    assert roles(use_kl_loss=False) == (ACTOR,)  # the built-in job keeps a reference by default
     assert roles(use_kl_loss=False, kl_coef=0.1) == (ACTOR, REFERENCE)
     assert roles(use_kl_loss=True, advantage_estimator="ppo") == (ACTOR, REFERENCE, CRITIC)
     assert roles(use_kl_loss=False, advantage_estimator="on_policy_distillation") == (ACTOR, TEACHER)
