@@ -1,6 +1,7 @@
 """A stand-in for an SGLang server, for tests only: SGLang itself cannot run here (no GPU, and its kernel wheel
-alone is over 500 MB), so this serves the same native HTTP endpoints with the same JSON shapes as SGLang 0.5.x (the
-line slime pins, v0.5.15.post1 in its Docker image) and really generates with a transformers model.
+alone is over 500 MB), so this serves the same native HTTP endpoints with the same JSON shapes as SGLang 0.5.23 (read
+from that release's ``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``, ``tokenizer_manager.py`` and
+``scheduler.py``) and really generates with a transformers model.
 
 What it reproduces, because the adapter depends on it:
 
@@ -13,9 +14,20 @@ What it reproduces, because the adapter depends on it:
   kept in ``output_token_logprobs``, as in SGLang.
 - Unknown request fields (top level or in ``sampling_params``) and wrongly typed ones are refused with HTTP 400 and
   SGLang's error body, the way its dataclass/pydantic parsing refuses them, so adapter mistakes fail loudly.
-- ``/update_weights_from_disk`` loads the safetensors of an HF folder into the live model; the memory-occupation
-  endpoints switch a "released" state in which ``/generate`` is refused (a released SGLang has no weights or KV cache);
-  ``/abort_request`` ends running requests with ``finish_reason.type == "abort"``.
+- ``/update_weights_from_disk`` loads the safetensors of an HF folder into the live model as SGLang's model classes
+  do: the names it holds (``model.safetensors.index.json``'s files if there is one), ``lm_head.weight`` skipped when
+  the embeddings are tied, unknown names skipped, missing ones left as they were; a shape mismatch fails the update
+  (HTTP 400, the old weights kept). The memory-occupation endpoints switch a "released" state in which ``/generate``
+  is refused (a released SGLang has no weights or KV cache).
+- ``/abort_request`` (``rid`` or ``abort_all``) ends the requests of every ``/generate`` call in flight; each still
+  answers, with HTTP 200: a running request with the tokens decoded so far plus the one of the step the abort lands
+  in, and ``finish_reason`` ``{"type": "abort", "message": "Aborted", "status_code": null, "err_type": null}``; a
+  request still queued (the fake runs a batch's prompts one after another, so the later ones wait) with no tokens and
+  ``{"type": "abort", "message": "Abort in waiting queue"}``. As in SGLang, ``rid`` must be the exact id of a request
+  in flight and then aborts every request whose id starts with it; an empty ``rid`` without ``abort_all`` does
+  nothing.
+- ``/model_info`` and ``/server_info`` (and their deprecated ``/get_*`` aliases) report ``model_path``,
+  ``weight_version`` and the launch ``dtype``; there is no ``/get_weight_version`` (0.5.23 has none).
 
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
 LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
@@ -24,6 +36,7 @@ LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs promp
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -47,13 +60,20 @@ SAMPLING_FIELDS = {
     "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
     "custom_params", "stream_interval", "logit_bias", "sampling_seed",
 }  # fmt: skip
+# Fields every request struct has from SGLang's BaseReq.
+BASE_REQ_FIELDS = {"rid", "http_worker_ipc"}
 # Fields of UpdateWeightFromDiskReqInput.
-UPDATE_FROM_DISK_FIELDS = {
+UPDATE_FROM_DISK_FIELDS = BASE_REQ_FIELDS | {
     "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
-    "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
+    "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest",
 }  # fmt: skip
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
-ABORT_FIELDS = {"rid", "abort_all", "finished_reason", "abort_message"}
+MEMORY_FIELDS = BASE_REQ_FIELDS | {"tags"}
+ABORT_FIELDS = BASE_REQ_FIELDS | {"abort_all", "finished_reason", "abort_message", "weight_versions"}
+# FINISH_ABORT().to_json() (a running request cut by /abort_request) and the tokenizer manager's answer for a request
+# aborted while still queued.
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORT_QUEUED = {"type": "abort", "message": "Abort in waiting queue"}
 # Values of these sampling fields change sampling in ways the fake does not implement: refused unless neutral.
 NEUTRAL_SAMPLING = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
@@ -160,19 +180,22 @@ class FakeSGLangServer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
+        # As if launched with --dtype float32: /server_info reports it, and the model computes in it.
+        self.dtype = "float32"
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_ids = {self.tokenizer.eos_token_id}
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.host, self.port = host, port
         self.startup_delay, self.token_delay = startup_delay, token_delay
         self.weight_version = "default"
         self.released = False
         self.requests: dict[str, int] = {}
-        self._aborted: set[str] = set()
-        self._abort_all = threading.Event()
+        # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
         self._running: set[str] = set()
+        self._aborted: set[str] = set()
         self._model_lock = threading.Lock()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -213,8 +236,10 @@ class FakeSGLangServer:
             [
                 web.get("/health", self._health),
                 web.get("/health_generate", self._health),
+                web.get("/model_info", self._model_info),
                 web.get("/get_model_info", self._model_info),
-                web.get("/get_weight_version", self._get_weight_version),
+                web.get("/server_info", self._server_info),
+                web.get("/get_server_info", self._server_info),
                 web.post("/generate", self._generate),
                 web.put("/generate", self._generate),
                 web.get("/flush_cache", self._flush_cache),
@@ -263,23 +288,53 @@ class FakeSGLangServer:
         return web.Response(status=200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
+        config = self.model.config
         return web.json_response(
             {
                 "model_path": self.model_path,
+                "served_model_name": self.model_path,
                 "tokenizer_path": self.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": config.model_type,
+                "architectures": config.architectures,
             }
         )
 
-    async def _get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+    async def _server_info(self, request: web.Request) -> web.Response:
+        # A few of the launch arguments SGLang reports (all of them, resolved), and the scheduler's numbers.
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "dtype": self.dtype,
+                "random_seed": self.seed,
+                "enable_memory_saver": True,
+                "launch_command": f"sglang.launch_server --model-path {self.model_path} --dtype {self.dtype}",
+                "status": "ready",
+                "max_total_num_tokens": 4096,
+                "internal_states": [{}],
+                "version": "0.5.23",
+                "frontend": "python",
+            }
+        )
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         # SGLang refuses to flush while requests are running or waiting.
-        status = 400 if self._running else 200
-        return web.Response(text="Cache flushed.\n", status=status)
+        if self._running:
+            return web.Response(text="Flush cache failed.\n", status=400)
+        text = (
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
+        return web.Response(text=text, status=200)
 
     async def _release(self, request: web.Request) -> web.Response:
         return await self._memory(request, release=True)
@@ -289,7 +344,8 @@ class FakeSGLangServer:
 
     async def _memory(self, request: web.Request, *, release: bool) -> web.Response:
         try:
-            body = await self._json_body(request, {"tags"}, f"{'Release' if release else 'Resume'}MemoryOccupation")
+            what = f"{'Release' if release else 'Resume'}MemoryOccupationReqInput"
+            body = await self._json_body(request, MEMORY_FIELDS, what)
             tags = body.get("tags")
             if tags is not None and (not isinstance(tags, list) or not set(tags) <= MEMORY_TAGS):
                 raise BadRequest(f"tags must be null or a list drawn from {sorted(MEMORY_TAGS)}, got {tags!r}")
@@ -305,11 +361,12 @@ class FakeSGLangServer:
             body = await self._json_body(request, ABORT_FIELDS, "AbortReq")
         except BadRequest as e:
             return _validation_error(str(e))
-        # As in SGLang, an abort only reaches requests that are running now.
-        if body.get("abort_all") and self._running:
-            self._abort_all.set()
-        elif body.get("rid") in self._running:
-            self._aborted.add(body["rid"])
+        rid = body.get("rid") or ""
+        if body.get("abort_all"):
+            self._aborted |= self._running
+        elif rid in self._running:
+            # The tokenizer manager forwards an id it knows; the scheduler aborts every request it prefixes.
+            self._aborted |= {r for r in self._running if r.startswith(rid)}
         return web.Response(status=200)
 
     async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -342,16 +399,14 @@ class FakeSGLangServer:
         if self.released:
             return _handler_error("the server's memory is released: call /resume_memory_occupation first")
         loop = asyncio.get_running_loop()
-        outputs = []
-        for job in jobs:
-            self._running.add(job["rid"])
-            try:
-                outputs.append(await loop.run_in_executor(None, self._generate_one, job))
-            finally:
-                self._running.discard(job["rid"])
-        if not self._running:
-            self._abort_all.clear()
-            self._aborted.clear()
+        rids = {job["rid"] for job in jobs}
+        # SGLang queues a batch's requests together: all are in flight (abortable) until the last one answers.
+        self._running |= rids
+        try:
+            outputs = [await loop.run_in_executor(None, self._generate_one, job) for job in jobs]
+        finally:
+            self._running -= rids
+            self._aborted -= rids
         return web.json_response(outputs[0] if single else outputs)
 
     # -- generation -----------------------------------------------------------------------------------------------
@@ -405,30 +460,33 @@ class FakeSGLangServer:
             )
         return jobs, single
 
-    def _is_aborted(self, rid: str) -> bool:
-        return self._abort_all.is_set() or rid in self._aborted
-
     @torch.no_grad()
     def _generate_one(self, job: dict[str, Any]) -> dict[str, Any]:
         s: _Sampling = job["sampling"]
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(s.sampling_seed) if s.sampling_seed is not None else self.generator
         stops = set() if s.ignore_eos else s.stop_token_ids | self.eos_token_ids
+        rid = job["rid"]
+        if rid in self._aborted:
+            return self._queued_abort_output(job, start)
         tokens: list[int] = []
         log_probs: list[float] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
         with self._model_lock:
             out = self.model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
             for _ in range(s.max_new_tokens):
-                if self._is_aborted(job["rid"]):
-                    finish = {"type": "abort", "message": "Abort request"}
-                    break
                 logits = out.logits[0, -1].float()
                 token, log_prob = self._sample(logits, s, generator)
                 tokens.append(token)
                 log_probs.append(log_prob)
+                # SGLang's Req.update_finish_state: an abort (to_finish) wins over a stop token or the length.
+                if rid in self._aborted:
+                    finish = dict(ABORT_RUNNING)
+                    break
                 if token in stops:
                     finish = {"type": "stop", "matched": token}
+                    break
+                if len(tokens) == s.max_new_tokens:
                     break
                 if self.token_delay:
                     time.sleep(self.token_delay)
@@ -438,19 +496,36 @@ class FakeSGLangServer:
         trim = finish["type"] == "stop" and not s.no_stop_trim
         output_ids = tokens[:-1] if trim else tokens
         meta: dict[str, Any] = {
-            "id": job["rid"],
+            "id": rid,
             "finish_reason": finish,
             "prompt_tokens": len(job["prompt"]),
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+            "e2e_latency": time.perf_counter() - start,
+            "reasoning_tokens": 0,
             "completion_tokens": len(tokens),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.perf_counter() - start,
+            "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(tokens)}],
         }
         if job["return_logprob"]:
             texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in tokens]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
         text = self.tokenizer.decode(output_ids, skip_special_tokens=s.skip_special_tokens)
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def _queued_abort_output(self, job: dict[str, Any], start: float) -> dict[str, Any]:
+        """The tokenizer manager's answer for a request aborted before it ran (``_handle_abort_req``)."""
+        meta: dict[str, Any] = {
+            "id": job["rid"],
+            "finish_reason": dict(ABORT_QUEUED),
+            "weight_version": self.weight_version,
+            "e2e_latency": time.perf_counter() - start,
+            "weight_versions": [{"version": self.weight_version, "start": 0, "end": 0}],
+        }
+        if job["return_logprob"]:
+            meta["output_token_logprobs"] = []
+        meta["completion_tokens"] = 0
+        return {"text": "", "output_ids": [], "meta_info": meta}
 
     @staticmethod
     def _sample(logits: torch.Tensor, s: _Sampling, generator: torch.Generator) -> tuple[int, float]:
@@ -471,20 +546,26 @@ class FakeSGLangServer:
     def _load_weights(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
-        files = sorted(folder.glob("*.safetensors"))
-        if not folder.is_dir() or not files:
-            raise ValueError(f"no safetensors weights in {str(folder)!r}")
+        if not folder.is_dir():
+            raise ValueError(f"Failed to get weights iterator: {str(folder)!r} is not a folder.")
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"Failed to get weights iterator: no safetensors weights in {str(folder)!r}.")
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        if self.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
         own = self.model.state_dict()
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
-        missing = sorted(set(own) - set(state) - tied)
-        unexpected = sorted(set(state) - set(own))
-        bad = {
-            k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape
-        }
-        if missing or unexpected or bad:
-            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}, shapes {bad}")
+        state = {k: v for k, v in state.items() if k in own}
+        bad = {k: (list(v.shape), list(own[k].shape)) for k, v in state.items() if v.shape != own[k].shape}
+        if bad:
+            raise ValueError(
+                f"Failed to update weights: shape mismatch (loaded, model's) {bad}.\nRolling back to original weights."
+            )
         with self._model_lock:
             self.model.load_state_dict(state, strict=False)

@@ -22,6 +22,7 @@ from runtime.engines.sglang_engine import (
     sampling_seed,
     save_hf_weights,
     sglang_launch_command,
+    sglang_weight_dtype,
 )
 
 ALPHABET = "0123456789+="
@@ -57,9 +58,8 @@ def engine(server, model_dirs):
     # Put the server back as the other tests expect it: model A, memory resumed.
     if server.released:
         eng.resume_memory()
-    if eng.weight_version != 0:
-        state = AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict()
-        eng.update_weights(state, 0)
+    if eng.weight_version() != 0:
+        eng.update_weights_from_disk(str(model_dirs[0]), weight_version=0)
     eng.close()
 
 
@@ -141,8 +141,8 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     params = SamplingParams(max_new_tokens=5, temperature=temperature)
     new_state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
 
-    engine.update_weights(new_state, version=7)
-    assert server.weight_version == "7" and engine.server_weight_version() == "7"
+    engine.load_weights(new_state, weight_version=7)
+    assert server.weight_version == "7" and engine.server_weight_version() == "7" and engine.weight_version() == 7
     g = engine.generate([prompt], params)[0]
     assert g.weight_version == 7
     got = torch.tensor(g.log_probs, dtype=torch.float64)
@@ -153,7 +153,7 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     assert (got - reference_log_probs(models[0], prompt, g.token_ids, temperature)).abs().max() > 1e-2
 
     first = sorted(p for p in engine.weights_dir.iterdir())
-    engine.update_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), version=8)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), weight_version=8)
     g = engine.generate([prompt], params)[0]
     torch.testing.assert_close(
         torch.tensor(g.log_probs, dtype=torch.float64),
@@ -166,13 +166,59 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     assert current not in first and (current / WEIGHTS_FILE).is_file() and (current / "config.json").is_file()
 
 
-def test_weight_update_refused_by_the_server_raises_with_its_message(engine, model_dirs):
-    state = AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict()
-    state["model.norm.weight"] = torch.ones(3)
-    with pytest.raises(SGLangHTTPError, match="shape") as err:
-        engine.update_weights(state, version=5)
+def test_weight_update_refused_by_the_server_raises_with_its_message(engine, server, tmp_path):
+    # A folder the adapter cannot see is the server's to check; SGLang answers 400 with its message.
+    server_version = server.weight_version
+    with pytest.raises(SGLangHTTPError, match="Failed to get weights iterator") as err:
+        engine.update_weights_from_disk(str(tmp_path / "on-the-server-only"), weight_version=5)
     assert err.value.status_code == 400 and "/update_weights_from_disk" in err.value.url
-    assert engine.weight_version == 0 and not any(engine.weights_dir.iterdir())
+    assert engine.weight_version() == 0 and server.weight_version == server_version
+
+
+def test_buckets_that_do_not_fit_the_checkpoint_are_refused_before_anything_is_sent(engine, server, model_dirs):
+    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    before = server.requests.get("/update_weights_from_disk", 0)
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \[3\]"):
+        engine.load_weights({"model.norm.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match="does not have: model.extra.weight"):
+        engine.load_weights({"model.extra.weight": torch.ones(3)})
+    partial = {k: v for k, v in state.items() if "layers.1." not in k}
+    with pytest.raises(ValueError, match=r"9 of 20 weights missing: model.layers.1.input_layernorm.weight, .* 4 more"):
+        engine.load_weights(partial, weight_version=5)
+    assert server.requests.get("/update_weights_from_disk", 0) == before
+    assert engine.weight_version() == 0 and not any(engine.weights_dir.iterdir())
+
+
+def test_tied_weights_sent_as_lm_head_reach_the_embeddings_sglang_reads(engine, server, model_dirs):
+    # SGLang skips lm_head.weight when embeddings are tied (as the fake does): the adapter writes both names.
+    new = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    engine.load_weights({k: v for k, v in new.items() if k != "model.embed_tokens.weight"}, weight_version=3)
+    (folder,) = engine.weights_dir.iterdir()
+    from safetensors import safe_open
+
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+    for name, value in server.model.state_dict().items():
+        torch.testing.assert_close(value, new[name], rtol=0, atol=0)
+
+
+def test_a_folder_with_tied_weights_under_the_skipped_name_only_is_refused(engine, model_dirs, tmp_path):
+    new = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    head_only = {k: v for k, v in new.items() if k != "model.embed_tokens.weight"}
+    folder = save_hf_weights(head_only, tmp_path / "w", config_source=model_dirs[0])
+    with pytest.raises(ValueError, match="SGLang reads model.embed_tokens.weight"):
+        engine.update_weights_from_disk(str(folder), weight_version=4)
+    assert engine.weight_version() == 0
+
+
+def test_weight_dtype_resolves_sglangs_auto_like_sglang(engine):
+    assert engine.weight_dtype() == "float32"  # the fake reports --dtype float32
+    assert sglang_weight_dtype("half", {}) == "float16" and sglang_weight_dtype("float", {}) == "float32"
+    assert sglang_weight_dtype("auto", {"dtype": "bfloat16", "model_type": "qwen2"}) == "bfloat16"
+    assert sglang_weight_dtype("auto", {"torch_dtype": "float32", "model_type": "llama"}) == "float16"
+    assert sglang_weight_dtype("auto", {"model_type": "gemma2"}) == "bfloat16"
+    with pytest.raises(ValueError, match="unknown SGLang dtype"):
+        sglang_weight_dtype("fp8", {})
 
 
 def test_release_and_resume_memory(engine, server):
@@ -241,26 +287,56 @@ def test_start_waits_for_health_and_times_out_with_the_last_status(model_dirs):
         eng.close()
 
 
-def test_abort_ends_a_running_request(model_dirs, models):
-    prompt = PROMPTS[1]
-    path = greedy_path(models[0], prompt, 40)
+def _generate_in_background(eng, prompts, params, srv):
+    """Start ``eng.generate`` in a thread; return it and its result list once the server decodes."""
+    result = []
+    worker = threading.Thread(target=lambda: result.extend(eng.generate(prompts, params)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not srv._running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    return worker, result
+
+
+def test_abort_all_cuts_the_running_request_and_empties_the_queued_ones(model_dirs, models):
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    path = greedy_path(models[0], prompts[0], 40)
     assert 2 not in path
     with FakeSGLangServer(model_dirs[0], token_delay=0.02) as srv:
         eng = SGLangEngine(srv.url)
-        result = []
-        worker = threading.Thread(
-            target=lambda: result.extend(eng.generate([prompt], SamplingParams(max_new_tokens=40, top_k=1)))
-        )
-        worker.start()
-        deadline = time.monotonic() + 10
-        while not srv._running and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
+        worker, result = _generate_in_background(eng, prompts, SamplingParams(max_new_tokens=40, top_k=1), srv)
         eng.abort()
         worker.join(30)
+        assert eng.generate([PROMPTS[2]], SamplingParams(max_new_tokens=3)) != []  # the abort is over
         eng.close()
-    (g,) = result
-    assert g.finish_reason == "abort" and 0 < len(g.token_ids) < 40 and g.token_ids == path[: len(g.token_ids)]
+    running, queued = result
+    assert running.finish_reason == "abort" and 0 < len(running.token_ids) < 40
+    assert running.token_ids == path[: len(running.token_ids)] and len(running.log_probs) == len(running.token_ids)
+    torch.testing.assert_close(
+        torch.tensor(running.log_probs, dtype=torch.float64),
+        reference_log_probs(models[0], prompts[0], running.token_ids, 1.0),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert running.extra["finish"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    assert (queued.token_ids, queued.log_probs, queued.finish_reason) == ([], [], "abort")
+    assert queued.extra["finish"] == {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def test_abort_by_rid_ends_that_request_only(model_dirs):
+    with FakeSGLangServer(model_dirs[0], token_delay=0.02) as srv:
+        eng = SGLangEngine(srv.url)
+        eng.abort(rid="nobody-runs-this")  # unknown ids (and aborts with nothing in flight) do nothing
+        worker, result = _generate_in_background(eng, PROMPTS[:2], SamplingParams(max_new_tokens=20, top_k=1), srv)
+        (batch,) = {rid.rsplit("-", 1)[0] for rid in srv._running}
+        eng.abort(rid=batch + "-")  # a prefix of both ids, but not an id the server knows: nothing happens
+        time.sleep(0.1)
+        assert not srv._aborted
+        eng.abort(rid=batch + "-0")
+        worker.join(30)
+        eng.close()
+    assert [g.finish_reason for g in result] == ["abort", "length"] and len(result[1].token_ids) == 20
 
 
 def test_sampling_params_use_sglang_names():

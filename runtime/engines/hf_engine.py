@@ -13,10 +13,24 @@ distribution. The model's own ``generation_config.json`` is set aside at load: t
 leaves unset from it (``min_p``, ``top_h``, repetition penalties, minimum lengths, ...), which would sample from a
 distribution the job never asked for; every such processor is forced off here. The model's eos ids (tokenizer and
 ``generation_config.json``, which may list several, as Llama-3 and Qwen do) always end a response.
+
+Partial rollout needs :meth:`HFEngine.abort` to cut a running ``generate`` short from another thread (the engine
+actor runs ``abort`` in a concurrency group of its own, ``runtime.cluster.engines``): a stopping criterion reads an
+abort counter after every decoding step, and the cut call returns the tokens sampled so far with their log-probs and
+``finish_reason="abort"``.
+
+Weights arrive in buckets of HF-named tensors (:meth:`HFEngine.load_weights`) or as a HF folder
+(:meth:`HFEngine.update_weights_from_disk`); :class:`WeightUpdate` checks names and shapes of each bucket and, at the
+end of an update, that every weight of the model was loaded, so that a partial load fails instead of leaving stale
+weights behind.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +66,99 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(device)
+
+
+class WeightUpdate:
+    """The weights one update has loaded so far, checked against a model's own names and shapes.
+
+    ``model`` may live on the ``meta`` device (only its names and shapes are read). Its ``state_dict`` names are the
+    HF names buckets use; weights that are one tensor under several names (tied ``lm_head`` and embeddings) count as
+    one, and a bucket may hold them under any of their names.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        first_name: dict[int, str] = {}
+        # The first name of a tied group (the input embeddings, for lm_head) stands for the whole group.
+        self.canonical = {name: first_name.setdefault(id(t), name) for name, t in self.weights.items()}
+        self.loaded: set[str] = set()
+
+    def check(self, shapes: dict[str, tuple[int, ...]], *, what: str) -> None:
+        """Raise ``ValueError`` unless every name of ``shapes`` is a weight of the model with that shape."""
+        unknown = sorted(set(shapes) - set(self.weights))
+        if unknown:
+            raise ValueError(f"{what} names weights the model does not have: {some_names(unknown)}")
+        for name, shape in shapes.items():
+            if tuple(shape) != tuple(self.weights[name].shape):
+                raise ValueError(
+                    f"{what}: {name} has shape {list(shape)}, the model's is {list(self.weights[name].shape)}"
+                )
+
+    def add(self, names: Iterable[str]) -> None:
+        self.loaded.update(self.canonical[n] for n in names)
+
+    def finish(self) -> None:
+        """Raise ``ValueError`` if a weight was not loaded since the last finished update; start the next one."""
+        loaded, self.loaded = self.loaded, set()
+        self.require_complete(loaded, what="weight update (the weights loaded since the last one)")
+
+    def require_complete(self, names: Iterable[str], *, what: str) -> None:
+        """Raise ``ValueError`` unless ``names`` cover every weight of the model (tied ones under any name)."""
+        missing = sorted(set(self.canonical.values()) - {self.canonical[n] for n in names})
+        if missing:
+            raise ValueError(
+                f"{what} incomplete: {len(missing)} of {len(set(self.canonical.values()))} weights missing: "
+                f"{some_names(missing)}"
+            )
+
+    def names_of(self, name: str) -> list[str]:
+        """Every name of the weight ``name`` (several for tied weights)."""
+        return [n for n, c in self.canonical.items() if c == self.canonical[name]]
+
+
+def bucket_shapes(bucket: object) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of ``bucket``, which must be a dict from names to tensors."""
+    if not isinstance(bucket, dict):
+        raise TypeError(f"bucket must be a dict of tensors, got {type(bucket).__name__}")
+    for name, value in bucket.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"bucket[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
+    return {name: tuple(value.shape) for name, value in bucket.items()}
+
+
+def some_names(names: list[str], k: int = 5) -> str:
+    """The first ``k`` of ``names`` for an error message, and how many more there are."""
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The weight files of a HF folder: those ``model.safetensors.index.json`` maps to if it exists, else every
+    ``*.safetensors`` file."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"{str(root)!r} is not a folder")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = [root / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} maps weights to files that are not there: {some_names(absent)}")
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {str(root)!r}")
+    return files
+
+
+def _abort_criteria(is_aborted: Callable[[], bool]):
+    """A ``StoppingCriteriaList`` that ends every row once ``is_aborted()`` (checked after each decoding step)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AbortRequested(StoppingCriteria):
+        def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+            return torch.full((input_ids.shape[0],), is_aborted(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([AbortRequested()])
 
 
 def eos_token_ids(tokenizer_eos: int | None, generation_config_eos: int | list[int] | None) -> list[int]:
@@ -133,8 +240,13 @@ class HFEngine:
         self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
         self.model.generation_config = bare_generation_config(eos=self.eos_token_ids, pad=self.pad_token_id)
-        self.weight_version = 0
+        self.weight_update = WeightUpdate(self.model)
+        self._weight_version = 0
         self.released = False
+        self.closed = False
+        # abort() bumps the epoch; a generate call stops once the epoch differs from the one it started under.
+        self._abort_epoch = 0
+        self._abort_lock = threading.Lock()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
@@ -142,8 +254,11 @@ class HFEngine:
 
         A response ends at the model's eos ids or any of ``params.stop_token_ids`` (they add to the eos, as in
         SGLang); its log-probs are the untruncated ``log_softmax(logits / temperature)`` of each sampled token.
+        :meth:`abort` ends the call after the decoding step it lands in: the rows still running return the tokens
+        sampled so far with ``finish_reason="abort"``, the finished ones keep ``"stop"`` or ``"length"``.
         """
         params = check_generate_args(prompts, params, released=self.released)
+        epoch, version = self._abort_epoch, self._weight_version
         stop = sorted({*self.eos_token_ids, *params.stop_token_ids})
         width = max(len(ids) for ids in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -155,36 +270,75 @@ class HFEngine:
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=_neutral_generation_config(params, eos=stop, pad=self.pad_token_id),
+            stopping_criteria=_abort_criteria(lambda: self._abort_epoch != epoch),
         )
+        # One column per decoding step, as many as out.logits; rows that finished early are padded after their stop.
         new_tokens = out.sequences[:, width:]
+        steps = new_tokens.shape[1]
         # The same float32 arithmetic as the trainer's log-probs (rlcore.kernels: logits.float() * (1 / T)).
         logits = torch.stack(out.logits, dim=1).float() * (1.0 / params.temperature)
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
         is_stop = torch.isin(new_tokens, torch.tensor(stop, device=new_tokens.device))
         # A response ends at its first stop token (kept); what follows is the padding of finished rows.
-        first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), new_tokens.shape[1])
+        first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), steps)
+        # Rows without a stop token ran every step: to max_new_tokens, or cut short by an abort.
+        unstopped = "length" if steps == params.max_new_tokens else "abort"
         results = []
         for end, tokens, lps in zip(first_stop.tolist(), new_tokens, log_probs, strict=True):
-            finished = end < new_tokens.shape[1]
+            finished = end < steps
             n = end + 1 if finished else end
             results.append(
                 Generation(
                     token_ids=tokens[:n].tolist(),
                     log_probs=lps[:n].tolist(),
-                    finish_reason="stop" if finished else "length",
-                    weight_version=self.weight_version,
+                    finish_reason="stop" if finished else unstopped,
+                    weight_version=version,
                 )
             )
         return results
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy the trainer's full state dict into the model (tied weights may appear under either name)."""
-        missing, unexpected = load_untied_state_dict(self.model, state_dict)
-        if missing or unexpected:
-            raise ValueError(
-                f"update_weights: state dict does not fit the model (missing {missing}, unexpected {unexpected})"
-            )
-        self.weight_version = version
+    def abort(self) -> None:
+        """End every running :meth:`generate` call after its current decoding step (safe from another thread); a
+        call that starts later is not affected."""
+        with self._abort_lock:
+            self._abort_epoch += 1
+
+    @torch.no_grad()
+    def load_weights(self, bucket: dict[str, torch.Tensor], *, weight_version: int | None = None) -> None:
+        """Copy a bucket of HF-named tensors into the model in place (converted to the model's dtype and device).
+
+        A bucket is a part of the model; tied weights come once, under either name. With ``weight_version`` (the last
+        bucket of an update) every weight of the model must have been loaded since the previous update, else
+        ``ValueError`` names what is missing (the version stays; the buckets already copied stay too, so the update
+        must be sent again); the engine then samples as ``weight_version``. A bucket with an unknown name or a wrong
+        shape raises ``ValueError`` before anything of it is copied.
+        """
+        if weight_version is not None:
+            check_weight_version(weight_version)
+        self.weight_update.check(bucket_shapes(bucket), what="load_weights bucket")
+        for name, value in bucket.items():
+            self.weight_update.weights[name].data.copy_(value)
+        self.weight_update.add(bucket)
+        if weight_version is not None:
+            self.weight_update.finish()
+            self._weight_version = weight_version
+
+    def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
+        """Load every weight of the HF folder ``path`` (safetensors, sharded or not) and take ``weight_version``."""
+        from safetensors.torch import load_file
+
+        check_weight_version(weight_version)
+        files = safetensors_files(path)
+        self.weight_update.loaded = set()
+        for f in files:
+            self.load_weights(load_file(str(f)))
+        self.load_weights({}, weight_version=weight_version)
+
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def weight_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The engine's current weights on the CPU (used by tests to check a weight sync)."""
@@ -207,5 +361,16 @@ class HFEngine:
     def set_rng_state(self, state: dict[str, Any]) -> None:
         restore_rng_state(state, self.device)
 
-    def ping(self) -> int:
-        return self.weight_version
+    def health(self) -> bool:
+        """Whether :meth:`generate` can run now: not released, not closed."""
+        return not (self.released or self.closed)
+
+    def close(self) -> None:
+        """Nothing outside the process to give back; the engine reports itself unhealthy from now on."""
+        self.closed = True
+
+
+def check_weight_version(weight_version: object) -> None:
+    """A weight version is an int (not a bool)."""
+    if isinstance(weight_version, bool) or not isinstance(weight_version, int):
+        raise TypeError(f"weight_version must be an int, got {type(weight_version).__name__}")

@@ -2,16 +2,22 @@
 
 The server is SGLang's own process (``python -m sglang.launch_server``, see :func:`sglang_launch_command`), started
 on a GPU machine by a Ray actor or by hand; this adapter only speaks HTTP to it, so it runs anywhere and imports
-nothing from SGLang. The endpoints and JSON shapes follow SGLang 0.5.x (the line slime pins):
+nothing from SGLang. The endpoints and JSON shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``
+and ``managers/io_struct.py`` of that release):
 
 - ``POST /generate`` with ``input_ids`` (a list of prompts: one request for the whole batch), one
   ``sampling_params`` object for all of them, ``return_logprob`` and ``logprob_start_len=-1`` (log-probs of output
   tokens only). Each output's ``meta_info.output_token_logprobs`` holds ``[logprob, token_id, text-or-null]`` per
   sampled token and ``meta_info.finish_reason`` is ``{"type": "stop" | "length" | "abort", ...}``.
+- ``POST /abort_request`` (``AbortReq``: ``rid`` or ``abort_all``). An aborted request still answers its
+  ``/generate`` call, with HTTP 200 and what it has: a running one the tokens decoded so far (one more decoding step
+  runs after the abort lands), a queued one none, and ``finish_reason`` ``{"type": "abort", "message": ...}``.
 - ``POST /update_weights_from_disk`` (``model_path``, ``weight_version`` as a string), ``POST
   /release_memory_occupation`` / ``POST /resume_memory_occupation`` (optional ``tags``: ``weights``, ``kv_cache``,
-  ``cuda_graph``; the server must run with ``--enable-memory-saver``), ``POST /flush_cache``, ``POST /abort_request``,
-  ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``.
+  ``cuda_graph``; the server must run with ``--enable-memory-saver``), ``POST /flush_cache``,
+  ``GET /health_generate``, ``GET /model_info`` (``model_path``, ``weight_version``) and ``GET /server_info`` (the
+  launch arguments, ``dtype`` among them). 0.5.23 has no ``/get_weight_version``; ``/get_model_info`` and
+  ``/get_server_info`` are deprecated aliases that log a warning per call.
 
 What callers should know:
 
@@ -21,9 +27,14 @@ What callers should know:
   embedded engine).
 - The stop token is kept in ``token_ids`` (``no_stop_trim``), as in the embedded engine.
 
-Weights go through the file system: :meth:`SGLangEngine.update_weights` writes the state dict as safetensors into an
-HF folder (the checkpoint's config and tokenizer files copied beside it) that the server must be able to read, then
-calls ``/update_weights_from_disk``. SGLang also has GPU paths that skip the disk:
+Weights go through the file system: :meth:`SGLangEngine.load_weights` collects the buckets of an update and, at the
+last one, writes them as safetensors into an HF folder (the checkpoint's config and tokenizer files copied beside it)
+that the server must be able to read, then calls ``/update_weights_from_disk``;
+:meth:`SGLangEngine.update_weights_from_disk` has the server load a folder the trainer wrote. SGLang itself loads
+whatever names a folder holds and silently keeps the old values of the others, and for tied embeddings it reads the
+input embeddings and skips ``lm_head.weight``; so the adapter checks names, shapes and completeness against the
+checkpoint's architecture (a ``meta``-device transformers model, no weights) and writes tied weights under each of
+their names. SGLang also has GPU paths that skip the disk:
 ``/update_weights_from_tensor`` (CUDA IPC handles of tensors on the same node) and ``/init_weights_update_group`` +
 ``/update_weights_from_distributed`` (an NCCL group between trainer and server, the trainer broadcasting each
 tensor); slime uses those. They need GPUs on both sides and are not implemented here.
@@ -40,6 +51,7 @@ reached the server is never sent twice, because generation and weight loads are 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -51,8 +63,16 @@ from typing import Any
 
 import httpx
 import numpy as np
+import torch
 
 from runtime.engines.base import Generation, SamplingParams, check_generate_args
+from runtime.engines.hf_engine import (
+    WeightUpdate,
+    bucket_shapes,
+    check_weight_version,
+    safetensors_files,
+    some_names,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -60,6 +80,10 @@ WEIGHTS_FILE = "model.safetensors"
 # Files of an HF folder that hold weights: never copied from the original checkpoint next to new weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# SGLang's --dtype choices (server_args' ``dtype``) and the torch dtype each names.
+SGLANG_DTYPES = {
+    "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32",
+}  # fmt: skip
 
 
 class SGLangHTTPError(RuntimeError):
@@ -151,8 +175,30 @@ def generation_from_sglang(output: dict[str, Any], *, weight_version: int) -> Ge
         log_probs=log_probs,
         finish_reason=kind,
         weight_version=weight_version if version is None else version,
-        extra={"rid": meta.get("id"), "text": output.get("text"), "finish": finish},
+        extra={
+            "rid": meta.get("id"),
+            "text": output.get("text"),
+            "finish": finish,
+            # SGLang 0.5.23's spans [{"version", "start", "end"}] of the versions the tokens were sampled with.
+            "weight_versions": meta.get("weight_versions"),
+        },
     )
+
+
+def sglang_weight_dtype(server_dtype: str, config: dict[str, Any]) -> str:
+    """The dtype an SGLang server holds its weights in, from its ``--dtype`` and the checkpoint's ``config.json``.
+
+    SGLang resolves ``"auto"`` (``configs/model_config.py``, ``_get_and_verify_dtype``): a float32 (or unstated)
+    checkpoint is served in float16 (bfloat16 for Gemma models), any other in the checkpoint's own dtype.
+    """
+    if server_dtype != "auto":
+        if server_dtype not in SGLANG_DTYPES:
+            raise ValueError(f"unknown SGLang dtype {server_dtype!r}, expected 'auto' or one of {list(SGLANG_DTYPES)}")
+        return SGLANG_DTYPES[server_dtype]
+    config_dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if config_dtype == "float32":
+        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+    return str(config_dtype)
 
 
 def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_source: str | Path) -> Path:
@@ -162,7 +208,6 @@ def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_so
     weight files are not). Tensors are moved to the CPU and made contiguous; tensors that share storage (tied
     embeddings) are written as separate copies, since safetensors stores no aliases. Returns ``folder``.
     """
-    import torch
     from safetensors.torch import save_file
 
     source = Path(config_source)
@@ -246,7 +291,7 @@ class SGLangEngine:
     ``timeout`` bounds one request (a whole batch's generation); ``max_retries`` and ``retry_backoff`` (seconds,
     doubled per retry) apply to connection failures only. With ``wait_healthy`` the constructor polls
     ``/health_generate`` until the server answers 200 or ``startup_timeout`` passes. ``weights_dir`` is where
-    :meth:`update_weights` writes HF folders (a fresh temporary folder by default; it must be readable by the server,
+    :meth:`load_weights` writes HF folders (a fresh temporary folder by default; it must be readable by the server,
     i.e. on a shared or the same file system); ``hf_checkpoint`` is the folder whose config and tokenizer files go
     with them (by default the server's own ``model_path`` at start, read from ``/get_model_info``). ``seed`` turns on
     per-prompt ``sampling_seed`` (see the module docstring).
@@ -281,8 +326,13 @@ class SGLangEngine:
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self.client = httpx.Client(base_url=self.base_url, timeout=timeout)
-        self.weight_version = 0
+        self._weight_version = 0
+        self._weight_dtype: str | None = None
         self.released = False
+        self.closed = False
+        # The buckets of the update in progress, and the checkpoint's architecture they are checked against.
+        self._pending: dict[str, Any] = {}
+        self._update: WeightUpdate | None = None
         self._owns_weights_dir = weights_dir is None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rlcore-sglang-weights-"))
         self._hf_checkpoint = Path(hf_checkpoint) if hf_checkpoint is not None else None
@@ -318,7 +368,13 @@ class SGLangEngine:
     # -- server state -------------------------------------------------------------------------------------------
 
     def health(self) -> bool:
-        """Whether ``/health_generate`` answers 200 now (one attempt, no retries)."""
+        """Whether the server can generate now: ``/health_generate`` answers 200 (one attempt, no retries).
+
+        A released or closed engine is not asked: ``/health_generate`` runs a one-token generation, which a server
+        whose memory is released cannot do.
+        """
+        if self.released or self.closed:
+            return False
         try:
             return self.client.get("/health_generate").status_code == 200
         except httpx.TransportError:
@@ -341,17 +397,22 @@ class SGLangEngine:
             time.sleep(poll)
 
     def model_info(self) -> dict[str, Any]:
-        return self._get("/get_model_info")
+        return self._get("/model_info")
 
     def server_weight_version(self) -> str | None:
-        return self._get("/get_weight_version").get("weight_version")
+        """The server's own weight version (a string; ``"default"`` until a weight update sets one)."""
+        return self.model_info().get("weight_version")
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (refused by the server while requests run)."""
         self._post("/flush_cache")
 
     def abort(self, rid: str | None = None) -> None:
-        """Abort one request by id (``Generation.extra["rid"]``), or every running request when ``rid`` is None."""
+        """Abort every request of the server (``abort_all``), or the one with id ``rid`` (``Generation.extra["rid"]``).
+
+        The cut :meth:`generate` calls return what they have, with ``finish_reason="abort"`` (see the module
+        docstring). SGLang matches ``rid`` as a prefix of the running requests' ids once it knows that exact id.
+        """
         self._post("/abort_request", {"abort_all": True} if rid is None else {"rid": rid})
 
     # -- RolloutEngine --------------------------------------------------------------------------------------------
@@ -380,27 +441,108 @@ class SGLangEngine:
         if not isinstance(outputs, list) or len(outputs) != len(prompts):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise ValueError(f"/generate answered {got} outputs for {len(prompts)} prompts")
-        return [generation_from_sglang(o, weight_version=self.weight_version) for o in outputs]
+        return [generation_from_sglang(o, weight_version=self._weight_version) for o in outputs]
 
-    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Write the state dict as an HF folder under ``weights_dir`` and have the server load it from disk."""
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"version must be an int, got {type(version).__name__}")
+    def load_weights(self, bucket: dict[str, Any], *, weight_version: int | None = None) -> None:
+        """Collect a bucket of HF-named tensors; with ``weight_version`` (the last bucket of an update), write the
+        update as an HF folder under ``weights_dir`` and have the server load it (``/update_weights_from_disk``).
+
+        Each bucket's names and shapes are checked against the checkpoint's architecture, and at the last bucket that
+        every weight came (tied weights once, under either name), else ``ValueError``; nothing is sent then.
+        """
+        if weight_version is not None:
+            check_weight_version(weight_version)
+        update = self._weight_update()
+        update.check(bucket_shapes(bucket), what="load_weights bucket")
+        for name, value in bucket.items():
+            # Every name of a tied weight: SGLang reads the one its model class loads (the input embeddings).
+            for alias in update.names_of(name):
+                self._pending[alias] = value.detach().to("cpu", copy=True)
+        update.add(bucket)
+        if weight_version is None:
+            return
+        pending, self._pending = self._pending, {}
+        update.finish()
         folder = save_hf_weights(
-            state_dict,
-            tempfile.mkdtemp(prefix=f"v{version}-", dir=self.weights_dir),
+            pending,
+            tempfile.mkdtemp(prefix=f"v{weight_version}-", dir=self.weights_dir),
             config_source=self._config_source(),
         )
+        self._load_from_disk(folder, weight_version, owned=True)
+
+    def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
+        """Have the server load the HF folder ``path`` (written by the trainer) and take ``weight_version``.
+
+        When ``path`` is readable here, its safetensors headers are checked like :meth:`load_weights`'s buckets, and
+        tied weights must be there under their first name (the one SGLang reads); a folder only the server's file
+        system holds is the server's to check.
+        """
+        check_weight_version(weight_version)
+        if Path(path).is_dir():
+            self._check_folder(Path(path))
+        self._load_from_disk(Path(path), weight_version, owned=False)
+
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def weight_dtype(self) -> str:
+        """The dtype the server holds its weights in (asked once; see :func:`sglang_weight_dtype`).
+
+        SGLang reports only the ``--dtype`` it was launched with (``/server_info``; ``"auto"`` unless given), not the
+        dtype it resolved; ``"auto"`` is resolved here from the checkpoint's ``config.json``, and taken as
+        ``"bfloat16"`` when that file cannot be read from this machine (the dtype RL checkpoints ship in, which
+        ``"auto"`` keeps).
+        """
+        if self._weight_dtype is None:
+            server_dtype = self._get("/server_info").get("dtype", "auto")
+            try:
+                config = json.loads((self._config_source() / "config.json").read_text())
+            except OSError:
+                config = None
+            if server_dtype == "auto" and config is None:
+                self._weight_dtype = "bfloat16"
+            else:
+                self._weight_dtype = sglang_weight_dtype(server_dtype, config or {})
+        return self._weight_dtype
+
+    def _weight_update(self) -> WeightUpdate:
+        """The checkpoint's weight names and shapes, from its config on the ``meta`` device (built once)."""
+        if self._update is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self._config_source())
+            with torch.device("meta"):
+                self._update = WeightUpdate(AutoModelForCausalLM.from_config(config))
+        return self._update
+
+    def _check_folder(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in safetensors_files(folder):
+            with safe_open(str(f), "pt") as weights:
+                shapes.update({k: tuple(weights.get_slice(k).get_shape()) for k in weights.keys()})
+        update = self._weight_update()
+        update.check(shapes, what=str(folder))
+        update.require_complete(shapes, what=str(folder))
+        unread = sorted({update.canonical[n] for n in shapes} - set(shapes))
+        if unread:
+            names = some_names(unread)
+            raise ValueError(f"{folder} has tied weights only under a name SGLang skips; SGLang reads {names}")
+
+    def _load_from_disk(self, folder: Path, weight_version: int, *, owned: bool) -> None:
+        """``/update_weights_from_disk`` of ``folder``; an ``owned`` folder (written here) is deleted if refused."""
         try:
-            self._post("/update_weights_from_disk", {"model_path": str(folder), "weight_version": str(version)})
+            self._post("/update_weights_from_disk", {"model_path": str(folder), "weight_version": str(weight_version)})
         except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
+            if owned:
+                shutil.rmtree(folder, ignore_errors=True)
             raise
-        # The load is synchronous, so the previous folder is no longer read by the server.
+        # The load is synchronous, so the previous folder written here is no longer read by the server.
         if self._last_weights is not None:
             shutil.rmtree(self._last_weights, ignore_errors=True)
-        self._last_weights = folder
-        self.weight_version = version
+        self._last_weights = folder if owned else None
+        self._weight_version = weight_version
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``."""
@@ -421,11 +563,9 @@ class SGLangEngine:
             raise ValueError(f"state must be a dict from get_rng_state, got {state!r:.200}")
         self.seed, self.generate_calls = state["seed"], state["generate_calls"]
 
-    def ping(self) -> int:
-        return self.weight_version
-
     def close(self) -> None:
         """Close the HTTP client and delete the weight folders this engine wrote (the server keeps running)."""
+        self.closed = True
         self.client.close()
         if self._owns_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
