@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute, sequence_advantages
+from runtime import demo
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.cluster import checkpoint
 from runtime.cluster.engines import EngineGroup
@@ -34,7 +35,7 @@ from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import HFEngine, SamplingParams
 from runtime.logger import METRICS_FILE, REWARD_PLOT, MetricsLogger, plot_rewards, read_metrics
-from runtime.loop import BUILTIN_NUM_PROMPTS, run
+from runtime.loop import run
 from runtime.rollout import RolloutContext, collect_rollout, engine_generate, generate
 from runtime.rollout.filters import DynamicFilterOutput
 from runtime.rollout.rewards import RewardHub
@@ -494,7 +495,7 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
     # The data counts are logged once, at the first step.
-    assert rows[0]["data/num_prompts"] == BUILTIN_NUM_PROMPTS
+    assert rows[0]["data/num_prompts"] == demo.NUM_PROMPTS
     assert (rows[0]["data/num_bad_rows"], rows[0]["data/num_dropped_long"]) == (0, 0)
     assert "data/num_prompts" not in rows[1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -600,7 +601,8 @@ def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, 
     assert (save / "latest").read_text() == "step_000004"
     at_2 = torch.load(save / "step_000002" / checkpoint.LOOP_STATE, weights_only=False)
     at_4 = torch.load(save / "step_000004" / checkpoint.LOOP_STATE, weights_only=False)
-    assert at_2["step"] == 2 and at_2["data"]["offset"] == 8 and at_4["data"]["offset"] == 16
+    assert at_2["step"] == 2 and at_2["feed"]["data"]["offset"] == 8 and at_4["feed"]["data"]["offset"] == 16
+    assert at_2["feed"]["outstanding"] == []  # sync: nothing handed out beyond the trained steps
 
     save_b = tmp_path / "ckpt_b"
     resumed = run(
@@ -608,7 +610,7 @@ def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, 
     )
     assert [r["step"] for r in resumed.history] == [2, 3]
     at_4_resumed = torch.load(save_b / "step_000004" / checkpoint.LOOP_STATE, weights_only=False)
-    assert at_4_resumed["data"] == at_4["data"]
+    assert at_4_resumed["feed"]["data"] == at_4["feed"]["data"]
     # Same weights, optimizer, data position and sampling RNG: the resumed steps repeat the uninterrupted ones.
     for a, b in zip(full.history[2:], resumed.history, strict=True):
         assert b["rollout/reward_mean"] == pytest.approx(a["rollout/reward_mean"])
