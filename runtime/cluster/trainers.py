@@ -20,12 +20,10 @@ from tensordict import TensorDict
 
 from rlcore.advantages import AdvantageConfig
 from runtime.cluster.placement import Placement, free_port
+from runtime.engines.sglang_engine import copy_model_files
 from runtime.train.backends import backend_class
+from runtime.train.batch import shard_rows
 from runtime.train.step import train_rollout
-
-# Files of an HF folder that describe the model (not its weights): copied beside synced weights.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 class TrainerWorker:
@@ -46,7 +44,8 @@ class TrainerWorker:
 
     def sft_train(self, batch: TensorDict) -> dict[str, float]:
         dp_rank, dp_size = self.backend.dp_info()
-        return self.backend.sft_train(batch[dp_rank::dp_size])
+        n = batch.batch_size[0]
+        return self.backend.sft_train(batch[shard_rows(n, global_batch_size=n, dp_rank=dp_rank, dp_size=dp_size)])
 
     def push_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
         """Send the weights to ``engines`` bucket by bucket through the object store (each bucket put once, read by
@@ -89,9 +88,7 @@ class TrainerWorker:
             save_file({k: v.contiguous() for k, v in bucket.items()}, str(out / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(bucket, name))
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        for src in Path(self.model_path).iterdir():
-            if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and src.name not in _WEIGHT_INDEXES:
-                shutil.copy2(src, out / src.name)
+        copy_model_files(self.model_path, out)
         return str(out)
 
 

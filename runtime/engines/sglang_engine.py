@@ -201,6 +201,14 @@ def sglang_weight_dtype(server_dtype: str, config: dict[str, Any]) -> str:
     return str(config_dtype)
 
 
+def copy_model_files(source: str | Path, folder: str | Path) -> None:
+    """Copy the files of the HF folder ``source`` that describe the model (config, generation config, tokenizer)
+    into ``folder``, leaving its weight files and their indexes behind."""
+    for f in Path(source).iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, Path(folder) / f.name)
+
+
 def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_source: str | Path) -> Path:
     """Write ``state_dict`` as ``model.safetensors`` in ``folder`` with the non-weight files of ``config_source``.
 
@@ -228,9 +236,7 @@ def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_so
         tensors[name] = tensor
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
-            shutil.copy2(f, out / f.name)
+    copy_model_files(source, out)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
 

@@ -86,23 +86,30 @@ def build_batch(
     )
 
 
-def shard_for_ranks(td: TensorDict, *, global_batch_size: int, world_size: int) -> list[TensorDict]:
-    """Split a rollout batch into one shard per data-parallel rank.
+def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """Row indices of rank ``dp_rank``'s shard of an ``n``-row batch.
 
     The batch is consumed in optimizer steps of ``global_batch_size`` consecutive samples; rank ``r`` gets the
-    ``r``-th slice of every step, so each rank's shard is ``num_steps x (global_batch_size / world_size)`` rows
-    in step order. :func:`merge_shards` inverts it.
+    ``r``-th slice of every step, so each shard is ``num_steps x (global_batch_size / dp_size)`` rows in step order.
     """
-    n = td.batch_size[0]
-    if n % global_batch_size or global_batch_size % world_size:
+    if n % global_batch_size or global_batch_size % dp_size:
         raise ValueError(
             f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
-            f"world_size {world_size}"
+            f"dp_size {dp_size}"
         )
-    per_rank = global_batch_size // world_size
-    steps = n // global_batch_size
-    index = torch.arange(n).view(steps, world_size, per_rank)
-    return [td[index[:, r].reshape(-1)] for r in range(world_size)]
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    per_rank = global_batch_size // dp_size
+    return torch.arange(n).view(n // global_batch_size, dp_size, per_rank)[:, dp_rank].reshape(-1)
+
+
+def shard_for_ranks(td: TensorDict, *, global_batch_size: int, world_size: int) -> list[TensorDict]:
+    """Every rank's shard of a rollout batch (:func:`shard_rows`); :func:`merge_shards` inverts it."""
+    n = td.batch_size[0]
+    return [
+        td[shard_rows(n, global_batch_size=global_batch_size, dp_rank=r, dp_size=world_size)]
+        for r in range(world_size)
+    ]
 
 
 def merge_shards(shards: Sequence[TensorDict], *, global_batch_size: int) -> TensorDict:

@@ -16,20 +16,7 @@ from tensordict import TensorDict
 from rlcore import keys
 from rlcore.advantages import AdvantageConfig, compute
 from runtime.train.backends.base import TrainBackend
-
-
-def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """Row indices of rank ``dp_rank``'s shard of an ``n``-row batch consumed in optimizer steps of
-    ``global_batch_size`` consecutive rows: the rank's ``1/dp_size`` slice of every step, in step order."""
-    if n % global_batch_size or global_batch_size % dp_size:
-        raise ValueError(
-            f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
-            f"dp_size {dp_size}"
-        )
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    per_rank = global_batch_size // dp_size
-    return torch.arange(n).view(n // global_batch_size, dp_size, per_rank)[:, dp_rank].reshape(-1)
+from runtime.train.batch import shard_rows
 
 
 def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
