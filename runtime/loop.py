@@ -261,6 +261,11 @@ def train_metrics(raw: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under ``taskset`` or a cpuset), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _init_ray(cfg: Config) -> bool:
     """Start a local Ray if none is running; returns whether this call started it."""
     if ray.is_initialized():
@@ -268,7 +273,7 @@ def _init_ray(cfg: Config) -> bool:
     res = cfg.resources
     slots = res.num_trainer_procs + (0 if res.colocate else res.rollout_num_gpus)
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
-    ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=max(usable_cpus(), slots), include_dashboard=False, log_to_driver=False)
     return True
 
 
