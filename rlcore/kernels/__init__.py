@@ -1,4 +1,5 @@
-"""Fused log-probability and entropy kernels: from logits, from hidden states x LM head, vocab-parallel.
+"""Fused log-probability and entropy kernels: from logits, from hidden states x LM head, vocab-parallel; and the RL
+loss fused into the LM head (:func:`linear_rl_loss`).
 
 CUDA tensors run Triton kernels; CPU tensors run a chunked torch implementation, except under
 ``TRITON_INTERPRET=1``, where they run the Triton kernels in Triton's interpreter (how CI tests them).
@@ -6,7 +7,8 @@ CUDA tensors run Triton kernels; CPU tensors run a chunked torch implementation,
 """
 
 from rlcore.kernels import reference
+from rlcore.kernels.fused_loss import linear_rl_loss
 from rlcore.kernels.linear import linear_logprobs_entropy
 from rlcore.kernels.logprobs import logprobs_entropy
 
-__all__ = ["linear_logprobs_entropy", "logprobs_entropy", "reference"]
+__all__ = ["linear_logprobs_entropy", "linear_rl_loss", "logprobs_entropy", "reference"]

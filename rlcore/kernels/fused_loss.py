@@ -1,0 +1,564 @@
+"""The RL loss inside the LM head: ``rl_loss`` of ``hidden [N, H] x weight [V, H]`` in three matmuls, no recompute.
+
+Row-chunked. For each chunk of rows (a few thousand tokens):
+
+1. ``logits = hidden[rows] @ weight^T`` over the whole (local) vocabulary, one cuBLAS matmul into one reused buffer;
+2. the Triton statistics pass (``logprobs._stats_kernel``): per-token ``lse``, ``mu``, target logit, hence the
+   log-prob and entropy (all-reduced over ``group`` when the vocabulary is sharded);
+3. the loss's per-token coefficients ``g_lp = d loss / d log_prob`` and ``g_ent = d loss / d entropy`` in closed form
+   (:func:`token_coefficients`), given the global ``Normalizer``: every term of ``rl_loss`` but the value loss is a
+   per-token function of the token's log-prob and entropy once its denominators are fixed;
+4. the Triton gradient pass writes ``d logits = [g_lp (onehot - p) + g_ent p (mu - z)] / T`` over the logits, in
+   place;
+5. ``grad_hidden[rows] = d logits @ weight`` and ``grad_weight += d logits^T @ hidden[rows]``.
+
+Everything happens in the forward (the op returns the loss of a batch, so it knows its gradient then); the backward
+only scales the two stored gradients by the upstream one. Cost: exactly three [rows, H] x [H, V] matmuls per chunk
+and two passes over the chunk's logits, whose buffer is the op's only large temporary.
+
+Sequence-level terms. Sequence and geometric TIS/MIS/ICEPOP weights depend on the old and rollout log-probs only, so
+they are fixed per token before the pass. GSPO's sequence ratio needs every current log-prob of its sequence before
+any of them has a gradient coefficient: chunks are cut along whole sequences (rows of the ``[B, T]`` batch) when a
+sequence fits in a chunk, which costs nothing; when one does not (``T`` rows of logits larger than ``chunk_bytes``),
+a first pass computes the log-probs of all rows (one more matmul: four instead of three) rather than holding
+``[T, V]`` logits at once. Anything else (``value_coef != 0``, a custom ``loss_fn``) falls back to
+:func:`~rlcore.kernels.linear_logprobs_entropy` and autograd through ``rl_loss`` or the custom loss.
+
+Numerics. Logits are rounded to the input dtype (bf16) before the softmax, as rlcore's other kernels, Liger and the
+rollout engines (SGLang's logits processor reads the bf16 LM-head output) do, so the trainer's ratio compares like
+with like; ``float32_logits=True`` keeps them in float32 (verl, CCE) at twice the chunk's memory per row. The
+weight gradient is accumulated across chunks in the weight's dtype by default (each chunk's matmul accumulates in
+float32 and rounds once when added, so a bf16 gradient carries ~``sqrt(chunks) * 2**-9`` relative error) or, with
+``grad_weight_dtype=torch.float32``, in a float32 [V, H] buffer (4 bytes x V x H more memory, rounded once at the
+end). The hidden gradient of a row is one matmul over the whole vocabulary: one rounding.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from rlcore import keys
+from rlcore._checks import check_finite_where, check_mask, check_tensor, masked_fill_zero
+from rlcore.kernels._stats import (
+    Partial,
+    check_float_matrix,
+    check_targets,
+    check_temperature,
+    group_layout,
+    outputs,
+)
+from rlcore.kernels.linear import linear_logprobs_entropy
+from rlcore.kernels.logprobs import backend_ops
+from rlcore.losses import LossConfig, Normalizer, mismatch_weights, rl_loss
+
+# 1.25 GiB of logits per chunk: 4096 rows of a 151936-token vocabulary in bf16, four chunks at N = 16384.
+DEFAULT_CHUNK_BYTES = 5 << 28
+# Chunks start on multiples of this many rows when they are not cut along sequences (cuBLAS prefers aligned rows).
+_ROW_ALIGN = 128
+# mismatch_weights and low_var_kl bound what they clamp with these constants (see rlcore.losses).
+_LOW_VAR_KL_BOUND = 10.0
+
+
+class TokenInputs(NamedTuple):
+    """Per-token constants of the loss over all N = B * T rows, float32 [N].
+
+    ``c_pg``: the weight of each token's policy loss in ``pg_loss`` (aggregation weight times the mismatch weight,
+    0 outside ``keep``); ``kept_weight``: the aggregation weight, 0 outside ``keep`` (the KL and entropy terms);
+    ``advantages``, ``old`` (``None``: the current log-probs, detached), ``ref`` (``None`` without the KL loss): the
+    loss's inputs with padding zeroed; ``valid``: the mask.
+    """
+
+    c_pg: Tensor
+    kept_weight: Tensor
+    advantages: Tensor
+    old: Tensor | None
+    ref: Tensor | None
+    valid: Tensor
+
+
+class PolicyTerm(NamedTuple):
+    """The policy loss's knobs as the closed form reads them (see :func:`token_coefficients`)."""
+
+    kind: str
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None
+    cispo_eps_low: float | None
+
+
+def aggregation_weights(mask: Tensor, mode: str, norm: Normalizer) -> Tensor:
+    """[B, T] float32 weight of each valid token's value in ``aggregate(per_token, mask, mode=mode, norm=norm)``."""
+    device = mask.device
+
+    def count(value) -> Tensor:
+        return torch.as_tensor(value, device=device, dtype=torch.float32)
+
+    if mode == "token_mean":
+        per_row = count(norm.num_tokens).clamp_min(1).reciprocal().expand(mask.shape[0])
+    elif mode == "seq_mean_token_mean":
+        per_row = 1.0 / (mask.sum(-1).clamp_min(1).float() * count(norm.num_seqs).clamp_min(1))
+    elif mode == "seq_mean_token_sum":
+        per_row = count(norm.num_seqs).clamp_min(1).reciprocal().expand(mask.shape[0])
+    else:
+        per_row = (count(norm.num_seqs) * count(norm.max_len)).clamp_min(1).reciprocal().expand(mask.shape[0])
+    return torch.where(mask, per_row[:, None], 0.0)
+
+
+def policy_values(
+    term: PolicyTerm, log_probs: Tensor, old: Tensor, advantages: Tensor, seq_ratio: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``(loss, d loss / d log_prob, clipped)`` of the policy term, for float32 [n] inputs.
+
+    ``seq_ratio`` is GSPO's sequence ratio broadcast to the tokens; PPO and GSPO share the clipped surrogate.
+    """
+    ratio = seq_ratio if term.kind == "gspo" else torch.exp(log_probs - old)
+    if term.kind == "cispo":
+        low = None if term.cispo_eps_low is None else 1.0 - term.cispo_eps_low
+        weight = ratio.clamp(min=low, max=1.0 + term.eps_high)
+        clipped = ratio > 1.0 + term.eps_high
+        if low is not None:
+            clipped = clipped | (ratio < low)
+        return -weight * advantages * log_probs, -weight * advantages, clipped
+    unclipped = -advantages * ratio
+    clipped_branch = -advantages * ratio.clamp(1.0 - term.eps_low, 1.0 + term.eps_high)
+    loss = torch.maximum(unclipped, clipped_branch)
+    clipped = clipped_branch > unclipped
+    if term.dual_clip is not None:
+        dual_bound = -term.dual_clip * advantages
+        held = (advantages < 0) & (dual_bound < loss)
+        loss = torch.where(held, dual_bound, loss)
+        clipped = clipped | held
+    return loss, torch.where(clipped, 0.0, unclipped), clipped
+
+
+def kl_values(kind: str, log_probs: Tensor, ref: Tensor, importance_ratio: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-token ``(kl, d kl / d log_prob)`` of ``approx_kl(log_probs, ref, kind=kind, importance_ratio=...)``, where
+    ``importance_ratio = exp(log_probs - old)`` carries gradient (slime's unbiased KL)."""
+    d = log_probs - ref
+    if kind == "k1":
+        kl, grad = d, torch.ones_like(d)
+    elif kind == "k2":
+        kl, grad = 0.5 * d.square(), d
+    else:
+        kl, grad = torch.expm1(-d) + d, -torch.expm1(-d)
+    if importance_ratio is not None:
+        kl, grad = kl * importance_ratio, (grad + kl) * importance_ratio
+    if kind == "low_var_kl":
+        inside = (kl >= -_LOW_VAR_KL_BOUND) & (kl <= _LOW_VAR_KL_BOUND)
+        kl, grad = kl.clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND), torch.where(inside, grad, 0.0)
+    return kl, grad
+
+
+def token_coefficients(
+    cfg: LossConfig,
+    term: PolicyTerm,
+    inputs: TokenInputs,
+    rows: slice,
+    log_probs: Tensor,
+    entropy: Tensor,
+    seq_ratio: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The closed form of one chunk: ``(g_lp [n], g_ent [n] or None, shares [4])``.
+
+    ``shares`` holds the chunk's part of ``pg_loss``, ``kl_loss`` and ``entropy_loss`` (before their coefficients)
+    and its count of clipped valid tokens. ``log_probs``, ``entropy``: float32 [n] of the chunk's rows ``rows``
+    (padding zeroed); ``seq_ratio``: [n] GSPO sequence ratio of each row's sequence, else ``None``.
+    """
+    advantages = inputs.advantages[rows]
+    old = log_probs if inputs.old is None else inputs.old[rows]
+    pg, g_pg, clipped = policy_values(term, log_probs, old, advantages, seq_ratio)
+    c_pg = inputs.c_pg[rows]
+    kept_weight = inputs.kept_weight[rows]
+    g_lp = c_pg * g_pg
+    zero = pg.new_zeros(())
+    kl_share = ent_share = zero
+    if cfg.use_kl_loss:
+        ratio = torch.exp(log_probs - old) if cfg.use_unbiased_kl else None
+        kl, g_kl = kl_values(cfg.kl_loss_type, log_probs, inputs.ref[rows], ratio)
+        g_lp = g_lp + (cfg.kl_loss_coef * kept_weight) * g_kl
+        kl_share = (kept_weight * kl).sum()
+    g_ent = None
+    if cfg.entropy_coef != 0:
+        g_ent = -cfg.entropy_coef * kept_weight
+        ent_share = -(kept_weight * entropy).sum()
+    clipped_count = (clipped & inputs.valid[rows]).sum().to(pg.dtype)
+    return g_lp, g_ent, torch.stack([(c_pg * pg).sum(), kl_share, ent_share, clipped_count])
+
+
+def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tensor:
+    if key not in td.keys():
+        raise ValueError(f"linear_rl_loss needs td[{key!r}] for {needed_by}; the batch has keys {sorted(td.keys())}")
+    x = check_tensor(key, td.get(key), floating=True)
+    if x.shape != mask.shape:
+        raise ValueError(f"{key} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
+    check_finite_where(key, x, mask)
+    return masked_fill_zero(x.detach().float(), mask)
+
+
+def token_inputs(td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer) -> TokenInputs:
+    """Everything per token the loss needs besides the current log-probs and entropy, flattened to [B * T]."""
+    weight = aggregation_weights(mask, cfg.loss_agg_mode, norm)
+    advantages = _read(td, keys.ADVANTAGES, mask, needed_by="the policy loss")
+    old = None
+    if keys.OLD_LOG_PROBS in td.keys():
+        old = _read(td, keys.OLD_LOG_PROBS, mask, needed_by="the policy loss")
+    keep = mask
+    c_pg = weight
+    if cfg.use_tis:
+        rollout = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis")
+        tis, keep = mismatch_weights(
+            old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
+        )
+        c_pg = weight * tis.float()
+    ref = None
+    if cfg.use_kl_loss:
+        ref = _read(td, keys.REF_LOG_PROBS, mask, needed_by="use_kl_loss").flatten()
+    return TokenInputs(
+        c_pg=torch.where(keep, c_pg, 0.0).flatten(),
+        kept_weight=torch.where(keep, weight, 0.0).flatten(),
+        advantages=advantages.flatten(),
+        old=None if old is None else old.flatten(),
+        ref=ref,
+        valid=mask.flatten(),
+    )
+
+
+def plan_chunks(rows: int, seq_len: int, vocab: int, bytes_per_logit: int, chunk_bytes: int, by_sequence: bool):
+    """Row bounds ``[(start, stop), ...]`` covering ``[0, rows)`` and whether they are cut along sequences.
+
+    At most ``chunk_bytes`` of logits per chunk (at least one row), in near-equal chunks starting on multiples of 128
+    rows; with ``by_sequence`` (GSPO), whole sequences of ``seq_len`` rows per chunk, when one fits.
+    """
+    budget = max(1, chunk_bytes // max(1, vocab * bytes_per_logit))
+    if rows == 0:
+        return [], by_sequence
+    if by_sequence and seq_len <= budget:
+        per_chunk = budget // seq_len * seq_len
+        count = -(-rows // per_chunk)
+        seqs = rows // seq_len
+        bounds = [seq_len * (seqs * i // count) for i in range(count + 1)]
+        return list(zip(bounds, bounds[1:], strict=False)), True
+    size = -(-rows // max(1, -(-rows // budget)))
+    if budget >= _ROW_ALIGN:
+        size = min(-(-size // _ROW_ALIGN), budget // _ROW_ALIGN) * _ROW_ALIGN
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)], False
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+    """``hidden @ weight^T`` written into ``out`` (float32 from bf16/fp16 operands without a rounded copy on CUDA)."""
+    if out.dtype == hidden.dtype:
+        return torch.mm(hidden, weight.T, out=out)
+    if hidden.is_cuda:
+        return torch.mm(hidden, weight.T, out_dtype=out.dtype, out=out)
+    return out.copy_(hidden.float() @ weight.float().T)
+
+
+def _seq_ratio(log_probs: Tensor, old: Tensor, valid: Tensor, seq_len: int) -> Tensor:
+    """GSPO's ``exp(mean over valid tokens of (log_probs - old))`` per sequence, broadcast back to its rows."""
+    diff = torch.where(valid, log_probs - old, 0.0).view(-1, seq_len)
+    lengths = valid.view(-1, seq_len).sum(-1).clamp_min(1)
+    return torch.exp(diff.sum(-1) / lengths).repeat_interleave(seq_len)
+
+
+class _Settings(NamedTuple):
+    cfg: LossConfig
+    term: PolicyTerm
+    seq_len: int
+    col_offset: int
+    inv_temperature: float
+    group: object
+    chunk_bytes: int
+    grad_weight_dtype: torch.dtype
+    float32_logits: bool
+
+
+def _token_stats(hidden, weight, targets, logits, settings: _Settings, start: int, stop: int):
+    """Log-prob, entropy, ``lse`` and ``mu`` ([n] float32) of rows ``[start, stop)``; ``logits`` then holds theirs."""
+    partial_stats, _ = backend_ops(hidden)
+    _chunk_logits(hidden[start:stop], weight, logits)
+    packed = partial_stats(logits, targets[start:stop], settings.col_offset, settings.inv_temperature, True)
+    totals, log_probs, entropy = outputs(Partial(*packed), settings.group, True)
+    return log_probs, entropy, totals
+
+
+def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Settings, want_hidden, want_weight):
+    """The row-chunked pass: ``(loss, shares [4], log_probs [N], entropy [N], grad_hidden, grad_weight)``, with
+    ``shares`` the sums of :func:`token_coefficients`' over the chunks."""
+    n = hidden.shape[0]
+    vocab = weight.shape[0]
+    logit_dtype = torch.float32 if settings.float32_logits else hidden.dtype
+    separate_grad = logit_dtype != hidden.dtype
+    bytes_per_logit = torch.finfo(logit_dtype).bits // 8 + (hidden.element_size() if separate_grad else 0)
+    by_sequence = settings.term.kind == "gspo"
+    chunks, aligned = plan_chunks(n, settings.seq_len, vocab, bytes_per_logit, settings.chunk_bytes, by_sequence)
+    widest = max((b - a for a, b in chunks), default=0)
+    buffer = torch.empty(widest, vocab, dtype=logit_dtype, device=hidden.device)
+    grad_buffer = torch.empty(widest, vocab, dtype=hidden.dtype, device=hidden.device) if separate_grad else None
+    log_probs_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    entropy_all = torch.empty_like(log_probs_all)
+
+    seq_ratio_all = None
+    if by_sequence and not aligned:
+        # Two-phase GSPO: a sequence does not fit in a chunk, so every log-prob comes first (one extra matmul).
+        for start, stop in chunks:
+            lp, _, _ = _token_stats(hidden, weight, targets, buffer[: stop - start], settings, start, stop)
+            log_probs_all[start:stop] = lp
+        lp = torch.where(inputs.valid, log_probs_all, 0.0)
+        seq_ratio_all = _seq_ratio(lp, lp if inputs.old is None else inputs.old, inputs.valid, settings.seq_len)
+
+    _, logits_grad = backend_ops(hidden)
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = None
+    if want_weight:
+        acc_dtype = settings.grad_weight_dtype
+        grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device)
+    shares = torch.zeros(4, dtype=torch.float64, device=hidden.device)
+    for index, (start, stop) in enumerate(chunks):
+        rows = slice(start, stop)
+        logits = buffer[: stop - start]
+        log_probs, entropy, totals = _token_stats(hidden, weight, targets, logits, settings, start, stop)
+        valid = inputs.valid[rows]
+        log_probs = torch.where(valid, log_probs, 0.0)
+        entropy = torch.where(valid, entropy, 0.0)
+        log_probs_all[rows] = log_probs
+        entropy_all[rows] = entropy
+        seq_ratio = None
+        if by_sequence:
+            if seq_ratio_all is not None:
+                seq_ratio = seq_ratio_all[rows]
+            else:
+                old = log_probs if inputs.old is None else inputs.old[rows]
+                seq_ratio = _seq_ratio(log_probs, old, valid, settings.seq_len)
+        g_lp, g_ent, chunk_shares = token_coefficients(
+            settings.cfg, settings.term, inputs, rows, log_probs, entropy, seq_ratio
+        )
+        shares += chunk_shares
+        if not (want_hidden or want_weight):
+            continue
+        grads = grad_buffer[: stop - start] if separate_grad else logits
+        logits_grad(
+            logits,
+            targets[rows],
+            settings.col_offset,
+            totals.lse,
+            totals.mu,
+            g_lp,
+            g_ent,
+            settings.inv_temperature,
+            grads,
+        )
+        if want_hidden:
+            torch.mm(grads, weight, out=grad_hidden[rows])
+        if want_weight:
+            _add_weight_grad(grad_weight, grads, hidden[rows], first=index == 0)
+    if want_weight and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    cfg = settings.cfg
+    loss = shares[0] + cfg.kl_loss_coef * shares[1] + cfg.entropy_coef * shares[2]
+    return loss, shares, log_probs_all, entropy_all, grad_hidden, grad_weight
+
+
+def _add_weight_grad(acc: Tensor, grads: Tensor, hidden: Tensor, *, first: bool) -> None:
+    """``acc (+)= grads^T @ hidden``: one matmul accumulating in float32, rounded once into ``acc``'s dtype."""
+    if acc.dtype == grads.dtype:
+        if first:
+            torch.mm(grads.T, hidden, out=acc)
+        else:
+            acc.addmm_(grads.T, hidden)
+    elif grads.is_cuda:
+        torch.addmm(acc, grads.T, hidden, beta=0.0 if first else 1.0, out_dtype=acc.dtype, out=acc)
+    elif first:
+        acc.copy_(grads.T.float() @ hidden.float())
+    else:
+        acc.add_(grads.T.float() @ hidden.float())
+
+
+class LinearRLLoss(torch.autograd.Function):
+    """Computes the loss and both gradients in the forward; the backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inputs, settings, want_hidden, want_weight):
+        loss, shares, log_probs, entropy, grad_hidden, grad_weight = _fused_pass(
+            hidden, weight, targets, inputs, settings, want_hidden, want_weight
+        )
+        ctx.grads = (grad_hidden, grad_weight)
+        shares = shares.float()
+        ctx.mark_non_differentiable(shares, log_probs, entropy)
+        return loss.float(), shares, log_probs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, *_):
+        grad_hidden, grad_weight = ctx.grads
+        if grad_hidden is None and grad_weight is None:
+            raise RuntimeError("linear_rl_loss's backward already ran: its gradients were handed out")
+        ctx.grads = (None, None)
+        # One host sync, after the forward did all the work: a loss.backward() upstream gradient of 1 costs no pass.
+        if grad_loss is not None and float(grad_loss) != 1.0:
+            grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
+            grad_weight = None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def fusable(cfg: LossConfig, td: TensorDictBase) -> bool:
+    """Whether ``linear_rl_loss`` computes ``cfg``'s loss on ``td`` in the fused pass (else it falls back): every term
+    but the value loss (its input is the critic's output, not the LM head's), and mismatch weights only from a
+    batch's ``old_log_probs`` (without them ``rl_loss`` takes the current log-probs, which the fused pass does not
+    have before the mismatch weights are needed)."""
+    return cfg.value_coef == 0 and (keys.OLD_LOG_PROBS in td.keys() or not cfg.use_tis)
+
+
+def linear_rl_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    td: TensorDictBase,
+    cfg: LossConfig,
+    *,
+    norm: Normalizer | None = None,
+    loss_fn: Callable[[TensorDict], tuple[Tensor, TensorDict]] | None = None,
+    cispo_eps_clip: float | None = None,
+    temperature: float = 1.0,
+    group: object = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    grad_weight_dtype: torch.dtype | None = None,
+    float32_logits: bool = False,
+) -> tuple[Tensor, TensorDict]:
+    """``rl_loss`` of the policy ``softmax(hidden @ weight^T / temperature)``, never holding the [N, V] logits.
+
+    Equals ``rl_loss(td.set("log_probs", lp).set("entropy", ent), cfg, norm=norm)`` with ``(lp, ent)`` the
+    ``linear_logprobs_entropy`` of the same inputs reshaped to ``[B, T]``, loss and gradients with respect to
+    ``hidden`` and ``weight``, in three matmuls per row chunk and no recompute (see the module docstring).
+
+    Args:
+        hidden: [B * T, H] bfloat16, float16 or float32 final hidden states; row ``b * T + t`` predicts the t-th
+            response token of sample ``b`` (the batch contract's layout, flattened). Rows outside the mask are
+            computed too (they get zero gradient): keep ``T`` tight.
+        weight: [V, H] LM-head weight, same dtype and device; with ``group`` this rank's vocabulary shard (rank ``r``
+            holds rows ``[r * V, (r + 1) * V)``), and then ``hidden``'s gradient is this rank's partial sum, reduced
+            over the group by the caller, as for ``linear_logprobs_entropy``.
+        targets: [B * T] int64 or int32 token ids of the full vocabulary (padding: any valid id).
+        td: the batch, ``batch_size=[B]``, with ``mask`` [B, T] and what ``cfg`` reads: ``advantages``;
+            ``old_log_probs`` (absent: the current log-probs, detached); ``rollout_log_probs`` for ``use_tis``;
+            ``ref_log_probs`` for ``use_kl_loss``; ``values``, ``old_values``, ``returns`` for ``value_coef``. Its
+            ``log_probs`` and ``entropy``, if any, are ignored (the op computes them).
+        cfg: a ``LossConfig``; every policy loss, mismatch mode and level, KL kind (with ``use_unbiased_kl``),
+            the entropy bonus and every aggregation mode run fused; ``value_coef != 0`` falls back.
+        norm: denominators of the global batch (``Normalizer.of`` its mask, summed over micro-batches and reduced
+            over data-parallel ranks); ``None`` uses this batch's.
+        loss_fn: a custom loss ``fn(td) -> (loss, metrics)`` over the batch with ``log_probs`` and ``entropy``
+            [B, T] set; given, the op falls back to ``linear_logprobs_entropy`` and autograd through it.
+        cispo_eps_clip: CISPO's lower truncation ``ratio >= 1 - cispo_eps_clip`` (slime's two-sided clamp);
+            ``None`` keeps the one-sided weight of ``rlcore.losses.cispo`` today. Fused path only.
+        temperature: divides the logits.
+        group: the process group over which the vocabulary is sharded, or ``None``.
+        chunk_bytes: logits memory per row chunk: the op's one large temporary.
+        grad_weight_dtype: dtype in which the weight gradient accumulates over chunks: ``None`` (the weight's),
+            or ``torch.float32`` (4 x V x H bytes more; rounded to the weight's dtype once at the end).
+        float32_logits: keep the logits in float32 instead of rounding them to the input dtype (verl's and CCE's
+            convention; half as many rows per chunk for the same ``chunk_bytes``). CUDA or float32 inputs only
+            matter: on the CPU the product is float32 either way.
+
+    Returns:
+        ``(loss, metrics)`` as ``rl_loss``: a 0-dim float32 loss, differentiable with respect to ``hidden`` and
+        ``weight`` (its backward runs once), and the detached metrics TensorDict of ``rl_loss`` on the op's
+        log-probs and entropy (``loss``, ``pg_loss`` and ``clipfrac`` are the fused pass's own).
+    """
+    hidden = check_float_matrix("hidden", hidden)
+    weight = check_tensor("weight", weight, ndim=2)
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V, H] for hidden {tuple(hidden.shape)} ([N, H])")
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"td must be a TensorDict, got {type(td).__name__}")
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
+    if keys.MASK not in td.keys():
+        raise ValueError(f"linear_rl_loss needs td[{keys.MASK!r}]; the batch has keys {sorted(td.keys())}")
+    mask = check_mask(td.get(keys.MASK))
+    check_tensor(keys.MASK, mask, ndim=2)
+    if mask.numel() != hidden.shape[0] or mask.device != hidden.device:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must have one row per position of mask {tuple(mask.shape)} ([B * T, H]), "
+            f"on mask's device ({mask.device}, hidden on {hidden.device})"
+        )
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if grad_weight_dtype not in (None, weight.dtype, torch.float32):
+        raise ValueError(
+            f"grad_weight_dtype must be None, the weight's dtype or torch.float32, got {grad_weight_dtype}"
+        )
+    if cispo_eps_clip is not None:
+        if cfg.policy_loss != "cispo":
+            raise ValueError(f"cispo_eps_clip applies to policy_loss 'cispo' only, got {cfg.policy_loss!r}")
+        if isinstance(cispo_eps_clip, bool) or not isinstance(cispo_eps_clip, int | float) or not cispo_eps_clip >= 0:
+            raise ValueError(f"cispo_eps_clip must be a non-negative number or None, got {cispo_eps_clip!r}")
+    inv_temperature = 1.0 / check_temperature(temperature)
+    rank, world = group_layout(group)
+    targets, verify_targets = check_targets(
+        targets,
+        rows=hidden.shape[0],
+        rows_name=f"hidden {tuple(hidden.shape)}",
+        vocab=weight.shape[0] * world,
+        device=hidden.device,
+    )
+    if norm is None:
+        norm = Normalizer.of(mask)
+    batch, seq_len = mask.shape
+
+    if loss_fn is not None or not fusable(cfg, td):
+        if cispo_eps_clip is not None:
+            raise ValueError("cispo_eps_clip needs the fused path (no loss_fn and value_coef == 0)")
+        log_probs, entropy = linear_logprobs_entropy(hidden, weight, targets, temperature=temperature, group=group)
+        verify_targets()
+        full = td.clone(recurse=False)
+        full.set(keys.LOG_PROBS, log_probs.view(batch, seq_len))
+        full.set(keys.ENTROPY, entropy.view(batch, seq_len))
+        return loss_fn(full) if loss_fn is not None else rl_loss(full, cfg, norm=norm)
+
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    term = PolicyTerm(cfg.policy_loss, float(cfg.eps_clip), float(eps_high), cfg.eps_clip_c, cispo_eps_clip)
+    settings = _Settings(
+        cfg=cfg,
+        term=term,
+        seq_len=seq_len,
+        col_offset=rank * weight.shape[0],
+        inv_temperature=inv_temperature,
+        group=group,
+        chunk_bytes=chunk_bytes,
+        grad_weight_dtype=grad_weight_dtype or weight.dtype,
+        float32_logits=float32_logits,
+    )
+    inputs = token_inputs(td, cfg, mask, norm)
+    grad_enabled = torch.is_grad_enabled()
+    loss, shares, log_probs, entropy = LinearRLLoss.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        targets,
+        inputs,
+        settings,
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+    )
+    verify_targets()
+    with torch.no_grad():
+        full = td.clone(recurse=False)
+        full.set(keys.LOG_PROBS, log_probs.view(batch, seq_len))
+        full.set(keys.ENTROPY, entropy.view(batch, seq_len))
+        _, metrics = rl_loss(full, cfg, norm=norm)
+        num_tokens = torch.as_tensor(norm.num_tokens, device=hidden.device).clamp_min(1)
+        fused = {"loss": loss, "pg_loss": shares[0], "clipfrac": shares[3] / num_tokens}
+        if cfg.use_kl_loss:
+            fused["kl_loss"] = shares[1]
+        if cfg.entropy_coef != 0:
+            fused["entropy_loss"] = shares[2]
+        for name, value in fused.items():
+            metrics.set(name, value.detach().to(metrics.get(name).dtype))
+    return loss, metrics
