@@ -5,9 +5,13 @@ the HBM floor (three passes over the bf16 logits: the forward read, the backward
 device-to-device copy bandwidth) and the extra peak memory (peak allocated during the step minus what was allocated
 before it: logits, targets and upstream gradients; a freshly allocated d(logits) counts as extra). For the fused
 LM head [N, H, V]: the same step; extra memory there excludes the gradients of hidden and weight, which every method
-must return, and the floor is 3 matmuls (logits, d(hidden), d(weight)) at the measured bf16 matmul rate.
+must return, and the floor is 3 matmuls (logits, d(hidden), d(weight)) at the measured bf16 matmul rate. The RL loss
+inside the LM head (``linear_rl_loss``, PPO + TIS + low_var_kl + entropy bonus over a [16, 1024] batch) is timed the
+same way beside ``linear_logprobs_entropy`` + ``rl_loss`` and Liger's fused linear cross-entropy, followed by its
+numerics: the weight gradient's bf16 accumulation against a float32 accumulator, and bf16-rounded against float32
+logits.
 
-Usage: python tools/bench_kernels.py [--quick] [--sweep]   (Liger is optional: the ``bench`` extra)
+Usage: python tools/bench_kernels.py [--quick] [--sweep] [--fused-loss]   (Liger is optional: the ``bench`` extra)
 """
 
 import argparse
@@ -22,10 +26,14 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tensordict import TensorDict  # noqa: E402
+
+from rlcore import keys  # noqa: E402
 from rlcore.kernels import linear as linear_module  # noqa: E402
-from rlcore.kernels import linear_logprobs_entropy, logprobs_entropy  # noqa: E402
+from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy  # noqa: E402
 from rlcore.kernels import logprobs as logprobs_module  # noqa: E402
 from rlcore.kernels.linear import DEFAULT_CHUNK  # noqa: E402
+from rlcore.losses import LossConfig, rl_loss  # noqa: E402
 
 GIB = 1024**3
 LOGIT_SHAPES = [(4096, 151936), (16384, 151936), (16384, 128256)]
@@ -184,6 +192,134 @@ def bench_linear(rows, rate, methods=None, label=None):
     rows.append((label or f"[{n}, {h}, {v}] bf16", "matmul floor (3 matmuls)", f"{floor_ms:.1f}", "1.00x", ""))
 
 
+FUSED_LOSS_CONFIG = LossConfig(
+    eps_clip_high=0.28,
+    use_tis=True,
+    use_kl_loss=True,
+    kl_loss_coef=0.01,
+    kl_loss_type="low_var_kl",
+    entropy_coef=0.001,
+)
+
+
+def loss_batch(n: int, seq_len: int = 1024) -> TensorDict:
+    """A [n / seq_len, seq_len] batch: every token valid, log-probs near a typical policy's."""
+    batch = n // seq_len
+    base = -torch.rand(batch, seq_len, device="cuda") * 2
+
+    def near(scale):
+        return base + scale * torch.randn(batch, seq_len, device="cuda")
+
+    return TensorDict(
+        {
+            keys.MASK: torch.ones(batch, seq_len, dtype=torch.bool, device="cuda"),
+            keys.ADVANTAGES: torch.randn(batch, seq_len, device="cuda"),
+            keys.OLD_LOG_PROBS: base,
+            keys.ROLLOUT_LOG_PROBS: near(0.05),
+            keys.REF_LOG_PROBS: near(0.1),
+        },
+        batch_size=[batch],
+    )
+
+
+def unfused_rl_loss(hidden, weight, targets, td, cfg):
+    log_probs, entropy = linear_logprobs_entropy(hidden, weight, targets)
+    full = td.clone(recurse=False)
+    full.set(keys.LOG_PROBS, log_probs.view(td[keys.MASK].shape))
+    full.set(keys.ENTROPY, entropy.view(td[keys.MASK].shape))
+    return rl_loss(full, cfg)[0]
+
+
+def fused_loss_methods(td, cfg):
+    methods = {
+        "rlcore linear_rl_loss (fused)": lambda h, w, t: linear_rl_loss(h, w, t, td, cfg)[0],
+        "linear_rl_loss, fp32 d(weight) accumulator": lambda h, w, t: linear_rl_loss(
+            h, w, t, td, cfg, grad_weight_dtype=torch.float32
+        )[0],
+        "linear_rl_loss, fp32 logits": lambda h, w, t: linear_rl_loss(h, w, t, td, cfg, float32_logits=True)[0],
+        "linear_logprobs_entropy + rl_loss": lambda h, w, t: unfused_rl_loss(h, w, t, td, cfg),
+    }
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        methods["Liger FLCE (log-prob only)"] = lambda h, w, t: liger_fused_linear_cross_entropy(
+            h, w, t, reduction="sum"
+        )
+    except ImportError as err:
+        print(f"Liger-Kernel not available ({err}); skipped", file=sys.stderr)
+    return methods
+
+
+def bench_fused_loss(rows, rate):
+    n, h, v = LINEAR_SHAPE
+    label = f"loss [{n}, {h}, {v}] bf16"
+    floor_ms = 3 * 2 * n * h * v / rate * 1e3
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5 * 4
+    targets = torch.randint(0, v, (n,), device="cuda")
+    td = loss_batch(n)
+    grads_bytes = (hidden.numel() + weight.numel()) * 2
+    for name, method in fused_loss_methods(td, FUSED_LOSS_CONFIG).items():
+
+        def step(method=method):
+            hh = hidden.detach().requires_grad_()
+            ww = weight.detach().requires_grad_()
+            return torch.autograd.grad(method(hh, ww, targets), [hh, ww])
+
+        try:
+            mem = extra_peak_gib(step, exclude_bytes=grads_bytes)
+            ms = median_ms(step, rep_ms=1500)
+        except torch.OutOfMemoryError:
+            rows.append((label, name, "OOM", "", ""))
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append((label, name, f"{ms:.1f}", f"{ms / floor_ms:.2f}x", f"{mem:.2f}"))
+    rows.append((label, "matmul floor (3 matmuls)", f"{floor_ms:.1f}", "1.00x", ""))
+    return fused_loss_numerics(hidden, weight, targets, td)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def fused_loss_numerics(hidden, weight, targets, td) -> list[str]:
+    """The weight gradient's accumulation error and the logit-precision gap, as lines to print under the table."""
+    cfg = FUSED_LOSS_CONFIG
+
+    def grads(fn):
+        hh, ww = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss = fn(hh, ww)
+        return (loss.detach(), *torch.autograd.grad(loss, [hh, ww]))
+
+    bf16_acc = grads(lambda hh, ww: linear_rl_loss(hh, ww, targets, td, cfg)[0])
+    fp32_acc = grads(lambda hh, ww: linear_rl_loss(hh, ww, targets, td, cfg, grad_weight_dtype=torch.float32)[0])
+    unfused = grads(lambda hh, ww: unfused_rl_loss(hh, ww, targets, td, cfg))
+    lines = [
+        "d(weight), bf16 accumulation over 4 chunks vs float32 accumulator: "
+        f"{_relative(bf16_acc[2], fp32_acc[2]):.2e} relative (Frobenius)",
+        f"fused vs unfused: loss {abs(float(bf16_acc[0] - unfused[0])) / abs(float(unfused[0])):.2e} relative, "
+        f"d(hidden) {_relative(bf16_acc[1], unfused[1]):.2e}, d(weight) {_relative(bf16_acc[2], unfused[2]):.2e}; "
+        f"grad norms {float(bf16_acc[2].float().norm()) / float(unfused[2].float().norm()):.5f}x (weight), "
+        f"{float(bf16_acc[1].float().norm()) / float(unfused[1].float().norm()):.5f}x (hidden)",
+    ]
+    del bf16_acc, fp32_acc, unfused
+    with torch.no_grad():
+        rounded, exact = [], []
+        for start in range(0, hidden.shape[0], 2048):
+            rows = slice(start, start + 2048)
+            rounded.append(linear_logprobs_entropy(hidden[rows], weight, targets[rows], with_entropy=False)[0])
+            logits = torch.mm(hidden[rows], weight.T, out_dtype=torch.float32)
+            exact.append(logprobs_entropy(logits, targets[rows], with_entropy=False)[0])
+        gap = (torch.cat(rounded) - torch.cat(exact)).abs()
+    lines.append(
+        f"log-prob, bf16-rounded vs float32 logits: max |diff| {float(gap.max()):.3f} nats, "
+        f"mean {float(gap.mean()):.4f} (logits std {float((hidden[:256] @ weight.T).float().std()):.1f})"
+    )
+    return lines
+
+
 def sweep_logits_config(rows, bandwidth, block, warps):
     n, v = LOGIT_SHAPES[1]
     floor_ms = 3 * n * v * 2 / bandwidth * 1e3
@@ -240,6 +376,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only [16384, 151936] and the fused linear op")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     parser.add_argument("--no-linear", action="store_true")
+    parser.add_argument("--fused-loss", action="store_true", help="only the RL loss inside the LM head")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -248,11 +385,16 @@ def main() -> None:
     # Measured at the op's own matmul shape, a [N, H] x [H, chunk] block of the vocabulary.
     rate = matmul_rate(LINEAR_SHAPE[0], LINEAR_SHAPE[1], DEFAULT_CHUNK)
     rows: list[tuple[str, str, str, str, str]] = []
-    if args.sweep:
-        sweep(rows, bandwidth, rate)
-    bench_logits(rows, bandwidth, args.quick)
-    if not args.no_linear:
-        bench_linear(rows, rate)
+    notes: list[str] = []
+    if args.fused_loss:
+        notes = bench_fused_loss(rows, rate)
+    else:
+        if args.sweep:
+            sweep(rows, bandwidth, rate)
+        bench_logits(rows, bandwidth, args.quick)
+        if not args.no_linear:
+            bench_linear(rows, rate)
+            notes = bench_fused_loss(rows, rate)
     print(
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
         f"(read + write), bf16 matmul {rate / 1e12:.0f} TFLOP/s"
@@ -261,6 +403,8 @@ def main() -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    for line in notes:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -369,8 +369,10 @@ def _add_weight_grad(acc: Tensor, grads: Tensor, hidden: Tensor, *, first: bool)
             torch.mm(grads.T, hidden, out=acc)
         else:
             acc.addmm_(grads.T, hidden)
+    elif grads.is_cuda and first:
+        torch.mm(grads.T, hidden, out_dtype=acc.dtype, out=acc)
     elif grads.is_cuda:
-        torch.addmm(acc, grads.T, hidden, beta=0.0 if first else 1.0, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, grads.T, hidden, out_dtype=acc.dtype, out=acc)
     elif first:
         acc.copy_(grads.T.float() @ hidden.float())
     else:
