@@ -309,16 +309,15 @@ def test_bf16_equals_unfused_within_bf16_tolerance():
 
 @settings(deadline=None)
 @given(
-    rows=st.integers(0, 5000),
-    seq_len=st.integers(1, 700),
+    seq_lengths=st.lists(st.integers(0, 700), max_size=12),
     vocab=st.integers(1, 200_000),
     bytes_per_logit=st.sampled_from((2, 4, 6)),
     chunk_bytes=st.integers(1, 1 << 32),
     by_sequence=st.booleans(),
 )
-def test_plan_chunks_invariants(rows, seq_len, vocab, bytes_per_logit, chunk_bytes, by_sequence):
-    rows = rows // seq_len * seq_len if by_sequence else rows
-    chunks, aligned = plan_chunks(rows, seq_len, vocab, bytes_per_logit, chunk_bytes, by_sequence)
+def test_plan_chunks_invariants(seq_lengths, vocab, bytes_per_logit, chunk_bytes, by_sequence):
+    rows = sum(seq_lengths)
+    chunks, aligned = plan_chunks(seq_lengths, vocab, bytes_per_logit, chunk_bytes, by_sequence)
     if rows == 0:
         assert chunks == []
         return
@@ -326,12 +325,40 @@ def test_plan_chunks_invariants(rows, seq_len, vocab, bytes_per_logit, chunk_byt
     assert chunks[-1][1] == rows
     budget = max(1, chunk_bytes // (vocab * bytes_per_logit))
     assert all(0 < b - a <= budget for a, b in chunks)
-    if by_sequence and rows:
-        assert aligned == (seq_len <= budget)
+    if by_sequence:
+        assert aligned == (max(seq_lengths) <= budget)
     if aligned:
-        assert all(a % seq_len == 0 and b % seq_len == 0 for a, b in chunks)
+        sequence_bounds = set(itertools.accumulate(seq_lengths, initial=0))
+        assert all(a in sequence_bounds and b in sequence_bounds for a, b in chunks)
     elif budget >= 128:
         assert all(a % 128 == 0 for a, _ in chunks)
+
+
+def test_padding_rows_are_skipped_and_get_zero_gradient():
+    """A sample with no valid token, and a batch with none: padding rows never reach the matmuls (their hidden
+    states may be anything, NaN included) and get gradient 0."""
+    hidden, weight, targets, td = make_case(15, batch=3, seq_len=4, hidden_size=8, vocab=129)
+    td = td.clone()
+    mask = td[keys.MASK].clone()
+    mask[1] = False
+    td.set(keys.MASK, mask)
+    hidden = hidden.clone()
+    hidden[~mask.flatten()] = float("nan")
+    cfg = LossConfig(policy_loss="gspo", loss_agg_mode="seq_mean_token_mean", entropy_coef=0.01)
+    h = hidden.clone().requires_grad_()
+    loss, metrics = linear_rl_loss(h, weight, targets, td, cfg, chunk_bytes=SMALL_CHUNK)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    assert torch.isfinite(h.grad).all() and (h.grad[~mask.flatten()] == 0).all()
+    safe = torch.where(mask.flatten()[:, None], hidden, 0.0)
+    assert_close_to_reference(*fused_and_reference((safe, weight, targets, td), cfg, chunk_bytes=SMALL_CHUNK))
+
+    td.set(keys.MASK, torch.zeros_like(mask))
+    w = weight.clone().requires_grad_()
+    h = hidden.clone().requires_grad_()
+    loss, _ = linear_rl_loss(h, w, targets, td, cfg)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and (h.grad == 0).all() and (w.grad == 0).all()
 
 
 def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:

@@ -230,13 +230,17 @@ def unfused_rl_loss(hidden, weight, targets, td, cfg):
     return rl_loss(full, cfg)[0]
 
 
+def fused_loss(hidden, weight, targets, *, td, cfg, **options):
+    return linear_rl_loss(hidden, weight, targets, td, cfg, **options)[0]
+
+
 def fused_loss_methods(td, cfg):
+    fused = functools.partial(fused_loss, td=td, cfg=cfg)
     methods = {
-        "rlcore linear_rl_loss (fused)": lambda h, w, t: linear_rl_loss(h, w, t, td, cfg)[0],
-        "linear_rl_loss, fp32 d(weight) accumulator": lambda h, w, t: linear_rl_loss(
-            h, w, t, td, cfg, grad_weight_dtype=torch.float32
-        )[0],
-        "linear_rl_loss, fp32 logits": lambda h, w, t: linear_rl_loss(h, w, t, td, cfg, float32_logits=True)[0],
+        "rlcore linear_rl_loss (fused)": fused,
+        "linear_rl_loss, chunks of 2048 rows": functools.partial(fused, chunk_bytes=2048 * LINEAR_SHAPE[2] * 2),
+        "linear_rl_loss, fp32 d(weight) accumulator": functools.partial(fused, grad_weight_dtype=torch.float32),
+        "linear_rl_loss, fp32 logits": functools.partial(fused, float32_logits=True),
         "linear_logprobs_entropy + rl_loss": lambda h, w, t: unfused_rl_loss(h, w, t, td, cfg),
     }
     try:
@@ -272,12 +276,56 @@ def bench_fused_loss(rows, rate):
         except torch.OutOfMemoryError:
             rows.append((label, name, "OOM", "", ""))
             continue
+        except Exception as err:  # one failing method must not cost the rest of the table
+            rows.append((label, name, f"error: {type(err).__name__}: {str(err)[:60]}", "", ""))
+            continue
         finally:
             gc.collect()
             torch.cuda.empty_cache()
         rows.append((label, name, f"{ms:.1f}", f"{ms / floor_ms:.2f}x", f"{mem:.2f}"))
+    ms = median_ms(functools.partial(chunked_matmuls, hidden, weight, 4096), rep_ms=1500)
+    rows.append((label, "3 matmuls alone, chunks of 4096 rows", f"{ms:.1f}", f"{ms / floor_ms:.2f}x", ""))
     rows.append((label, "matmul floor (3 matmuls)", f"{floor_ms:.1f}", "1.00x", ""))
-    return fused_loss_numerics(hidden, weight, targets, td)
+    try:
+        return fused_loss_numerics(hidden, weight, targets, td) + fused_loss_profile(hidden, weight, targets, td)
+    except Exception as err:
+        return [f"numerics failed: {type(err).__name__}: {err}"]
+
+
+def fused_loss_profile(hidden, weight, targets, td) -> list[str]:
+    """Where one fused step's GPU time goes: CUDA time per kernel name over 3 steps, largest first."""
+    hh, ww = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+
+    def step():
+        return torch.autograd.grad(linear_rl_loss(hh, ww, targets, td, FUSED_LOSS_CONFIG)[0], [hh, ww])
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / 3e3
+    lines = [f"profile of linear_rl_loss, per step: {total:.1f} ms of GPU kernels"]
+    for event in events[:8]:
+        lines.append(f"  {event.device_time_total / 3e3:7.2f} ms  {event.count // 3:4d}x  {event.key[:90]}")
+    return lines
+
+
+def chunked_matmuls(hidden, weight, chunk_rows):
+    """The fused loss's three matmuls and nothing else: logits, d(hidden), d(weight) accumulated in bf16."""
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+    logits = torch.empty(chunk_rows, weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        torch.mm(hidden[rows], weight.T, out=logits)
+        torch.mm(logits, weight, out=grad_hidden[rows])
+        if start == 0:
+            torch.mm(logits.T, hidden[rows], out=grad_weight)
+        else:
+            grad_weight.addmm_(logits.T, hidden[rows])
+    return grad_hidden, grad_weight
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,6 +1,7 @@
 """The RL loss inside the LM head: ``rl_loss`` of ``hidden [N, H] x weight [V, H]`` in three matmuls, no recompute.
 
-Row-chunked. For each chunk of rows (a few thousand tokens):
+Row-chunked, over the valid tokens only (padding rows are gathered out first). For each chunk of rows (a few
+thousand tokens):
 
 1. ``logits = hidden[rows] @ weight^T`` over the whole (local) vocabulary, one cuBLAS matmul into one reused buffer;
 2. the Triton statistics pass (``logprobs._stats_kernel``): per-token ``lse``, ``mu``, target logit, hence the
@@ -64,12 +65,13 @@ _LOW_VAR_KL_BOUND = 10.0
 
 
 class TokenInputs(NamedTuple):
-    """Per-token constants of the loss over all N = B * T rows, float32 [N].
+    """Per-token constants of the loss over the n valid tokens (the rows the op computes), in batch order.
 
     ``c_pg``: the weight of each token's policy loss in ``pg_loss`` (aggregation weight times the mismatch weight,
     0 outside ``keep``); ``kept_weight``: the aggregation weight, 0 outside ``keep`` (the KL and entropy terms);
     ``advantages``, ``old`` (``None``: the current log-probs, detached), ``ref`` (``None`` without the KL loss): the
-    loss's inputs with padding zeroed; ``valid``: the mask.
+    loss's inputs; all float32 [n]. ``seq_ids``: [n] int64 sample of each token; ``seq_lengths``: [B] float32 valid
+    tokens per sample, at least 1 (GSPO's sequence mean).
     """
 
     c_pg: Tensor
@@ -77,7 +79,8 @@ class TokenInputs(NamedTuple):
     advantages: Tensor
     old: Tensor | None
     ref: Tensor | None
-    valid: Tensor
+    seq_ids: Tensor
+    seq_lengths: Tensor
 
 
 class PolicyTerm(NamedTuple):
@@ -185,7 +188,7 @@ def token_coefficients(
     if cfg.entropy_coef != 0:
         g_ent = -cfg.entropy_coef * kept_weight
         ent_share = -(kept_weight * entropy).sum()
-    clipped_count = (clipped & inputs.valid[rows]).sum().to(pg.dtype)
+    clipped_count = clipped.sum().to(pg.dtype)
     return g_lp, g_ent, torch.stack([(c_pg * pg).sum(), kl_share, ent_share, clipped_count])
 
 
@@ -199,8 +202,9 @@ def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tens
     return masked_fill_zero(x.detach().float(), mask)
 
 
-def token_inputs(td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer) -> TokenInputs:
-    """Everything per token the loss needs besides the current log-probs and entropy, flattened to [B * T]."""
+def token_inputs(td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer, rows: Tensor) -> TokenInputs:
+    """Everything per token the loss needs besides the current log-probs and entropy, at the flat positions ``rows``
+    ([n] int64: the valid tokens of ``mask``, row-major)."""
     weight = aggregation_weights(mask, cfg.loss_agg_mode, norm)
     advantages = _read(td, keys.ADVANTAGES, mask, needed_by="the policy loss")
     old = None
@@ -214,34 +218,45 @@ def token_inputs(td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normal
             old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
         )
         c_pg = weight * tis.float()
-    ref = None
-    if cfg.use_kl_loss:
-        ref = _read(td, keys.REF_LOG_PROBS, mask, needed_by="use_kl_loss").flatten()
+    ref = _read(td, keys.REF_LOG_PROBS, mask, needed_by="use_kl_loss") if cfg.use_kl_loss else None
+
+    def at_rows(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.flatten().index_select(0, rows)
+
     return TokenInputs(
-        c_pg=torch.where(keep, c_pg, 0.0).flatten(),
-        kept_weight=torch.where(keep, weight, 0.0).flatten(),
-        advantages=advantages.flatten(),
-        old=None if old is None else old.flatten(),
-        ref=ref,
-        valid=mask.flatten(),
+        c_pg=at_rows(torch.where(keep, c_pg, 0.0)),
+        kept_weight=at_rows(torch.where(keep, weight, 0.0)),
+        advantages=at_rows(advantages),
+        old=at_rows(old),
+        ref=at_rows(ref),
+        seq_ids=torch.div(rows, mask.shape[1], rounding_mode="floor"),
+        seq_lengths=mask.sum(-1).clamp_min(1).float(),
     )
 
 
-def plan_chunks(rows: int, seq_len: int, vocab: int, bytes_per_logit: int, chunk_bytes: int, by_sequence: bool):
-    """Row bounds ``[(start, stop), ...]`` covering ``[0, rows)`` and whether they are cut along sequences.
+def plan_chunks(
+    seq_lengths: list[int], vocab: int, bytes_per_logit: int, chunk_bytes: int, by_sequence: bool
+) -> tuple[list[tuple[int, int]], bool]:
+    """Row bounds ``[(start, stop), ...]`` covering the ``sum(seq_lengths)`` rows, and whether they are cut along
+    sequences.
 
     At most ``chunk_bytes`` of logits per chunk (at least one row), in near-equal chunks starting on multiples of 128
-    rows; with ``by_sequence`` (GSPO), whole sequences of ``seq_len`` rows per chunk, when one fits.
+    rows; with ``by_sequence`` (GSPO), whole sequences (consecutive runs of ``seq_lengths`` rows) packed greedily,
+    when the longest fits in a chunk.
     """
+    rows = sum(seq_lengths)
     budget = max(1, chunk_bytes // max(1, vocab * bytes_per_logit))
     if rows == 0:
         return [], by_sequence
-    if by_sequence and seq_len <= budget:
-        per_chunk = budget // seq_len * seq_len
-        count = -(-rows // per_chunk)
-        seqs = rows // seq_len
-        bounds = [seq_len * (seqs * i // count) for i in range(count + 1)]
-        return list(zip(bounds, bounds[1:], strict=False)), True
+    if by_sequence and max(seq_lengths) <= budget:
+        bounds, start, stop = [], 0, 0
+        for length in seq_lengths:
+            if stop + length - start > budget:
+                bounds.append((start, stop))
+                start = stop
+            stop += length
+        bounds.append((start, stop))
+        return [(a, b) for a, b in bounds if b > a], True
     size = -(-rows // max(1, -(-rows // budget)))
     if budget >= _ROW_ALIGN:
         size = min(-(-size // _ROW_ALIGN), budget // _ROW_ALIGN) * _ROW_ALIGN
@@ -257,17 +272,17 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, out: Tensor) -> Tensor:
     return out.copy_(hidden.float() @ weight.float().T)
 
 
-def _seq_ratio(log_probs: Tensor, old: Tensor, valid: Tensor, seq_len: int) -> Tensor:
-    """GSPO's ``exp(mean over valid tokens of (log_probs - old))`` per sequence, broadcast back to its rows."""
-    diff = torch.where(valid, log_probs - old, 0.0).view(-1, seq_len)
-    lengths = valid.view(-1, seq_len).sum(-1).clamp_min(1)
-    return torch.exp(diff.sum(-1) / lengths).repeat_interleave(seq_len)
+def _seq_ratio(log_probs: Tensor, old: Tensor, seq_ids: Tensor, seq_lengths: Tensor) -> Tensor:
+    """GSPO's ``exp(mean over a sequence's valid tokens of (log_probs - old))``, at each of the rows given (whose
+    sequences must be whole among them)."""
+    sums = torch.zeros_like(seq_lengths).index_add_(0, seq_ids, log_probs - old)
+    return torch.exp(sums / seq_lengths).index_select(0, seq_ids)
 
 
 class _Settings(NamedTuple):
     cfg: LossConfig
     term: PolicyTerm
-    seq_len: int
+    seq_lengths: list[int]
     col_offset: int
     inv_temperature: float
     group: object
@@ -294,7 +309,7 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
     separate_grad = logit_dtype != hidden.dtype
     bytes_per_logit = torch.finfo(logit_dtype).bits // 8 + (hidden.element_size() if separate_grad else 0)
     by_sequence = settings.term.kind == "gspo"
-    chunks, aligned = plan_chunks(n, settings.seq_len, vocab, bytes_per_logit, settings.chunk_bytes, by_sequence)
+    chunks, aligned = plan_chunks(settings.seq_lengths, vocab, bytes_per_logit, settings.chunk_bytes, by_sequence)
     widest = max((b - a for a, b in chunks), default=0)
     buffer = torch.empty(widest, vocab, dtype=logit_dtype, device=hidden.device)
     grad_buffer = torch.empty(widest, vocab, dtype=hidden.dtype, device=hidden.device) if separate_grad else None
@@ -307,23 +322,21 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
         for start, stop in chunks:
             lp, _, _ = _token_stats(hidden, weight, targets, buffer[: stop - start], settings, start, stop)
             log_probs_all[start:stop] = lp
-        lp = torch.where(inputs.valid, log_probs_all, 0.0)
-        seq_ratio_all = _seq_ratio(lp, lp if inputs.old is None else inputs.old, inputs.valid, settings.seq_len)
+        old = log_probs_all if inputs.old is None else inputs.old
+        seq_ratio_all = _seq_ratio(log_probs_all, old, inputs.seq_ids, inputs.seq_lengths)
 
     _, logits_grad = backend_ops(hidden)
     grad_hidden = torch.empty_like(hidden) if want_hidden else None
     grad_weight = None
     if want_weight:
         acc_dtype = settings.grad_weight_dtype
-        grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device)
+        allocate = torch.empty if chunks else torch.zeros  # no valid token: the gradient is 0
+        grad_weight = allocate(weight.shape, dtype=acc_dtype, device=weight.device)
     shares = torch.zeros(4, dtype=torch.float64, device=hidden.device)
     for index, (start, stop) in enumerate(chunks):
         rows = slice(start, stop)
         logits = buffer[: stop - start]
         log_probs, entropy, totals = _token_stats(hidden, weight, targets, logits, settings, start, stop)
-        valid = inputs.valid[rows]
-        log_probs = torch.where(valid, log_probs, 0.0)
-        entropy = torch.where(valid, entropy, 0.0)
         log_probs_all[rows] = log_probs
         entropy_all[rows] = entropy
         seq_ratio = None
@@ -332,7 +345,7 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
                 seq_ratio = seq_ratio_all[rows]
             else:
                 old = log_probs if inputs.old is None else inputs.old[rows]
-                seq_ratio = _seq_ratio(log_probs, old, valid, settings.seq_len)
+                seq_ratio = _seq_ratio(log_probs, old, inputs.seq_ids[rows], inputs.seq_lengths)
         g_lp, g_ent, chunk_shares = token_coefficients(
             settings.cfg, settings.term, inputs, rows, log_probs, entropy, seq_ratio
         )
@@ -439,7 +452,7 @@ def linear_rl_loss(
     Args:
         hidden: [B * T, H] bfloat16, float16 or float32 final hidden states; row ``b * T + t`` predicts the t-th
             response token of sample ``b`` (the batch contract's layout, flattened). Rows outside the mask are
-            computed too (they get zero gradient): keep ``T`` tight.
+            gathered out first (only valid tokens go through the matmuls) and get zero gradient.
         weight: [V, H] LM-head weight, same dtype and device; with ``group`` this rank's vocabulary shard (rank ``r``
             holds rows ``[r * V, (r + 1) * V)``), and then ``hidden``'s gradient is this rank's partial sum, reduced
             over the group by the caller, as for ``linear_logprobs_entropy``.
@@ -530,7 +543,7 @@ def linear_rl_loss(
     settings = _Settings(
         cfg=cfg,
         term=term,
-        seq_len=seq_len,
+        seq_lengths=mask.sum(-1).tolist(),
         col_offset=rank * weight.shape[0],
         inv_temperature=inv_temperature,
         group=group,
@@ -538,7 +551,11 @@ def linear_rl_loss(
         grad_weight_dtype=grad_weight_dtype or weight.dtype,
         float32_logits=float32_logits,
     )
-    inputs = token_inputs(td, cfg, mask, norm)
+    # Only valid tokens go through the matmuls: padding costs a gather of its hidden states, not three matmuls.
+    rows = mask.flatten().nonzero().squeeze(1)
+    inputs = token_inputs(td, cfg, mask, norm, rows)
+    if rows.numel() < mask.numel():
+        hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     grad_enabled = torch.is_grad_enabled()
     loss, shares, log_probs, entropy = LinearRLLoss.apply(
         hidden.contiguous(),
@@ -552,8 +569,8 @@ def linear_rl_loss(
     verify_targets()
     with torch.no_grad():
         full = td.clone(recurse=False)
-        full.set(keys.LOG_PROBS, log_probs.view(batch, seq_len))
-        full.set(keys.ENTROPY, entropy.view(batch, seq_len))
+        for key, values in ((keys.LOG_PROBS, log_probs), (keys.ENTROPY, entropy)):
+            full.set(key, values.new_zeros(mask.numel()).index_copy_(0, rows, values).view(batch, seq_len))
         _, metrics = rl_loss(full, cfg, norm=norm)
         num_tokens = torch.as_tensor(norm.num_tokens, device=hidden.device).clamp_min(1)
         fused = {"loss": loss, "pg_loss": shares[0], "clipfrac": shares[3] / num_tokens}
