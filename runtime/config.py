@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
+from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
 from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, check_function_path
 from runtime.train.backends import TRAIN_BACKENDS
@@ -32,8 +33,6 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 
-# Estimators whose baseline is the other samples of the prompt's group: a group of one has no baseline.
-GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 # slime's estimator names where rlcore.advantages names them differently.
 _CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation"}
 
@@ -392,6 +391,10 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
     if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
+        if flat.get("rollout_schedule", "sync") != "sync":
+            # One version behind, the built-in job learns clearly slower uncorrected and level with sync with
+            # TIS on its off-policy tokens (5 seeds, docs/runtime.md); in sync TIS would change nothing it needs.
+            flat.setdefault("use_tis", True)
 
     sections = {name: cls(**{k: v for k, v in flat.items() if _SPECS[k][0] == name}) for name, cls in SECTIONS.items()}
     return Config(**sections, **{k: flat[k] for k in _TOP_LEVEL if k in flat})
@@ -591,7 +594,8 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
             f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size {r.rollout_batch_size} x "
             f"--n-samples-per-prompt {r.n_samples_per_prompt} = {per_rollout} (each rollout is whole optimizer steps)"
         )
-    if r.n_samples_per_prompt == 1 and cfg.algo.advantage_estimator in GROUP_BASELINE_ESTIMATORS:
+    # A group of one has no baseline for the estimators whose baseline is the rest of the prompt's group.
+    if r.n_samples_per_prompt == 1 and cfg.algo.core_estimator in GROUP_BASELINE_ESTIMATORS:
         problems.append(
             f"--n-samples-per-prompt 1 leaves --advantage-estimator {cfg.algo.advantage_estimator} without a group "
             f"baseline: sample >= 2 per prompt or use reinforce_plus_plus / ppo"

@@ -119,6 +119,15 @@ def test_builtin_job_values_fill_only_what_the_user_left_unset(tmp_path):
     assert "built-in job: 0.001" in help_text and "--rollout-max-response-len 8" in help_text
 
 
+def test_builtin_job_corrects_off_policy_tokens_under_the_async_schedules(tmp_path):
+    assert parse_args([]).algo.use_tis is False
+    assert parse_args(["--async"]).algo.use_tis is True
+    assert parse_args(["--rollout-schedule", "fully_async"]).algo.use_tis is True
+    assert parse_args(["--async", "--no-use-tis"]).algo.use_tis is False
+    # Other jobs keep slime's default.
+    assert from_dict(None, rollout_schedule="one_step", hf_checkpoint=str(tmp_path)).algo.use_tis is False
+
+
 def test_slime_hooks_read_leaf_fields_flat():
     cfg = parse_args(["--n-samples-per-prompt", "4", "--global-batch-size", "128", "--seed", "7"])
     assert (cfg.n_samples_per_prompt, cfg.rollout_max_response_len, cfg.global_batch_size) == (4, 8, 128)

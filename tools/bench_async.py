@@ -23,7 +23,9 @@ import tempfile
 SCHEDULES = ("sync", "one_step", "fully_async")
 
 
-def one_run(schedule: str, seed: int, num_rollout: int, extra: list[str], out: str) -> tuple[float, float]:
+def one_run(
+    schedule: str, seed: int, num_rollout: int, extra: list[str], out: str, *, warmup: int = 0
+) -> tuple[float, float]:
     import ray
 
     from runtime.config import parse_args
@@ -33,9 +35,10 @@ def one_run(schedule: str, seed: int, num_rollout: int, extra: list[str], out: s
     cfg = parse_args([*argv, "--output-dir", out, "--no-use-tensorboard", *extra])
     history = run(cfg, progress=False).history
     ray.shutdown()
-    seconds = sum(row["perf/step_time"] for row in history)
+    timed = history[warmup:]
+    seconds = sum(row["perf/step_time"] for row in timed)
     last = [row["rollout/reward_mean"] for row in history[-10:]]
-    return len(history) / seconds * 60, statistics.fmean(last)
+    return len(timed) / seconds * 60, statistics.fmean(last)
 
 
 def _table(rows: list[dict]) -> None:
@@ -62,6 +65,7 @@ def _parallel(runs: list[tuple[str, int]], args: argparse.Namespace, extra: list
     for i, (schedule, seed) in enumerate(runs):
         mine = set(cores[i * args.cpus_per_run : (i + 1) * args.cpus_per_run])
         cmd = [sys.executable, __file__, "--one", schedule, str(seed), "--num-rollout", str(args.num_rollout)]
+        cmd += ["--warmup-steps", str(args.warmup_steps)]
         procs.append(
             subprocess.Popen(
                 [*cmd, "--", *extra],
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--num-rollout", type=int, default=250)
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
+    parser.add_argument("--warmup-steps", type=int, default=0, help="first steps left out of steps/min")
     parser.add_argument("--parallel", action="store_true", help="every run at once, each on cores of its own")
     parser.add_argument("--cpus-per-run", type=int, default=2)
     parser.add_argument("--one", nargs=2, metavar=("SCHEDULE", "SEED"), help=argparse.SUPPRESS)
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         schedule, seed = args.one[0], int(args.one[1])
         with tempfile.TemporaryDirectory() as out:
-            rate, reward = one_run(schedule, seed, args.num_rollout, extra, out)
+            rate, reward = one_run(schedule, seed, args.num_rollout, extra, out, warmup=args.warmup_steps)
         print(json.dumps({"seed": seed - 1234, "schedule": schedule, "rate": rate, "reward": reward}))
         return 0
     schedules = [s for s in args.schedules.split(",") if s]
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for schedule, seed in runs:
             with tempfile.TemporaryDirectory() as out:
-                rate, reward = one_run(schedule, seed, args.num_rollout, extra, out)
+                rate, reward = one_run(schedule, seed, args.num_rollout, extra, out, warmup=args.warmup_steps)
             rows.append({"seed": seed - 1234, "schedule": schedule, "rate": rate, "reward": reward})
             print(f"seed {seed - 1234} {schedule:<12} {rate:7.1f} steps/min  last-10 reward {reward:.3f}", flush=True)
     _table(rows)
