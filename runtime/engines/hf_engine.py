@@ -7,7 +7,8 @@ The batched ``generate`` works on every device, and at the sizes this engine is 
 debugging) the padding it wastes is small; SGLang is the engine for throughput.
 
 Per-token rollout log-probs are ``log_softmax(logits / temperature)`` of the sampled token over the whole vocabulary,
-taken from the raw logits (``output_logits``) *before* top-k and top-p truncation: what SGLang reports and what the
+taken from the raw logits (a logits processor that runs before temperature, top-k and top-p and holds one step's
+logits at a time) *before* top-k and top-p truncation: what SGLang reports and what the
 trainer recomputes, so that ``--use-tis`` compares like with like. Sampling itself still draws from the truncated
 distribution. The model's own ``generation_config.json`` is set aside at load: transformers fills every field a call
 leaves unset from it (``min_p``, ``top_h``, repetition penalties, minimum lengths, ...), which would sample from a
@@ -161,6 +162,43 @@ def _abort_criteria(is_aborted: Callable[[], bool]):
     return StoppingCriteriaList([AbortRequested()])
 
 
+class _LogProbRecorder:
+    """A logits processor that records ``log_softmax(logits / T)`` of each sampled token, one step late.
+
+    Called with the raw logits of step t (transformers applies custom processors before temperature, top-k and
+    top-p), it keeps them until step t + 1, whose ``input_ids`` end with the token sampled at t; :meth:`finish` takes
+    the last step's from the final sequences. Only one step's ``[B, V]`` logits are held, where ``output_logits``
+    kept every step's (``B x T x V`` float32, copied again to stack them).
+    """
+
+    def __init__(self, temperature: float):
+        self.scale = 1.0 / temperature
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        # The same float32 arithmetic as the trainer's log-probs (rlcore.kernels: logits.float() * (1 / T)).
+        log_probs = torch.log_softmax(self.pending.float() * self.scale, dim=-1)
+        self.steps.append(log_probs.gather(-1, tokens[:, None]).squeeze(-1))
+        self.pending = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._take(input_ids[:, -1])
+        self.pending = scores.clone()
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, steps]`` log-probs of ``new_tokens`` (the generated columns)."""
+        if self.pending is not None:
+            self._take(new_tokens[:, -1])
+        if len(self.steps) != new_tokens.shape[1]:
+            raise RuntimeError(f"recorded {len(self.steps)} decoding steps for {new_tokens.shape[1]} new tokens")
+        if not self.steps:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32, device=new_tokens.device)
+        return torch.stack(self.steps, dim=1)
+
+
 def eos_token_ids(tokenizer_eos: int | None, generation_config_eos: int | list[int] | None) -> list[int]:
     """The union of the tokenizer's eos and the model's ``generation_config.eos_token_id`` (an int or a list)."""
     ids = [] if tokenizer_eos is None else [tokenizer_eos]
@@ -208,7 +246,7 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
         eos_token_id=eos,
         pad_token_id=pad,
         return_dict_in_generate=True,
-        output_logits=True,
+        output_logits=False,
         output_scores=False,
         use_cache=True,
     )
@@ -266,18 +304,18 @@ class HFEngine:
         for i, ids in enumerate(prompts):
             input_ids[i, width - len(ids) :] = torch.tensor(ids)
             attention_mask[i, width - len(ids) :] = 1
+        recorder = _LogProbRecorder(params.temperature)
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=_neutral_generation_config(params, eos=stop, pad=self.pad_token_id),
+            logits_processor=[recorder],
             stopping_criteria=_abort_criteria(lambda: self._abort_epoch != epoch),
         )
-        # One column per decoding step, as many as out.logits; rows that finished early are padded after their stop.
+        # One column per decoding step; rows that finished early are padded after their stop.
         new_tokens = out.sequences[:, width:]
         steps = new_tokens.shape[1]
-        # The same float32 arithmetic as the trainer's log-probs (rlcore.kernels: logits.float() * (1 / T)).
-        logits = torch.stack(out.logits, dim=1).float() * (1.0 / params.temperature)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+        log_probs = recorder.finish(new_tokens)
         is_stop = torch.isin(new_tokens, torch.tensor(stop, device=new_tokens.device))
         # A response ends at its first stop token (kept); what follows is the padding of finished rows.
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), steps)
