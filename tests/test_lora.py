@@ -1,4 +1,4 @@
-"""LoRA in the torch backend (peft): only adapters train, the reference is the base, merged exports equal base + adapter.
+"""LoRA in the torch backend (peft): only adapters train, the reference is the base, merged exports equal base+LoRA.
 
 In-process trainers on the CPU with the tiny model; the learning run is ``-m slow``.
 """
