@@ -182,6 +182,18 @@ class TrainConfig:
     bf16: Literal["auto", "true", "false"] = field(
         default="auto", metadata=_help("bf16 training: auto uses it where the device supports it")
     )
+    # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
+    lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
+    lora_alpha: float = field(default=16.0, metadata=_help("LoRA alpha: the adapters are scaled by alpha / rank"))
+    lora_dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
+    )
+    lora_export: Literal["merged", "adapter"] = field(
+        default="merged",
+        metadata=_help("HF exports of a LoRA run: adapters merged into the weights, or a peft adapter folder"),
+    )
 
 
 @dataclass(frozen=True)
@@ -556,6 +568,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "kl_coef": cfg.algo.kl_coef,
         "kl_loss_coef": cfg.algo.kl_loss_coef,
         "max_staleness": r.max_staleness,
+        "lora_rank": t.lora_rank,
     }
     for name, value in non_negative.items():
         if value < 0:
@@ -570,6 +583,20 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} must be in [0, 1], got {value!r}")
     if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
         problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
+    _check_lora(problems, t)
+
+
+def _check_lora(problems: list[str], t: TrainConfig) -> None:
+    if t.lora_rank == 0:
+        return
+    if t.lora_alpha <= 0:
+        problems.append(f"--lora-alpha must be > 0, got {t.lora_alpha!r}")
+    if not 0 <= t.lora_dropout < 1:
+        problems.append(f"--lora-dropout must be in [0, 1), got {t.lora_dropout!r}")
+    if t.lora_target_modules.strip() != "all-linear" and not any(n.strip() for n in t.lora_target_modules.split(",")):
+        problems.append("--lora-target-modules: give all-linear or comma-separated module names (q_proj,v_proj)")
+    if importlib.util.find_spec("peft") is None:
+        problems.append("--lora-rank needs the peft package (pip install peft)")
 
 
 def _check_batches(problems: list[str], cfg: Config) -> None:

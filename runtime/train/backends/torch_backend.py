@@ -27,6 +27,7 @@ from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
+from runtime.train.backends import lora
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.roles import ACTOR, REFERENCE, ModelRole
 
@@ -68,6 +69,17 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
     if setting == "false":
         return False
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def _trained_only_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen parameters (a LoRA run's base model) are not checkpointed: they are the --hf-checkpoint's. strict=False
+    # lets set_state_dict leave them as they are.
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+_TRAINED_ONLY = _trained_only_options()
 
 
 class TorchTrainer:
@@ -114,10 +126,15 @@ class TorchTrainer:
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
         self.model = self._load(AutoModelForCausalLM, trainable=True)
-        # Frozen roles by the key they write (the reference's ref_log_probs).
+        self.lora = lora.is_lora(self.model)
+        # Frozen roles by the key they write (the reference's ref_log_probs). Under LoRA the reference is the actor
+        # with its adapters disabled, not a second copy.
         self.frozen = {
-            role.writes: self._load(AutoModelForCausalLM, trainable=False) for role in roles if role != ACTOR
+            role.writes: self._load(AutoModelForCausalLM, trainable=False)
+            for role in roles
+            if role != ACTOR and not (self.lora and role == REFERENCE)
         }
+        self.base_is_reference = self.lora and REFERENCE in roles
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=train_cfg.lr,
@@ -130,6 +147,14 @@ class TorchTrainer:
         model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
+        elif self.cfg.lora_rank > 0:
+            model = lora.wrap_lora(
+                model,
+                rank=self.cfg.lora_rank,
+                alpha=self.cfg.lora_alpha,
+                dropout=self.cfg.lora_dropout,
+                target_modules=self.cfg.lora_target_modules,
+            )
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -207,11 +232,14 @@ class TorchTrainer:
         """``old_log_probs`` (the actor's current weights) and what each frozen role writes (``ref_log_probs`` for the
         reference), [B, T] float32 each, for this rank's shard ``td``."""
         self._check_resident()
-        models = {ACTOR.writes: self.model, **self.frozen}
+        models = {ACTOR.writes: (self.model, nullcontext), **{k: (m, nullcontext) for k, m in self.frozen.items()}}
+        if self.base_is_reference:
+            models[REFERENCE.writes] = (self.model, lambda: lora.base_only(self.model))
         out: dict[str, list[torch.Tensor]] = {key: [] for key in models}
         for mb, real in self._balanced(self._micro_batches(td)):
-            for key, model in models.items():
-                log_probs, _ = self._forward(model, mb, with_entropy=False)
+            for key, (model, context) in models.items():
+                with context():
+                    log_probs, _ = self._forward(model, mb, with_entropy=False)
                 if real:
                     out[key].append(log_probs.float().cpu())
         return TensorDict({k: torch.cat(v) for k, v in out.items()}, batch_size=td.batch_size)
@@ -252,31 +280,39 @@ class TorchTrainer:
             raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
         totals: dict[str, float] = {}
         steps = n // per_step_rows
-        for step in range(steps):
-            parts = self._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
-            norm = self._global_normalizer(parts)
-            sums: dict[str, float] = {}
-            maxes: dict[str, float] = {}
-            for mb, real in self._balanced(parts):
-                log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
-                batch = mb.to(self.device).clone(recurse=False)
-                batch.set(keys.LOG_PROBS, log_probs)
-                batch.set(keys.ENTROPY, entropy)
-                loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
-                self._backward(loss, real=real)
-                if real:
-                    for name, value in metrics.items():
-                        value = float(value)
-                        if _is_max_metric(name):
-                            maxes[name] = max(maxes.get(name, -math.inf), value)
-                        else:
-                            sums[name] = sums.get(name, 0.0) + value
-            step_metrics = self._reduce_metrics(sums, maxes)
-            step_metrics["grad_norm"] = self._optimizer_step()
-            for name, value in step_metrics.items():
-                totals[name] = totals.get(name, 0.0) + value / steps
+        lora.set_dropout(self.model, active=True)
+        try:
+            for step in range(steps):
+                self._train_step(td[step * per_step_rows : (step + 1) * per_step_rows], steps, totals)
+        finally:
+            lora.set_dropout(self.model, active=False)
         totals["num_steps"] = steps
         return totals
+
+    def _train_step(self, td: TensorDict, steps: int, totals: dict[str, float]) -> None:
+        """One optimizer step over ``td``; adds its metrics divided by ``steps`` into ``totals``."""
+        parts = self._micro_batches(td)
+        norm = self._global_normalizer(parts)
+        sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        for mb, real in self._balanced(parts):
+            log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
+            batch = mb.to(self.device).clone(recurse=False)
+            batch.set(keys.LOG_PROBS, log_probs)
+            batch.set(keys.ENTROPY, entropy)
+            loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
+            self._backward(loss, real=real)
+            if real:
+                for name, value in metrics.items():
+                    value = float(value)
+                    if _is_max_metric(name):
+                        maxes[name] = max(maxes.get(name, -math.inf), value)
+                    else:
+                        sums[name] = sums.get(name, 0.0) + value
+        step_metrics = self._reduce_metrics(sums, maxes)
+        step_metrics["grad_norm"] = self._optimizer_step()
+        for name, value in step_metrics.items():
+            totals[name] = totals.get(name, 0.0) + value / steps
 
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step on (prompt, response) rows: the negative log-likelihood of the response tokens."""
@@ -298,22 +334,16 @@ class TorchTrainer:
         """HF-named weights in ``dtype`` on the CPU, tied weights once, in buckets of about ``bucket_bytes``.
 
         Each FSDP-sharded tensor is gathered on its own (``full_tensor``, a collective every rank runs in the same
-        order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields.
+        order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields. Under
+        LoRA each adapted weight is sent merged (``W + scaling * B @ A``).
         """
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self._check_resident()
-        seen: set[int] = set()
         bucket: dict[str, torch.Tensor] = {}
         size = 0
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            # A tied weight (lm_head = embed_tokens) is one tensor under two names: sent once, under the first.
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            value = value.detach()
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
+        # Under LoRA the adapters go out merged into their base weights, under the base model's names.
+        for name, value in lora.merged_weights(self.model):
             if self.rank != 0:
                 continue
             tensor = value.to("cpu", dtype=dtype, copy=True)
@@ -333,11 +363,13 @@ class TorchTrainer:
         return weights if self.rank == 0 else None
 
     def save(self, path: str) -> None:
-        """Model and optimizer state (sharded with torch.distributed.checkpoint) into the folder ``path``."""
+        """Trained parameters and optimizer state (sharded with torch.distributed.checkpoint) into the folder
+        ``path``. Frozen parameters are left out: under LoRA the checkpoint holds the adapters only."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
+        model_sd = self._trained_entries(model_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
@@ -345,18 +377,41 @@ class TorchTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
+        state = {"model": self._trained_entries(model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_TRAINED_ONLY,
+        )
         rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
 
+    def _trained_entries(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        """Under LoRA, the adapters' entries only (a frozen weight tied to another, the LM head, would still be
+        listed); otherwise the whole state dict."""
+        if not self.lora:
+            return model_sd
+        trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {name: value for name, value in model_sd.items() if name in trained}
+
     def save_hf(self, path: str) -> None:
-        """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0)."""
+        """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0).
+
+        Under LoRA the adapters are merged in (``--lora-export merged``), or the folder is a peft adapter over
+        ``--hf-checkpoint`` (``--lora-export adapter``) that ``peft.PeftModel.from_pretrained`` loads."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        if self.lora and self.cfg.lora_export == "adapter":
+            adapter = lora.adapter_state_dict(self.model)
+            if self.rank == 0:
+                self.model.save_pretrained(path, state_dict=adapter)
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+            return
         weights = self.get_weights()
         if self.rank != 0:
             return
