@@ -417,3 +417,13 @@ def test_missing_batch_key_is_named():
     hidden, weight, targets, td = make_case(14, batch=2, seq_len=4, hidden_size=8, vocab=129)
     with pytest.raises(ValueError, match="needs td\\['ref_log_probs'\\]"):
         linear_rl_loss(hidden, weight, targets, td.exclude(keys.REF_LOG_PROBS), LossConfig(use_kl_loss=True))
+
+
+def test_non_finite_batch_value_at_a_valid_position_is_named():
+    hidden, weight, targets, td = make_case(16, batch=2, seq_len=4, hidden_size=8, vocab=129)
+    td = td.clone()
+    advantages = td[keys.ADVANTAGES].clone()
+    advantages[0, 0] = float("inf")
+    td.set(keys.ADVANTAGES, advantages)
+    with pytest.raises(ValueError, match=r"advantages has a non-finite value at valid position \(0, 0\)"):
+        linear_rl_loss(hidden, weight, targets, td, LossConfig())

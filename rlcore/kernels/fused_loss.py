@@ -14,8 +14,10 @@ thousand tokens):
 5. ``grad_hidden[rows] = d logits @ weight`` and ``grad_weight += d logits^T @ hidden[rows]``.
 
 Everything happens in the forward (the op returns the loss of a batch, so it knows its gradient then); the backward
-only scales the two stored gradients by the upstream one. Cost: exactly three [rows, H] x [H, V] matmuls per chunk
-and two passes over the chunk's logits, whose buffer is the op's only large temporary.
+only scales the two stored gradients by the upstream one. ``rl_loss``'s metrics come from per-chunk sums, and the
+batch's finiteness checks are read back asynchronously, so the host never waits on the pass. Cost: exactly three
+[rows, H] x [H, V] matmuls per chunk and two passes over the chunk's logits, whose buffer is the op's only large
+temporary.
 
 Sequence-level terms. Sequence and geometric TIS/MIS/ICEPOP weights depend on the old and rollout log-probs only, so
 they are fixed per token before the pass. GSPO's sequence ratio needs every current log-prob of its sequence before
@@ -69,9 +71,9 @@ class TokenInputs(NamedTuple):
 
     ``c_pg``: the weight of each token's policy loss in ``pg_loss`` (aggregation weight times the mismatch weight,
     0 outside ``keep``); ``kept_weight``: the aggregation weight, 0 outside ``keep`` (the KL and entropy terms);
-    ``advantages``, ``old`` (``None``: the current log-probs, detached), ``ref`` (``None`` without the KL loss): the
-    loss's inputs; all float32 [n]. ``seq_ids``: [n] int64 sample of each token; ``seq_lengths``: [B] float32 valid
-    tokens per sample, at least 1 (GSPO's sequence mean).
+    ``advantages``, ``old`` (``None``: the current log-probs, detached), ``ref`` and ``rollout`` (``None`` when the
+    batch has none): the loss's inputs; all float32 [n]. ``seq_ids``: [n] int64 sample of each token;
+    ``seq_lengths``: [B] float32 valid tokens per sample, at least 1 (GSPO's sequence mean).
     """
 
     c_pg: Tensor
@@ -79,6 +81,7 @@ class TokenInputs(NamedTuple):
     advantages: Tensor
     old: Tensor | None
     ref: Tensor | None
+    rollout: Tensor | None
     seq_ids: Tensor
     seq_lengths: Tensor
 
@@ -156,6 +159,20 @@ def kl_values(kind: str, log_probs: Tensor, ref: Tensor, importance_ratio: Tenso
     return kl, grad
 
 
+# The sums each chunk adds to (see token_coefficients), in this order.
+SUMS = (
+    "pg_loss",
+    "kl_loss",
+    "entropy_loss",
+    "clipped",
+    "approx_kl_old",
+    "ratio",
+    "approx_kl_ref",
+    "entropy",
+    "rollout",
+)
+
+
 def token_coefficients(
     cfg: LossConfig,
     term: PolicyTerm,
@@ -164,12 +181,14 @@ def token_coefficients(
     log_probs: Tensor,
     entropy: Tensor,
     seq_ratio: Tensor | None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The closed form of one chunk: ``(g_lp [n], g_ent [n] or None, shares [4])``.
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """The closed form of one chunk: ``(g_lp [n], g_ent [n] or None, sums [len(SUMS)], ratio max (0-dim))``.
 
-    ``shares`` holds the chunk's part of ``pg_loss``, ``kl_loss`` and ``entropy_loss`` (before their coefficients)
-    and its count of clipped valid tokens. ``log_probs``, ``entropy``: float32 [n] of the chunk's rows ``rows``
-    (padding zeroed); ``seq_ratio``: [n] GSPO sequence ratio of each row's sequence, else ``None``.
+    ``sums`` holds the chunk's part of ``pg_loss``, ``kl_loss`` and ``entropy_loss`` (before their coefficients), then
+    its sums over tokens of: clipped tokens, ``old - log_probs``, the ratio the clip acts on, the KL estimate to the
+    reference (unweighted), the entropy and ``|old - rollout|`` (``rl_loss``'s token-mean metrics, before the
+    division by the token count). ``log_probs``, ``entropy``: float32 [n] of the chunk's rows ``rows``;
+    ``seq_ratio``: [n] GSPO sequence ratio of each row's sequence, else ``None``.
     """
     advantages = inputs.advantages[rows]
     old = log_probs if inputs.old is None else inputs.old[rows]
@@ -178,60 +197,123 @@ def token_coefficients(
     kept_weight = inputs.kept_weight[rows]
     g_lp = c_pg * g_pg
     zero = pg.new_zeros(())
-    kl_share = ent_share = zero
-    if cfg.use_kl_loss:
-        ratio = torch.exp(log_probs - old) if cfg.use_unbiased_kl else None
-        kl, g_kl = kl_values(cfg.kl_loss_type, log_probs, inputs.ref[rows], ratio)
-        g_lp = g_lp + (cfg.kl_loss_coef * kept_weight) * g_kl
-        kl_share = (kept_weight * kl).sum()
+    kl_share = ent_share = kl_ref = rollout_diff = zero
+    if inputs.ref is not None:
+        ref = inputs.ref[rows]
+        kl_ref = kl_values(cfg.kl_loss_type, log_probs, ref, None)[0].sum()
+        if cfg.use_kl_loss:
+            ratio = torch.exp(log_probs - old) if cfg.use_unbiased_kl else None
+            kl, g_kl = kl_values(cfg.kl_loss_type, log_probs, ref, ratio)
+            g_lp = g_lp + (cfg.kl_loss_coef * kept_weight) * g_kl
+            kl_share = (kept_weight * kl).sum()
     g_ent = None
     if cfg.entropy_coef != 0:
         g_ent = -cfg.entropy_coef * kept_weight
         ent_share = -(kept_weight * entropy).sum()
-    clipped_count = clipped.sum().to(pg.dtype)
-    return g_lp, g_ent, torch.stack([(c_pg * pg).sum(), kl_share, ent_share, clipped_count])
+    if inputs.rollout is not None:
+        rollout_diff = (old - inputs.rollout[rows]).abs().sum()
+    ratio = seq_ratio if seq_ratio is not None else torch.exp(log_probs - old)
+    sums = torch.stack(
+        [
+            (c_pg * pg).sum(),
+            kl_share,
+            ent_share,
+            clipped.sum().to(pg.dtype),
+            (old - log_probs).sum(),
+            ratio.sum(),
+            kl_ref,
+            entropy.sum(),
+            rollout_diff,
+        ]
+    )
+    return g_lp, g_ent, sums, ratio.amax() if ratio.numel() else zero
 
 
-def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tensor:
+class _Finite:
+    """Deferred checks that batch tensors are finite at valid positions: the flags are computed on the device and
+    copied to the host asynchronously, so ``verify()``, called once the op's work is queued, stalls nothing."""
+
+    def __init__(self, mask: Tensor):
+        self.mask = mask
+        self.checked: dict[str, Tensor] = {}
+
+    def add(self, name: str, x: Tensor) -> None:
+        self.checked[name] = x
+
+    def verify_later(self):
+        if not self.checked:
+            return lambda: None
+        flags = torch.stack([(self.mask & ~torch.isfinite(x)).any() for x in self.checked.values()])
+        done = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            flags = host
+
+        def verify() -> None:
+            if done is not None:
+                done.synchronize()
+            for (name, x), bad in zip(self.checked.items(), flags.tolist(), strict=True):
+                if bad:
+                    check_finite_where(name, x, self.mask)  # raises, naming the first bad position
+
+        return verify
+
+
+def _read(td: TensorDictBase, key: str, mask: Tensor, finite: _Finite, *, needed_by: str) -> Tensor:
     if key not in td.keys():
         raise ValueError(f"linear_rl_loss needs td[{key!r}] for {needed_by}; the batch has keys {sorted(td.keys())}")
     x = check_tensor(key, td.get(key), floating=True)
     if x.shape != mask.shape:
         raise ValueError(f"{key} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
-    check_finite_where(key, x, mask)
+    finite.add(key, x)
     return masked_fill_zero(x.detach().float(), mask)
 
 
-def token_inputs(td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer, rows: Tensor) -> TokenInputs:
+def token_inputs(
+    td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer, rows: Tensor, finite: _Finite
+) -> tuple[TokenInputs, dict[str, Tensor]]:
     """Everything per token the loss needs besides the current log-probs and entropy, at the flat positions ``rows``
-    ([n] int64: the valid tokens of ``mask``, row-major)."""
+    ([n] int64: the valid tokens of ``mask``, row-major), and the metrics that depend on nothing else (the mismatch
+    weights'). Batch tensors are checked finite at valid positions through ``finite``."""
     weight = aggregation_weights(mask, cfg.loss_agg_mode, norm)
-    advantages = _read(td, keys.ADVANTAGES, mask, needed_by="the policy loss")
-    old = None
+    advantages = _read(td, keys.ADVANTAGES, mask, finite, needed_by="the policy loss")
+    old = rollout = ref = None
     if keys.OLD_LOG_PROBS in td.keys():
-        old = _read(td, keys.OLD_LOG_PROBS, mask, needed_by="the policy loss")
+        old = _read(td, keys.OLD_LOG_PROBS, mask, finite, needed_by="the policy loss")
+    if cfg.use_tis or keys.ROLLOUT_LOG_PROBS in td.keys():
+        rollout = _read(td, keys.ROLLOUT_LOG_PROBS, mask, finite, needed_by="use_tis")
+    if cfg.use_kl_loss or keys.REF_LOG_PROBS in td.keys():
+        ref = _read(td, keys.REF_LOG_PROBS, mask, finite, needed_by="use_kl_loss")
     keep = mask
     c_pg = weight
+    metrics = {}
     if cfg.use_tis:
-        rollout = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis")
         tis, keep = mismatch_weights(
             old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
         )
         c_pg = weight * tis.float()
-    ref = _read(td, keys.REF_LOG_PROBS, mask, needed_by="use_kl_loss") if cfg.use_kl_loss else None
+        num_tokens = torch.as_tensor(norm.num_tokens, device=mask.device).clamp_min(1)
+        metrics["tis_weight_mean"] = tis.float().sum() / num_tokens
+        metrics["tis_weight_max"] = tis.float().amax() if tis.numel() else tis.new_zeros((), dtype=torch.float32)
+        metrics["tis_masked_frac"] = (mask & ~keep).sum() / num_tokens
 
     def at_rows(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.flatten().index_select(0, rows)
 
-    return TokenInputs(
+    inputs = TokenInputs(
         c_pg=at_rows(torch.where(keep, c_pg, 0.0)),
         kept_weight=at_rows(torch.where(keep, weight, 0.0)),
         advantages=at_rows(advantages),
         old=at_rows(old),
         ref=at_rows(ref),
+        rollout=at_rows(rollout),
         seq_ids=torch.div(rows, mask.shape[1], rounding_mode="floor"),
         seq_lengths=mask.sum(-1).clamp_min(1).float(),
     )
+    return inputs, metrics
 
 
 def plan_chunks(
@@ -301,9 +383,8 @@ def _token_stats(hidden, weight, targets, logits, settings: _Settings, start: in
 
 
 def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Settings, want_hidden, want_weight):
-    """The row-chunked pass: ``(loss, shares [4], log_probs [N], entropy [N], grad_hidden, grad_weight)``, with
-    ``shares`` the sums of :func:`token_coefficients`' over the chunks."""
-    n = hidden.shape[0]
+    """The row-chunked pass: ``(loss, sums, ratio max, grad_hidden, grad_weight)``, with ``sums`` and the ratio's
+    maximum those of :func:`token_coefficients` over the chunks (the maximum 0 without any token)."""
     vocab = weight.shape[0]
     logit_dtype = torch.float32 if settings.float32_logits else hidden.dtype
     separate_grad = logit_dtype != hidden.dtype
@@ -313,12 +394,10 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
     widest = max((b - a for a, b in chunks), default=0)
     buffer = torch.empty(widest, vocab, dtype=logit_dtype, device=hidden.device)
     grad_buffer = torch.empty(widest, vocab, dtype=hidden.dtype, device=hidden.device) if separate_grad else None
-    log_probs_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    entropy_all = torch.empty_like(log_probs_all)
-
     seq_ratio_all = None
     if by_sequence and not aligned:
         # Two-phase GSPO: a sequence does not fit in a chunk, so every log-prob comes first (one extra matmul).
+        log_probs_all = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start, stop in chunks:
             lp, _, _ = _token_stats(hidden, weight, targets, buffer[: stop - start], settings, start, stop)
             log_probs_all[start:stop] = lp
@@ -332,13 +411,12 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
         acc_dtype = settings.grad_weight_dtype
         allocate = torch.empty if chunks else torch.zeros  # no valid token: the gradient is 0
         grad_weight = allocate(weight.shape, dtype=acc_dtype, device=weight.device)
-    shares = torch.zeros(4, dtype=torch.float64, device=hidden.device)
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=hidden.device)
+    ratio_max = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for index, (start, stop) in enumerate(chunks):
         rows = slice(start, stop)
         logits = buffer[: stop - start]
         log_probs, entropy, totals = _token_stats(hidden, weight, targets, logits, settings, start, stop)
-        log_probs_all[rows] = log_probs
-        entropy_all[rows] = entropy
         seq_ratio = None
         if by_sequence:
             if seq_ratio_all is not None:
@@ -346,10 +424,11 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
             else:
                 old = log_probs if inputs.old is None else inputs.old[rows]
                 seq_ratio = _seq_ratio(log_probs, old, inputs.seq_ids[rows], inputs.seq_lengths)
-        g_lp, g_ent, chunk_shares = token_coefficients(
+        g_lp, g_ent, chunk_sums, chunk_max = token_coefficients(
             settings.cfg, settings.term, inputs, rows, log_probs, entropy, seq_ratio
         )
-        shares += chunk_shares
+        sums += chunk_sums
+        ratio_max = torch.maximum(ratio_max, chunk_max)
         if not (want_hidden or want_weight):
             continue
         grads = grad_buffer[: stop - start] if separate_grad else logits
@@ -371,8 +450,8 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
     if want_weight and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     cfg = settings.cfg
-    loss = shares[0] + cfg.kl_loss_coef * shares[1] + cfg.entropy_coef * shares[2]
-    return loss, shares, log_probs_all, entropy_all, grad_hidden, grad_weight
+    loss = sums[0] + cfg.kl_loss_coef * sums[1] + cfg.entropy_coef * sums[2]
+    return loss, sums, ratio_max, grad_hidden, grad_weight
 
 
 def _add_weight_grad(acc: Tensor, grads: Tensor, hidden: Tensor, *, first: bool) -> None:
@@ -397,13 +476,13 @@ class LinearRLLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inputs, settings, want_hidden, want_weight):
-        loss, shares, log_probs, entropy, grad_hidden, grad_weight = _fused_pass(
+        loss, sums, ratio_max, grad_hidden, grad_weight = _fused_pass(
             hidden, weight, targets, inputs, settings, want_hidden, want_weight
         )
         ctx.grads = (grad_hidden, grad_weight)
-        shares = shares.float()
-        ctx.mark_non_differentiable(shares, log_probs, entropy)
-        return loss.float(), shares, log_probs, entropy
+        sums = sums.float()
+        ctx.mark_non_differentiable(sums, ratio_max)
+        return loss.float(), sums, ratio_max
 
     @staticmethod
     @once_differentiable
@@ -480,8 +559,8 @@ def linear_rl_loss(
 
     Returns:
         ``(loss, metrics)`` as ``rl_loss``: a 0-dim float32 loss, differentiable with respect to ``hidden`` and
-        ``weight`` (its backward runs once), and the detached metrics TensorDict of ``rl_loss`` on the op's
-        log-probs and entropy (``loss``, ``pg_loss`` and ``clipfrac`` are the fused pass's own).
+        ``weight`` (its backward runs once), and the detached metrics TensorDict of ``rl_loss`` (the same names
+        and values, from sums the fused pass keeps per chunk: no pass over [B, T] tensors after it, no sync).
     """
     hidden = check_float_matrix("hidden", hidden)
     weight = check_tensor("weight", weight, ndim=2)
@@ -552,12 +631,15 @@ def linear_rl_loss(
         float32_logits=float32_logits,
     )
     # Only valid tokens go through the matmuls: padding costs a gather of its hidden states, not three matmuls.
-    rows = mask.flatten().nonzero().squeeze(1)
-    inputs = token_inputs(td, cfg, mask, norm, rows)
-    if rows.numel() < mask.numel():
+    rows = torch.arange(mask.numel(), device=mask.device)
+    if sum(settings.seq_lengths) < mask.numel():
+        rows = mask.flatten().nonzero().squeeze(1)
         hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
+    finite = _Finite(mask)
+    inputs, metrics = token_inputs(td, cfg, mask, norm, rows, finite)
+    verify_finite = finite.verify_later()
     grad_enabled = torch.is_grad_enabled()
-    loss, shares, log_probs, entropy = LinearRLLoss.apply(
+    loss, sums, ratio_max = LinearRLLoss.apply(
         hidden.contiguous(),
         weight.contiguous(),
         targets,
@@ -567,17 +649,30 @@ def linear_rl_loss(
         grad_enabled and weight.requires_grad,
     )
     verify_targets()
-    with torch.no_grad():
-        full = td.clone(recurse=False)
-        for key, values in ((keys.LOG_PROBS, log_probs), (keys.ENTROPY, entropy)):
-            full.set(key, values.new_zeros(mask.numel()).index_copy_(0, rows, values).view(batch, seq_len))
-        _, metrics = rl_loss(full, cfg, norm=norm)
-        num_tokens = torch.as_tensor(norm.num_tokens, device=hidden.device).clamp_min(1)
-        fused = {"loss": loss, "pg_loss": shares[0], "clipfrac": shares[3] / num_tokens}
-        if cfg.use_kl_loss:
-            fused["kl_loss"] = shares[1]
-        if cfg.entropy_coef != 0:
-            fused["entropy_loss"] = shares[2]
-        for name, value in fused.items():
-            metrics.set(name, value.detach().to(metrics.get(name).dtype))
-    return loss, metrics
+    verify_finite()
+    return loss, _metrics(cfg, inputs, norm, loss, sums, ratio_max, metrics, device=hidden.device)
+
+
+def _metrics(cfg, inputs: TokenInputs, norm: Normalizer, loss, sums, ratio_max, metrics, *, device) -> TensorDict:
+    """``rl_loss``'s metrics from the fused pass's sums (token means divide by the global token count)."""
+    num_tokens = torch.as_tensor(norm.num_tokens, device=device).clamp_min(1)
+    total = dict(zip(SUMS, sums.unbind(), strict=True))
+    metrics = {
+        **metrics,
+        "loss": loss.detach(),
+        "pg_loss": total["pg_loss"],
+        "clipfrac": total["clipped"] / num_tokens,
+        "approx_kl_old": total["approx_kl_old"] / num_tokens,
+        "ratio_mean": total["ratio"] / num_tokens,
+        "ratio_max": ratio_max,
+        "entropy": total["entropy"] / num_tokens,
+    }
+    if inputs.rollout is not None:
+        metrics["rollout_log_prob_abs_diff"] = total["rollout"] / num_tokens
+    if inputs.ref is not None:
+        metrics["approx_kl_ref"] = total["approx_kl_ref"] / num_tokens
+    if cfg.use_kl_loss:
+        metrics["kl_loss"] = total["kl_loss"]
+    if cfg.entropy_coef != 0:
+        metrics["entropy_loss"] = total["entropy_loss"]
+    return TensorDict({name: value.detach().float() for name, value in metrics.items()}, batch_size=[])
