@@ -70,6 +70,11 @@ def _raised(err: BaseException, own_file: str | None) -> str:
     return f"{type(err).__name__}: {err}" + (f" ({where})" if where else "")
 
 
+def _import_failure(err: Exception, own_file: str | None) -> str:
+    # A syntax error is the module's own, whatever the traceback says; anything else was raised while importing.
+    return ("" if isinstance(err, SyntaxError) else "importing it raised ") + _raised(err, own_file)
+
+
 def _source_file(fn: Callable[..., Any]) -> str | None:
     try:
         source = inspect.getsourcefile(inspect.unwrap(fn))
@@ -212,7 +217,7 @@ def _import_file(file_path: str, path: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise HookError("importing it raised " + _raised(err, file_path), path=path) from err
+        raise HookError(_import_failure(err, file_path), path=path) from err
     return module
 
 
@@ -223,9 +228,9 @@ def _import_module(target: str, path: str) -> Any:
     except ModuleNotFoundError as err:
         if err.name is not None and (target == err.name or target.startswith(err.name + ".")):
             raise HookError(_no_module(err.name), path=path) from err
-        raise HookError("importing it raised " + _raised(err, _module_file(target)), path=path) from err
+        raise HookError(_import_failure(err, _module_file(target)), path=path) from err
     except Exception as err:
-        raise HookError("importing it raised " + _raised(err, _module_file(target)), path=path) from err
+        raise HookError(_import_failure(err, _module_file(target)), path=path) from err
 
 
 def _module_file(target: str) -> str | None:

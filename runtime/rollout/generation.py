@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -118,7 +119,13 @@ async def _generate_groups(
         for s, g in zip(samples, generations, strict=True):
             apply_generation(s, g, ctx.tokenizer)
         return
-    results = await asyncio.gather(*(custom_generate(ctx.args, s, params.to_dict()) for s in samples))
+
+    async def one(sample: Sample) -> Any:
+        out = custom_generate(ctx.args, sample, params.to_dict())
+        # slime's hook is an async def; a plain def that returns the sample works as well.
+        return await out if inspect.isawaitable(out) else out
+
+    results = await asyncio.gather(*(one(s) for s in samples))
     use_tis = _uses_tis(ctx.args)
     for s, out in zip(samples, results, strict=True):
         if not isinstance(out, Sample):
