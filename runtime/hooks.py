@@ -180,25 +180,6 @@ def _no_module(name: str) -> str:
     )
 
 
-def check_function_path(path: str) -> None:
-    """Raise ``HookError`` unless the module or file of ``path`` can be found (without importing the hook itself).
-
-    For a module path, parent packages are imported by ``importlib.util.find_spec``; the module itself is not.
-    """
-    target, _, is_file = split_function_path(path)
-    if is_file:
-        if not os.path.isfile(target):
-            raise HookError(f"file {os.path.abspath(target)!r} does not exist", path=path)
-        return
-    working_directory_on_path()
-    try:
-        spec = importlib.util.find_spec(target)
-    except (ImportError, ValueError) as err:
-        raise HookError(f"cannot find module {target!r} ({err})", path=path) from err
-    if spec is None:
-        raise HookError(_no_module(target), path=path)
-
-
 def _import_file(file_path: str, path: str) -> Any:
     file_path = os.path.abspath(file_path)
     if not os.path.isfile(file_path):
