@@ -22,6 +22,7 @@ from rlcore.advantages import sequence_advantages
 from runtime import demo
 from runtime.cluster import checkpoint
 from runtime.cluster.engines import EngineGroup
+from runtime.cluster.loopback import confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import make_weight_sync
@@ -337,6 +338,9 @@ def _init_ray(cfg: Config) -> bool:
         return False
     res = cfg.resources
     slots = res.num_trainer_procs + (0 if res.colocate else res.rollout_num_gpus)
+    # A single-node job: every Ray listener on 127.0.0.1 (runtime.cluster.loopback; token authentication, Ray's
+    # default for a cluster ray.init starts, stays on for its gRPC servers as well).
+    confine_ray()
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=False)
     return True

@@ -8,15 +8,19 @@ jobs that start run in-process on one Ray session for the module (``num_cpus=2``
 import asyncio
 import errno
 import json
+import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 
 from runtime.cli import EXIT_BAD_INPUT, EXIT_JOB_STOPPED, main
-from runtime.cluster import checkpoint
+from runtime.cluster import checkpoint, loopback
 from runtime.config import DataConfig, RewardConfig, from_dict
 from runtime.engines import SamplingParams
 from runtime.errors import JobError
@@ -440,3 +444,47 @@ def test_a_filter_that_keeps_nothing_stops_the_job_in_one_line(ray_session, tmp_
         f"rlcore-run: --dynamic-sampling-filter-path {path}:never kept 0 of 128 groups in 32 sampling rounds, short "
         "of --rollout-batch-size 4: the job stops"
     )
+
+
+# ---------------------------------------------------------------- exposure: a single-node job listens on loopback only
+
+
+def test_every_listening_socket_of_a_single_node_job_is_on_loopback(tmp_path):
+    # A job of its own (this process's Ray is not the job's): two trainers, so torch's rendezvous store runs too.
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "runtime.cli", *SMALL, "--num-rollout", "4", "--actor-num-gpus-per-node", "2",
+           "--output-dir", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != loopback.RAY_CLUSTER_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    listeners: dict[tuple[str, int], str] = {}
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if (out / METRICS_FILE).exists() and (out / METRICS_FILE).read_text().count("\n") >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        # Every process of the job: the driver, Ray's servers and agents it started, the actors under the raylet.
+        job = psutil.Process(proc.pid)
+        for p in [job, *job.children(recursive=True)]:
+            try:
+                connections, name = p.net_connections(kind="inet"), p.name()
+            except psutil.Error:  # a worker that exited meanwhile
+                continue
+            for c in connections:
+                if c.status == psutil.CONN_LISTEN:
+                    listeners[(c.laddr.ip, c.laddr.port)] = name
+    finally:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    names = list(listeners.values())
+    assert {"gcs_server", "raylet"} <= set(names), listeners
+    # Each trainer's Ray worker and gloo listeners, and rank 0's rendezvous store, were seen.
+    assert sum(name.startswith("ray::TrainerWorker") for name in names) >= 5, listeners
+    exposed = {address: name for address, name in listeners.items() if not loopback.is_loopback(address[0])}
+    assert not exposed
+
+
+def test_loopback_addresses():
+    assert all(map(loopback.is_loopback, ["127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1"]))
+    assert not any(map(loopback.is_loopback, ["0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1", "fe80::1%eth0"]))
