@@ -145,97 +145,115 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         bar = ProgressBar(r.num_rollout, start, enabled=progress)
         cleanup.callback(bar.close)
         source.start(start)
-        # Steps trained, logged and committed; the last one saved; whether the trainers hold a step not yet committed.
-        completed = saved = start
-        trained_ahead = False
+        # On a JobError (a hook, a reward, a filter the user must fix) the last completed step is saved first.
+        last = LastStep(cfg.ckpt.save, start, trainers=trainers, engines=engines, feed=feed)
+        cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
-        try:
-            for step in range(start, r.num_rollout):
-                step_start = time.perf_counter()
-                # The data counts go to the first logged step (they do not change during the job).
-                metrics: dict[str, float] = dataset.stats() if step == start else {}
+        for step in range(start, r.num_rollout):
+            step_start = time.perf_counter()
+            # The data counts go to the first logged step (they do not change during the job).
+            metrics: dict[str, float] = dataset.stats() if step == start else {}
 
-                # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
-                if cfg.resources.colocate:
-                    trainers.release_memory()
-                    engines.resume_memory()
-                rollout = source.get(step)
-                metrics.update(rollout.metrics)
-                metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
-                reward_error_rates.append(reward_error_rate(rollout.metrics))
-                check_reward_errors(reward_error_rates, cfg, reward=hub.name)
-                if cfg.resources.colocate:
-                    engines.release_memory()
-                    trainers.resume_memory()
+            # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
+            if cfg.resources.colocate:
+                trainers.release_memory()
+                engines.resume_memory()
+            rollout = source.get(step)
+            metrics.update(rollout.metrics)
+            metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
+            reward_error_rates.append(reward_error_rate(rollout.metrics))
+            check_reward_errors(reward_error_rates, cfg, reward=hub.name)
+            if cfg.resources.colocate:
+                engines.release_memory()
+                trainers.resume_memory()
 
-                # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
-                # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
+            # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
+            # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
+            t = time.perf_counter()
+            batch = build_batch(
+                rollout.samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
+            )
+            last.training()
+            metrics.update(
+                train_metrics(
+                    trainers.train_rollout(sequence_advantages(batch, adv_cfg), global_batch_size=gbs, adv_cfg=adv_cfg)
+                )
+            )
+            metrics["perf/train_time"] = time.perf_counter() - t
+            done = step + 1
+
+            # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
+            if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
-                batch = build_batch(
-                    rollout.samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
-                )
-                trained_ahead = True
-                metrics.update(
-                    train_metrics(
-                        trainers.train_rollout(
-                            sequence_advantages(batch, adv_cfg), global_batch_size=gbs, adv_cfg=adv_cfg
-                        )
-                    )
-                )
-                metrics["perf/train_time"] = time.perf_counter() - t
-                done = step + 1
+                source.pause()
+                if cfg.resources.colocate:
+                    engines.resume_memory()
+                weights.push(done)
+                source.resume(done)
+                metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
-                # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just
-                # trained.
-                if done % r.update_weights_interval == 0 or done == r.num_rollout:
-                    t = time.perf_counter()
-                    source.pause()
-                    if cfg.resources.colocate:
-                        engines.resume_memory()
-                    weights.push(done)
-                    source.resume(done)
-                    metrics["perf/weight_sync_time"] = time.perf_counter() - t
-
-                # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
-                # the job once this step (trained) is logged and committed.
-                eval_failure = None
-                if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
-                    try:
-                        metrics.update(
-                            runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate))
-                        )
-                    except JobError as err:
-                        eval_failure = err
-                metrics["perf/step_time"] = time.perf_counter() - step_start
-                logger.log(step, metrics)
-                source.commit(rollout)
-                append_ledger(out, step, {"trained": rollout.trained_indices, **rollout.outcomes})
-                history.append({"step": step, **metrics})
-                bar.advance(format_step_line(done, r.num_rollout, metrics))
-                completed, trained_ahead = done, False
-                if eval_failure is not None:
-                    raise eval_failure
-                if cfg.ckpt.save is not None and (
-                    (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0)
-                    or done == r.num_rollout
-                ):
-                    checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, feed=feed)
-                    saved = done
-        except JobError as err:
-            # The job stops for a reason the user must fix: keep the last completed step, so they can --load it.
-            keep = cfg.ckpt.save is not None and completed not in (start, saved) and not trained_ahead
-            if keep and not isinstance(err, checkpoint.SaveError):
+            # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
+            # the job once this step (trained) is logged and committed.
+            eval_failure = None
+            if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
                 try:
-                    folder = checkpoint.save(cfg.ckpt.save, completed, trainers=trainers, engines=engines, feed=feed)
-                    print(f"rlcore-run: saved step {completed} to {folder}; resume with --load {cfg.ckpt.save}")
-                except checkpoint.SaveError as save_err:
-                    print(f"rlcore-run: {save_err}", file=sys.stderr)
-            raise
+                    metrics.update(runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate)))
+                except JobError as err:
+                    eval_failure = err
+            metrics["perf/step_time"] = time.perf_counter() - step_start
+            logger.log(step, metrics)
+            source.commit(rollout)
+            append_ledger(out, step, {"trained": rollout.trained_indices, **rollout.outcomes})
+            history.append({"step": step, **metrics})
+            bar.advance(format_step_line(done, r.num_rollout, metrics))
+            last.complete(done)
+            if eval_failure is not None:
+                raise eval_failure
+            if cfg.ckpt.save is not None and (
+                (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout
+            ):
+                last.save()
 
         source.close()
         trainers.save_hf(str(out / "final_model"))
     plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=r.num_rollout, history=history)
+
+
+class LastStep:
+    """The job's last completed step (trained, logged, committed) and whether it is saved.
+
+    ``on_exit`` (an ``ExitStack`` exit callback) saves it under ``--save`` when a ``JobError`` stops the job and it
+    is not saved yet, so the user can fix the cause and ``--load`` it; not when the trainers already hold a later,
+    uncommitted step, nor when saving is what failed.
+    """
+
+    def __init__(self, root: str | None, start: int, *, trainers: Any, engines: Any, feed: Any):
+        self.root, self.start = root, start
+        self.completed = self.saved = start
+        self.trained_ahead = False
+        self._state = {"trainers": trainers, "engines": engines, "feed": feed}
+
+    def training(self) -> None:
+        self.trained_ahead = True
+
+    def complete(self, step: int) -> None:
+        self.completed, self.trained_ahead = step, False
+
+    def save(self) -> Path:
+        folder = checkpoint.save(self.root, self.completed, **self._state)
+        self.saved = self.completed
+        return folder
+
+    def on_exit(self, exc_type: Any, err: BaseException | None, tb: Any) -> bool:
+        keep = self.root is not None and self.completed not in (self.start, self.saved) and not self.trained_ahead
+        if keep and isinstance(err, JobError) and not isinstance(err, checkpoint.SaveError):
+            try:
+                folder = self.save()
+                print(f"rlcore-run: saved step {self.completed} to {folder}; resume with --load {self.root}")
+            except checkpoint.SaveError as save_err:
+                print(f"rlcore-run: {save_err}", file=sys.stderr)
+        return False
 
 
 def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None:
