@@ -50,7 +50,7 @@ class HookFailure(JobError):
 
 def _describe(flag: str | None, path: str | None, what: str) -> str:
     if flag is not None:
-        return f"{flag} {path}: {what}"
+        return f"{flag} {path}: {what}" if path is not None else f"{flag}: {what}"
     return f"hook path {path!r}: {what}" if path is not None else what
 
 
@@ -154,7 +154,7 @@ def split_function_path(path: str) -> tuple[str, str, bool]:
     Raises ``HookError`` when ``path`` is not one of the three accepted spellings.
     """
     if not isinstance(path, str) or not path.strip():
-        raise HookError(f"hook path must be a non-empty string like 'pkg.mod:fn', got {path!r}", path=str(path))
+        raise HookError(f"a hook path must be a non-empty string like 'pkg.mod:fn', got {path!r}")
     path = path.strip()
     if ":" in path:
         # A Windows drive letter is not a concern here: paths are POSIX on every machine this runs on.
