@@ -25,7 +25,7 @@ import yaml
 
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
 from runtime.engines.registry import ROLLOUT_ENGINES
-from runtime.hooks import HookError, check_function_path
+from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS
 
 # Choices that registries define: the flags take exactly their names.
@@ -42,11 +42,22 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+        # One problem is the whole message (``rlcore-run: <flag> ...: <what>``); several are listed.
+        message = (
+            self.problems[0]
+            if len(self.problems) == 1
+            else "invalid configuration:\n  - " + "\n  - ".join(self.problems)
+        )
+        super().__init__(message)
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _hook_help(text: str) -> dict[str, Any]:
+    """Metadata of a hook flag: validation resolves it (``runtime.hooks.resolve_hook``) before anything starts."""
+    return {"help": text, "hook": True}
 
 
 @dataclass(frozen=True)
@@ -89,10 +100,12 @@ class RolloutConfig:
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
     num_rollout: int = field(default=250, metadata=_help("number of rollout (and training) steps"))
     custom_generate_function_path: str | None = field(
-        default=None, metadata=_help("async def generate(args, sample, sampling_params) -> Sample, as module:function")
+        default=None,
+        metadata=_hook_help("async def generate(args, sample, sampling_params) -> Sample, as module:function"),
     )
     dynamic_sampling_filter_path: str | None = field(
-        default=None, metadata=_help("filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group")
+        default=None,
+        metadata=_hook_help("filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group"),
     )
     over_sampling_batch_size: int | None = field(
         default=None, metadata=_help("prompts generated per sampling round when filtering; >= --rollout-batch-size")
@@ -218,9 +231,22 @@ class RewardConfig:
         metadata=_help("builtin (the default task's reward), math (math-verify on \\boxed{}), exact_match"),
     )
     custom_rm_path: str | None = field(
-        default=None, metadata=_help("reward function as module:function or file.py:function; overrides --rm-type")
+        default=None,
+        metadata=_hook_help("reward function as module:function or file.py:function; overrides --rm-type"),
     )
-    reward_timeout: float = field(default=30.0, metadata=_help("seconds per reward call; over it the reward is 0"))
+    reward_timeout: float = field(
+        default=30.0, metadata=_help("seconds per reward call, sync or async; over it the reward is 0")
+    )
+    max_reward_error_rate: float = field(
+        default=0.5,
+        metadata=_help(
+            "ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
+            "--max-reward-error-steps steps in a row; 1 never stops"
+        ),
+    )
+    max_reward_error_steps: int = field(
+        default=3, metadata=_help("ours: consecutive steps over --max-reward-error-rate that stop the job")
+    )
 
 
 @dataclass(frozen=True)
@@ -558,6 +584,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "eps_clip_high": cfg.algo.eps_clip_high,
         "update_weights_interval": r.update_weights_interval,
         "update_weight_buffer_size": r.update_weight_buffer_size,
+        "max_reward_error_steps": cfg.reward.max_reward_error_steps,
     }
     for name, value in positive.items():
         if value is not None and value <= 0:
@@ -581,6 +608,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         value = getattr(cfg.algo, name)
         if not 0 <= value <= 1:
             problems.append(f"{flag(name)} must be in [0, 1], got {value!r}")
+    if not 0 <= cfg.reward.max_reward_error_rate <= 1:
+        problems.append(f"--max-reward-error-rate must be in [0, 1], got {cfg.reward.max_reward_error_rate!r}")
     if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
         problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
     _check_lora(problems, t)
@@ -663,25 +692,52 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
             problems.append(f"--hf-checkpoint: directory {os.path.abspath(checkpoint)!r} does not exist")
         elif not os.path.isfile(os.path.join(checkpoint, "config.json")):
             problems.append(f"--hf-checkpoint: {checkpoint!r} has no config.json (not a HF model directory)")
-    if cfg.ckpt.load is not None:
-        from runtime.cluster.checkpoint import resolve
+    _check_checkpoints(problems, cfg)
+    # Every hook flag is resolved (imported) now, before Ray or the model start.
+    for name, (_, f, _) in _SPECS.items():
+        path = getattr(cfg, name)
+        if f.metadata.get("hook") and path is not None:
+            try:
+                resolve_hook(flag(name), path)
+            except HookError as err:
+                problems.append(str(err))
 
+
+def _check_checkpoints(problems: list[str], cfg: Config) -> None:
+    """``--load`` is a complete checkpoint whose files match its manifest and that has steps left to run; ``--save``
+    is a directory that exists or can be created."""
+    from runtime.cluster.checkpoint import CheckpointError, resolve, verify
+
+    if cfg.ckpt.load is not None:
         try:
-            resolve(cfg.ckpt.load)
-        except FileNotFoundError as err:
+            step = verify(resolve(cfg.ckpt.load))
+        except (FileNotFoundError, CheckpointError) as err:
             problems.append(str(err))
-    hooks = {
-        "custom_rm_path": cfg.reward.custom_rm_path,
-        "custom_generate_function_path": cfg.rollout.custom_generate_function_path,
-        "dynamic_sampling_filter_path": cfg.rollout.dynamic_sampling_filter_path,
-    }
-    for name, path in hooks.items():
-        if path is None:
-            continue
-        try:
-            check_function_path(path)
-        except HookError as err:
-            problems.append(f"{flag(name)}: {err}")
+        else:
+            if step >= cfg.rollout.num_rollout:
+                problems.append(
+                    f"--load {cfg.ckpt.load}: the checkpoint is at step {step}, at or past --num-rollout "
+                    f"{cfg.rollout.num_rollout}: nothing is left to train (raise --num-rollout to go on)"
+                )
+    if cfg.ckpt.save is not None and (problem := _not_creatable_dir(cfg.ckpt.save)):
+        problems.append(f"--save {cfg.ckpt.save}: {problem}")
+
+
+def _not_creatable_dir(path: str) -> str | None:
+    """Why ``path`` can neither be used nor created as a writable directory; None when it can."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory this user cannot write to"
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent!r} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent!r} is not writable"
+    return None
 
 
 def _check_combinations(problems: list[str], cfg: Config) -> None:

@@ -44,8 +44,47 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def repair_rows(path: str | os.PathLike[str], *, before_step: int) -> dict[str, int]:
+    """Rewrite the JSONL file ``path`` (``metrics.jsonl``, ``LEDGER_FILE``) for a job resumed at ``before_step``: keep
+    the rows of earlier steps, in order, and drop the rows of ``before_step`` on (the resumed job writes them again)
+    and every line that is not a JSON row with a ``step`` (the torn last line of a job killed while writing).
+
+    The file is replaced atomically. Returns the counts ``{"kept", "dropped_later", "dropped_unreadable"}``; a
+    missing file is left missing.
+    """
+    path = Path(path)
+    counts = {"kept": 0, "dropped_later": 0, "dropped_unreadable": 0}
+    if not path.exists():
+        return counts
+    kept = []
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+                step = row["step"] if isinstance(row, dict) else None
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                step = None
+            if not isinstance(step, int):
+                counts["dropped_unreadable"] += 1
+            elif step >= before_step:
+                counts["dropped_later"] += 1
+            else:
+                kept.append(raw.rstrip(b"\r\n") + b"\n")
+    counts["kept"] = len(kept)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
+    return counts
+
+
 class MetricsLogger:
-    """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and (optionally) W&B."""
+    """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and (optionally) W&B.
+
+    A job resumed at ``start_step`` keeps the rows of earlier steps (:func:`repair_rows`: later rows and a torn last
+    line are dropped); a job from step 0 starts the file afresh.
+    """
 
     def __init__(
         self,
@@ -55,11 +94,12 @@ class MetricsLogger:
         use_wandb: bool = False,
         wandb_project: str | None = None,
         config: Mapping[str, Any] | None = None,
-        resume: bool = False,
+        start_step: int = 0,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.dir / METRICS_FILE, "a" if resume else "w")
+        self.repaired = repair_rows(self.dir / METRICS_FILE, before_step=start_step) if start_step > 0 else None
+        self._file = open(self.dir / METRICS_FILE, "a" if start_step > 0 else "w")
         self._tb = None
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter

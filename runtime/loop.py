@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,14 @@ from rlcore.advantages import sequence_advantages
 from runtime import demo
 from runtime.cluster import checkpoint
 from runtime.cluster.engines import EngineGroup
+from runtime.cluster.loopback import confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import make_weight_sync
-from runtime.config import Config, ConfigError, dump_yaml, to_dict
+from runtime.config import Config, ConfigError, dump_yaml, flag, to_dict
 from runtime.engines.base import SamplingParams
-from runtime.hooks import load_function
+from runtime.errors import JobError
+from runtime.hooks import resolve_hook
 from runtime.logger import (
     LEDGER_FILE,
     METRICS_FILE,
@@ -35,11 +38,12 @@ from runtime.logger import (
     append_ledger,
     format_step_line,
     plot_rewards,
+    repair_rows,
 )
 from runtime.rollout import RolloutContext, expand_groups, generate_groups, sample_metrics
 from runtime.rollout.data import PromptDataset
 from runtime.rollout.filters import load_filter
-from runtime.rollout.rewards import RewardHub
+from runtime.rollout.rewards import RewardHub, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
 from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
@@ -68,7 +72,11 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     hub = RewardHub(cfg.reward, args=cfg)
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
-    custom_generate = load_function(r.custom_generate_function_path) if r.custom_generate_function_path else None
+    custom_generate = (
+        resolve_hook(flag("custom_generate_function_path"), r.custom_generate_function_path)
+        if r.custom_generate_function_path
+        else None
+    )
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
@@ -119,19 +127,28 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         weights.push(start)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
+        else:
+            # Rows of the steps about to run again (written after the checkpoint) and a torn last line go.
+            repair_rows(out / LEDGER_FILE, before_step=start)
         logger = MetricsLogger(
             out,
             use_tensorboard=cfg.log.use_tensorboard,
             use_wandb=cfg.log.use_wandb,
             wandb_project=cfg.log.wandb_project,
             config=to_dict(cfg),
-            resume=start > 0,
+            start_step=start,
         )
         cleanup.callback(logger.close)
+        if logger.repaired and logger.repaired["dropped_unreadable"]:
+            print(f"{out / METRICS_FILE}: dropped {logger.repaired['dropped_unreadable']} unreadable (torn) lines")
         history: list[dict[str, Any]] = []
         bar = ProgressBar(r.num_rollout, start, enabled=progress)
         cleanup.callback(bar.close)
         source.start(start)
+        # On a JobError (a hook, a reward, a filter the user must fix) the last completed step is saved first.
+        last = LastStep(cfg.ckpt.save, start, trainers=trainers, engines=engines, feed=feed)
+        cleanup.push(last.on_exit)
+        reward_error_rates: list[float] = []
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
@@ -144,6 +161,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             rollout = source.get(step)
             metrics.update(rollout.metrics)
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
+            reward_error_rates.append(reward_error_rate(rollout.metrics))
+            check_reward_errors(reward_error_rates, cfg, reward=hub.name)
             if cfg.resources.colocate:
                 engines.release_memory()
                 trainers.resume_memory()
@@ -154,6 +173,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             batch = build_batch(
                 rollout.samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
             )
+            last.training()
             metrics.update(
                 train_metrics(
                     trainers.train_rollout(sequence_advantages(batch, adv_cfg), global_batch_size=gbs, adv_cfg=adv_cfg)
@@ -172,24 +192,82 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
-            # 4. Evaluation, logging, the ledger of prompts, checkpoints.
+            # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
+            # the job once this step (trained) is logged and committed.
+            eval_failure = None
             if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
-                metrics.update(runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate)))
+                try:
+                    metrics.update(runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate)))
+                except JobError as err:
+                    eval_failure = err
             metrics["perf/step_time"] = time.perf_counter() - step_start
             logger.log(step, metrics)
             source.commit(rollout)
             append_ledger(out, step, {"trained": rollout.trained_indices, **rollout.outcomes})
             history.append({"step": step, **metrics})
             bar.advance(format_step_line(done, r.num_rollout, metrics))
+            last.complete(done)
+            if eval_failure is not None:
+                raise eval_failure
             if cfg.ckpt.save is not None and (
                 (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout
             ):
-                checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, feed=feed)
+                last.save()
 
         source.close()
         trainers.save_hf(str(out / "final_model"))
     plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=r.num_rollout, history=history)
+
+
+class LastStep:
+    """The job's last completed step (trained, logged, committed) and whether it is saved.
+
+    ``on_exit`` (an ``ExitStack`` exit callback) saves it under ``--save`` when a ``JobError`` stops the job and it
+    is not saved yet, so the user can fix the cause and ``--load`` it; not when the trainers already hold a later,
+    uncommitted step, nor when saving is what failed.
+    """
+
+    def __init__(self, root: str | None, start: int, *, trainers: Any, engines: Any, feed: Any):
+        self.root, self.start = root, start
+        self.completed = self.saved = start
+        self.trained_ahead = False
+        self._state = {"trainers": trainers, "engines": engines, "feed": feed}
+
+    def training(self) -> None:
+        self.trained_ahead = True
+
+    def complete(self, step: int) -> None:
+        self.completed, self.trained_ahead = step, False
+
+    def save(self) -> Path:
+        folder = checkpoint.save(self.root, self.completed, **self._state)
+        self.saved = self.completed
+        return folder
+
+    def on_exit(self, exc_type: Any, err: BaseException | None, tb: Any) -> bool:
+        keep = self.root is not None and self.completed not in (self.start, self.saved) and not self.trained_ahead
+        if keep and isinstance(err, JobError) and not isinstance(err, checkpoint.SaveError):
+            try:
+                folder = self.save()
+                print(f"rlcore-run: saved step {self.completed} to {folder}; resume with --load {self.root}")
+            except checkpoint.SaveError as save_err:
+                print(f"rlcore-run: {save_err}", file=sys.stderr)
+        return False
+
+
+def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None:
+    """Raise ``JobError`` when the last ``--max-reward-error-steps`` steps' reward error rates (``rates``, one per
+    step so far) all exceed ``--max-reward-error-rate``: a reward that keeps failing would train on zeros."""
+    limit, steps = cfg.reward.max_reward_error_rate, cfg.reward.max_reward_error_steps
+    last = rates[-steps:]
+    if len(last) == steps and all(rate > limit for rate in last):
+        shown = ", ".join(f"{rate:.0%}" for rate in last)
+        raise JobError(
+            f"reward {reward}: {shown} of the samples' rewards failed or timed out in the last {steps} steps, over "
+            f"--max-reward-error-rate {limit} for --max-reward-error-steps {steps}: the job stops (the log holds "
+            "each step's first reward error with its traceback)"
+        )
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -207,22 +285,24 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
 
     Without ``--hf-checkpoint`` the demo's tiny model is built into ``output_dir/base_model`` and loaded from there
     like any checkpoint; without ``--prompt-data`` the prompts are the demo task's. What was dropped or skipped is
-    printed (``PromptDataset.report``). Data errors, and a ``--max-tokens-per-gpu`` too small for the longest
-    prompt plus ``--rollout-max-response-len``, raise here, before Ray starts.
+    printed (``PromptDataset.report``); a prompt that does not fit the model's context is a bad row (``--on-bad-row``:
+    refused, or dropped and counted with the over-long ones). Data errors, and a ``--max-tokens-per-gpu`` too small
+    for the longest prompt plus ``--rollout-max-response-len``, raise here, before Ray starts.
     """
     from transformers import AutoTokenizer
 
     model_path = cfg.model.hf_checkpoint or demo.base_model(cfg.output_dir, seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    context = model_context(model_path)
     eval_set = None
     if cfg.data.prompt_data is None:
         dataset, demo_eval = demo.prompt_datasets(tokenizer, cfg.data, seed=cfg.seed)
         if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is None:
             eval_set = demo_eval
     else:
-        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.seed)
+        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.seed, max_context=context)
     if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is not None:
-        eval_set = PromptDataset(cfg.eval.eval_prompt_data, tokenizer, cfg.data, seed=cfg.seed)
+        eval_set = PromptDataset(cfg.eval.eval_prompt_data, tokenizer, cfg.data, seed=cfg.seed, max_context=context)
     datasets = (dataset,) if eval_set is None else (dataset, eval_set)
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
@@ -240,6 +320,15 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
             )
     eval_prompts = eval_set.next_batch(len(eval_set)) if eval_set is not None else None
     return model_path, tokenizer, dataset, eval_prompts
+
+
+def model_context(model_path: str) -> int | None:
+    """The model's context length in tokens (``max_position_embeddings`` of its text config), None if it has none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
 
 
 def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[float]:
@@ -272,6 +361,9 @@ def _init_ray(cfg: Config) -> bool:
         return False
     res = cfg.resources
     slots = res.num_trainer_procs + (0 if res.colocate else res.rollout_num_gpus)
+    # A single-node job: every Ray listener on 127.0.0.1 (runtime.cluster.loopback; token authentication, Ray's
+    # default for a cluster ray.init starts, stays on for its gRPC servers as well).
+    confine_ray()
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
     ray.init(num_cpus=max(usable_cpus(), slots), include_dashboard=False, log_to_driver=False)
     return True

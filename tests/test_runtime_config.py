@@ -160,6 +160,8 @@ def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
     assert main(["--load", str(root), "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     assert "--load" in capsys.readouterr().err and not (tmp_path / "out").exists()
     (step / checkpoint.TRAINER_DIR).mkdir()
+    assert "has no manifest.json" in _problems(["--load", str(root)])
+    checkpoint.write_manifest(step, 3)
     assert parse_args(["--load", str(root)]).ckpt.load == str(root)
     assert checkpoint.resolve(root) == step and checkpoint.resolve(step) == step
 
@@ -360,9 +362,9 @@ def test_rule_hook_paths(tmp_path):
             "--dynamic-sampling-filter-path", "not a path",
         ]
     )  # fmt: skip
-    assert "--custom-rm-path:" in text and "does not exist" in text
-    assert "--custom-generate-function-path:" in text and "no_such_package_xyz" in text
-    assert "--dynamic-sampling-filter-path:" in text
+    assert f"--custom-rm-path {tmp_path / 'reward.py'}:score: file" in text and "does not exist" in text
+    assert "--custom-generate-function-path no_such_package_xyz.gen:generate: no module named" in text
+    assert "--dynamic-sampling-filter-path not a path:" in text
     (tmp_path / "reward.py").write_text("def score(args, sample):\n    return 1.0\n")
     cfg = parse_args(["--custom-rm-path", f"{tmp_path / 'reward.py'}:score"])
     assert cfg.reward.custom_rm_path.endswith("reward.py:score")

@@ -281,7 +281,7 @@ def test_use_tis_needs_rollout_log_probs_from_custom_generate():
         return sample
 
     tis = SimpleNamespace(algo=SimpleNamespace(use_tis=True))
-    with pytest.raises(ValueError, match="--use-tis needs rollout log-probs"):
+    with pytest.raises(ValueError, match="rollout_log_probs None, which --use-tis needs"):
         _collect(_Engines(), args=tis, custom_generate=custom, rollout_batch_size=1)
     samples, _, _ = _collect(_Engines(), custom_generate=custom, rollout_batch_size=1)
     with pytest.raises(ValueError, match=r"sample 0 \(index 0\) has no rollout_log_probs"):

@@ -198,11 +198,12 @@ def test_metrics_of_a_resumed_run_keep_the_last_row_per_step(tmp_path):
     with MetricsLogger(tmp_path, use_tensorboard=False) as first:
         for step in range(3):
             first.log(step, {"rollout/reward_mean": 0.1 * step})
-    with MetricsLogger(tmp_path, use_tensorboard=False, resume=True) as resumed:
+    with MetricsLogger(tmp_path, use_tensorboard=False, start_step=2) as resumed:
         for step in (2, 3):
             resumed.log(step, {"rollout/reward_mean": 0.5 + 0.1 * step})
     rows = read_metrics(tmp_path / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert len((tmp_path / METRICS_FILE).read_text().splitlines()) == 4  # the first run's step 2 was replaced
     assert [r["rollout/reward_mean"] for r in rows] == pytest.approx([0.0, 0.1, 0.7, 0.8])
     plot_rewards(tmp_path / METRICS_FILE, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

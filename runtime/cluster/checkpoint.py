@@ -3,22 +3,39 @@
 Layout under ``--save``: one folder per saved step, ``step_000012/`` holding ``trainer/`` (torch.distributed.checkpoint
 shards of model and optimizer, plus each rank's RNG state) and ``loop_state.pt`` (step; the prompt feed: the data
 position and every prompt handed out but not yet trained, see ``runtime.rollout.source.PromptFeed``; engine and
-driver RNG states); ``latest`` names the newest folder and is replaced atomically after the folder is complete, so a
-job killed while saving resumes from the previous checkpoint.
+driver RNG states) and ``manifest.json`` (the step, and every file's size and SHA-256). A step is written into a
+``.step_000012.partial`` folder that becomes ``step_000012/`` only once complete, and ``latest`` names the newest
+folder and is replaced atomically after that, so a job killed while saving resumes from the previous checkpoint; a
+save that fails (a full disk) removes its partial folder. ``--load`` is checked against the manifest while the config
+is validated (:func:`verify`), so a truncated or corrupt file stops the job before Ray starts, naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
+
+from runtime.errors import JobError
 
 # numpy and torch are imported where used: config validation calls ``resolve`` and must stay light.
 
 LATEST = "latest"
 LOOP_STATE = "loop_state.pt"
 TRAINER_DIR = "trainer"
+MANIFEST = "manifest.json"
+
+
+class SaveError(JobError):
+    """A save that failed (a full disk, a path that cannot be written); its partial folder was removed."""
+
+
+class CheckpointError(ValueError):
+    """A ``--load`` checkpoint whose files do not match its manifest; the message names the file."""
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -31,19 +48,85 @@ def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any
     import torch
 
     folder = step_dir(root, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    trainers.save(str(folder / TRAINER_DIR))
-    state = {
-        "step": step,
-        "feed": feed.state_dict(),
-        "engine_rng": engines.get_rng_state(),
-        "driver_rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-    }
-    torch.save(state, folder / LOOP_STATE)
+    partial = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a job killed while saving this step
+    try:
+        partial.mkdir(parents=True)
+        trainers.save(str(partial / TRAINER_DIR))
+        state = {
+            "step": step,
+            "feed": feed.state_dict(),
+            "engine_rng": engines.get_rng_state(),
+            "driver_rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+        torch.save(state, partial / LOOP_STATE)
+        write_manifest(partial, step)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(partial, folder)
+    except BaseException as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise SaveError(
+                f"--save {root}: saving step {step} failed ({type(err).__name__}: {err}); its partial folder was "
+                "removed"
+            ) from err
+        raise
     tmp = Path(root) / f".{LATEST}.tmp"
     tmp.write_text(folder.name)
     os.replace(tmp, Path(root) / LATEST)
     return folder
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def write_manifest(folder: str | os.PathLike[str], step: int) -> None:
+    """Write ``folder/manifest.json``: ``step`` and the size and SHA-256 of every file under ``folder``."""
+    folder = Path(folder)
+    files = {
+        path.relative_to(folder).as_posix(): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+
+
+def verify(folder: str | os.PathLike[str]) -> int:
+    """Check every file of the checkpoint ``folder`` against its manifest; return the checkpoint's step.
+
+    Raises ``CheckpointError`` naming ``--load`` and the first file that is missing, of the wrong size or whose
+    SHA-256 differs (a truncated shard, a corrupt ``loop_state.pt``, a damaged manifest).
+    """
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"--load: {str(folder)!r} has no {MANIFEST} (not a complete rlcore checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        step, files = int(manifest["step"]), dict(manifest["files"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"--load: {str(manifest_path)!r} is unreadable ({type(err).__name__}: {err})") from err
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"--load: checkpoint file {str(path)!r} is missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"--load: checkpoint file {str(path)!r} is corrupt: {size} bytes, the manifest says {entry['size']}"
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(
+                f"--load: checkpoint file {str(path)!r} is corrupt: its SHA-256 differs from the manifest"
+            )
+    return step
 
 
 def _missing(folder: Path) -> list[str]:

@@ -7,6 +7,7 @@ their file and line number (``on_bad_row="fail"``) or are counted and listed in 
 
 from __future__ import annotations
 
+import codecs
 import copy
 import json
 import os
@@ -33,10 +34,21 @@ class _Prompt:
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line number, row, error)``; blank lines are not rows."""
-    # utf-8-sig: files saved by some editors start with a byte-order mark that would break the first row.
-    with open(path, encoding="utf-8-sig") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    """Yield ``(line number, row, error)``; blank lines are not rows. Each line is decoded on its own, so a line that
+    is not UTF-8 is one bad row."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]  # files saved by some editors start with a byte-order mark
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield (
+                    line_no,
+                    None,
+                    f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line)",
+                )
+                continue
             if not line.strip():
                 continue
             try:
@@ -101,9 +113,21 @@ class PromptDataset:
     ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` and tokenized without extra special
     tokens; otherwise the text is tokenized as the tokenizer does by default. ``tokenizer`` may be None only
     when neither templating nor ``rollout_max_prompt_len`` needs it (``tokens`` are then empty).
+
+    ``max_context`` (the model's context length, in tokens) bounds every prompt: one that leaves no room for a
+    response is a bad row under ``cfg.on_bad_row`` (``fail`` stops the load naming its line; ``skip`` drops it and
+    counts it in ``num_dropped_long``, like a prompt over ``rollout_max_prompt_len``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], tokenizer: Any, cfg: DataConfig, *, seed: int):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tokenizer: Any,
+        cfg: DataConfig,
+        *,
+        seed: int,
+        max_context: int | None = None,
+    ):
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise DataError(f"prompt file {os.path.abspath(path)!r} does not exist")
@@ -115,7 +139,7 @@ class PromptDataset:
             where = "row"
         else:
             raise DataError(f"prompt file {path!r} must end in .jsonl or .parquet")
-        self._init(rows, tokenizer, cfg, seed=seed, source=path, where=where)
+        self._init(rows, tokenizer, cfg, seed=seed, source=path, where=where, max_context=max_context)
 
     @classmethod
     def from_records(
@@ -136,6 +160,7 @@ class PromptDataset:
         seed: int,
         source: str,
         where: str,
+        max_context: int | None = None,
     ) -> None:
         if not isinstance(cfg, DataConfig):
             raise TypeError(f"cfg must be a runtime.config.DataConfig, got {type(cfg).__name__}")
@@ -150,23 +175,33 @@ class PromptDataset:
         self.seed = seed
         self.source = source
         self.where = where
+        self.max_context = max_context
         self.bad_rows: list[tuple[int, str]] = []
         self.num_dropped_long = 0
 
         texts: list[str] = []
-        pending: list[tuple[Any, dict[str, Any]]] = []
+        pending: list[tuple[int, Any, dict[str, Any]]] = []
         for line_no, row, error in rows:
             text, label, metadata, error = self._parse_row(row, error, tokenizer)
             if error is not None:
                 self._bad_row(line_no, error)
                 continue
             texts.append(text)
-            pending.append((label, metadata))
+            pending.append((line_no, label, metadata))
         token_ids = self._tokenize(tokenizer, texts)
 
         self._prompts: list[_Prompt] = []
-        for text, tokens, (label, metadata) in zip(texts, token_ids, pending, strict=True):
+        for text, tokens, (line_no, label, metadata) in zip(texts, token_ids, pending, strict=True):
             if cfg.rollout_max_prompt_len is not None and len(tokens) > cfg.rollout_max_prompt_len:
+                self.num_dropped_long += 1
+                continue
+            if max_context is not None and tokenizer is not None and len(tokens) >= max_context:
+                self._refuse(
+                    line_no,
+                    f"a prompt of {len(tokens)} tokens leaves no room for a response in the model's context of "
+                    f"{max_context} tokens",
+                )
+                # Skipped, it counts with the prompts over --rollout-max-prompt-len, not as a malformed row.
                 self.num_dropped_long += 1
                 continue
             self._prompts.append(_Prompt(text=text, tokens=tokens, label=label, metadata=metadata))
@@ -215,9 +250,13 @@ class PromptDataset:
         encoded = tokenizer(texts, add_special_tokens=not self.cfg.apply_chat_template)
         return [list(ids) for ids in encoded["input_ids"]]
 
-    def _bad_row(self, line_no: int, reason: str) -> None:
+    def _refuse(self, line_no: int, reason: str) -> None:
+        """Under ``--on-bad-row fail``, raise ``DataError`` naming the file, line and reason."""
         if self.cfg.on_bad_row == "fail":
             raise DataError(f"{self.source} {self.where} {line_no}: {reason} (--on-bad-row skip skips such rows)")
+
+    def _bad_row(self, line_no: int, reason: str) -> None:
+        self._refuse(line_no, reason)
         self.bad_rows.append((line_no, reason))
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -253,7 +292,9 @@ class PromptDataset:
             raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
         lines = [
             f"{self.source}: {len(self._prompts)} prompts; {self.num_dropped_long} dropped as longer than "
-            f"--rollout-max-prompt-len {self.cfg.rollout_max_prompt_len}; {self.num_bad_rows} malformed rows skipped"
+            f"--rollout-max-prompt-len {self.cfg.rollout_max_prompt_len}"
+            + (f" or the model's context of {self.max_context} tokens" if self.max_context is not None else "")
+            + f"; {self.num_bad_rows} malformed rows skipped"
         ]
         lines += [f"  skipped {self.where} {line_no}: {reason}" for line_no, reason in self.bad_rows[:max_rows]]
         if self.num_bad_rows > max_rows:

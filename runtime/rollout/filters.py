@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.hooks import load_function
+from runtime.hooks import Hook, resolve_hook
 from runtime.rollout.sample import Sample
 
 
@@ -52,17 +52,15 @@ def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any
 FilterFn = Callable[..., DynamicFilterOutput]
 
 
-def load_filter(path: str) -> FilterFn:
-    """Load a filter by hook path (``module:function``, ``module.function`` or ``file.py:function``).
+FILTER_FLAG = "--dynamic-sampling-filter-path"
 
-    The loaded function is wrapped so that a result of the wrong type raises ``TypeError`` naming the path,
-    instead of being taken as a verdict.
-    """
-    fn = load_function(path)
 
-    def checked_filter(args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
-        out = fn(args, samples, **kwargs)
-        # Filters written against slime return slime's own DynamicFilterOutput class; duck typing accepts them.
+class FilterHook(Hook):
+    """A filter loaded from its hook flag: a result that is not a verdict is a ``HookFailure`` naming the flag and
+    the function (slime's own ``DynamicFilterOutput``, or anything with a bool ``keep``, is one)."""
+
+    def __call__(self, args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
+        out = super().__call__(args, samples, **kwargs)
         if isinstance(out, DynamicFilterOutput):
             return out
         keep = getattr(out, "keep", None)
@@ -70,15 +68,18 @@ def load_filter(path: str) -> FilterFn:
         if hasattr(keep, "item"):
             keep = keep.item()
         if not isinstance(keep, bool):
-            raise TypeError(
-                f"dynamic sampling filter {path!r} must return DynamicFilterOutput(keep: bool, reason), "
-                f"got {type(out).__name__} {out!r:.80}"
-            )
+            raise self.wrong_type(out, "DynamicFilterOutput(keep: bool, reason)")
         return DynamicFilterOutput(keep=keep, reason=getattr(out, "reason", None))
 
-    checked_filter.__name__ = getattr(fn, "__name__", "checked_filter")
-    checked_filter.__wrapped__ = fn  # type: ignore[attr-defined]
-    return checked_filter
+
+def load_filter(path: str, *, flag: str = FILTER_FLAG) -> FilterHook:
+    """Load a filter by hook path (``module:function``, ``module.function`` or ``file.py:function``) for ``flag``.
+
+    Raises ``HookError`` when it cannot be loaded; calling it raises ``HookFailure`` when the filter raises or
+    returns something that is not a verdict.
+    """
+    hook = resolve_hook(flag, path)
+    return FilterHook(hook.flag, hook.path, hook.fn)
 
 
 def filter_groups(

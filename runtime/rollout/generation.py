@@ -14,12 +14,15 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.engines.base import Generation, SamplingParams
+from runtime.errors import JobError
+from runtime.hooks import Hook
 from runtime.rollout.filters import FilterFn, filter_groups, reward_value
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
@@ -116,21 +119,30 @@ async def _generate_groups(
         for s, g in zip(samples, generations, strict=True):
             apply_generation(s, g, ctx.tokenizer)
         return
-    results = await asyncio.gather(*(custom_generate(ctx.args, s, params.to_dict()) for s in samples))
+
+    async def one(sample: Sample) -> Any:
+        out = custom_generate(ctx.args, sample, params.to_dict())
+        # slime's hook is an async def; a plain def that returns the sample works as well.
+        return await out if inspect.isawaitable(out) else out
+
+    results = await asyncio.gather(*(one(s) for s in samples))
     use_tis = _uses_tis(ctx.args)
-    for i, (s, out) in enumerate(zip(samples, results, strict=True)):
+    for s, out in zip(samples, results, strict=True):
         if not isinstance(out, Sample):
-            raise TypeError(f"custom generate function returned {type(out).__name__} for sample {i}, not a Sample")
+            raise _bad_result(
+                custom_generate, f"returned {type(out).__name__} {out!r:.60}, expected a Sample", kind=TypeError
+            )
         out.group_index = s.group_index
         if out.status == Sample.Status.ABORTED:
             continue  # dropped with its group below, whatever it holds
         if out.response_length < 1:
-            raise ValueError(f"custom generate function returned sample {s.index} with an empty response")
+            raise _bad_result(custom_generate, f"returned sample {s.index} with an empty response")
         if use_tis and out.rollout_log_probs is None:
-            raise ValueError(
-                f"--use-tis needs rollout log-probs, but the custom generate function returned sample {s.index} "
-                "with rollout_log_probs None: set sample.rollout_log_probs (one per response token; "
-                "runtime.rollout.engine_generate returns them) or run without --use-tis"
+            raise _bad_result(
+                custom_generate,
+                f"returned sample {s.index} with rollout_log_probs None, which --use-tis needs: set "
+                "sample.rollout_log_probs (one per response token; runtime.rollout.engine_generate returns them) or "
+                "run without --use-tis",
             )
     # Custom functions may return new Sample objects; put them where the inputs were.
     k = 0
@@ -151,6 +163,13 @@ async def generate_groups(
     with _running(ctx):
         await _generate_groups(ctx, groups, params, custom_generate)
     return split_aborted(groups)
+
+
+def _bad_result(custom_generate: Callable[..., Any], what: str, *, kind: type[Exception] = ValueError) -> Exception:
+    """A ``HookFailure`` naming the flag and the function when it came from one (a ``Hook``), else ``kind``."""
+    if isinstance(custom_generate, Hook):
+        return custom_generate.bad_result(what)
+    return kind(f"custom generate function {getattr(custom_generate, '__name__', custom_generate)!r} {what}")
 
 
 def _uses_tis(args: Any) -> bool:
@@ -206,10 +225,11 @@ async def collect_rollout(
         outcomes: dict[str, list[int]] = {"filtered": [], "discarded": [], "aborted": []}
         while len(kept) < rollout_batch_size:
             if rounds == MAX_SAMPLING_ROUNDS:
-                raise RuntimeError(
-                    f"the dynamic sampling filter kept {len(kept)} of {generated} groups in {rounds} rounds, short of "
-                    f"--rollout-batch-size {rollout_batch_size} (drop reasons: {dict(dropped)}; groups with an "
-                    f"aborted sample: {groups_aborted})"
+                raise JobError(
+                    kept_too_few(
+                        filter_fn, kept=len(kept), generated=generated, rounds=rounds, need=rollout_batch_size
+                    )
+                    + f" (drop reasons: {dict(dropped)}; groups with an aborted sample: {groups_aborted})"
                 )
             rounds += 1
             groups = expand_groups(
@@ -247,6 +267,23 @@ async def collect_rollout(
     if scored_rewards:
         metrics["rollout/reward_mean_before_filter"] = sum(scored_rewards) / len(scored_rewards)
     return samples, metrics, outcomes
+
+
+def kept_too_few(filter_fn: FilterFn | None, *, kept: int, generated: int, rounds: int | None, need: int) -> str:
+    """The one-line report of a rollout that could not fill its batch: the filter (by its flag and path when it is a
+    hook) kept ``kept`` of ``generated`` groups (in ``rounds`` sampling rounds, when counted), short of ``need``."""
+    if isinstance(filter_fn, Hook):
+        who = f"{filter_fn.flag} {filter_fn.path}"
+    elif filter_fn is not None:
+        who = f"the dynamic sampling filter {getattr(filter_fn, '__name__', filter_fn)!r}"
+    else:
+        who = "the rollout (no filter)"
+    return (
+        f"{who} kept {kept} of {generated} groups"
+        + (f" in {rounds} sampling rounds" if rounds is not None else "")
+        + f", short of --rollout-batch-size {need}: "
+        "the job stops (check the filter against a few rewards, or loosen it)"
+    )
 
 
 def sample_metrics(samples: Sequence[Sample], prefix: str = "rollout") -> dict[str, float]:

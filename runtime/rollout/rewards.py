@@ -6,14 +6,16 @@ A custom function (``--custom-rm-path``) is one of
 - batched: ``[async] def reward_func(args, samples: list[Sample], **kwargs) -> list[float]``
 
 told apart by the second parameter (named ``samples``, or annotated as a list / sequence; slime says it with
-``--group-rm``). Async functions run on the event loop, sync ones each in a thread of their own, at most
-``max_workers`` at a time, so that they never block it. A call that raises, returns something that is not a finite
-number, or runs past ``--reward-timeout`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in
-``pop_metrics()``); the job goes on. The timeout of a sync call counts from the moment its thread starts, not
-from when it began waiting for one of the ``max_workers`` slots.
+``--group-rm``). Every call, sync or async, runs in a thread of its own (an async one on its own event loop in that
+thread), at most ``max_workers`` at a time, so that no call, not even an ``async def`` that blocks (``time.sleep``,
+a synchronous HTTP client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises,
+returns something that is not a finite number, or runs past ``--reward-timeout`` gives reward 0 and is counted
+(``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the job goes on (``--max-reward-error-rate`` bounds
+how long, in the loop). The timeout of a call counts from the moment its thread starts, not from when it began
+waiting for one of the ``max_workers`` slots; a batched function has one deadline for its batch.
 
-A timed-out sync function cannot be killed from Python: its (daemon) thread runs on in the background until it
-returns, but gives its slot back at the timeout, so a stuck call does not make later calls time out.
+A timed-out call cannot be killed from Python: its (daemon) thread runs on in the background until it returns, but
+gives its slot back at the timeout, so a stuck call does not make later calls time out.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class RewardHub:
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         self._max_workers = max_workers
-        # One semaphore per event loop (the loop runs a fresh asyncio.run per step); it bounds running sync calls.
+        # One semaphore per event loop (the loop runs a fresh asyncio.run per step); it bounds running calls.
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._metrics = self._zero_metrics()
@@ -242,23 +244,14 @@ class RewardHub:
             # User exceptions are caught here, inside the timeout, so that a TimeoutError the function raises
             # itself is an error and not mistaken for the hub's timeout.
             try:
-                if self.is_async:
-                    result = await call()
-                else:
-                    result = await _in_thread(call)
-                    if inspect.isawaitable(result):
-                        result = await result
-                return result, None
+                return await _in_thread(functools.partial(_call_to_end, call)), None
             except Exception as err:  # any failure of user code becomes reward 0, never a crash
                 return None, err
 
         try:
-            if self.is_async:
+            # The slot is taken before the clock starts: waiting for a free thread is not the function's time.
+            async with self._get_slots():
                 result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
-            else:
-                # The slot is taken before the clock starts: waiting for a free thread is not the function's time.
-                async with self._get_slots():
-                    result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
         except TimeoutError:
             self._metrics["reward/timeouts"] += count
             logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
@@ -301,6 +294,25 @@ class RewardHub:
 
 
 _FAILED = object()
+
+
+def reward_error_rate(metrics: dict[str, float]) -> float:
+    """The fraction of the scored samples whose reward call failed or timed out, from a step's ``reward/*`` metrics
+    (``RewardHub.pop_metrics``); 0 when nothing was scored."""
+    scored = metrics.get("reward/num_scored", 0)
+    return (metrics.get("reward/errors", 0) + metrics.get("reward/timeouts", 0)) / scored if scored else 0.0
+
+
+def _call_to_end(call: Callable[[], Any]) -> Any:
+    """``call()``, and if that is awaitable (an async function), its result on an event loop of this thread."""
+    result = call()
+    if not inspect.isawaitable(result):
+        return result
+
+    async def wait() -> Any:
+        return await result
+
+    return asyncio.run(wait())
 
 
 async def _in_thread(call: Callable[[], Any]) -> Any:

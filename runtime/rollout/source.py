@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from runtime.engines.base import SamplingParams
+from runtime.errors import JobError
 from runtime.rollout.filters import FilterFn, filter_groups
 from runtime.rollout.generation import (
     MAX_SAMPLING_ROUNDS,
@@ -44,6 +45,7 @@ from runtime.rollout.generation import (
     apply_generation,
     collect_rollout,
     expand_groups,
+    kept_too_few,
     sample_metrics,
     split_aborted,
 )
@@ -277,9 +279,9 @@ class BatchSource(_Source):
         return rollout
 
     def pause(self) -> None:
-        # Drained: a rollout started ahead finishes with the weights it started with, before they change.
-        for future in list(self._futures.values()):
-            future.result()
+        # Drained: a rollout started ahead finishes with the weights it started with, before they change. One that
+        # failed reports its error when its step asks for it (get), so a failure always stops the job between steps.
+        concurrent.futures.wait(list(self._futures.values()))
 
     def resume(self, version: int) -> None:
         pass
@@ -456,9 +458,15 @@ class StreamingSource(_Source):
                     outcomes[slot.outcome].append(slot.group[0].index)
                     skipped += 1
                     if skipped > MAX_SAMPLING_ROUNDS * s.rollout_batch_size:
-                        raise RuntimeError(
-                            f"step {step}: {skipped} groups in a row were filtered or aborted while filling "
-                            f"--rollout-batch-size {s.rollout_batch_size}"
+                        raise JobError(
+                            f"step {step}: "
+                            + kept_too_few(
+                                self.filter_fn,
+                                kept=len(kept),
+                                generated=len(kept) + skipped,
+                                rounds=None,
+                                need=s.rollout_batch_size,
+                            )
                         )
             self._changed.notify_all()
         samples = [x for g in kept for x in g]
@@ -484,8 +492,7 @@ class StreamingSource(_Source):
                 await asyncio.to_thread(self.ctx.engines.abort)
             async with self._changed:
                 await self._changed.wait_for(lambda: self._busy == 0 or self._error is not None)
-            if self._error is not None:
-                raise self._error
+            # An error is raised by the next get, so that a failure always stops the job between steps.
 
         self.runner.run(pause())
 

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
 from rlcore.kernels import logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
+from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
@@ -120,9 +122,15 @@ class TorchTrainer:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
-            )
+            if is_loopback(master_addr):
+                # One node: the rendezvous and the collectives' sockets listen on 127.0.0.1 only.
+                confine_collectives()
+                store = rendezvous_store(master_port, rank=rank, world_size=world_size, timeout=default_pg_timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            else:
+                dist.init_process_group(
+                    backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+                )
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
         self.model = self._load(AutoModelForCausalLM, trainable=True)
