@@ -262,22 +262,61 @@ class _Finite:
         return verify
 
 
-def _read(td: TensorDictBase, key: str, mask: Tensor, finite: _Finite, *, needed_by: str) -> Tensor:
+def _needed_keys(cfg: LossConfig, td: TensorDictBase) -> list[tuple[str, str]]:
+    """The batch keys the fused pass reads, each with what needs it."""
+    needed = [(keys.ADVANTAGES, "the policy loss")]
+    present = td.keys()
+    if keys.OLD_LOG_PROBS in present:
+        needed.append((keys.OLD_LOG_PROBS, "the policy loss"))
+    if cfg.use_tis or keys.ROLLOUT_LOG_PROBS in present:
+        needed.append((keys.ROLLOUT_LOG_PROBS, "use_tis"))
+    if cfg.use_kl_loss or keys.REF_LOG_PROBS in present:
+        needed.append((keys.REF_LOG_PROBS, "use_kl_loss"))
+    return needed
+
+
+def _check_key(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tensor:
     if key not in td.keys():
         raise ValueError(f"linear_rl_loss needs td[{key!r}] for {needed_by}; the batch has keys {sorted(td.keys())}")
     x = check_tensor(key, td.get(key), floating=True)
     if x.shape != mask.shape:
         raise ValueError(f"{key} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
+    return x
+
+
+def _read(td: TensorDictBase, key: str, mask: Tensor, finite: _Finite, *, needed_by: str) -> Tensor:
+    x = _check_key(td, key, mask, needed_by=needed_by)
     finite.add(key, x)
     return masked_fill_zero(x.detach().float(), mask)
 
 
+def mismatch(td: TensorDictBase, cfg: LossConfig, mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``mismatch_weights``' ``(weights, keep)`` for ``cfg.use_tis`` (it checks its inputs with a host sync: called
+    before the pass, not while the device works), else ``None``."""
+    if not cfg.use_tis:
+        return None
+    old = masked_fill_zero(_check_key(td, keys.OLD_LOG_PROBS, mask, needed_by="use_tis").detach().float(), mask)
+    rollout = masked_fill_zero(
+        _check_key(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis").detach().float(), mask
+    )
+    return mismatch_weights(
+        old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
+    )
+
+
 def token_inputs(
-    td: TensorDictBase, cfg: LossConfig, mask: Tensor, norm: Normalizer, rows: Tensor, finite: _Finite
+    td: TensorDictBase,
+    cfg: LossConfig,
+    mask: Tensor,
+    norm: Normalizer,
+    rows: Tensor,
+    finite: _Finite,
+    tis: tuple[Tensor, Tensor] | None,
 ) -> tuple[TokenInputs, dict[str, Tensor]]:
     """Everything per token the loss needs besides the current log-probs and entropy, at the flat positions ``rows``
     ([n] int64: the valid tokens of ``mask``, row-major), and the metrics that depend on nothing else (the mismatch
-    weights'). Batch tensors are checked finite at valid positions through ``finite``."""
+    weights', given as ``tis`` by :func:`mismatch`). Batch tensors are checked finite at valid positions through
+    ``finite``."""
     weight = aggregation_weights(mask, cfg.loss_agg_mode, norm)
     advantages = _read(td, keys.ADVANTAGES, mask, finite, needed_by="the policy loss")
     old = rollout = ref = None
@@ -290,10 +329,8 @@ def token_inputs(
     keep = mask
     c_pg = weight
     metrics = {}
-    if cfg.use_tis:
-        tis, keep = mismatch_weights(
-            old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
-        )
+    if tis is not None:
+        tis, keep = tis
         c_pg = weight * tis.float()
         num_tokens = torch.as_tensor(norm.num_tokens, device=mask.device).clamp_min(1)
         metrics["tis_weight_mean"] = tis.float().sum() / num_tokens
@@ -382,9 +419,13 @@ def _token_stats(hidden, weight, targets, logits, settings: _Settings, start: in
     return log_probs, entropy, totals
 
 
-def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Settings, want_hidden, want_weight):
+def _fused_pass(hidden, weight, targets, prepare, settings: _Settings, want_hidden, want_weight):
     """The row-chunked pass: ``(loss, sums, ratio max, grad_hidden, grad_weight)``, with ``sums`` and the ratio's
-    maximum those of :func:`token_coefficients` over the chunks (the maximum 0 without any token)."""
+    maximum those of :func:`token_coefficients` over the chunks (the maximum 0 without any token).
+
+    ``prepare()`` gives the :class:`TokenInputs`; it is called once the first chunk's logits are queued, so that the
+    device computes them while the host prepares the per-token inputs.
+    """
     vocab = weight.shape[0]
     logit_dtype = torch.float32 if settings.float32_logits else hidden.dtype
     separate_grad = logit_dtype != hidden.dtype
@@ -394,6 +435,7 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
     widest = max((b - a for a, b in chunks), default=0)
     buffer = torch.empty(widest, vocab, dtype=logit_dtype, device=hidden.device)
     grad_buffer = torch.empty(widest, vocab, dtype=hidden.dtype, device=hidden.device) if separate_grad else None
+    inputs = None
     seq_ratio_all = None
     if by_sequence and not aligned:
         # Two-phase GSPO: a sequence does not fit in a chunk, so every log-prob comes first (one extra matmul).
@@ -401,6 +443,8 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
         for start, stop in chunks:
             lp, _, _ = _token_stats(hidden, weight, targets, buffer[: stop - start], settings, start, stop)
             log_probs_all[start:stop] = lp
+            if inputs is None:
+                inputs = prepare()
         old = log_probs_all if inputs.old is None else inputs.old
         seq_ratio_all = _seq_ratio(log_probs_all, old, inputs.seq_ids, inputs.seq_lengths)
 
@@ -417,6 +461,8 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
         rows = slice(start, stop)
         logits = buffer[: stop - start]
         log_probs, entropy, totals = _token_stats(hidden, weight, targets, logits, settings, start, stop)
+        if inputs is None:
+            inputs = prepare()
         seq_ratio = None
         if by_sequence:
             if seq_ratio_all is not None:
@@ -447,6 +493,8 @@ def _fused_pass(hidden, weight, targets, inputs: TokenInputs, settings: _Setting
             torch.mm(grads, weight, out=grad_hidden[rows])
         if want_weight:
             _add_weight_grad(grad_weight, grads, hidden[rows], first=index == 0)
+    if inputs is None:
+        prepare()  # no valid token: the metrics still need the batch's
     if want_weight and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     cfg = settings.cfg
@@ -475,9 +523,9 @@ class LinearRLLoss(torch.autograd.Function):
     """Computes the loss and both gradients in the forward; the backward scales them by the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inputs, settings, want_hidden, want_weight):
+    def forward(ctx, hidden, weight, targets, prepare, settings, want_hidden, want_weight):
         loss, sums, ratio_max, grad_hidden, grad_weight = _fused_pass(
-            hidden, weight, targets, inputs, settings, want_hidden, want_weight
+            hidden, weight, targets, prepare, settings, want_hidden, want_weight
         )
         ctx.grads = (grad_hidden, grad_weight)
         sums = sums.float()
@@ -635,22 +683,31 @@ def linear_rl_loss(
     if sum(settings.seq_lengths) < mask.numel():
         rows = mask.flatten().nonzero().squeeze(1)
         hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
+    for key, needed_by in _needed_keys(cfg, td):
+        _check_key(td, key, mask, needed_by=needed_by)
     finite = _Finite(mask)
-    inputs, metrics = token_inputs(td, cfg, mask, norm, rows, finite)
-    verify_finite = finite.verify_later()
+    tis = mismatch(td, cfg, mask)
+    prepared = {}
+
+    def prepare() -> TokenInputs:
+        prepared["inputs"], prepared["metrics"] = token_inputs(td, cfg, mask, norm, rows, finite, tis)
+        prepared["verify"] = finite.verify_later()
+        return prepared["inputs"]
+
     grad_enabled = torch.is_grad_enabled()
     loss, sums, ratio_max = LinearRLLoss.apply(
         hidden.contiguous(),
         weight.contiguous(),
         targets,
-        inputs,
+        prepare,
         settings,
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
     )
     verify_targets()
-    verify_finite()
-    return loss, _metrics(cfg, inputs, norm, loss, sums, ratio_max, metrics, device=hidden.device)
+    prepared["verify"]()
+    metrics = _metrics(cfg, prepared["inputs"], norm, loss, sums, ratio_max, prepared["metrics"], device=hidden.device)
+    return loss, metrics
 
 
 def _metrics(cfg, inputs: TokenInputs, norm: Normalizer, loss, sums, ratio_max, metrics, *, device) -> TensorDict:
