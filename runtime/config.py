@@ -315,6 +315,13 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _local_gpus() -> int:
+    """CUDA devices this process sees (the built-in job runs on this machine alone)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def flag(name: str) -> str:
     """The command-line flag of a field: ``rollout_batch_size`` -> ``--rollout-batch-size``."""
     return "--" + name.replace("_", "-")
@@ -429,6 +436,9 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
     if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
+        if flat.get("rollout_schedule", "sync") == "sync" and _local_gpus() == 1:
+            # One GPU cannot hold a trainer and an engine apart: they share it in turns.
+            flat.setdefault("colocate", True)
         if flat.get("rollout_schedule", "sync") != "sync":
             # One version behind, the built-in job learns clearly slower uncorrected and level with sync with
             # TIS on its off-policy tokens (5 seeds, docs/runtime.md); in sync TIS would change nothing it needs.

@@ -20,8 +20,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from runtime.config import Config
+from runtime.config import Config, ConfigError
 from runtime.engines.registry import engine_kind
+from runtime.errors import JobError
 
 # No progress bars from actors (the console shows the loop's own), and idle OpenMP threads sleep instead of spinning:
 # trainer and engine take turns on the same cores, and a spinning idle actor would slow the working one.
@@ -79,15 +80,26 @@ def plan_bundles(cfg: Config) -> BundlePlan:
 def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
     """Reserve the bundles of :func:`plan_bundles` (waits up to ``timeout_s`` for the cluster to have them)."""
     plan = plan_bundles(cfg)
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = gpus > 0
+    hint = "lower --actor-num-gpus-per-node / --rollout-num-gpus, or add --colocate (trainer and engine take turns)"
+    if use_gpu and gpus < plan.n_bundles:
+        # Waiting cannot help a cluster that has fewer GPUs than the job asks for: say so at once.
+        raise ConfigError(
+            [
+                f"the job needs {plan.n_bundles} GPUs ({len(plan.trainer_bundles)} for trainers, "
+                f"{len(plan.engine_bundles)} for engines{', shared' if plan.share < 1 else ''}) and the Ray cluster "
+                f"has {gpus:g}: {hint}"
+            ]
+        )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(plan.n_bundles)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise RuntimeError(
+        raise JobError(
             f"Ray could not reserve {plan.n_bundles} bundles of {bundle} in {timeout_s:.0f}s (cluster has "
-            f"{ray.cluster_resources()}); lower --actor-num-gpus-per-node / --rollout-num-gpus or use --colocate"
+            f"{ray.cluster_resources()}): {hint}"
         )
     # Trainer and engines take turns (the loop is synchronous), so each may use every core of its share.
     cpus = int(ray.cluster_resources().get("CPU", 1))

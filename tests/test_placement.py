@@ -1,0 +1,45 @@
+"""Placement against a cluster that has fewer GPUs than the job asks for: a one-line error at once, not a 120 s wait.
+
+Ray is told the machine has one GPU (``num_gpus=1``); no actor is started, so no GPU is needed.
+"""
+
+import time
+
+import pytest
+import ray
+
+from runtime.cluster.placement import create_placement, plan_bundles
+from runtime.config import ConfigError, from_dict, parse_args
+
+
+@pytest.fixture(scope="module")
+def one_gpu_cluster():
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_gpu_plan_on_one_gpu_fails_at_once_naming_colocate(one_gpu_cluster, tmp_path):
+    cfg = from_dict(None, output_dir=str(tmp_path), colocate=False)
+    assert plan_bundles(cfg).n_bundles == 2
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        create_placement(cfg, timeout_s=60)
+    assert time.monotonic() - started < 5
+    text = str(err.value)
+    assert "needs 2 GPUs (1 for trainers, 1 for engines) and the Ray cluster has 1" in text and "--colocate" in text
+    placement = create_placement(from_dict(None, output_dir=str(tmp_path), colocate=True), timeout_s=60)
+    assert placement.use_gpu and placement.trainer_bundles == placement.engine_bundles == [0]
+    ray.util.remove_placement_group(placement.group)
+
+
+def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parse_args([]).resources.colocate is True
+    assert parse_args(["--no-colocate"]).resources.colocate is False
+    assert parse_args(["--async"]).resources.colocate is False  # async keeps trainer and engine apart
+    assert from_dict(None, hf_checkpoint=str(tmp_path)).resources.colocate is False  # other jobs: as given
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parse_args([]).resources.colocate is False
