@@ -7,7 +7,12 @@ One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtim
 The loss of an optimizer step is the loss of its whole global batch: every micro-batch is aggregated with a
 :class:`rlcore.losses.Normalizer` of the global batch (summed over micro-batches and reduced over ranks), so its
 gradients add up to the global batch's (FSDP averages over ranks, so each rank scales its loss by the world size).
-Log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature.
+Log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature. On one
+process, with the LM head a plain linear layer, the LM head is never applied to all positions: the model body gives
+the final hidden states, the response positions are picked from them, and :func:`rlcore.kernels.linear_rl_loss`
+computes the loss inside the LM head (:func:`rlcore.kernels.linear_logprobs_entropy` for the old and reference
+recompute). Under FSDP2 (root-level parameters are unsharded only inside the root module's forward) and with a LoRA
+adapter on the LM head, the full logits of each micro-batch are still materialised.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from tensordict import TensorDict
 from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
-from rlcore.kernels import logprobs_entropy
+from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy
 from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
@@ -214,6 +219,34 @@ class TorchTrainer:
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
+    def _fused_head(self, model: torch.nn.Module) -> bool:
+        """Whether the loss runs inside ``model``'s LM head: one process (the head's weight is a plain tensor here)
+        and a plain linear head (a LoRA-wrapped head's weight alone is not the layer)."""
+        return self.world_size == 1 and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+
+    def _response_hidden(
+        self, model: torch.nn.Module, mb: TensorDict
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden [b * T, H], lm_head weight [V, H], targets [b * T])``: the final hidden states at the positions
+        that predict the response tokens, the LM head's weight in their dtype (under bf16 autocast a bf16 copy per
+        micro-batch, through which the gradient reaches the float32 weight), and the response tokens."""
+        mb = mb.to(self.device)
+        seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
+        width = int(seq_lens.max())
+        tokens = mb[TOKENS][:, :width]
+        attention_mask = torch.arange(width, device=self.device)[None, :] < seq_lens[:, None]
+        with self._autocast():
+            body = model.get_decoder()(input_ids=tokens, attention_mask=attention_mask.long(), use_cache=False)
+        hidden = body.last_hidden_state
+        response = mb[RESPONSE_TOKENS]
+        # Response token t of a row sits at prompt_length + t and is predicted from the position before it.
+        offsets = torch.arange(response.shape[1], device=self.device)
+        positions = (mb[PROMPT_LENGTHS][:, None] - 1 + offsets).clamp(max=width - 1)
+        picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        weight = model.get_output_embeddings().weight
+        return picked.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), response.reshape(-1)
+
     def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
         """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
         count = len(parts)
@@ -247,7 +280,14 @@ class TorchTrainer:
         for mb, real in self._balanced(self._micro_batches(td)):
             for key, (model, context) in models.items():
                 with context():
-                    log_probs, _ = self._forward(model, mb, with_entropy=False)
+                    if self._fused_head(model):
+                        hidden, weight, targets = self._response_hidden(model, mb)
+                        log_probs, _ = linear_logprobs_entropy(
+                            hidden, weight, targets, temperature=self.temperature, with_entropy=False
+                        )
+                        log_probs = log_probs.view(mb[RESPONSE_TOKENS].shape)
+                    else:
+                        log_probs, _ = self._forward(model, mb, with_entropy=False)
                 if real:
                     out[key].append(log_probs.float().cpu())
         return TensorDict({k: torch.cat(v) for k, v in out.items()}, batch_size=td.batch_size)
@@ -304,11 +344,17 @@ class TorchTrainer:
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         for mb, real in self._balanced(parts):
-            log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
             batch = mb.to(self.device).clone(recurse=False)
-            batch.set(keys.LOG_PROBS, log_probs)
-            batch.set(keys.ENTROPY, entropy)
-            loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
+            if self._fused_head(self.model):
+                hidden, weight, targets = self._response_hidden(self.model, mb)
+                loss, metrics = linear_rl_loss(
+                    hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
+                )
+            else:
+                log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
+                batch.set(keys.LOG_PROBS, log_probs)
+                batch.set(keys.ENTROPY, entropy)
+                loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
             self._backward(loss, real=real)
             if real:
                 for name, value in metrics.items():
