@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import types
 import typing
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from runtime import slime_flags
 from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, check_function_path
 from runtime.train.backends import TRAIN_BACKENDS
@@ -33,9 +35,14 @@ ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 
 # Estimators whose baseline is the other samples of the prompt's group: a group of one has no baseline.
-GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_BASELINE_ESTIMATORS = ("grpo", "cispo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 # slime's estimator names where rlcore.advantages names them differently.
-_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation"}
+_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation", "cispo": "grpo"}
+
+
+# Reward types rlcore-run scores with (builtin: the built-in task's), and slime's that it does not yet.
+RM_TYPES = ("builtin", "math", "exact_match")
+SLIME_RM_TYPES_NOT_BUILT = ("dapo", "deepscaler", "f1", "gpqa", "ifbench", "random", "remote_rm")
 
 
 class ConfigError(ValueError):
@@ -63,16 +70,25 @@ class DataConfig:
     prompt_data: str | None = field(
         default=None, metadata=_help("prompt file, .jsonl or .parquet; unset: the built-in task")
     )
-    input_key: str = field(default="prompt", metadata=_help("key of the prompt (a string or a chat message list)"))
-    label_key: str = field(default="label", metadata=_help("key of the label the reward compares against"))
+    input_key: str = field(default="input", metadata=_help("key of the prompt (a string or a chat message list)"))
+    label_key: str | None = field(
+        default=None, metadata=_help("key of the label the reward compares against; unset: rows carry no label")
+    )
     metadata_key: str = field(default="metadata", metadata=_help("key of a per-row metadata dict (optional in rows)"))
+    tool_key: str = field(
+        default="tools", metadata=_help("key of a row's tool list, passed to the chat template (when present)")
+    )
     apply_chat_template: bool = field(default=False, metadata=_help("render prompts with the chat template"))
+    apply_chat_template_kwargs: dict = field(
+        default_factory=dict, metadata=_help("JSON object of keyword arguments for the chat template")
+    )
     rollout_max_prompt_len: int | None = field(
         default=None, metadata=_help("drop (and count) prompts longer than this many tokens")
     )
     rollout_shuffle: bool = field(
-        default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --seed)")
+        default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
     )
+    rollout_seed: int = field(default=42, metadata=_help("seed of the prompt order of --prompt-data"))
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
     )
@@ -80,15 +96,24 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_batch_size: int = field(default=32, metadata=_help("prompts per rollout step"))
-    n_samples_per_prompt: int = field(default=8, metadata=_help("responses sampled per prompt (the group size)"))
+    rollout_batch_size: int | None = field(default=None, metadata=_help("prompts per rollout step (required)"))
+    n_samples_per_prompt: int = field(default=1, metadata=_help("responses sampled per prompt (the group size)"))
     rollout_max_response_len: int | None = field(
         default=None, metadata=_help("max new tokens per response; no default (as in slime): set it for your model")
     )
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
-    num_rollout: int = field(default=250, metadata=_help("number of rollout (and training) steps"))
+    rollout_stop_token_ids: list[int] | None = field(
+        default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
+    )
+    num_rollout: int | None = field(
+        default=None, metadata=_help("number of rollout (and training) steps; unset: from --num-epoch")
+    )
+    num_epoch: int | None = field(
+        default=None,
+        metadata=_help("passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"),
+    )
     custom_generate_function_path: str | None = field(
         default=None, metadata=_help("async def generate(args, sample, sampling_params) -> Sample, as module:function")
     )
@@ -132,6 +157,7 @@ class RolloutConfig:
 class AlgoConfig:
     advantage_estimator: Literal[
         "grpo",
+        "cispo",
         "dr_grpo",
         "gspo",
         "rloo",
@@ -143,22 +169,75 @@ class AlgoConfig:
     eps_clip: float = field(default=0.2, metadata=_help("PPO clip range (lower, and upper unless --eps-clip-high)"))
     eps_clip_high: float | None = field(default=None, metadata=_help("PPO upper clip range (clip-higher)"))
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
-    kl_coef: float = field(default=0.0, metadata=_help("KL penalty folded into the reward"))
+    value_clip: float = field(default=0.2, metadata=_help("clip of the critic's values around the old values (ppo)"))
+    kl_coef: float = field(
+        default=0.0,
+        metadata=_help(
+            "KL penalty folded into the reward (ppo, reinforce_plus_plus[_baseline]; the grpo family "
+            "ignores it, as slime does)"
+        ),
+    )
     use_kl_loss: bool = field(
         default=False, metadata=_help("add a KL-to-reference term to the loss (coefficient 0: KL is only logged)")
     )
     kl_loss_coef: float = field(default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)"))
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
-        default="k1", metadata=_help("KL estimator of the KL loss")
+        default="k1", metadata=_help("KL estimator of the KL loss (and of the KL in the reward)")
+    )
+    use_unbiased_kl: bool = field(
+        default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
+    tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight"))
+    tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight"))
+    use_rollout_logprobs: bool = field(
+        default=False, metadata=_help("take the engine's log-probs as the old log-probs (no trainer recompute)")
+    )
+    get_mismatch_metrics: bool = field(
+        default=False, metadata=_help("log rollout/train mismatch metrics (the TIS weights, not applied)")
+    )
+    use_opsm: bool = field(
+        default=False,
+        metadata=_help(
+            "off-policy sequence masking: drop negative-advantage tokens of sequences whose KL(old||new) "
+            "exceeds --opsm-delta"
+        ),
+    )
+    opsm_delta: float = field(default=1e-4, metadata=_help("OPSM threshold on the sequence's mean log-ratio"))
     normalize_advantages: bool = field(default=False, metadata=_help("whiten advantages over the batch"))
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        field(default="token_mean", metadata=_help("how per-token losses are aggregated"))
+    disable_grpo_std_normalization: bool = field(
+        default=False, metadata=_help("grpo/gspo/cispo: centre rewards on the group mean only (Dr. GRPO)")
+    )
+    disable_rewards_normalization: bool = field(
+        default=False, metadata=_help("no group normalization: the raw reward is the sequence advantage")
+    )
+    calculate_per_token_loss: bool = field(
+        default=False,
+        metadata=_help(
+            "aggregate losses as a token mean over the step; off: each sample's token mean, then the mean over samples"
+        ),
+    )
+    loss_agg_mode: (
+        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] | None
+    ) = field(
+        default=None,
+        metadata=_help(
+            "ours: how per-token losses are aggregated; unset: from --calculate-per-token-loss "
+            "(token_mean on, seq_mean_token_mean off)"
+        ),
     )
     gamma: float = field(default=1.0, metadata=_help("discount (ppo / reinforce++)"))
     lambd: float = field(default=1.0, metadata=_help("GAE lambda (ppo)"))
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in force: ``--loss-agg-mode`` when given, else slime's by
+        ``--calculate-per-token-loss`` (on: a token mean over the step; off: per-sample token means, then their
+        mean)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "token_mean" if self.calculate_per_token_loss else "seq_mean_token_mean"
 
     @property
     def core_estimator(self) -> str:
@@ -171,8 +250,17 @@ class AlgoConfig:
 class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
-    global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
-    micro_batch_size: int = field(default=8, metadata=_help("samples per forward/backward (without a token budget)"))
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
+            "--n-samples-per-prompt / --num-steps-per-rollout"
+        ),
+    )
+    num_steps_per_rollout: int | None = field(
+        default=None, metadata=_help("optimizer steps per rollout (sets --global-batch-size; unset: 1)")
+    )
+    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
@@ -191,7 +279,7 @@ class ResourceConfig:
 
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
     actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
-    actor_num_gpus_per_node: int = field(default=1, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
+    actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
     rollout_num_gpus: int = field(default=1, metadata=_help("rollout engine devices in all (or CPU slots)"))
 
     @property
@@ -202,7 +290,7 @@ class ResourceConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    rm_type: Literal["builtin", "math", "exact_match"] = field(
+    rm_type: str = field(
         default="builtin",
         metadata=_help("builtin (the default task's reward), math (math-verify on \\boxed{}), exact_match"),
     )
@@ -215,8 +303,28 @@ class RewardConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     eval_interval: int | None = field(default=None, metadata=_help("evaluate every this many steps"))
-    eval_prompt_data: str | None = field(default=None, metadata=_help("evaluation prompt file (.jsonl / .parquet)"))
+    eval_prompt_data: list[str] | None = field(
+        default=None,
+        metadata=_help(
+            "evaluation datasets as name/path pairs (aime /data/aime.jsonl ...), or one path (named after its file)"
+        ),
+    )
+    skip_eval_before_train: bool = field(
+        default=False, metadata=_help("with --eval-interval, do not evaluate before the first step")
+    )
     n_samples_per_eval_prompt: int = field(default=1, metadata=_help("responses per evaluation prompt"))
+    eval_input_key: str | None = field(default=None, metadata=_help("--input-key of the evaluation data"))
+    eval_label_key: str | None = field(default=None, metadata=_help("--label-key of the evaluation data"))
+    eval_tool_key: str | None = field(default=None, metadata=_help("--tool-key of the evaluation data"))
+    eval_temperature: float | None = field(default=None, metadata=_help("evaluation temperature (unset: rollout's)"))
+    eval_top_p: float | None = field(default=None, metadata=_help("evaluation top-p (unset: rollout's)"))
+    eval_top_k: int | None = field(default=None, metadata=_help("evaluation top-k (unset: rollout's)"))
+    eval_max_response_len: int | None = field(
+        default=None, metadata=_help("evaluation max new tokens (unset: --rollout-max-response-len)")
+    )
+    eval_max_prompt_len: int | None = field(
+        default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
+    )
 
 
 @dataclass(frozen=True)
@@ -228,7 +336,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    use_tensorboard: bool = field(default=True, metadata=_help("write TensorBoard event files to the output dir"))
+    use_tensorboard: bool = field(default=False, metadata=_help("write TensorBoard event files to the output dir"))
     use_wandb: bool = field(default=False, metadata=_help("log to Weights & Biases (needs the wandb package)"))
     wandb_project: str | None = field(default=None, metadata=_help("W&B project"))
 
@@ -275,6 +383,13 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "use_kl_loss": True,
     "kl_loss_type": "low_var_kl",
     "rollout_shuffle": True,
+    "rollout_batch_size": 32,
+    "n_samples_per_prompt": 8,
+    "num_rollout": 250,
+    "micro_batch_size": 8,
+    "actor_num_gpus_per_node": 1,
+    "calculate_per_token_loss": True,
+    "use_tensorboard": True,
 }
 
 
@@ -319,6 +434,11 @@ def _type_problem(name: str, value: Any, tp: Any) -> str | None:
         choices = typing.get_args(inner)
         if value not in choices:
             return f"{flag(name)} must be one of {', '.join(map(str, choices))}; got {value!r}"
+        return None
+    if typing.get_origin(inner) is list:
+        (item,) = typing.get_args(inner)
+        if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            return f"{flag(name)} must be a list of {item.__name__}, got {value!r}"
         return None
     if inner is bool:
         ok = isinstance(value, bool)
@@ -365,7 +485,10 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
 
     def put(key: str, value: Any, where: str) -> None:
         if key not in _SPECS:
-            problems.append(f"unknown setting {key!r} in {where}")
+            if key in slime_flags.REFUSED_BY_DEST:
+                problems.extend(slime_flags.refused_problems({key: value}))
+            else:
+                problems.append(f"unknown setting {key!r} in {where}")
             return
         section = _SPECS[key][0]
         if where != "top level" and where != section:
@@ -392,9 +515,38 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
     if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
+    _resolve_global_batch_size(flat)
 
     sections = {name: cls(**{k: v for k, v in flat.items() if _SPECS[k][0] == name}) for name, cls in SECTIONS.items()}
     return Config(**sections, **{k: flat[k] for k in _TOP_LEVEL if k in flat})
+
+
+def _resolve_global_batch_size(flat: dict[str, Any]) -> None:
+    """slime's default: one rollout is ``--num-steps-per-rollout`` (1 when unset) optimizer steps."""
+    if "global_batch_size" in flat:
+        return
+    rollout, n = flat.get("rollout_batch_size"), flat.get("n_samples_per_prompt", 1)
+    steps = flat.get("num_steps_per_rollout") or 1
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rollout, n, steps)):
+        if rollout * n % steps == 0:
+            flat["global_batch_size"] = rollout * n // steps
+
+
+def eval_datasets(cfg: Config) -> list[tuple[str, str]]:
+    """``--eval-prompt-data`` as ``(name, path)`` pairs: slime's ``name path ...`` form, or one path named after its
+    file. Raises ``ConfigError`` for an odd number of values (other than one)."""
+    values = cfg.eval.eval_prompt_data or []
+    if len(values) == 1:
+        return [(os.path.splitext(os.path.basename(values[0]))[0], values[0])]
+    if len(values) % 2:
+        raise ConfigError(
+            [f"--eval-prompt-data takes name/path pairs (aime /data/aime.jsonl ...) or one path; got {values!r}"]
+        )
+    pairs = list(zip(values[::2], values[1::2], strict=True))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError([f"--eval-prompt-data: dataset names must differ, got {names}"])
+    return pairs
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -449,6 +601,14 @@ def _arg_type(name: str, inner: Any, optional: bool):
     def convert(text: str) -> Any:
         if optional and text.lower() in ("none", "null"):
             return None
+        if inner is dict:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = None
+            if not isinstance(value, dict):
+                raise argparse.ArgumentTypeError(f"{flag(name)} expects a JSON object, got {text!r}")
+            return value
         try:
             return inner(text)
         except ValueError:
@@ -474,6 +634,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="ours: parse, validate and resolve the config, print it and the placement plan, and exit (no Ray)",
+    )
     for shorthand, schedule in (("--async", "one_step"), ("--fully-async", "fully_async")):
         parser.add_argument(
             shorthand,
@@ -496,6 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
             group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(inner) is list:
+            (item,) = typing.get_args(inner)
+            group.add_argument(flag(name), dest=name, nargs="+", type=_arg_type(name, item, False), help=help_text)
         elif typing.get_origin(inner) is Literal:
             group.add_argument(flag(name), dest=name, choices=typing.get_args(inner), help=help_text)
         else:
@@ -509,17 +677,37 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     Precedence: defaults (the built-in job's for settings left unset when neither ``--hf-checkpoint`` nor
     ``--prompt-data`` is given), then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
     """
-    namespace = vars(build_parser().parse_args(argv))
+    parsed, extras = build_parser().parse_known_args(argv)
+    namespace = vars(parsed)
+    # Flags of slime's that this parser does not take (the SGLang fleet's, Megatron's) are named with their issue.
+    problems = [slime_flags.unknown_flag_problem(arg) for arg in slime_flags.unknown_flags(extras)]
+    if extras and not problems:
+        problems.append(f"unexpected arguments {' '.join(extras)!r} (every value belongs to a --flag)")
+    refused = {dest: namespace.pop(dest) for dest in list(namespace) if dest in slime_flags.REFUSED_BY_DEST}
+    problems += slime_flags.refused_problems(refused)
+    namespace.pop("dry_run", None)  # the CLI's business (runtime.cli), not the job's
     config_path = namespace.pop("config", None)
-    tree = read_yaml_tree(config_path) if config_path is not None else {}
-    cfg = from_dict(tree, **namespace)
-    validate(cfg)
+    try:
+        tree = read_yaml_tree(config_path) if config_path is not None else {}
+        cfg = from_dict(tree, **namespace)
+        validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(problems + err.problems) from None
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
 def _check_positive(problems: list[str], cfg: Config) -> None:
     r, t, res, e, c = cfg.rollout, cfg.train, cfg.resources, cfg.eval, cfg.ckpt
+    a = cfg.algo
     positive = {
+        "num_epoch": r.num_epoch,
+        "num_steps_per_rollout": t.num_steps_per_rollout,
+        "tis_clip": a.tis_clip,
+        "eval_temperature": e.eval_temperature,
+        "eval_max_response_len": e.eval_max_response_len,
+        "eval_max_prompt_len": e.eval_max_prompt_len,
         "rollout_batch_size": r.rollout_batch_size,
         "n_samples_per_prompt": r.n_samples_per_prompt,
         "rollout_max_response_len": r.rollout_max_response_len,
@@ -553,12 +741,21 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "kl_coef": cfg.algo.kl_coef,
         "kl_loss_coef": cfg.algo.kl_loss_coef,
         "max_staleness": r.max_staleness,
+        "tis_clip_low": a.tis_clip_low,
+        "opsm_delta": a.opsm_delta,
+        "value_clip": a.value_clip,
     }
     for name, value in non_negative.items():
-        if value < 0:
+        if value is not None and value < 0:
             problems.append(f"{flag(name)} must be >= 0, got {value!r}")
     if not 0 < r.rollout_top_p <= 1:
         problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
+    if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
+        problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
+    if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
+        problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
+    if a.tis_clip_low >= a.tis_clip:
+        problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
         problems.append(f"--rollout-top-k must be -1 (off) or >= 1, got {r.rollout_top_k!r}")
     for name in ("gamma", "lambd"):
@@ -567,6 +764,37 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} must be in [0, 1], got {value!r}")
     if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
         problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
+
+
+def _check_required(problems: list[str], cfg: Config) -> None:
+    """What slime requires (or derives) and this job left unset."""
+    r, t = cfg.rollout, cfg.train
+    if r.rollout_batch_size is None:
+        problems.append("--rollout-batch-size is required (prompts per rollout), as in slime")
+    if r.num_rollout is None and r.num_epoch is None:
+        problems.append("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    if r.num_rollout is None and r.num_epoch is not None and cfg.data.prompt_data is None:
+        problems.append("--num-epoch counts passes over --prompt-data; the built-in task needs --num-rollout")
+    steps = t.num_steps_per_rollout
+    if r.rollout_batch_size is not None and steps is not None:
+        per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
+        if per_rollout % steps:
+            problems.append(
+                f"--num-steps-per-rollout {steps} must divide --rollout-batch-size x --n-samples-per-prompt = "
+                f"{per_rollout}"
+            )
+        elif t.global_batch_size is not None and t.global_batch_size != per_rollout // steps:
+            problems.append(
+                f"--global-batch-size {t.global_batch_size} disagrees with --num-steps-per-rollout {steps} "
+                f"({per_rollout} samples per rollout / {steps} = {per_rollout // steps}): set one of them"
+            )
+    if t.global_batch_size is None and r.rollout_batch_size is not None and not problems:
+        problems.append("--global-batch-size is unset: set it, or --num-steps-per-rollout")
+    if cfg.eval.eval_prompt_data is not None:
+        try:
+            eval_datasets(cfg)
+        except ConfigError as err:
+            problems.extend(err.problems)
 
 
 def _check_batches(problems: list[str], cfg: Config) -> None:
@@ -591,7 +819,8 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
             f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size {r.rollout_batch_size} x "
             f"--n-samples-per-prompt {r.n_samples_per_prompt} = {per_rollout} (each rollout is whole optimizer steps)"
         )
-    if r.n_samples_per_prompt == 1 and cfg.algo.advantage_estimator in GROUP_BASELINE_ESTIMATORS:
+    no_baseline = cfg.algo.disable_rewards_normalization and cfg.algo.advantage_estimator != "rloo"
+    if r.n_samples_per_prompt == 1 and cfg.algo.advantage_estimator in GROUP_BASELINE_ESTIMATORS and not no_baseline:
         problems.append(
             f"--n-samples-per-prompt 1 leaves --advantage-estimator {cfg.algo.advantage_estimator} without a group "
             f"baseline: sample >= 2 per prompt or use reinforce_plus_plus / ppo"
@@ -619,7 +848,9 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
 
 
 def _check_paths(problems: list[str], cfg: Config) -> None:
-    for name, path in (("prompt_data", cfg.data.prompt_data), ("eval_prompt_data", cfg.eval.eval_prompt_data)):
+    paths = [("prompt_data", cfg.data.prompt_data)]
+    paths += [("eval_prompt_data", path) for _, path in eval_datasets(cfg)]
+    for name, path in paths:
         if path is None:
             continue
         if not os.path.isfile(path):
@@ -663,7 +894,15 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append("--save-interval needs --save (the checkpoint directory)")
     if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and cfg.eval.eval_prompt_data is None:
         problems.append("--eval-interval with --prompt-data needs --eval-prompt-data")
-    if cfg.data.prompt_data is not None and cfg.reward.rm_type == "builtin" and cfg.reward.custom_rm_path is None:
+    rm_type = cfg.reward.rm_type
+    if rm_type not in RM_TYPES and cfg.reward.custom_rm_path is None:
+        if rm_type.startswith("boxed_") or rm_type in SLIME_RM_TYPES_NOT_BUILT:
+            problems.append(f"--rm-type {rm_type}: slime's reward type is not built yet in rlcore-run (issue 13)")
+        else:
+            problems.append(
+                f"--rm-type must be one of {', '.join(RM_TYPES)} (or use --custom-rm-path); got {rm_type!r}"
+            )
+    if cfg.data.prompt_data is not None and rm_type == "builtin" and cfg.reward.custom_rm_path is None:
         problems.append(
             "--rm-type builtin scores the built-in task only; with --prompt-data choose --rm-type math or "
             "exact_match, or --custom-rm-path"
@@ -672,6 +911,22 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append(
             f"--kl-loss-coef {cfg.algo.kl_loss_coef} has no effect without --use-kl-loss (add it, or use --kl-coef "
             "for a KL penalty in the reward)"
+        )
+    a = cfg.algo
+    if a.loss_agg_mode is not None and a.calculate_per_token_loss and a.loss_agg_mode != "token_mean":
+        problems.append(
+            "--calculate-per-token-loss is --loss-agg-mode token_mean; it contradicts --loss-agg-mode "
+            f"{a.loss_agg_mode}"
+        )
+    if a.use_rollout_logprobs and a.use_tis:
+        problems.append(
+            "--use-rollout-logprobs makes the engine's log-probs the old ones, leaving nothing for --use-tis to "
+            "correct: use one of them (as slime)"
+        )
+    if a.kl_coef != 0 and a.kl_loss_coef != 0:
+        problems.append(
+            f"--kl-coef {a.kl_coef} (KL in the reward) and --kl-loss-coef {a.kl_loss_coef} (KL loss) cannot both be "
+            "set, as in slime"
         )
     if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.sglang_url:
         problems.append("--rollout-engine sglang needs --sglang-url (the base URLs of running SGLang servers)")
@@ -720,7 +975,9 @@ def validate(cfg: Config) -> Config:
     if problems:
         # The batch arithmetic below divides by these sizes.
         raise ConfigError(problems)
-    _check_batches(problems, cfg)
+    _check_required(problems, cfg)
+    if not problems:
+        _check_batches(problems, cfg)
     _check_paths(problems, cfg)
     _check_combinations(problems, cfg)
     if problems:

@@ -8,6 +8,7 @@ source (``--rollout-schedule``: sync, one-step or fully async).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import make_weight_sync
-from runtime.config import Config, ConfigError, dump_yaml, to_dict
+from runtime.config import Config, ConfigError, DataConfig, dump_yaml, eval_datasets, to_dict
 from runtime.engines.base import SamplingParams
 from runtime.hooks import load_function
 from runtime.logger import (
@@ -42,7 +43,13 @@ from runtime.rollout.filters import load_filter
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
-from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
+from runtime.train.algo import (
+    advantage_config,
+    check_supported,
+    loss_config,
+    model_roles,
+    needs_rollout_log_probs,
+)
 from runtime.train.batch import build_batch
 
 # Skipped data rows printed at start (the rest are counted).
@@ -65,6 +72,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     torch.manual_seed(cfg.seed)
     adv_cfg, gbs = advantage_config(cfg), cfg.train.global_batch_size
     model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
+    cfg = resolve_num_rollout(cfg, len(dataset))
     hub = RewardHub(cfg.reward, args=cfg)
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
@@ -136,6 +144,10 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
             metrics: dict[str, float] = dataset.stats() if step == start else {}
+            if step == 0 and eval_prompts is not None and not cfg.eval.skip_eval_before_train:
+                # As slime: the starting model is evaluated too (logged with the first step's metrics, as "before").
+                before = runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate))
+                metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
             if cfg.resources.colocate:
@@ -152,11 +164,18 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
             t = time.perf_counter()
             batch = build_batch(
-                rollout.samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
+                rollout.samples,
+                pad_token_id=tokenizer.pad_token_id,
+                require_rollout_log_probs=needs_rollout_log_probs(cfg),
             )
             metrics.update(
                 train_metrics(
-                    trainers.train_rollout(sequence_advantages(batch, adv_cfg), global_batch_size=gbs, adv_cfg=adv_cfg)
+                    trainers.train_rollout(
+                        sequence_advantages(batch, adv_cfg),
+                        global_batch_size=gbs,
+                        adv_cfg=adv_cfg,
+                        use_rollout_log_probs=cfg.algo.use_rollout_logprobs,
+                    )
                 )
             )
             metrics["perf/train_time"] = time.perf_counter() - t
@@ -199,11 +218,53 @@ def sampling_params(cfg: Config) -> SamplingParams:
         temperature=r.rollout_temperature,
         top_p=r.rollout_top_p,
         top_k=r.rollout_top_k,
+        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
     )
 
 
-def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[Sample] | None]:
-    """The model folder, its tokenizer, the prompt dataset and the evaluation prompts (None without eval).
+def eval_sampling_params(cfg: Config) -> SamplingParams:
+    """The rollout's sampling settings with the ``--eval-*`` ones that are set."""
+    e = cfg.eval
+    overrides = {
+        "max_new_tokens": e.eval_max_response_len,
+        "temperature": e.eval_temperature,
+        "top_p": e.eval_top_p,
+        "top_k": e.eval_top_k,
+    }
+    return dataclasses.replace(sampling_params(cfg), **{k: v for k, v in overrides.items() if v is not None})
+
+
+def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
+    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass."""
+    r = cfg.rollout
+    if r.num_rollout is not None:
+        return cfg
+    per_epoch = dataset_size // r.rollout_batch_size
+    if per_epoch == 0:
+        raise ConfigError(
+            [
+                f"--num-epoch: the prompt data holds {dataset_size} prompts, fewer than --rollout-batch-size "
+                f"{r.rollout_batch_size}: set --num-rollout"
+            ]
+        )
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
+
+
+def eval_data_config(cfg: Config) -> DataConfig:
+    """The evaluation data's keys and prompt limit: the ``--eval-*`` ones that are set, else the training data's."""
+    e, d = cfg.eval, cfg.data
+    return dataclasses.replace(
+        d,
+        input_key=e.eval_input_key or d.input_key,
+        label_key=e.eval_label_key or d.label_key,
+        tool_key=e.eval_tool_key or d.tool_key,
+        rollout_max_prompt_len=e.eval_max_prompt_len or d.rollout_max_prompt_len,
+    )
+
+
+def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, dict[str, list[Sample]] | None]:
+    """The model folder, its tokenizer, the prompt dataset and the evaluation prompts by dataset name (None without
+    eval).
 
     Without ``--hf-checkpoint`` the demo's tiny model is built into ``output_dir/base_model`` and loaded from there
     like any checkpoint; without ``--prompt-data`` the prompts are the demo task's. What was dropped or skipped is
@@ -214,22 +275,24 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
 
     model_path = cfg.model.hf_checkpoint or demo.base_model(cfg.output_dir, seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    eval_set = None
+    eval_sets: dict[str, PromptDataset] = {}
     if cfg.data.prompt_data is None:
         dataset, demo_eval = demo.prompt_datasets(tokenizer, cfg.data, seed=cfg.seed)
         if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is None:
-            eval_set = demo_eval
+            eval_sets["builtin"] = demo_eval
     else:
-        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.seed)
+        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.data.rollout_seed)
     if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is not None:
-        eval_set = PromptDataset(cfg.eval.eval_prompt_data, tokenizer, cfg.data, seed=cfg.seed)
-    datasets = (dataset,) if eval_set is None else (dataset, eval_set)
+        eval_cfg = eval_data_config(cfg)
+        for name, path in eval_datasets(cfg):
+            eval_sets[name] = PromptDataset(path, tokenizer, eval_cfg, seed=cfg.data.rollout_seed)
+    datasets = (dataset, *eval_sets.values())
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu
     if budget is not None:
         longest = max(ds.max_prompt_tokens for ds in datasets)
-        need = longest + cfg.rollout.rollout_max_response_len
+        need = longest + max(cfg.rollout.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
         if budget < need:
             raise ConfigError(
                 [
@@ -238,7 +301,7 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
                     "or drop long prompts with --rollout-max-prompt-len)"
                 ]
             )
-    eval_prompts = eval_set.next_batch(len(eval_set)) if eval_set is not None else None
+    eval_prompts = {name: ds.next_batch(len(ds)) for name, ds in eval_sets.items()} or None
     return model_path, tokenizer, dataset, eval_prompts
 
 
@@ -273,22 +336,38 @@ def _init_ray(cfg: Config) -> bool:
 
 
 async def evaluate(
-    ctx: RolloutContext, hub: RewardHub, prompts: list[Sample], cfg: Config, *, custom_generate: Any = None
+    ctx: RolloutContext,
+    hub: RewardHub,
+    datasets: dict[str, list[Sample]],
+    cfg: Config,
+    *,
+    custom_generate: Any = None,
 ) -> dict[str, float]:
-    """Mean reward over the evaluation prompts (``--n-samples-per-eval-prompt`` each), no filter, no training.
+    """Reward statistics over the evaluation prompts (``--n-samples-per-eval-prompt`` each, the ``--eval-*``
+    sampling settings), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them.
 
     Responses come from the same generation path as training rollouts: ``custom_generate`` (the
     ``--custom-generate-function-path`` hook) when given, the engines' batched generate otherwise.
     """
-    groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
-    # Aborted groups are left out of the score, as the rollout leaves them out of training.
-    whole, aborted = await generate_groups(ctx, groups, sampling_params(cfg), custom_generate)
-    samples = [s for g in whole for s in g]
-    await hub.score(samples)
+    metrics: dict[str, float] = {}
+    every: list[Sample] = []
+    aborted_groups = 0
+    params = eval_sampling_params(cfg)
+    for name, prompts in datasets.items():
+        groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
+        # Aborted groups are left out of the score, as the rollout leaves them out of training.
+        whole, aborted = await generate_groups(ctx, groups, params, custom_generate)
+        samples = [s for g in whole for s in g]
+        await hub.score(samples)
+        if samples:
+            metrics.update(sample_metrics(samples, prefix=f"eval/{name}"))
+        every += samples
+        aborted_groups += len(aborted)
     errors = hub.pop_metrics()
-    metrics = sample_metrics(samples, prefix="eval") if samples else {}
+    if every:
+        metrics.update(sample_metrics(every, prefix="eval"))
     metrics["eval/reward_errors"] = errors["reward/errors"]
-    metrics["eval/groups_aborted"] = len(aborted)
+    metrics["eval/groups_aborted"] = aborted_groups
     return metrics
 
 

@@ -43,6 +43,8 @@ class AdvantageConfig:
             ``--kl-loss-type``, default ``k1``).
         whiten: whiten the advantages over the valid tokens (slime's ``--normalize-advantages``).
         std_normalize: divide GRPO/GSPO advantages by the group std (off is Dr. GRPO; ``dr_grpo`` forces it off).
+        group_normalize: for the estimators with a group baseline; off, the raw reward is the sequence advantage
+            (no baseline at all: slime's ``--disable-rewards-normalization``).
         eps: added to the group std, > 0 (a group of equal rewards has std 0).
         whiten_eps: added to the variance when whitening.
     """
@@ -54,6 +56,7 @@ class AdvantageConfig:
     kl_kind: str = "k1"
     whiten: bool = False
     std_normalize: bool = True
+    group_normalize: bool = True
     eps: float = 1e-6
     whiten_eps: float = 1e-8
 
@@ -193,11 +196,12 @@ def sequence_advantages(td: TensorDictBase, cfg: AdvantageConfig) -> TensorDictB
     """The group-baseline part of the advantages, over a whole batch: run it before cutting the batch into shards.
 
     For the estimators with a group baseline (``GROUP_BASELINE_ESTIMATORS``) it reads ``rewards`` and ``group_ids``
-    only and sets ``sequence_advantages`` [B] float32: :func:`grpo` for ``grpo`` and ``gspo`` (``std_normalize`` and
-    ``eps`` from ``cfg``), :func:`grpo` without std for ``dr_grpo`` and ``reinforce_plus_plus_baseline`` (the reward
-    minus its group mean), :func:`rloo` for ``rloo``. :func:`compute` with the same ``cfg`` on any row shard of the
-    result gives those rows of :func:`compute` on the whole batch. The other estimators (``gae``,
-    ``reinforce_plus_plus``, ``distillation``) have no group baseline: their td comes back unchanged (a copy).
+    only and sets ``sequence_advantages`` [B] float32 (the rewards themselves when ``cfg.group_normalize`` is off):
+    :func:`grpo` for ``grpo`` and ``gspo`` (``std_normalize`` and ``eps`` from ``cfg``), :func:`grpo` without std for
+    ``dr_grpo`` and ``reinforce_plus_plus_baseline`` (the reward minus its group mean), :func:`rloo` for ``rloo``.
+    :func:`compute` with the same ``cfg`` on any row shard of the result gives those rows of :func:`compute` on the
+    whole batch. The other estimators (``gae``, ``reinforce_plus_plus``, ``distillation``) have no group baseline:
+    their td comes back unchanged (a copy).
 
     Args:
         td: rollout batch, ``batch_size=[B]``, holding every sample of each of its groups. Not modified.
@@ -212,8 +216,12 @@ def sequence_advantages(td: TensorDictBase, cfg: AdvantageConfig) -> TensorDictB
     estimator = _TABLE[cfg.estimator]
     out = td.copy()
     if estimator.baseline is not None:
-        rewards, group_ids = (_get(td, key, cfg.estimator) for key in (keys.REWARDS, keys.GROUP_IDS))
-        out.set(keys.SEQUENCE_ADVANTAGES, estimator.baseline(rewards, group_ids, cfg).to(torch.float32))
+        if cfg.group_normalize:
+            rewards, group_ids = (_get(td, key, cfg.estimator) for key in (keys.REWARDS, keys.GROUP_IDS))
+            seq = estimator.baseline(rewards, group_ids, cfg)
+        else:
+            seq = check_rewards(_get(td, keys.REWARDS, cfg.estimator), batch=td.batch_size[0])
+        out.set(keys.SEQUENCE_ADVANTAGES, seq.to(torch.float32))
     return out
 
 

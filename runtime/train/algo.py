@@ -9,6 +9,17 @@ from runtime.train.roles import ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
 _UNSUPPORTED_ESTIMATORS = {"gae": "a critic (value model)", "distillation": "a teacher model"}
+# Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
+# grpo without the std, so it goes with them.
+KL_COEF_IGNORED = ("grpo", "gspo", "cispo", "dr_grpo")
+# slime's policy loss by estimator (PPO's clipped surrogate for the rest).
+_POLICY_LOSS = {"gspo": "gspo", "cispo": "cispo"}
+
+
+def effective_kl_coef(cfg: Config) -> float:
+    """``--kl-coef`` as slime applies it: 0 for the estimators that ignore it."""
+    a = cfg.algo
+    return 0.0 if a.advantage_estimator in KL_COEF_IGNORED else a.kl_coef
 
 
 def check_supported(cfg: Config) -> None:
@@ -41,29 +52,45 @@ def advantage_config(cfg: Config) -> AdvantageConfig:
         estimator=a.core_estimator,
         gamma=a.gamma,
         lam=a.lambd,
-        kl_coef=a.kl_coef,
+        kl_coef=effective_kl_coef(cfg),
         kl_kind=a.kl_loss_type,
         whiten=a.normalize_advantages,
+        std_normalize=not a.disable_grpo_std_normalization,
+        group_normalize=not a.disable_rewards_normalization,
     )
 
 
 def loss_config(cfg: Config) -> LossConfig:
     a = cfg.algo
     return LossConfig(
-        policy_loss="gspo" if a.advantage_estimator == "gspo" else "ppo",
+        policy_loss=_POLICY_LOSS.get(a.advantage_estimator, "ppo"),
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         eps_clip_c=a.eps_clip_c,
+        cispo_clip_low=True,
         use_tis=a.use_tis,
+        tis_clip=a.tis_clip,
+        tis_clip_low=a.tis_clip_low,
+        mismatch_metrics=a.get_mismatch_metrics,
+        use_opsm=a.use_opsm,
+        opsm_delta=a.opsm_delta,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
+        use_unbiased_kl=a.use_unbiased_kl,
         entropy_coef=a.entropy_coef,
-        loss_agg_mode=a.loss_agg_mode,
+        value_clip=a.value_clip,
+        loss_agg_mode=a.aggregation,
     )
 
 
 def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
     """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; ...)."""
     a = cfg.algo
-    return roles_for(use_kl_loss=a.use_kl_loss, kl_coef=a.kl_coef, estimator=a.core_estimator)
+    return roles_for(use_kl_loss=a.use_kl_loss, kl_coef=effective_kl_coef(cfg), estimator=a.core_estimator)
+
+
+def needs_rollout_log_probs(cfg: Config) -> bool:
+    """Whether the batch must carry the engine's log-probs (TIS, mismatch metrics, or as the old log-probs)."""
+    a = cfg.algo
+    return a.use_tis or a.get_mismatch_metrics or a.use_rollout_logprobs

@@ -27,9 +27,17 @@ def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGro
 
 
 def train_rollout(
-    backend: TrainBackend, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+    backend: TrainBackend,
+    batch: TensorDict,
+    *,
+    global_batch_size: int,
+    adv_cfg: AdvantageConfig,
+    use_rollout_log_probs: bool = False,
 ) -> dict[str, float]:
     """Train ``backend`` on its shard of the whole rollout ``batch``; return the step's metrics (every rank alike).
+
+    ``use_rollout_log_probs`` (slime's ``--use-rollout-logprobs``): the engine's log-probs stand for the old ones
+    in the advantages and the policy ratio, instead of the trainer's recompute.
 
     ``batch`` holds the batch contract's rollout keys plus ``sequence_advantages`` for estimators with a group
     baseline. Metrics: the backend's training metrics plus ``advantage_abs_mean`` over the valid tokens of the
@@ -41,6 +49,8 @@ def train_rollout(
         shard_rows(batch.batch_size[0], global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     ]
     shard.update(backend.compute_log_probs(shard))
+    if use_rollout_log_probs:
+        shard.set(keys.OLD_LOG_PROBS, shard[keys.ROLLOUT_LOG_PROBS])
     shard = compute(shard, adv_cfg, group=group)
     metrics = backend.train(shard, per_step_rows=global_batch_size // dp_size)
     metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
