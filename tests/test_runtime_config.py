@@ -119,7 +119,8 @@ def test_flag_defaults_follow_slime_outside_the_builtin_job(tmp_path):
         assert "--rollout-max-response-len has no default outside the built-in job" in problems
         assert "--rollout-batch-size is required" in problems and "set --num-rollout" in problems
         given = [arg for name, value in required.items() for arg in (flag(name), str(value))]
-        cfg = parse_args([*job, *given, "--actor-num-gpus-per-node", "1", "--advantage-estimator", "reinforce_plus_plus"])
+        one_trainer = ["--actor-num-gpus-per-node", "1", "--advantage-estimator", "reinforce_plus_plus"]
+        cfg = parse_args([*job, *given, *one_trainer])
         expected = {**SLIME_DEFAULTS, **required, "actor_num_gpus_per_node": 1}
         assert {name: _leaf(cfg, name) for name in SLIME_DEFAULTS} == expected
         # slime's derived default: one optimizer step per rollout.
@@ -213,7 +214,8 @@ def test_every_field_has_a_flag_named_after_it():
 
 
 def test_flag_prefixes_are_not_accepted():
-    assert "--rollout-batch: unrecognized argument (neither rlcore's nor slime's)" in _problems(["--rollout-batch", "4"])
+    expected = "--rollout-batch: unrecognized argument (neither rlcore's nor slime's)"
+    assert expected in _problems(["--rollout-batch", "4"])
 
 
 def test_bad_flag_value_is_an_argparse_error(capsys):
