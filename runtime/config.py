@@ -668,6 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag(name), dest=name, choices=typing.get_args(inner), help=help_text)
         else:
             group.add_argument(flag(name), dest=name, type=_arg_type(name, inner, optional), help=help_text)
+    slime_flags.add_refused_arguments(parser)
     return parser
 
 

@@ -393,13 +393,14 @@ REFUSED_BY_DEST: dict[str, SlimeFlag] = {f.dest: f for f in PARSED_REFUSED}
 
 # Flags slime generates or takes from Megatron, by prefix or name: refused with the issue that brings them.
 _OWNED_PREFIXES = (("--sglang-", SGLANG), ("--router-", SGLANG))
-# Megatron's own flags that slime's run scripts use (parallelism, recompute, optimizer, LR schedule, model shape).
+# Megatron's own flags that slime's run scripts use (parallelism, recompute, optimizer, LR schedule, model shape);
+# --weight-decay and --bf16 are rlcore's own too (the torch backend's), so they are parsed, not refused.
 MEGATRON_FLAGS = frozenset(
     """
     --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
     --expert-model-parallel-size --expert-tensor-parallel-size --decoder-first-pipeline-num-layers
     --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --recompute-granularity
-    --recompute-method --recompute-num-layers --optimizer --weight-decay --adam-beta1 --adam-beta2 --adam-eps
+    --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2 --adam-eps
     --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
     --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction --lr-warmup-iters
     --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention
@@ -410,7 +411,7 @@ MEGATRON_FLAGS = frozenset(
     --moe-router-topk --num-experts --moe-grouped-gemm --moe-token-dispatcher-type --moe-router-score-function
     --moe-router-dtype --moe-aux-loss-coeff --moe-router-load-balancing-type --moe-layer-freq
     --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-topk-scaling-factor
-    --moe-enable-deepep --moe-permute-fusion --spec --bf16 --fp16 --fp8-format --fp8-recipe --fp8-param-gather
+    --moe-enable-deepep --moe-permute-fusion --spec --fp16 --fp8-format --fp8-recipe --fp8-param-gather
     --deterministic-mode --use-distributed-optimizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion
     --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --use-flash-attn --transformer-impl
     --make-vocab-size-divisible-by --seq-length --max-position-embeddings --init-method-std --log-interval
@@ -419,8 +420,6 @@ MEGATRON_FLAGS = frozenset(
     --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
     """.split()
 )
-# rlcore's own flags of the same names (the torch backend's): not refused.
-_OURS_WITH_MEGATRON_NAMES = frozenset({"--weight-decay", "--bf16"})
 
 
 def unknown_flag_problem(arg: str) -> str:

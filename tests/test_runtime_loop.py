@@ -60,6 +60,7 @@ SMALL = {
     "global_batch_size": 8,
     "micro_batch_size": 4,
     "lr": 1e-3,
+    "actor_num_gpus_per_node": 1,
 }
 
 

@@ -240,7 +240,8 @@ def _job(tmp_path, name, prompts, schedule, extra=()):
         sys.executable, "-m", "runtime.cli", "--prompt-data", str(prompts), "--rm-type", "exact_match",
         "--rollout-max-response-len", "4", "--num-rollout", "9", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
-        "--no-use-tensorboard", "--rollout-schedule", schedule, "--output-dir", str(tmp_path / name), *extra,
+        "--no-use-tensorboard", "--rollout-schedule", schedule, "--output-dir", str(tmp_path / name),
+        "--input-key", "prompt", "--label-key", "label", "--actor-num-gpus-per-node", "1", *extra,
     ]  # fmt: skip
 
 

@@ -38,11 +38,12 @@ def reward_value(sample: Sample) -> float:
 
 
 def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
-    """Keep a group whose rewards are not all equal (population std above 1e-6, as slime's filter)."""
+    """Keep a group whose rewards are not all equal: their unbiased (n - 1) standard deviation is above 1e-6, as in
+    slime's filter (``torch.std`` in float64)."""
     if not samples:
         raise ValueError("samples must hold at least one sample of the group, got an empty list")
     rewards = [reward_value(sample) for sample in samples]
-    keep = len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6
+    keep = len(rewards) > 1 and statistics.stdev(rewards) > 1e-6
     if keep:
         return DynamicFilterOutput(keep=True)
     # The reason names the shared value so that all-correct and all-wrong groups are counted apart.
