@@ -495,6 +495,9 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert row["train/num_steps"] == 2  # 16 samples per rollout, global batch 8
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
+    # As slime: the starting model is evaluated before the first step (logged with it), per dataset and over all.
+    assert rows[0]["eval/reward_mean_before_train"] == rows[0]["eval/builtin/reward_mean_before_train"]
+    assert rows[1]["eval/reward_mean"] == rows[1]["eval/builtin/reward_mean"]
     # The data counts are logged once, at the first step.
     assert rows[0]["data/num_prompts"] == demo.NUM_PROMPTS
     assert (rows[0]["data/num_bad_rows"], rows[0]["data/num_dropped_long"]) == (0, 0)
