@@ -41,8 +41,8 @@ _CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation",
 
 
 # Reward types rlcore-run scores with (builtin: the built-in task's), and slime's that it does not yet.
-RM_TYPES = ("builtin", "math", "exact_match")
-SLIME_RM_TYPES_NOT_BUILT = ("dapo", "deepscaler", "f1", "gpqa", "ifbench", "random", "remote_rm")
+RM_TYPES = ("builtin", "math", "exact_match", "deepscaler", "dapo", "f1", "gpqa", "random", "remote_rm")
+SLIME_RM_TYPES_NOT_BUILT = ("ifbench",)
 
 
 class ConfigError(ValueError):
@@ -292,10 +292,23 @@ class ResourceConfig:
 class RewardConfig:
     rm_type: str = field(
         default="builtin",
-        metadata=_help("builtin (the default task's reward), math (math-verify on \\boxed{}), exact_match"),
+        metadata=_help(
+            "builtin (the default task's), math, exact_match, deepscaler, dapo, f1, gpqa, random, remote_rm, or "
+            "boxed_<type> (scores the last \\boxed{} of the response)"
+        ),
     )
     custom_rm_path: str | None = field(
         default=None, metadata=_help("reward function as module:function or file.py:function; overrides --rm-type")
+    )
+    rm_url: str | None = field(default=None, metadata=_help("URL of the reward server of --rm-type remote_rm"))
+    reward_key: str | None = field(
+        default=None, metadata=_help("the entry of a dict reward that trains (unset: 'score')")
+    )
+    eval_reward_key: str | None = field(
+        default=None, metadata=_help("the entry of a dict reward that evaluation reports (unset: --reward-key)")
+    )
+    group_rm: bool = field(
+        default=False, metadata=_help("--custom-rm-path is batched and called once per prompt's group")
     )
     reward_timeout: float = field(default=30.0, metadata=_help("seconds per reward call; over it the reward is 0"))
 
@@ -896,13 +909,17 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
     if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and cfg.eval.eval_prompt_data is None:
         problems.append("--eval-interval with --prompt-data needs --eval-prompt-data")
     rm_type = cfg.reward.rm_type
-    if rm_type not in RM_TYPES and cfg.reward.custom_rm_path is None:
-        if rm_type.startswith("boxed_") or rm_type in SLIME_RM_TYPES_NOT_BUILT:
+    known = rm_type in RM_TYPES or (rm_type.startswith("boxed_") and rm_type[6:] in RM_TYPES[1:])
+    if not known and cfg.reward.custom_rm_path is None:
+        if rm_type.removeprefix("boxed_") in SLIME_RM_TYPES_NOT_BUILT:
             problems.append(f"--rm-type {rm_type}: slime's reward type is not built yet in rlcore-run (issue 13)")
         else:
             problems.append(
-                f"--rm-type must be one of {', '.join(RM_TYPES)} (or use --custom-rm-path); got {rm_type!r}"
+                f"--rm-type must be one of {', '.join(RM_TYPES)} or boxed_<type> (or use --custom-rm-path); got "
+                f"{rm_type!r}"
             )
+    if rm_type.removeprefix("boxed_") == "remote_rm" and not cfg.reward.rm_url and cfg.reward.custom_rm_path is None:
+        problems.append("--rm-type remote_rm needs --rm-url (the reward server's URL)")
     if cfg.data.prompt_data is not None and rm_type == "builtin" and cfg.reward.custom_rm_path is None:
         problems.append(
             "--rm-type builtin scores the built-in task only; with --prompt-data choose --rm-type math or "

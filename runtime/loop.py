@@ -73,7 +73,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     adv_cfg, gbs = advantage_config(cfg), cfg.train.global_batch_size
     model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
     cfg = resolve_num_rollout(cfg, len(dataset))
-    hub = RewardHub(cfg.reward, args=cfg)
+    hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed)
+    eval_hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed, evaluation=True)
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
     custom_generate = load_function(r.custom_generate_function_path) if r.custom_generate_function_path else None
@@ -91,6 +92,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     # Everything started is released in reverse order however the job ends.
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(hub.close)
+        cleanup.callback(eval_hub.close)
         if _init_ray(cfg):
             cleanup.callback(ray.shutdown)
         placement = create_placement(cfg)
@@ -146,7 +148,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             metrics: dict[str, float] = dataset.stats() if step == start else {}
             if step == 0 and eval_prompts is not None and not cfg.eval.skip_eval_before_train:
                 # As slime: the starting model is evaluated too (logged with the first step's metrics, as "before").
-                before = runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate))
+                before = runner.run(evaluate(ctx, eval_hub, eval_prompts, cfg, custom_generate=custom_generate))
                 metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
@@ -167,6 +169,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 rollout.samples,
                 pad_token_id=tokenizer.pad_token_id,
                 require_rollout_log_probs=needs_rollout_log_probs(cfg),
+                reward_key=cfg.reward.reward_key,
             )
             metrics.update(
                 train_metrics(
@@ -193,7 +196,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints.
             if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
-                metrics.update(runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate)))
+                metrics.update(runner.run(evaluate(ctx, eval_hub, eval_prompts, cfg, custom_generate=custom_generate)))
             metrics["perf/step_time"] = time.perf_counter() - step_start
             logger.log(step, metrics)
             source.commit(rollout)
@@ -360,12 +363,12 @@ async def evaluate(
         samples = [s for g in whole for s in g]
         await hub.score(samples)
         if samples:
-            metrics.update(sample_metrics(samples, prefix=f"eval/{name}"))
+            metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=hub.reward_key))
         every += samples
         aborted_groups += len(aborted)
     errors = hub.pop_metrics()
     if every:
-        metrics.update(sample_metrics(every, prefix="eval"))
+        metrics.update(sample_metrics(every, prefix="eval", reward_key=hub.reward_key))
     metrics["eval/reward_errors"] = errors["reward/errors"]
     metrics["eval/groups_aborted"] = aborted_groups
     return metrics

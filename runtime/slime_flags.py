@@ -317,12 +317,25 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--http-proxy", "network", None, REFUSED, LATER),
     _true("--use-distributed-post", "network", REFUSED, LATER),
     # reward model
-    _f("--rm-type", "reward_model", None, DIFFERS, "math, exact_match and builtin (ours, the default) so far"),
-    _f("--reward-key", "reward_model", None, REFUSED, LATER + " (a dict reward trains on its 'score')"),
-    _f("--eval-reward-key", "reward_model", None, REFUSED, LATER),
-    _true("--group-rm", "reward_model", REFUSED, LATER + " (a batched function is told by its signature)"),
-    _f("--rm-url", "reward_model", None, REFUSED, LATER),
-    _f("--custom-rm-path", "reward_model", None, DIFFERS, "a batched function is called once per sampling round"),
+    _f(
+        "--rm-type",
+        "reward_model",
+        None,
+        DIFFERS,
+        "default builtin (ours: the built-in task's); adds exact_match; no ifbench; dapo and deepscaler compare with "
+        "math-verify",
+    ),
+    _f("--reward-key", "reward_model", None, DIFFERS, "unset: a dict reward trains on its 'score'"),
+    _f("--eval-reward-key", "reward_model", None, YES),
+    _true("--group-rm", "reward_model", YES),
+    _f("--rm-url", "reward_model", None, YES),
+    _f(
+        "--custom-rm-path",
+        "reward_model",
+        None,
+        DIFFERS,
+        "without --group-rm a batched function (told by its signature) is called once per sampling round",
+    ),
     _f("--custom-reward-post-process-path", "reward_model", None, REFUSED, HOOKS),
     _f("--custom-convert-samples-to-train-data-path", "reward_model", None, REFUSED, HOOKS),
     # rollout buffer

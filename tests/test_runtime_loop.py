@@ -64,6 +64,11 @@ SMALL = {
 }
 
 
+# What a job with --prompt-data must say (slime has no defaults for these), and the keys of the test rows.
+JOB_SIZE = ["--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+JOB_SIZE += ["--actor-num-gpus-per-node", "1", "--input-key", "prompt", "--label-key", "label"]
+
+
 def small_cfg(tmp_path, **overrides) -> Config:
     return validate(from_dict(None, output_dir=str(tmp_path / "out"), **{**SMALL, **overrides}))
 
@@ -639,7 +644,7 @@ def test_cli_reports_settings_the_runtime_cannot_run(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n")
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--sft-warmup-steps", "2"]
-    args += ["--rollout-max-response-len", "4"]
+    args += ["--rollout-max-response-len", "4", *JOB_SIZE]
     assert main([*args, "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     assert "--sft-warmup-steps" in capsys.readouterr().err
 
@@ -648,7 +653,7 @@ def test_cli_reports_malformed_data_with_its_line(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n" + '{"prompt": "c3=", "label": \n')
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--output-dir", str(tmp_path / "out")]
-    assert main([*args, "--rollout-max-response-len", "4"]) == EXIT_BAD_INPUT
+    assert main([*args, "--rollout-max-response-len", "4", *JOB_SIZE]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "line 2" in err and str(data) in err
 

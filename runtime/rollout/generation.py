@@ -223,7 +223,7 @@ async def collect_rollout(
             samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
             if groups:
                 await hub.score([s for g in groups for s in g])
-                scored_rewards.extend(reward_value(s) for g in groups for s in g)
+                scored_rewards.extend(reward_value(s, hub.reward_key) for g in groups for s in g)
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             passed_ids = {id(g[0]) for g in passed}
             outcomes["filtered"].extend(g[0].index for g in groups if id(g[0]) not in passed_ids)
@@ -242,15 +242,17 @@ async def collect_rollout(
         **{f"rollout/dropped/{reason}": count for reason, count in dropped.items()},
         **hub.pop_metrics(),
     }
-    metrics.update(sample_metrics(samples))
+    metrics.update(sample_metrics(samples, reward_key=hub.reward_key))
     # rollout/reward_mean is over the trained batch (after the filter); this one is over every scored sample.
     if scored_rewards:
         metrics["rollout/reward_mean_before_filter"] = sum(scored_rewards) / len(scored_rewards)
     return samples, metrics, outcomes
 
 
-def sample_metrics(samples: Sequence[Sample], prefix: str = "rollout") -> dict[str, float]:
-    rewards = [reward_value(s) for s in samples]
+def sample_metrics(
+    samples: Sequence[Sample], prefix: str = "rollout", *, reward_key: str | None = None
+) -> dict[str, float]:
+    rewards = [reward_value(s, reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     return {
         f"{prefix}/reward_mean": sum(rewards) / len(rewards),

@@ -468,7 +468,7 @@ class StreamingSource(_Source):
             "rollout/groups_in_flight": sum(1 for x in self._slots.values() if not x.done),
             "rollout/groups_buffered": sum(1 for x in self._slots.values() if x.done),
             **self.hub.pop_metrics(),
-            **sample_metrics(samples),
+            **sample_metrics(samples, reward_key=self.hub.reward_key),
             **staleness_metrics(samples, step=step),
         }
         return Rollout(step, samples, metrics, handouts=handouts, outcomes=outcomes)

@@ -23,7 +23,11 @@ RESPONSE_TOKENS = "response_tokens"
 
 
 def build_batch(
-    samples: Sequence[Sample], *, pad_token_id: int, require_rollout_log_probs: bool = False
+    samples: Sequence[Sample],
+    *,
+    pad_token_id: int,
+    require_rollout_log_probs: bool = False,
+    reward_key: str | None = None,
 ) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
@@ -79,7 +83,7 @@ def build_batch(
             RESPONSE_TOKENS: response_tokens,
             keys.MASK: mask,
             keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
-            keys.REWARDS: torch.tensor([reward_value(s) for s in samples], dtype=torch.float32),
+            keys.REWARDS: torch.tensor([reward_value(s, reward_key) for s in samples], dtype=torch.float32),
             keys.GROUP_IDS: torch.tensor([s.group_index for s in samples], dtype=torch.long),
         },
         batch_size=[n],
