@@ -352,6 +352,9 @@ class LogConfig:
     use_tensorboard: bool = field(default=False, metadata=_help("write TensorBoard event files to the output dir"))
     use_wandb: bool = field(default=False, metadata=_help("log to Weights & Biases (needs the wandb package)"))
     wandb_project: str | None = field(default=None, metadata=_help("W&B project"))
+    log_passrate: bool = field(
+        default=False, metadata=_help("log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation")
+    )
 
 
 @dataclass(frozen=True)

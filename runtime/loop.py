@@ -40,6 +40,7 @@ from runtime.logger import (
 from runtime.rollout import RolloutContext, expand_groups, generate_groups, sample_metrics
 from runtime.rollout.data import PromptDataset
 from runtime.rollout.filters import load_filter
+from runtime.rollout.passrate import passrate_metrics
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
@@ -157,6 +158,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 engines.resume_memory()
             rollout = source.get(step)
             metrics.update(rollout.metrics)
+            if cfg.log.log_passrate:
+                metrics.update(passrate_metrics(rollout.samples, prefix="rollout", reward_key=hub.reward_key))
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             if cfg.resources.colocate:
                 engines.release_memory()
@@ -364,6 +367,8 @@ async def evaluate(
         await hub.score(samples)
         if samples:
             metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=hub.reward_key))
+            if cfg.log.log_passrate:
+                metrics.update(passrate_metrics(samples, prefix=f"eval/{name}", reward_key=hub.reward_key))
         every += samples
         aborted_groups += len(aborted)
     errors = hub.pop_metrics()

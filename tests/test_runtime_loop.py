@@ -604,6 +604,35 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
     assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
 
 
+def test_named_eval_datasets_with_eval_sampling_flags_and_passrate(ray_session, tmp_path):
+    paths = []
+    for name, seed in (("a", 21), ("b", 22)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in task.make_records(3, seed=seed)))
+        paths += [name, str(path)]
+    cfg = small_cfg(
+        tmp_path,
+        num_rollout=1,
+        eval_interval=1,
+        eval_prompt_data=paths,
+        eval_input_key="prompt",  # slime's --eval-*-key: the eval files' keys, not --input-key's "input"
+        eval_label_key="label",
+        n_samples_per_eval_prompt=2,
+        eval_max_response_len=2,
+        eval_temperature=0.5,
+        log_passrate=True,
+        skip_eval_before_train=True,
+    )
+    (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    for name in ("a", "b"):
+        assert row[f"eval/{name}/response_len_mean"] <= 2  # --eval-max-response-len, not the rollout's 5
+        assert {f"eval/{name}/pass@1", f"eval/{name}/pass@2"} <= row.keys()
+        assert f"eval/{name}/pass@4" not in row  # 2 samples per eval prompt
+    assert row["eval/reward_mean"] == pytest.approx((row["eval/a/reward_mean"] + row["eval/b/reward_mean"]) / 2)
+    assert {"rollout/pass@1", "rollout/pass@2", "rollout/pass@4"} <= row.keys()  # 4 samples per prompt
+    assert not [key for key in row if key.endswith("_before_train")]  # --skip-eval-before-train
+
+
 def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, tmp_path):
     save = tmp_path / "ckpt"
     full = run(small_cfg(tmp_path / "a", num_rollout=4, save=str(save), save_interval=2), progress=False)
