@@ -36,6 +36,9 @@ ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 
 # Estimators whose baseline is the other samples of the prompt's group: a group of one has no baseline.
 GROUP_BASELINE_ESTIMATORS = ("grpo", "cispo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
+# grpo without the std, so it goes with them.
+KL_COEF_IGNORED = ("grpo", "gspo", "cispo", "dr_grpo")
 # slime's estimator names where rlcore.advantages names them differently.
 _CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation", "cispo": "grpo"}
 
@@ -183,6 +186,12 @@ class AlgoConfig:
     kl_loss_coef: float = field(default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)"))
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
         default="k1", metadata=_help("KL estimator of the KL loss (and of the KL in the reward)")
+    )
+    ref_update_interval: int | None = field(
+        default=None, metadata=_help("copy the actor's weights into the reference model every N steps")
+    )
+    reset_optimizer_states: bool = field(
+        default=False, metadata=_help("drop the optimizer's moments after every rollout's training")
     )
     use_unbiased_kl: bool = field(
         default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
@@ -721,6 +730,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
     positive = {
         "num_epoch": r.num_epoch,
         "num_steps_per_rollout": t.num_steps_per_rollout,
+        "ref_update_interval": a.ref_update_interval,
         "tis_clip": a.tis_clip,
         "eval_temperature": e.eval_temperature,
         "eval_max_response_len": e.eval_max_response_len,
@@ -938,6 +948,12 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append(
             "--calculate-per-token-loss is --loss-agg-mode token_mean; it contradicts --loss-agg-mode "
             f"{a.loss_agg_mode}"
+        )
+    kl_in_reward = a.kl_coef != 0 and a.advantage_estimator not in KL_COEF_IGNORED
+    if a.ref_update_interval is not None and not a.use_kl_loss and not kl_in_reward:
+        problems.append(
+            "--ref-update-interval refreshes the reference model, which the job keeps only with --use-kl-loss or "
+            "--kl-coef"
         )
     if a.use_rollout_logprobs and a.use_tis:
         problems.append(

@@ -186,6 +186,10 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             )
             metrics["perf/train_time"] = time.perf_counter() - t
             done = step + 1
+            if cfg.algo.reset_optimizer_states:
+                trainers.call("reset_optimizer")
+            if cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
+                trainers.call("update_reference")
 
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:

@@ -604,6 +604,22 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
     assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
 
 
+def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path):
+    # One optimizer step per rollout, so each step's KL to the reference is measured before the step's update.
+    cfg = small_cfg(
+        tmp_path,
+        num_rollout=3,
+        global_batch_size=16,
+        use_kl_loss=True,
+        ref_update_interval=2,
+        reset_optimizer_states=True,
+    )
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    kl = [row["train/approx_kl_ref"] for row in rows]
+    assert kl[0] == 0.0 and kl[1] != 0.0  # the initial model, then one step away from it
+    assert kl[2] == 0.0  # the reference was refreshed after step 2 (--ref-update-interval 2)
+
+
 def test_named_eval_datasets_with_eval_sampling_flags_and_passrate(ray_session, tmp_path):
     paths = []
     for name, seed in (("a", 21), ("b", 22)):

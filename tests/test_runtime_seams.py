@@ -140,6 +140,16 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     }
     metrics = call("train", compute(td, advantage_config(cfg)), per_step_rows=8)
     assert metrics["num_steps"] == 1 and metrics["grad_norm"] > 0
+    # --reset-optimizer-states: the moments are gone (and training goes on); --ref-update-interval: the reference
+    # becomes the actor.
+    assert trainer.optimizer.state
+    call("reset_optimizer")
+    assert not trainer.optimizer.state
+    moved = trainer.compute_log_probs(td)
+    assert not torch.equal(moved[keys.OLD_LOG_PROBS], moved[keys.REF_LOG_PROBS])
+    call("update_reference")
+    synced = trainer.compute_log_probs(td)
+    torch.testing.assert_close(synced[keys.REF_LOG_PROBS], synced[keys.OLD_LOG_PROBS], rtol=0, atol=0)
     assert call("sft_train", td)["sft_loss"] > 0
     # Buckets: HF names, the asked dtype, tied weights once, each within the size unless one tensor is bigger.
     buckets = list(call("weight_buckets", dtype=torch.bfloat16, bucket_bytes=8192))

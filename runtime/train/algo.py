@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
-from runtime.config import Config, ConfigError
+from runtime.config import KL_COEF_IGNORED, Config, ConfigError
 from runtime.train.roles import ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
 _UNSUPPORTED_ESTIMATORS = {"gae": "a critic (value model)", "distillation": "a teacher model"}
-# Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
-# grpo without the std, so it goes with them.
-KL_COEF_IGNORED = ("grpo", "gspo", "cispo", "dr_grpo")
 # slime's policy loss by estimator (PPO's clipped surrogate for the rest).
 _POLICY_LOSS = {"gspo": "gspo", "cispo": "cispo"}
 

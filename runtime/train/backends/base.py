@@ -59,6 +59,14 @@ class TrainBackend(Protocol):
         """A HF folder that ``AutoModelForCausalLM.from_pretrained`` loads (written by rank 0)."""
         ...
 
+    def update_reference(self) -> None:
+        """Copy the actor's current weights into the reference role (slime's ``--ref-update-interval``)."""
+        ...
+
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer's state, its moments and step counts (slime's ``--reset-optimizer-states``)."""
+        ...
+
     def release_memory(self) -> None:
         """Give device memory back (colocated with an engine) until :meth:`resume_memory`."""
         ...

@@ -398,6 +398,18 @@ class TorchTrainer:
         if self.released:
             raise RuntimeError("trainer memory is released: call resume_memory() first")
 
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Copy the actor's parameters and buffers into the reference model (the same layout, FSDP shards included)."""
+        if keys.REF_LOG_PROBS not in self.frozen:
+            raise RuntimeError("update_reference: this trainer runs no reference model (--use-kl-loss / --kl-coef)")
+        reference = self.frozen[keys.REF_LOG_PROBS]
+        for target, source in zip(reference.state_dict().values(), self.model.state_dict().values(), strict=True):
+            target.copy_(source)
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()
+
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)
 
