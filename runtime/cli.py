@@ -66,7 +66,7 @@ def dry_run_report(cfg: Config) -> str:
         f"  advantages             {advantage_config(cfg)}",
         f"  loss                   {loss_config(cfg)}",
         f"  model roles            {', '.join(role.name for role in model_roles(cfg))}",
-        f"  evaluation             {eval_datasets(cfg) or ('built-in' if cfg.eval.eval_interval else 'none')}",
+        f"  evaluation             {_evaluation(cfg)}",
         "[dry run: placement plan]",
         f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
         f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
@@ -74,6 +74,16 @@ def dry_run_report(cfg: Config) -> str:
         "rlcore-run: dry run, nothing started",
     ]
     return "\n".join(lines)
+
+
+def _evaluation(cfg: Config) -> str:
+    if cfg.eval.eval_prompt_data is None and cfg.eval.eval_config is None:
+        return "built-in task" if cfg.eval.eval_interval is not None else "none"
+    return "; ".join(
+        f"{d.name}: {d.path} (n {d.n_samples_per_eval_prompt}, T {d.temperature}, top-p {d.top_p}, "
+        f"max {d.max_response_len} tokens, reward {d.custom_rm_path or d.rm_type or cfg.reward.rm_type})"
+        for d in eval_datasets(cfg)
+    )
 
 
 if __name__ == "__main__":

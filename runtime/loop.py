@@ -25,7 +25,16 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import make_weight_sync
-from runtime.config import Config, ConfigError, DataConfig, dump_yaml, eval_datasets, to_dict
+from runtime.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalDataset,
+    dump_yaml,
+    eval_datasets,
+    resolve_eval_dataset,
+    to_dict,
+)
 from runtime.engines.base import SamplingParams
 from runtime.hooks import load_function
 from runtime.logger import (
@@ -72,10 +81,10 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     dump_yaml(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
     adv_cfg, gbs = advantage_config(cfg), cfg.train.global_batch_size
-    model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
+    model_path, tokenizer, dataset, eval_sets = prepare_model_and_data(cfg)
     cfg = resolve_num_rollout(cfg, len(dataset))
     hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed)
-    eval_hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed, evaluation=True)
+    evals = [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
     custom_generate = load_function(r.custom_generate_function_path) if r.custom_generate_function_path else None
@@ -93,7 +102,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     # Everything started is released in reverse order however the job ends.
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(hub.close)
-        cleanup.callback(eval_hub.close)
+        for e in evals:
+            cleanup.callback(e.hub.close)
         if _init_ray(cfg):
             cleanup.callback(ray.shutdown)
         placement = create_placement(cfg)
@@ -147,9 +157,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
             metrics: dict[str, float] = dataset.stats() if step == start else {}
-            if step == 0 and eval_prompts is not None and not cfg.eval.skip_eval_before_train:
+            if step == 0 and evals and not cfg.eval.skip_eval_before_train:
                 # As slime: the starting model is evaluated too (logged with the first step's metrics, as "before").
-                before = runner.run(evaluate(ctx, eval_hub, eval_prompts, cfg, custom_generate=custom_generate))
+                before = runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate))
                 metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
@@ -202,8 +212,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints.
-            if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
-                metrics.update(runner.run(evaluate(ctx, eval_hub, eval_prompts, cfg, custom_generate=custom_generate)))
+            if evals and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
+                metrics.update(runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate)))
             metrics["perf/step_time"] = time.perf_counter() - step_start
             logger.log(step, metrics)
             source.commit(rollout)
@@ -232,16 +242,35 @@ def sampling_params(cfg: Config) -> SamplingParams:
     )
 
 
-def eval_sampling_params(cfg: Config) -> SamplingParams:
-    """The rollout's sampling settings with the ``--eval-*`` ones that are set."""
-    e = cfg.eval
-    overrides = {
-        "max_new_tokens": e.eval_max_response_len,
-        "temperature": e.eval_temperature,
-        "top_p": e.eval_top_p,
-        "top_k": e.eval_top_k,
-    }
-    return dataclasses.replace(sampling_params(cfg), **{k: v for k, v in overrides.items() if v is not None})
+@dataclass
+class EvalSet:
+    """One evaluation dataset of the job: its resolved settings, its prompts and the reward hub that scores them."""
+
+    dataset: EvalDataset
+    prompts: list[Sample]
+    hub: RewardHub
+
+    @property
+    def params(self) -> SamplingParams:
+        d = self.dataset
+        return SamplingParams(
+            max_new_tokens=d.max_response_len,
+            temperature=d.temperature,
+            top_p=d.top_p,
+            top_k=d.top_k,
+            stop_token_ids=d.stop_token_ids,
+        )
+
+
+def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
+    """The reward hub of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them, scoring
+    ``--eval-reward-key``."""
+    reward = dataclasses.replace(
+        cfg.reward,
+        rm_type=dataset.rm_type or cfg.reward.rm_type,
+        custom_rm_path=dataset.custom_rm_path or cfg.reward.custom_rm_path,
+    )
+    return RewardHub(reward, args=cfg, seed=cfg.seed, evaluation=True)
 
 
 def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
@@ -260,21 +289,25 @@ def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
 
 
-def eval_data_config(cfg: Config) -> DataConfig:
-    """The evaluation data's keys and prompt limit: the ``--eval-*`` ones that are set, else the training data's."""
-    e, d = cfg.eval, cfg.data
+def eval_data_config(cfg: Config, dataset: EvalDataset) -> DataConfig:
+    """How an evaluation dataset's rows are read: its keys, template and prompt limit."""
     return dataclasses.replace(
-        d,
-        input_key=e.eval_input_key or d.input_key,
-        label_key=e.eval_label_key or d.label_key,
-        tool_key=e.eval_tool_key or d.tool_key,
-        rollout_max_prompt_len=e.eval_max_prompt_len or d.rollout_max_prompt_len,
+        cfg.data,
+        input_key=dataset.input_key,
+        label_key=dataset.label_key,
+        tool_key=dataset.tool_key,
+        metadata_key=dataset.metadata_key,
+        apply_chat_template=dataset.apply_chat_template,
+        apply_chat_template_kwargs=dict(dataset.apply_chat_template_kwargs),
+        rollout_max_prompt_len=dataset.max_prompt_len,
     )
 
 
-def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, dict[str, list[Sample]] | None]:
-    """The model folder, its tokenizer, the prompt dataset and the evaluation prompts by dataset name (None without
-    eval).
+def prepare_model_and_data(
+    cfg: Config,
+) -> tuple[str, Any, PromptDataset, list[tuple[EvalDataset, list[Sample]]] | None]:
+    """The model folder, its tokenizer, the prompt dataset and the evaluation datasets with their prompts (None
+    without eval).
 
     Without ``--hf-checkpoint`` the demo's tiny model is built into ``output_dir/base_model`` and loaded from there
     like any checkpoint; without ``--prompt-data`` the prompts are the demo task's. What was dropped or skipped is
@@ -285,24 +318,26 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, dict[s
 
     model_path = cfg.model.hf_checkpoint or demo.base_model(cfg.output_dir, seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    eval_sets: dict[str, PromptDataset] = {}
+    eval_sets: list[tuple[EvalDataset, PromptDataset]] = []
+    has_eval_data = cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None
     if cfg.data.prompt_data is None:
         dataset, demo_eval = demo.prompt_datasets(tokenizer, cfg.data, seed=cfg.seed)
-        if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is None:
-            eval_sets["builtin"] = demo_eval
+        if cfg.eval.eval_interval is not None and not has_eval_data:
+            eval_sets.append((resolve_eval_dataset(cfg, {"name": "builtin", "path": ""}), demo_eval))
     else:
         dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.data.rollout_seed)
-    if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is not None:
-        eval_cfg = eval_data_config(cfg)
-        for name, path in eval_datasets(cfg):
-            eval_sets[name] = PromptDataset(path, tokenizer, eval_cfg, seed=cfg.data.rollout_seed)
-    datasets = (dataset, *eval_sets.values())
+    if cfg.eval.eval_interval is not None and has_eval_data:
+        for d in eval_datasets(cfg):
+            eval_sets.append(
+                (d, PromptDataset(d.path, tokenizer, eval_data_config(cfg, d), seed=cfg.data.rollout_seed))
+            )
+    datasets = (dataset, *(ds for _, ds in eval_sets))
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu
     if budget is not None:
         longest = max(ds.max_prompt_tokens for ds in datasets)
-        need = longest + max(cfg.rollout.rollout_max_response_len, cfg.eval.eval_max_response_len or 0)
+        need = longest + max([cfg.rollout.rollout_max_response_len] + [d.max_response_len for d, _ in eval_sets])
         if budget < need:
             raise ConfigError(
                 [
@@ -311,8 +346,13 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, dict[s
                     "or drop long prompts with --rollout-max-prompt-len)"
                 ]
             )
-    eval_prompts = {name: ds.next_batch(len(ds)) for name, ds in eval_sets.items()} or None
-    return model_path, tokenizer, dataset, eval_prompts
+    evals = []
+    for d, ds in eval_sets:
+        prompts = ds.next_batch(len(ds))
+        for sample in prompts:
+            sample.metadata = {**sample.metadata, **d.metadata_overrides}
+        evals.append((d, prompts))
+    return model_path, tokenizer, dataset, evals or None
 
 
 def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[float]:
@@ -346,39 +386,35 @@ def _init_ray(cfg: Config) -> bool:
 
 
 async def evaluate(
-    ctx: RolloutContext,
-    hub: RewardHub,
-    datasets: dict[str, list[Sample]],
-    cfg: Config,
-    *,
-    custom_generate: Any = None,
+    ctx: RolloutContext, evals: list[EvalSet], cfg: Config, *, custom_generate: Any = None
 ) -> dict[str, float]:
-    """Reward statistics over the evaluation prompts (``--n-samples-per-eval-prompt`` each, the ``--eval-*``
-    sampling settings), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them.
+    """Reward statistics over the evaluation prompts (each dataset's samples per prompt, sampling settings and
+    reward), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them.
 
     Responses come from the same generation path as training rollouts: ``custom_generate`` (the
     ``--custom-generate-function-path`` hook) when given, the engines' batched generate otherwise.
     """
     metrics: dict[str, float] = {}
     every: list[Sample] = []
-    aborted_groups = 0
-    params = eval_sampling_params(cfg)
-    for name, prompts in datasets.items():
-        groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
+    aborted_groups = errors = 0
+    for e in evals:
+        name, key = e.dataset.name, e.hub.reward_key
+        groups = expand_groups(e.prompts, e.dataset.n_samples_per_eval_prompt, first_group=0)
         # Aborted groups are left out of the score, as the rollout leaves them out of training.
-        whole, aborted = await generate_groups(ctx, groups, params, custom_generate)
+        whole, aborted = await generate_groups(ctx, groups, e.params, custom_generate)
         samples = [s for g in whole for s in g]
-        await hub.score(samples)
+        await e.hub.score(samples)
+        errors += e.hub.pop_metrics()["reward/errors"]
         if samples:
-            metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=hub.reward_key))
+            metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=key))
             if cfg.log.log_passrate:
-                metrics.update(passrate_metrics(samples, prefix=f"eval/{name}", reward_key=hub.reward_key))
+                metrics.update(passrate_metrics(samples, prefix=f"eval/{name}", reward_key=key))
         every += samples
         aborted_groups += len(aborted)
-    errors = hub.pop_metrics()
     if every:
-        metrics.update(sample_metrics(every, prefix="eval", reward_key=hub.reward_key))
-    metrics["eval/reward_errors"] = errors["reward/errors"]
+        # Every dataset's hub reads the same --eval-reward-key.
+        metrics.update(sample_metrics(every, prefix="eval", reward_key=evals[0].hub.reward_key))
+    metrics["eval/reward_errors"] = errors
     metrics["eval/groups_aborted"] = aborted_groups
     return metrics
 

@@ -216,8 +216,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--log-probs-max-tokens-per-gpu", "data", None, REFUSED, PACKING, **_OPT_INT),
     # eval
     _f("--eval-function-path", "eval", None, REFUSED, HOOKS),
-    _f("--eval-prompt-data", "eval", None, YES, "name/path pairs; one bare path is named after its file"),
-    _f("--eval-config", "eval", None, REFUSED, LATER),
+    _f("--eval-prompt-data", "eval", None, YES, "name/path pairs; one bare path is named aime, as in slime"),
+    _f(
+        "--eval-config",
+        "eval",
+        None,
+        DIFFERS,
+        "read with PyYAML (no OmegaConf interpolation); per-dataset keys beyond rlcore-run's are refused by name",
+    ),
     _true("--skip-eval-before-train", "eval", YES),
     _f("--eval-input-key", "eval", None, YES),
     _f("--eval-label-key", "eval", None, YES),

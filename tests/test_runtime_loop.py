@@ -620,31 +620,33 @@ def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path
     assert kl[2] == 0.0  # the reference was refreshed after step 2 (--ref-update-interval 2)
 
 
-def test_named_eval_datasets_with_eval_sampling_flags_and_passrate(ray_session, tmp_path):
-    paths = []
+def test_eval_config_datasets_with_their_own_settings_and_passrate(ray_session, tmp_path):
+    paths = {}
     for name, seed in (("a", 21), ("b", 22)):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in task.make_records(3, seed=seed)))
-        paths += [name, str(path)]
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in task.make_records(4, seed=seed)))
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        "eval:\n  defaults: {max_response_len: 2}\n  datasets:\n"
+        f"    - {{name: a, path: {paths['a']}, n_samples_per_eval_prompt: 4}}\n"
+        f"    - {{name: b, path: {paths['b']}, max_response_len: 3}}\n"
+    )
     cfg = small_cfg(
         tmp_path,
         num_rollout=1,
         eval_interval=1,
-        eval_prompt_data=paths,
+        eval_config=str(config),
         eval_input_key="prompt",  # slime's --eval-*-key: the eval files' keys, not --input-key's "input"
         eval_label_key="label",
         n_samples_per_eval_prompt=2,
-        eval_max_response_len=2,
         eval_temperature=0.5,
         log_passrate=True,
         skip_eval_before_train=True,
     )
     (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
-    for name in ("a", "b"):
-        assert row[f"eval/{name}/response_len_mean"] <= 2  # --eval-max-response-len, not the rollout's 5
-        assert {f"eval/{name}/pass@1", f"eval/{name}/pass@2"} <= row.keys()
-        assert f"eval/{name}/pass@4" not in row  # 2 samples per eval prompt
-    assert row["eval/reward_mean"] == pytest.approx((row["eval/a/reward_mean"] + row["eval/b/reward_mean"]) / 2)
+    assert row["eval/a/response_len_mean"] <= 2 and row["eval/b/response_len_mean"] <= 3  # not the rollout's 5
+    assert {"eval/a/pass@1", "eval/a/pass@2", "eval/a/pass@4"} <= row.keys()  # 4 samples per prompt (its own)
+    assert {"eval/b/pass@1", "eval/b/pass@2"} <= row.keys() and "eval/b/pass@4" not in row  # 2 (the flag's)
     assert {"rollout/pass@1", "rollout/pass@2", "rollout/pass@4"} <= row.keys()  # 4 samples per prompt
     assert not [key for key in row if key.endswith("_before_train")]  # --skip-eval-before-train
 
