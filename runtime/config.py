@@ -107,6 +107,9 @@ class RolloutConfig:
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
+    rollout_skip_special_tokens: bool = field(
+        default=False, metadata=_help("leave special tokens (e.g. <|im_end|>) out of the response text")
+    )
     rollout_stop_token_ids: list[int] | None = field(
         default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
     )
@@ -359,6 +362,13 @@ class EvalConfig:
 class CheckpointConfig:
     save: str | None = field(default=None, metadata=_help("checkpoint directory"))
     save_interval: int | None = field(default=None, metadata=_help("save every this many steps (and at the end)"))
+    save_hf: str | None = field(
+        default=None,
+        metadata=_help("also write the model in HF format at every save, to this path formatted with {rollout_id}"),
+    )
+    start_rollout_id: int | None = field(
+        default=None, metadata=_help("the first step to run (default: the --load checkpoint's next step, else 0)")
+    )
     load: str | None = field(default=None, metadata=_help("checkpoint directory to resume from"))
 
 
@@ -376,6 +386,15 @@ class LogConfig:
 class Config:
     seed: int = field(default=1234, metadata=_help("seed of prompt shuffling, sampling and initialisation"))
     output_dir: str = field(default="outputs/default", metadata=_help("metrics, event files, plots, final model"))
+    custom_config_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "slime's YAML of settings that override the command line; keys that are no flag reach hooks as args.<key>"
+        ),
+    )
+    custom_args: dict = field(
+        default_factory=dict, metadata=_help("ours: extra settings for hooks, read as args.<key> (the YAML's others)")
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -392,6 +411,10 @@ class Config:
         # so a flat read resolves to exactly one field. Only called when normal lookup fails.
         spec = _SPECS.get(name) if not name.startswith("_") else None
         if spec is None or spec[0] is None:
+            # A hook's own setting from --custom-config-path (slime sets any key of that YAML on args).
+            extra = object.__getattribute__(self, "custom_args")
+            if not name.startswith("_") and name in extra:
+                return extra[name]
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(object.__getattribute__(self, spec[0]), name)
 
@@ -421,6 +444,7 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "actor_num_gpus_per_node": 1,
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
+    "rollout_skip_special_tokens": True,
 }
 
 
@@ -703,17 +727,17 @@ def load_yaml(path: str | os.PathLike[str]) -> Config:
     return from_dict(read_yaml_tree(path))
 
 
-def read_yaml_tree(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+def read_yaml_tree(path: str | os.PathLike[str], *, flag_name: str = "--config") -> Mapping[str, Any]:
     """The mapping a YAML config file holds, as written (only the keys it sets); raises ``ConfigError``."""
     if not os.path.isfile(path):
-        raise ConfigError([f"--config: file {os.path.abspath(path)!r} does not exist"])
+        raise ConfigError([f"{flag_name}: file {os.path.abspath(path)!r} does not exist"])
     with open(path) as fh:
         try:
             tree = yaml.safe_load(fh)
         except yaml.YAMLError as err:
-            raise ConfigError([f"--config: {path} is not valid YAML ({err})"]) from err
+            raise ConfigError([f"{flag_name}: {path} is not valid YAML ({err})"]) from err
     if tree is not None and not isinstance(tree, Mapping):
-        raise ConfigError([f"--config: {path} must hold a mapping, got {type(tree).__name__}"])
+        raise ConfigError([f"{flag_name}: {path} must hold a mapping, got {type(tree).__name__}"])
     return tree or {}
 
 
@@ -828,6 +852,21 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     config_path = namespace.pop("config", None)
     try:
         tree = read_yaml_tree(config_path) if config_path is not None else {}
+        custom_path = namespace.get("custom_config_path", tree.get("custom_config_path"))
+        if custom_path is not None:
+            # slime's --custom-config-path: its keys override the command line; the ones that are no flag of ours
+            # are the hooks' (args.<key>), unless they are slime flags this runtime refuses.
+            custom = read_yaml_tree(custom_path, flag_name="--custom-config-path")
+            extras = dict(tree.get("custom_args") or {}) | dict(namespace.pop("custom_args", {}) or {})
+            for raw_key, value in custom.items():
+                key = _normalise_key(raw_key)
+                if key in _SPECS:
+                    namespace[key] = value
+                elif key in slime_flags.REFUSED_BY_DEST:
+                    problems += slime_flags.refused_problems({key: value})
+                else:
+                    extras[key] = value
+            namespace["custom_args"] = extras
         cfg = from_dict(tree, **namespace)
         validate(cfg)
     except ConfigError as err:
@@ -1048,8 +1087,16 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
             "longest response to sample, e.g. --rollout-max-response-len 1024"
         )
-    if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None:
-        problems.append("--save-interval needs --save (the checkpoint directory)")
+    if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None and cfg.ckpt.save_hf is None:
+        problems.append("--save-interval needs --save (the checkpoint directory) or --save-hf")
+    if cfg.ckpt.save_hf is not None:
+        try:
+            cfg.ckpt.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as err:
+            problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
+    start, total = cfg.ckpt.start_rollout_id, cfg.rollout.num_rollout
+    if start is not None and (start < 0 or (total is not None and start >= total)):
+        problems.append(f"--start-rollout-id {start} must be in [0, --num-rollout {total})")
     has_eval_data = cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None
     if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and not has_eval_data:
         problems.append("--eval-interval with --prompt-data needs --eval-prompt-data")

@@ -137,6 +137,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             start = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, feed=feed)
         elif cfg.train.sft_warmup_steps:
             sft_warmup(cfg, trainers, tokenizer)
+        if cfg.ckpt.start_rollout_id is not None:
+            start = cfg.ckpt.start_rollout_id  # slime's --start-rollout-id wins over the checkpoint's step
         weights.push(start)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
@@ -220,10 +222,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             append_ledger(out, step, {"trained": rollout.trained_indices, **rollout.outcomes})
             history.append({"step": step, **metrics})
             bar.advance(format_step_line(done, r.num_rollout, metrics))
-            if cfg.ckpt.save is not None and (
-                (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout
-            ):
-                checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, feed=feed)
+            if (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout:
+                if cfg.ckpt.save is not None:
+                    checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, feed=feed)
+                if cfg.ckpt.save_hf is not None:
+                    # slime's pattern: the rollout id is the 0-based step just trained.
+                    trainers.save_hf(cfg.ckpt.save_hf.format(rollout_id=step))
 
         source.close()
         trainers.save_hf(str(out / "final_model"))

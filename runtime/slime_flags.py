@@ -161,7 +161,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--rollout-max-context-len", "rollout", None, REFUSED, LATER, **_OPT_INT),
     _f("--rollout-max-prompt-len", "rollout", None, YES),
     _f("--rollout-max-response-len", "rollout", None, YES, "built-in job: 8"),
-    _true("--rollout-skip-special-tokens", "rollout", REFUSED, LATER),
+    _true("--rollout-skip-special-tokens", "rollout", YES, "built-in job: on"),
     _f("--rollout-stop", "rollout", None, REFUSED, LATER + " (stop strings; --rollout-stop-token-ids works)", **_LIST),
     _f("--rollout-stop-token-ids", "rollout", None, YES),
     _true("--rollout-shuffle", "rollout", YES, "built-in job: on"),
@@ -205,7 +205,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--multimodal-keys", "data", None, REFUSED, LATER + " (text only)", type=_json),
     _f("--metadata-key", "data", "metadata", YES),
     _f("--tool-key", "data", "tools", YES),
-    _f("--start-rollout-id", "data", None, REFUSED, LATER, **_OPT_INT),
+    _f("--start-rollout-id", "data", None, YES),
     _f("--rollout-batch-size", "data", None, YES, "required, as in slime; built-in job: 32"),
     _f("--n-samples-per-prompt", "data", 1, YES, "built-in job: 8; 1 is refused with a group baseline (by design)"),
     _f("--num-steps-per-rollout", "data", None, YES),
@@ -239,7 +239,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     # algo
     _f("--ref-load", "algo", None, REFUSED, LATER + " (the reference is --hf-checkpoint's weights)"),
     _f("--ref-ckpt-step", "algo", None, REFUSED, MEGATRON, **_OPT_INT),
-    _f("--save-hf", "algo", None, REFUSED, LATER + " (the final HF model is written to --output-dir)"),
+    _f("--save-hf", "algo", None, YES),
     _f("--num-critic-only-steps", "algo", 0, REFUSED, LATER + " (a critic model group for ppo)"),
     _f("--megatron-config-path", "algo", None, REFUSED, MEGATRON),
     _f("--eps-clip", "algo", 0.2, YES),
@@ -401,7 +401,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--lr", "megatron (reset by slime)", 1e-6, YES, "built-in job: 1e-3"),
     _f("--wandb-project", "megatron (reset by slime)", None, YES),
     _true("--record-memory-history", "megatron (reset by slime)", REFUSED, LATER + " (CUDA memory snapshots)"),
-    _f("--custom-config-path", "megatron (reset by slime)", None, REFUSED, "use --config (there, flags win)"),
+    _f(
+        "--custom-config-path",
+        "megatron (reset by slime)",
+        None,
+        YES,
+        "its keys override the command line; the ones that are no flag reach hooks as args.<key>",
+    ),
     _f("--padded-vocab-size", "megatron (reset by slime)", None, REFUSED, MEGATRON, **_OPT_INT),
 )
 BY_NAME: dict[str, SlimeFlag] = {f.name: f for f in SLIME_FLAGS}

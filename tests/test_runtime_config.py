@@ -63,6 +63,7 @@ BUILTIN_TUNED = {
     "actor_num_gpus_per_node": 1,
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
+    "rollout_skip_special_tokens": True,
 }
 # slime's defaults for the same flags (rollout_max_response_len, rollout_batch_size, num_rollout: none, so a real
 # job must set them).
@@ -79,6 +80,7 @@ SLIME_DEFAULTS = {
     "actor_num_gpus_per_node": 8,
     "calculate_per_token_loss": False,
     "use_tensorboard": False,
+    "rollout_skip_special_tokens": False,
 }
 
 

@@ -604,6 +604,15 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
     assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
 
 
+def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
+    pattern = str(tmp_path / "hf" / "iter_{rollout_id}")
+    cfg = small_cfg(tmp_path, num_rollout=3, start_rollout_id=1, save_hf=pattern, save_interval=1)
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    assert [row["step"] for row in rows] == [1, 2]  # --start-rollout-id 1 of --num-rollout 3
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_1", "iter_2"]  # slime's 0-based ids
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "iter_2")
+
+
 def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path):
     # One optimizer step per rollout, so each step's KL to the reference is measured before the step's update.
     cfg = small_cfg(

@@ -28,6 +28,7 @@ OURS = {
     "sft_warmup_steps",
     "weight_decay",
     "bf16",
+    "custom_args",
 }
 
 
@@ -114,6 +115,18 @@ def test_every_problem_is_reported_at_once():
     problems = _problems(["--use-opd", "--sglang-x", "1", "--global-batch-size", "7", "--micro-batch-size", "2"])
     assert [p.split(":")[0].split()[0] for p in problems[:2]] == ["--sglang-x", "--use-opd"]
     assert any("--global-batch-size 7" in p for p in problems)
+
+
+def test_custom_config_path_overrides_the_command_line_and_carries_hook_settings(tmp_path):
+    path = tmp_path / "custom.yaml"
+    path.write_text("lr: 2.0e-5\neps-clip-high: 0.3\ntis_mode: mask\nrs_upper_bound: 2.0\n")
+    cfg = parse_args(["--lr", "1e-6", "--eps-clip-high", "0.28", "--custom-config-path", str(path)])
+    assert (cfg.train.lr, cfg.algo.eps_clip_high) == (2.0e-5, 0.3)  # the file wins, as in slime
+    assert (cfg.tis_mode, cfg.rs_upper_bound) == ("mask", 2.0)  # what slime's mis.py reads from args
+    assert cfg.custom_args == {"tis_mode": "mask", "rs_upper_bound": 2.0}
+    path.write_text("use_opd: true\n")
+    assert any(p.startswith("--use-opd") for p in _problems(["--custom-config-path", str(path)]))
+    assert "--custom-config-path: file" in _problems(["--custom-config-path", str(tmp_path / "nope.yaml")])[0]
 
 
 def test_docs_table_is_the_generated_one():

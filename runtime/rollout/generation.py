@@ -46,6 +46,12 @@ class RolloutContext:
     tokenizer: Any
     args: Any
 
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether response texts leave out special tokens (``--rollout-skip-special-tokens``; off in slime, so the
+        text keeps e.g. ``<|im_end|>``); True when the args do not say."""
+        return bool(getattr(self.args, "rollout_skip_special_tokens", True))
+
 
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("rlcore_rollout_context")
 
@@ -73,11 +79,13 @@ async def engine_generate(token_ids: list[int], sampling_params: dict[str, Any])
     return (await current_context().engines.generate([list(token_ids)], params))[0]
 
 
-def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> Sample:
+def apply_generation(
+    sample: Sample, generation: Generation, tokenizer: Any, *, skip_special_tokens: bool = True
+) -> Sample:
     """``sample`` (a prompt) with ``generation`` appended as its response; returns the same object."""
     sample.tokens = list(sample.tokens) + list(generation.token_ids)
     sample.response_length = len(generation.token_ids)
-    sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+    sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=skip_special_tokens)
     sample.rollout_log_probs = list(generation.log_probs)
     sample.loss_mask = [1] * len(generation.token_ids)
     sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
@@ -88,7 +96,8 @@ def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """The default generate function, one sample at a time (slime's signature)."""
     ctx = current_context()
-    return apply_generation(sample, await engine_generate(sample.tokens, sampling_params), ctx.tokenizer)
+    generation = await engine_generate(sample.tokens, sampling_params)
+    return apply_generation(sample, generation, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
 
 
 def expand_groups(prompts: Sequence[Sample], n_samples: int, *, first_group: int) -> list[list[Sample]]:
@@ -114,7 +123,7 @@ async def _generate_groups(
     if custom_generate is None:
         generations = await ctx.engines.generate([s.tokens for s in samples], params)
         for s, g in zip(samples, generations, strict=True):
-            apply_generation(s, g, ctx.tokenizer)
+            apply_generation(s, g, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
         return
     results = await asyncio.gather(*(custom_generate(ctx.args, s, params.to_dict()) for s in samples))
     use_tis = _uses_tis(ctx.args)

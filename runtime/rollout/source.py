@@ -420,7 +420,7 @@ class StreamingSource(_Source):
                 old_len, old_lps, old_mask = x.response_length, x.rollout_log_probs or [], x.loss_mask or []
                 old_tokens = x.tokens[len(x.tokens) - old_len :] if old_len else []
                 x.tokens = x.tokens[: len(x.tokens) - old_len]
-                apply_generation(x, generation, self.ctx.tokenizer)
+                apply_generation(x, generation, self.ctx.tokenizer, skip_special_tokens=self.ctx.skip_special_tokens)
                 new_tokens = x.tokens[len(x.tokens) - x.response_length :]
                 x.tokens = x.tokens[: len(x.tokens) - x.response_length] + old_tokens + new_tokens
                 keep_old = 0 if s.mask_offpolicy_in_partial_rollout else 1
@@ -428,7 +428,7 @@ class StreamingSource(_Source):
                 x.rollout_log_probs = list(old_lps) + list(x.rollout_log_probs)
                 x.response_length = old_len + x.response_length
                 x.response = self.ctx.tokenizer.decode(
-                    x.tokens[len(x.tokens) - x.response_length :], skip_special_tokens=True
+                    x.tokens[len(x.tokens) - x.response_length :], skip_special_tokens=self.ctx.skip_special_tokens
                 )
 
     # -- consumer (the loop's thread) ------------------------------------------------------------------------
