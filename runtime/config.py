@@ -383,6 +383,55 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """slime's debug and replay modes: how to bisect train against rollout problems."""
+
+    save_debug_rollout_data: str | None = field(
+        default=None, metadata=_help("save each step's rollout samples to this path formatted with {rollout_id}")
+    )
+    load_debug_rollout_data: str | None = field(
+        default=None,
+        metadata=_help("replay saved rollouts (path formatted with {rollout_id}) instead of generating; no engines"),
+    )
+    load_debug_rollout_data_subsample: float | None = field(
+        default=None, metadata=_help("replay about this fraction of each saved rollout, in (0, 1]")
+    )
+    save_debug_train_data: str | None = field(
+        default=None, metadata=_help("save each step's training batch to this path formatted with {rollout_id}")
+    )
+    dump_details: str | None = field(
+        default=None,
+        metadata=_help(
+            "a folder: sets --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt and "
+            "--save-debug-train-data DIR/train_data/{rollout_id}.pt"
+        ),
+    )
+    debug_rollout_only: bool = field(default=False, metadata=_help("generate and score rollouts only: no trainers"))
+    debug_train_only: bool = field(
+        default=False, metadata=_help("train only, on --load-debug-rollout-data: no engines, no evaluation")
+    )
+
+    @property
+    def rollout_data_path(self) -> str | None:
+        """Where rollouts are saved: ``--save-debug-rollout-data``, or ``--dump-details``' folder."""
+        if self.save_debug_rollout_data is None and self.dump_details is not None:
+            return os.path.join(self.dump_details, "rollout_data", "{rollout_id}.pt")
+        return self.save_debug_rollout_data
+
+    @property
+    def train_data_path(self) -> str | None:
+        """Where training batches are saved: ``--save-debug-train-data``, or ``--dump-details``' folder."""
+        if self.save_debug_train_data is None and self.dump_details is not None:
+            return os.path.join(self.dump_details, "train_data", "{rollout_id}.pt")
+        return self.save_debug_train_data
+
+    @property
+    def train_only(self) -> bool:
+        """No engines: ``--debug-train-only``, which ``--load-debug-rollout-data`` implies (as in slime)."""
+        return self.debug_train_only or self.load_debug_rollout_data is not None
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int = field(default=1234, metadata=_help("seed of prompt shuffling, sampling and initialisation"))
     output_dir: str = field(default="outputs/default", metadata=_help("metrics, event files, plots, final model"))
@@ -405,6 +454,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __getattr__(self, name: str) -> Any:
         # slime's hooks read a flat namespace (args.n_samples_per_prompt); leaf names are unique across sections,
@@ -1149,8 +1199,40 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
     if cfg.rollout.sglang_url and cfg.rollout.rollout_engine != "sglang":
         problems.append("--sglang-url is used only with --rollout-engine sglang")
     _check_schedule(problems, cfg)
+    _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
+
+
+def _check_debug(problems: list[str], cfg: Config) -> None:
+    d = cfg.debug
+    for name, path in (
+        ("save_debug_rollout_data", d.save_debug_rollout_data),
+        ("load_debug_rollout_data", d.load_debug_rollout_data),
+        ("save_debug_train_data", d.save_debug_train_data),
+    ):
+        if path is not None:
+            try:
+                path.format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as err:
+                problems.append(f"{flag(name)} {path!r}: a path formatted with {{rollout_id}} only ({err!r})")
+    if d.rollout_data_path is not None and d.rollout_data_path == d.train_data_path:
+        problems.append("--save-debug-train-data must differ from --save-debug-rollout-data")
+    if d.load_debug_rollout_data_subsample is not None and not 0 < d.load_debug_rollout_data_subsample <= 1:
+        problems.append(
+            f"--load-debug-rollout-data-subsample must be in (0, 1], got {d.load_debug_rollout_data_subsample!r}"
+        )
+    if d.debug_train_only and d.load_debug_rollout_data is None:
+        problems.append("--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data")
+    if d.debug_rollout_only and d.train_only:
+        problems.append("--debug-rollout-only and --debug-train-only (--load-debug-rollout-data) exclude each other")
+    if d.debug_rollout_only and (cfg.ckpt.save is not None or cfg.ckpt.save_hf is not None):
+        problems.append("--debug-rollout-only trains nothing: it cannot go with --save or --save-hf")
+    if (d.debug_rollout_only or d.train_only) and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
+        problems.append(
+            "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
+            "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"
+        )
 
 
 def _check_schedule(problems: list[str], cfg: Config) -> None:

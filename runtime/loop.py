@@ -50,6 +50,7 @@ from runtime.rollout import RolloutContext, expand_groups, generate_groups, samp
 from runtime.rollout.data import PromptDataset
 from runtime.rollout.filters import load_filter
 from runtime.rollout.passrate import passrate_metrics
+from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
@@ -80,11 +81,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
-    adv_cfg, gbs = advantage_config(cfg), cfg.train.global_batch_size
+    adv_cfg = advantage_config(cfg)
     model_path, tokenizer, dataset, eval_sets = prepare_model_and_data(cfg)
     cfg = resolve_num_rollout(cfg, len(dataset))
     hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed)
-    evals = [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
+    # No engines, no evaluation with --debug-train-only (as slime).
+    evals = [] if cfg.debug.train_only else [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
     custom_generate = load_function(r.custom_generate_function_path) if r.custom_generate_function_path else None
@@ -127,9 +129,15 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(runner.close)
         ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
         feed = PromptFeed(dataset)
-        source = SCHEDULES[r.rollout_schedule](
-            runner, feed, ctx, hub, settings, filter_fn=filter_fn, custom_generate=custom_generate
-        )
+        if cfg.debug.load_debug_rollout_data is not None:
+            d = cfg.debug
+            source = ReplaySource(
+                d.load_debug_rollout_data, subsample=d.load_debug_rollout_data_subsample, reward_key=hub.reward_key
+            )
+        else:
+            source = SCHEDULES[r.rollout_schedule](
+                runner, feed, ctx, hub, settings, filter_fn=filter_fn, custom_generate=custom_generate
+            )
         cleanup.callback(source.close)
 
         start = 0
@@ -170,6 +178,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 engines.resume_memory()
             rollout = source.get(step)
             metrics.update(rollout.metrics)
+            if cfg.debug.rollout_data_path is not None:
+                save_rollout_data(cfg.debug.rollout_data_path, step, rollout.samples)
             if cfg.log.log_passrate:
                 metrics.update(passrate_metrics(rollout.samples, prefix="rollout", reward_key=hub.reward_key))
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
@@ -179,29 +189,11 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
 
             # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
             # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
-            t = time.perf_counter()
-            batch = build_batch(
-                rollout.samples,
-                pad_token_id=tokenizer.pad_token_id,
-                require_rollout_log_probs=needs_rollout_log_probs(cfg),
-                reward_key=cfg.reward.reward_key,
-            )
-            metrics.update(
-                train_metrics(
-                    trainers.train_rollout(
-                        sequence_advantages(batch, adv_cfg),
-                        global_batch_size=gbs,
-                        adv_cfg=adv_cfg,
-                        use_rollout_log_probs=cfg.algo.use_rollout_logprobs,
-                    )
-                )
-            )
-            metrics["perf/train_time"] = time.perf_counter() - t
             done = step + 1
-            if cfg.algo.reset_optimizer_states:
-                trainers.call("reset_optimizer")
-            if cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
-                trainers.call("update_reference")
+            if not cfg.debug.debug_rollout_only:
+                t = time.perf_counter()
+                metrics.update(train_step(cfg, trainers, rollout, tokenizer, adv_cfg))
+                metrics["perf/train_time"] = time.perf_counter() - t
 
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
@@ -230,9 +222,40 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                     trainers.save_hf(cfg.ckpt.save_hf.format(rollout_id=step))
 
         source.close()
-        trainers.save_hf(str(out / "final_model"))
+        if not cfg.debug.debug_rollout_only:
+            trainers.save_hf(str(out / "final_model"))
     plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=r.num_rollout, history=history)
+
+
+def train_step(cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any, adv_cfg: Any) -> dict[str, float]:
+    """One step's training on ``rollout``: its batch, the trainers' optimizer steps, then slime's per-step extras
+    (optimizer reset, reference refresh, the batch saved for debugging); returns the metrics."""
+    batch = build_batch(
+        rollout.samples,
+        pad_token_id=tokenizer.pad_token_id,
+        require_rollout_log_probs=needs_rollout_log_probs(cfg),
+        reward_key=cfg.reward.reward_key,
+    )
+    batch = sequence_advantages(batch, adv_cfg)
+    if cfg.debug.train_data_path is not None:
+        path = Path(cfg.debug.train_data_path.format(rollout_id=rollout.step))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"rollout_id": rollout.step, "batch": batch.to_dict()}, path)
+    metrics = train_metrics(
+        trainers.train_rollout(
+            batch,
+            global_batch_size=cfg.train.global_batch_size,
+            adv_cfg=adv_cfg,
+            use_rollout_log_probs=cfg.algo.use_rollout_logprobs,
+        )
+    )
+    done = rollout.step + 1
+    if cfg.algo.reset_optimizer_states:
+        trainers.call("reset_optimizer")
+    if cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
+        trainers.call("update_reference")
+    return metrics
 
 
 def sampling_params(cfg: Config) -> SamplingParams:

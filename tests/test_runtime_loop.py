@@ -604,6 +604,29 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
     assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
 
 
+def test_dump_details_then_replay_without_engines_then_rollout_only(ray_session, tmp_path):
+    dump = tmp_path / "dump"
+    first = read_metrics(
+        run(small_cfg(tmp_path / "a", num_rollout=1, dump_details=str(dump)), progress=False).output_dir / METRICS_FILE
+    )
+    assert sorted(p.name for p in (dump / "rollout_data").iterdir()) == ["0.pt"]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0.pt"]
+    # --load-debug-rollout-data: the same samples trained again, with no engine (and no evaluation).
+    replay = small_cfg(
+        tmp_path / "b", num_rollout=1, load_debug_rollout_data=str(dump / "rollout_data" / "{rollout_id}.pt")
+    )
+    second = read_metrics(run(replay, progress=False).output_dir / METRICS_FILE)
+    assert [r["rollout/reward_mean"] for r in second] == [r["rollout/reward_mean"] for r in first]
+    assert all(r["rollout/replayed_samples"] == 16 and "train/loss" in r for r in second)
+    # The same weights and samples: the step trains alike.
+    assert second[0]["train/loss"] == pytest.approx(first[0]["train/loss"], rel=1e-5, abs=1e-7)
+    # --debug-rollout-only: rollouts and rewards, no trainer, no model written.
+    only = small_cfg(tmp_path / "c", num_rollout=1, debug_rollout_only=True)
+    (row,) = read_metrics(run(only, progress=False).output_dir / METRICS_FILE)
+    assert "rollout/reward_mean" in row and not [k for k in row if k.startswith("train/")]
+    assert not (tmp_path / "c" / "out" / "final_model").exists()
+
+
 def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
     pattern = str(tmp_path / "hf" / "iter_{rollout_id}")
     cfg = small_cfg(tmp_path, num_rollout=3, start_rollout_id=1, save_hf=pattern, save_interval=1)

@@ -73,12 +73,25 @@ class DiskSync:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync}
+class NoSync:
+    """No engines or no trainers (the debug modes): there is nothing to move."""
+
+    def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int):
+        pass
+
+    def push(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync, "none": NoSync}
 
 
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
     """The weight sync for ``engines`` (their registry default, or ``kind``)."""
-    kind = kind or engines.kind.weight_sync
+    kind = kind or (engines.kind.weight_sync if trainers.actors and engines.actors else "none")
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")
     return WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)

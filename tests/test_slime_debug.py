@@ -1,0 +1,73 @@
+"""slime's debug and replay modes: rollout data saved per step and read back, their flags' checks, the plan."""
+
+import pytest
+
+from runtime.cli import main
+from runtime.cluster.placement import plan_bundles
+from runtime.config import ConfigError, parse_args
+from runtime.rollout.replay import ReplaySource, load_rollout_data, save_rollout_data
+from runtime.rollout.sample import Sample
+
+
+def _samples(n):
+    return [
+        Sample(
+            group_index=i // 2,
+            index=i // 2,
+            prompt=f"p{i}",
+            tokens=[1, 2, 3 + i],
+            response="x",
+            response_length=1,
+            label="l",
+            reward={"score": float(i % 2), "acc": True},
+            loss_mask=[1],
+            rollout_log_probs=[-0.5],
+            status=Sample.Status.TRUNCATED,
+            metadata={"k": i},
+            weight_versions=["3"],
+        )
+        for i in range(n)
+    ]
+
+
+def test_rollout_data_round_trips_and_subsamples(tmp_path):
+    template = str(tmp_path / "data" / "{rollout_id}.pt")
+    samples = _samples(8)
+    assert save_rollout_data(template, 5, samples) == tmp_path / "data" / "5.pt"
+    assert load_rollout_data(template, 5) == samples
+    half = load_rollout_data(template, 5, subsample=0.5)
+    assert half == samples[:2] + samples[-2:]  # slime's: the front and the back
+    rollout = ReplaySource(template).get(5)
+    assert rollout.samples == samples and rollout.metrics["rollout/replayed_samples"] == 8
+    assert rollout.metrics["rollout/reward_mean"] == 0.5
+    with pytest.raises(FileNotFoundError, match="no rollout data for step 6"):
+        ReplaySource(template).get(6)
+
+
+def test_debug_flags_are_checked(tmp_path):
+    def problems(argv):
+        with pytest.raises(ConfigError) as info:
+            parse_args(argv)
+        return "\n".join(info.value.problems)
+
+    assert "needs --load-debug-rollout-data" in problems(["--debug-train-only"])
+    assert "exclude each other" in problems(["--debug-rollout-only", "--load-debug-rollout-data", "d/{rollout_id}"])
+    assert "cannot go with --save" in problems(["--debug-rollout-only", "--save", str(tmp_path)])
+    assert "formatted with {rollout_id}" in problems(["--save-debug-rollout-data", "d/{step}.pt"])
+    assert "(0, 1]" in problems(
+        ["--load-debug-rollout-data", "d/{rollout_id}", "--load-debug-rollout-data-subsample", "2"]
+    )
+    cfg = parse_args(["--dump-details", str(tmp_path / "dump")])
+    assert cfg.debug.rollout_data_path == str(tmp_path / "dump" / "rollout_data" / "{rollout_id}.pt")
+    assert cfg.debug.train_data_path == str(tmp_path / "dump" / "train_data" / "{rollout_id}.pt")
+
+
+def test_debug_modes_place_one_side_only(capsys):
+    train_only = parse_args(["--load-debug-rollout-data", "d/{rollout_id}.pt"])
+    assert train_only.debug.train_only  # implied, as in slime
+    plan = plan_bundles(train_only)
+    assert (plan.trainer_bundles, plan.engine_bundles) == ([0], [])
+    plan = plan_bundles(parse_args(["--debug-rollout-only"]))
+    assert (plan.trainer_bundles, plan.engine_bundles) == ([], [0])
+    assert main(["--debug-rollout-only", "--dry-run"]) == 0
+    assert "trainer bundles        []" in capsys.readouterr().out
