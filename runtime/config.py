@@ -377,6 +377,22 @@ class LogConfig:
     use_tensorboard: bool = field(default=False, metadata=_help("write TensorBoard event files to the output dir"))
     use_wandb: bool = field(default=False, metadata=_help("log to Weights & Biases (needs the wandb package)"))
     wandb_project: str | None = field(default=None, metadata=_help("W&B project"))
+    wandb_team: str | None = field(default=None, metadata=_help("W&B entity"))
+    wandb_group: str | None = field(default=None, metadata=_help("W&B group (and run name)"))
+    wandb_mode: Literal["online", "offline", "disabled"] | None = field(default=None, metadata=_help("W&B mode"))
+    wandb_dir: str | None = field(default=None, metadata=_help("W&B local folder (unset: --output-dir)"))
+    wandb_key: str | None = field(default=None, metadata=_help("W&B API key (logs in unless offline)"))
+    wandb_host: str | None = field(default=None, metadata=_help("W&B host of the login"))
+    wandb_run_id: str | None = field(default=None, metadata=_help("resume this W&B run"))
+    disable_wandb_random_suffix: bool = field(
+        default=False, metadata=_help("no random suffix on --wandb-group (and the run name)")
+    )
+    tb_project_name: str | None = field(
+        default=None, metadata=_help("TensorBoard: write to tensorboard_log/<this>/<--tb-experiment-name>")
+    )
+    tb_experiment_name: str | None = field(
+        default=None, metadata=_help("TensorBoard experiment (unset: the start time) under --tb-project-name")
+    )
     log_passrate: bool = field(
         default=False, metadata=_help("log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation")
     )

@@ -42,9 +42,11 @@ from runtime.logger import (
     METRICS_FILE,
     REWARD_PLOT,
     MetricsLogger,
+    WandbOptions,
     append_ledger,
     format_step_line,
     plot_rewards,
+    tensorboard_dir,
 )
 from runtime.rollout import RolloutContext, expand_groups, generate_groups, sample_metrics
 from runtime.rollout.data import PromptDataset
@@ -150,13 +152,25 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         weights.push(start)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
+        lg = cfg.log
         logger = MetricsLogger(
             out,
-            use_tensorboard=cfg.log.use_tensorboard,
-            use_wandb=cfg.log.use_wandb,
-            wandb_project=cfg.log.wandb_project,
+            use_tensorboard=lg.use_tensorboard,
+            use_wandb=lg.use_wandb,
             config=to_dict(cfg),
             resume=start > 0,
+            tensorboard_dir=tensorboard_dir(out, project=lg.tb_project_name, experiment=lg.tb_experiment_name),
+            wandb_options=WandbOptions(
+                project=lg.wandb_project,
+                team=lg.wandb_team,
+                group=lg.wandb_group,
+                mode=lg.wandb_mode,
+                dir=lg.wandb_dir,
+                key=lg.wandb_key,
+                host=lg.wandb_host,
+                run_id=lg.wandb_run_id,
+                random_suffix=not lg.disable_wandb_random_suffix,
+            ),
         )
         cleanup.callback(logger.close)
         history: list[dict[str, Any]] = []

@@ -71,3 +71,54 @@ def test_debug_modes_place_one_side_only(capsys):
     assert (plan.trainer_bundles, plan.engine_bundles) == ([], [0])
     assert main(["--debug-rollout-only", "--dry-run"]) == 0
     assert "trainer bundles        []" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- logging flags
+
+
+def test_wandb_flags_reach_login_and_init(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from runtime.logger import MetricsLogger, WandbOptions
+
+    calls = {}
+    fake = types.ModuleType("wandb")
+    fake.login = lambda **kw: calls.setdefault("login", kw)
+    fake.util = types.SimpleNamespace(generate_id=lambda: "abc123")
+
+    class Run:
+        def log(self, metrics, step):
+            calls.setdefault("logged", []).append((step, metrics))
+
+        def finish(self):
+            calls["finished"] = True
+
+    fake.init = lambda **kw: calls.setdefault("init", kw) and Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    options = WandbOptions(project="p", team="t", group="g", key="k", host="h", run_id="r1", dir=str(tmp_path / "wb"))
+    with MetricsLogger(tmp_path, use_tensorboard=False, use_wandb=True, wandb_options=options) as logger:
+        logger.log(0, {"a": 1.0})
+    assert calls["login"] == {"key": "k", "host": "h"}
+    init = calls["init"]
+    assert (init["project"], init["entity"], init["group"], init["name"]) == ("p", "t", "g_abc123", "g_abc123")
+    assert (init["id"], init["resume"], init["dir"]) == ("r1", "allow", str(tmp_path / "wb"))
+    assert calls["logged"] == [(0, {"a": 1.0})] and calls["finished"]
+    calls.clear()
+    offline = WandbOptions(project="p", group="g", key="k", mode="offline", random_suffix=False)
+    with MetricsLogger(tmp_path, use_tensorboard=False, use_wandb=True, wandb_options=offline):
+        pass
+    assert "login" not in calls and calls["init"]["mode"] == "offline" and calls["init"]["group"] == "g"
+    cfg = parse_args(["--wandb-team", "t", "--wandb-mode", "offline", "--disable-wandb-random-suffix"])
+    assert (cfg.log.wandb_team, cfg.log.wandb_mode, cfg.log.disable_wandb_random_suffix) == ("t", "offline", True)
+
+
+def test_tensorboard_dir_follows_slime(tmp_path, monkeypatch):
+    from runtime.logger import tensorboard_dir
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    assert tensorboard_dir(tmp_path, project=None, experiment=None) == tmp_path / "tensorboard"
+    assert str(tensorboard_dir(tmp_path, project="p", experiment="e")) == "tensorboard_log/p/e"
+    assert str(tensorboard_dir(tmp_path, project="p", experiment=None)).startswith("tensorboard_log/p/20")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    assert tensorboard_dir(tmp_path, project="p", experiment="e") == tmp_path / "tb"

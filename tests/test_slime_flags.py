@@ -89,9 +89,9 @@ def test_refused_flags_are_accepted_at_slimes_default_and_refused_otherwise(entr
 
 def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("use_opd: true\nwandb_group: g\nref_load: null\n")
+    path.write_text("use_opd: true\nhttp_proxy: p\nref_load: null\n")
     problems = _problems(["--config", str(path)])
-    assert any(p.startswith("--use-opd") for p in problems) and any(p.startswith("--wandb-group g") for p in problems)
+    assert any(p.startswith("--use-opd") for p in problems) and any(p.startswith("--http-proxy p") for p in problems)
     assert not any("--ref-load" in p for p in problems)  # at slime's default
 
 
