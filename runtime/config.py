@@ -218,6 +218,24 @@ class AlgoConfig:
     )
     opsm_delta: float = field(default=1e-4, metadata=_help("OPSM threshold on the sequence's mean log-ratio"))
     normalize_advantages: bool = field(default=False, metadata=_help("whiten advantages over the batch"))
+    use_opd: bool = field(
+        default=False,
+        metadata=_help(
+            "on-policy distillation on top of the estimator: minus --opd-kl-coef x (student - teacher) "
+            "log-probs on every token's advantage"
+        ),
+    )
+    opd_type: Literal["megatron", "sglang"] | None = field(
+        default=None,
+        metadata=_help(
+            "where the teacher's log-probs come from: megatron = a teacher model in the trainers (any "
+            "--train-backend here); sglang = a teacher server"
+        ),
+    )
+    opd_kl_coef: float = field(default=1.0, metadata=_help("weight of the distillation term"))
+    opd_teacher_load: str | None = field(
+        default=None, metadata=_help("the teacher model (an HF folder), for --opd-type megatron")
+    )
     disable_grpo_std_normalization: bool = field(
         default=False, metadata=_help("grpo/gspo/cispo: centre rewards on the group mean only (Dr. GRPO)")
     )
@@ -1200,6 +1218,20 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "--ref-update-interval refreshes the reference model, which the job keeps only with --use-kl-loss or "
             "--kl-coef"
         )
+    if a.use_opd:
+        if a.opd_type is None:
+            problems.append("--use-opd needs --opd-type megatron (a teacher model in the trainers) or sglang")
+        elif a.opd_type == "sglang":
+            problems.append(
+                "--opd-type sglang needs a teacher SGLang server, which rlcore-run does not start yet (issue 12); use "
+                "--opd-type megatron --opd-teacher-load <HF folder>"
+            )
+        elif a.opd_teacher_load is None:
+            problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
+        elif not os.path.isfile(os.path.join(a.opd_teacher_load, "config.json")):
+            problems.append(f"--opd-teacher-load: {a.opd_teacher_load!r} is not an HF model folder (no config.json)")
+    elif a.opd_type is not None or a.opd_teacher_load is not None:
+        problems.append("--opd-type and --opd-teacher-load take effect with --use-opd only")
     if a.use_rollout_logprobs and a.use_tis:
         problems.append(
             "--use-rollout-logprobs makes the engine's log-probs the old ones, leaving nothing for --use-tis to "

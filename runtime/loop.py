@@ -62,6 +62,7 @@ from runtime.train.algo import (
     loss_config,
     model_roles,
     needs_rollout_log_probs,
+    role_paths,
 )
 from runtime.train.batch import build_batch
 
@@ -117,6 +118,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             backend=cfg.train.train_backend,
             model_path=model_path,
             roles=model_roles(cfg),
+            role_paths=role_paths(cfg),
             train_cfg=cfg.train,
             loss_cfg=loss_config(cfg),
             temperature=r.rollout_temperature,

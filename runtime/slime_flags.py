@@ -284,10 +284,16 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--use-opsm", "algo", YES),
     _f("--opsm-delta", "algo", 1e-4, YES),
     # on-policy distillation
-    _true("--use-opd", "on_policy_distillation", REFUSED, LATER + " (a teacher model group)"),
-    _f("--opd-type", "on_policy_distillation", None, REFUSED, LATER + " (a teacher model group)"),
-    _f("--opd-kl-coef", "on_policy_distillation", 1.0, REFUSED, LATER + " (a teacher model group)"),
-    _f("--opd-teacher-load", "on_policy_distillation", None, REFUSED, LATER + " (a teacher model group)"),
+    _true("--use-opd", "on_policy_distillation", YES),
+    _f(
+        "--opd-type",
+        "on_policy_distillation",
+        None,
+        DIFFERS,
+        "megatron: a teacher model in the trainers, any backend; sglang (a teacher server) waits for issue 12",
+    ),
+    _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
+    _f("--opd-teacher-load", "on_policy_distillation", None, DIFFERS, "an HF folder (slime: a Megatron checkpoint)"),
     _f("--opd-teacher-ckpt-step", "on_policy_distillation", None, REFUSED, MEGATRON, **_OPT_INT),
     # wandb
     _true("--use-wandb", "wandb", YES),

@@ -627,6 +627,16 @@ def test_dump_details_then_replay_without_engines_then_rollout_only(ray_session,
     assert not (tmp_path / "c" / "out" / "final_model").exists()
 
 
+def test_on_policy_distillation_with_a_teacher_model_in_the_trainers(ray_session, tmp_path):
+    teacher = make_tiny_model(tmp_path / "teacher", alphabet=task.ALPHABET, seed=7)
+    cfg = small_cfg(
+        tmp_path, num_rollout=1, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher), opd_kl_coef=0.5
+    )
+    (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    # A different model: its log-probs differ from the student's, and the reverse KL reaches the advantages.
+    assert row["train/opd_reverse_kl"] != 0.0 and row["rollout/advantage_abs_mean"] > 0
+
+
 def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
     pattern = str(tmp_path / "hf" / "iter_{rollout_id}")
     cfg = small_cfg(tmp_path, num_rollout=3, start_rollout_id=1, save_hf=pattern, save_interval=1)

@@ -117,6 +117,17 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     cls = backend_class(backend)
     with pytest.raises(ValueError, match="critic"):
         cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(ACTOR, CRITIC))
+    other = make_tiny_model(tmp_path / "other_vocab", alphabet="0123456789", seed=1)
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        cls(
+            model_path,
+            train_cfg=cfg.train,
+            loss_cfg=loss_config(cfg),
+            temperature=1.0,
+            seed=0,
+            roles=(ACTOR, TEACHER),
+            role_paths={"teacher": str(other)},
+        )
     trainer = cls(
         model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=model_roles(cfg)
     )

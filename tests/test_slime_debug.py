@@ -62,6 +62,22 @@ def test_debug_flags_are_checked(tmp_path):
     assert cfg.debug.train_data_path == str(tmp_path / "dump" / "train_data" / "{rollout_id}.pt")
 
 
+def test_opd_flags_are_checked(tmp_path):
+    def problems(argv):
+        with pytest.raises(ConfigError) as info:
+            parse_args(argv)
+        return "\n".join(info.value.problems)
+
+    assert "--use-opd needs --opd-type" in problems(["--use-opd"])
+    assert "teacher SGLang server" in problems(["--use-opd", "--opd-type", "sglang"])
+    assert "needs --opd-teacher-load" in problems(["--use-opd", "--opd-type", "megatron"])
+    argv = ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(tmp_path)]
+    assert "not an HF model folder" in problems(argv)
+    (tmp_path / "config.json").write_text("{}")
+    assert parse_args(argv).algo.opd_kl_coef == 1.0  # slime's default
+    assert "with --use-opd only" in problems(["--opd-type", "megatron"])
+
+
 def test_debug_modes_place_one_side_only(capsys):
     train_only = parse_args(["--load-debug-rollout-data", "d/{rollout_id}.pt"])
     assert train_only.debug.train_only  # implied, as in slime

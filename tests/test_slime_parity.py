@@ -96,6 +96,24 @@ def test_reinforce_plus_plus_baseline_subtracts_the_kl_in_the_reward():
     assert_valid_close(advantages(cfg, td), want, td[keys.MASK])
 
 
+@pytest.mark.parametrize("whiten", [False, True])
+def test_opd_is_added_to_any_estimators_advantages_before_whitening(whiten):
+    g = torch.Generator().manual_seed(3)
+    td = batch().set(keys.TEACHER_LOG_PROBS, batch()[keys.OLD_LOG_PROBS] + 0.4 * torch.randn(B, T, generator=g))
+    argv = ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "teacher", "--opd-kl-coef", "0.5"]
+    cfg = slime_cfg(*argv, *(["--normalize-advantages"] if whiten else []))
+    mask = td[keys.MASK]
+    want = slime_group_normalized(td[keys.REWARDS], std=True)[:, None] - 0.5 * (
+        td[keys.OLD_LOG_PROBS] - td[keys.TEACHER_LOG_PROBS]
+    )
+    if whiten:  # slime's distributed_masked_whiten: unbiased variance, 1e-8 inside the rsqrt
+        values = want.expand(B, T)[mask]
+        mean, var = values.mean(), values.var(unbiased=True)
+        want = (want - mean) * torch.rsqrt(var + 1e-8)
+    assert_valid_close(advantages(cfg, td), want, mask)
+    assert "teacher" in [role.name for role in model_roles(cfg)]
+
+
 # ---------------------------------------------------------------- losses
 
 

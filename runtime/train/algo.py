@@ -5,10 +5,13 @@ from __future__ import annotations
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
 from runtime.config import KL_COEF_IGNORED, Config, ConfigError
-from runtime.train.roles import ModelRole, roles_for
+from runtime.train.roles import TEACHER, ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
-_UNSUPPORTED_ESTIMATORS = {"gae": "a critic (value model)", "distillation": "a teacher model"}
+_UNSUPPORTED_ESTIMATORS = {
+    "gae": "a critic (value model)",
+    "distillation": "a teacher model of its own (slime's form is additive: --use-opd --opd-type megatron)",
+}
 # slime's policy loss by estimator (PPO's clipped surrogate for the rest).
 _POLICY_LOSS = {"gspo": "gspo", "cispo": "cispo"}
 
@@ -54,6 +57,7 @@ def advantage_config(cfg: Config) -> AdvantageConfig:
         whiten=a.normalize_advantages,
         std_normalize=not a.disable_grpo_std_normalization,
         group_normalize=not a.disable_rewards_normalization,
+        opd_kl_coef=a.opd_kl_coef if a.use_opd else 0.0,
     )
 
 
@@ -84,7 +88,16 @@ def loss_config(cfg: Config) -> LossConfig:
 def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
     """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; ...)."""
     a = cfg.algo
-    return roles_for(use_kl_loss=a.use_kl_loss, kl_coef=effective_kl_coef(cfg), estimator=a.core_estimator)
+    roles = roles_for(use_kl_loss=a.use_kl_loss, kl_coef=effective_kl_coef(cfg), estimator=a.core_estimator)
+    if a.use_opd and TEACHER not in roles:
+        roles = (*roles, TEACHER)
+    return roles
+
+
+def role_paths(cfg: Config) -> dict[str, str]:
+    """The models of roles that are not ``--hf-checkpoint``: the OPD teacher's ``--opd-teacher-load``."""
+    a = cfg.algo
+    return {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
 
 
 def needs_rollout_log_probs(cfg: Config) -> bool:

@@ -19,11 +19,15 @@ from runtime.train.backends.base import TrainBackend
 from runtime.train.batch import shard_rows
 
 
-def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
-    stats = torch.stack([x.abs()[mask].sum().double(), mask.sum().double()])
+def _global_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    stats = torch.stack([x[mask].sum().double(), mask.sum().double()])
     if group is not None:
         dist.all_reduce(stats, group=group)
     return float(stats[0] / stats[1].clamp(min=1))
+
+
+def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    return _global_mean(x.abs(), mask, group)
 
 
 def train_rollout(
@@ -54,4 +58,8 @@ def train_rollout(
     shard = compute(shard, adv_cfg, group=group)
     metrics = backend.train(shard, per_step_rows=global_batch_size // dp_size)
     metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
+    if adv_cfg.opd_kl_coef > 0:
+        # slime's opd_reverse_kl: the student's log-prob minus the teacher's, over the valid tokens (its mean).
+        reverse_kl = shard[keys.OLD_LOG_PROBS] - shard[keys.TEACHER_LOG_PROBS]
+        metrics["opd_reverse_kl"] = _global_mean(reverse_kl, shard[keys.MASK], group)
     return metrics

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -28,10 +28,10 @@ from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
-from runtime.train.roles import ACTOR, REFERENCE, ModelRole
+from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 
-# The roles this backend builds a model for; others (critic, teacher) are refused by name at construction.
-SUPPORTED_ROLES = (ACTOR, REFERENCE)
+# The roles this backend builds a model for; others (the critic) are refused by name at construction.
+SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
 
 
 def _is_max_metric(name: str) -> bool:
@@ -87,6 +87,7 @@ class TorchTrainer:
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
         device: str = "auto",
+        role_paths: Mapping[str, str] | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -115,9 +116,19 @@ class TorchTrainer:
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
         self.model = self._load(AutoModelForCausalLM, trainable=True)
         # Frozen roles by the key they write (the reference's ref_log_probs).
+        paths = dict(role_paths or {})
         self.frozen = {
-            role.writes: self._load(AutoModelForCausalLM, trainable=False) for role in roles if role != ACTOR
+            role.writes: self._load(AutoModelForCausalLM, trainable=False, path=paths.get(role.name))
+            for role in roles
+            if role != ACTOR
         }
+        for role in roles:
+            other = self.frozen.get(role.writes)
+            if role != ACTOR and other is not None and other.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(
+                    f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
+                    f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
+                )
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=train_cfg.lr,
@@ -125,8 +136,8 @@ class TorchTrainer:
         )
         self.released = False
 
-    def _load(self, auto_cls: Any, *, trainable: bool) -> torch.nn.Module:
-        model = auto_cls.from_pretrained(self.model_path, dtype=torch.float32)
+    def _load(self, auto_cls: Any, *, trainable: bool, path: str | None = None) -> torch.nn.Module:
+        model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32)
         model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
