@@ -86,7 +86,11 @@ class DataConfig:
         default_factory=dict, metadata=_help("JSON object of keyword arguments for the chat template")
     )
     rollout_max_prompt_len: int | None = field(
-        default=None, metadata=_help("drop (and count) prompts longer than this many tokens")
+        default=None,
+        metadata=_help("drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"),
+    )
+    rollout_max_context_len: int | None = field(
+        default=None, metadata=_help("the engines' context; sets --rollout-max-prompt-len's default to this - 1")
     )
     rollout_shuffle: bool = field(
         default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
@@ -370,6 +374,10 @@ class EvalConfig:
     eval_top_k: int | None = field(default=None, metadata=_help("evaluation top-k (unset: rollout's)"))
     eval_max_response_len: int | None = field(
         default=None, metadata=_help("evaluation max new tokens (unset: --rollout-max-response-len)")
+    )
+    eval_max_context_len: int | None = field(
+        default=None,
+        metadata=_help("evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"),
     )
     eval_max_prompt_len: int | None = field(
         default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
@@ -655,6 +663,12 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
     _resolve_global_batch_size(flat)
+    # slime's defaults from --rollout-max-context-len: room for one generated token, and the evaluation's context.
+    if flat.get("rollout_max_context_len") is not None and "rollout_max_prompt_len" not in flat:
+        if isinstance(flat["rollout_max_context_len"], int):
+            flat["rollout_max_prompt_len"] = flat["rollout_max_context_len"] - 1
+    if flat.get("rollout_max_context_len") is not None and "eval_max_context_len" not in flat:
+        flat["eval_max_context_len"] = flat["rollout_max_context_len"]
 
     sections = {name: cls(**{k: v for k, v in flat.items() if _SPECS[k][0] == name}) for name, cls in SECTIONS.items()}
     return Config(**sections, **{k: flat[k] for k in _TOP_LEVEL if k in flat})
@@ -987,6 +1001,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "rollout_temperature": r.rollout_temperature,
         "reward_timeout": cfg.reward.reward_timeout,
         "rollout_max_prompt_len": cfg.data.rollout_max_prompt_len,
+        "rollout_max_context_len": cfg.data.rollout_max_context_len,
+        "eval_max_context_len": e.eval_max_context_len,
         "max_tokens_per_gpu": t.max_tokens_per_gpu,
         "over_sampling_batch_size": r.over_sampling_batch_size,
         "eval_interval": e.eval_interval,
@@ -1017,6 +1033,12 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
         problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
+    context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len
+    if context is not None and prompt is not None and prompt > context - 1:
+        problems.append(
+            f"--rollout-max-prompt-len {prompt} must be below --rollout-max-context-len {context}: a response needs "
+            "at least one token"
+        )
     if a.tis_clip_low >= a.tis_clip:
         problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:

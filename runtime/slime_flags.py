@@ -158,7 +158,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--rollout-temperature", "rollout", 1.0, YES),
     _f("--rollout-top-p", "rollout", 1.0, DIFFERS, "below 1: no nucleus replay in the training log-probs yet"),
     _f("--rollout-top-k", "rollout", -1, YES),
-    _f("--rollout-max-context-len", "rollout", None, REFUSED, LATER, **_OPT_INT),
+    _f(
+        "--rollout-max-context-len",
+        "rollout",
+        None,
+        YES,
+        "as in slime: sets --rollout-max-prompt-len's default (context - 1) and checks it",
+    ),
     _f("--rollout-max-prompt-len", "rollout", None, YES),
     _f("--rollout-max-response-len", "rollout", None, YES, "built-in job: 8"),
     _true("--rollout-skip-special-tokens", "rollout", YES, "built-in job: on"),
@@ -235,7 +241,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--eval-max-response-len", "eval", None, YES),
     _f("--eval-max-prompt-len", "eval", None, YES),
     _f("--eval-min-new-tokens", "eval", None, REFUSED, LATER, **_OPT_INT),
-    _f("--eval-max-context-len", "eval", None, REFUSED, LATER, **_OPT_INT),
+    _f("--eval-max-context-len", "eval", None, YES, "as in slime: recorded, defaulting to --rollout-max-context-len"),
     # algo
     _f("--ref-load", "algo", None, REFUSED, LATER + " (the reference is --hf-checkpoint's weights)"),
     _f("--ref-ckpt-step", "algo", None, REFUSED, MEGATRON, **_OPT_INT),

@@ -256,3 +256,14 @@ def test_dry_run_of_the_builtin_job_prints_the_resolved_config_and_plan(capsys, 
 def test_flag_spelling_round_trip():
     for f in SLIME_FLAGS:
         assert flag(f.dest) == f.name
+
+
+def test_rollout_max_context_len_sets_the_prompt_limit_as_slime():
+    cfg = parse_args(["--rollout-max-context-len", "64"])
+    assert (cfg.data.rollout_max_prompt_len, cfg.eval.eval_max_context_len) == (63, 64)
+    assert (
+        parse_args(["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "10"]).data.rollout_max_prompt_len
+        == 10
+    )
+    problems = _problems(["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "64"])
+    assert any("--rollout-max-prompt-len 64 must be below --rollout-max-context-len 64" in p for p in problems)
