@@ -396,6 +396,9 @@ class CheckpointConfig:
         default=None, metadata=_help("the first step to run (default: the --load checkpoint's next step, else 0)")
     )
     load: str | None = field(default=None, metadata=_help("checkpoint directory to resume from"))
+    no_save_optim: bool = field(
+        default=False, metadata=_help("checkpoints leave the optimizer's state out (a resume starts it afresh)")
+    )
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,14 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             bar.advance(format_step_line(done, r.num_rollout, metrics))
             if (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout:
                 if cfg.ckpt.save is not None:
-                    checkpoint.save(cfg.ckpt.save, done, trainers=trainers, engines=engines, feed=feed)
+                    checkpoint.save(
+                        cfg.ckpt.save,
+                        done,
+                        trainers=trainers,
+                        engines=engines,
+                        feed=feed,
+                        with_optimizer=not cfg.ckpt.no_save_optim,
+                    )
                 if cfg.ckpt.save_hf is not None:
                     # slime's pattern: the rollout id is the 0-based step just trained.
                     trainers.save_hf(cfg.ckpt.save_hf.format(rollout_id=step))

@@ -412,7 +412,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--save", "megatron (reset by slime)", None, YES),
     _f("--save-interval", "megatron (reset by slime)", None, YES),
     _true("--async-save", "megatron (reset by slime)", REFUSED, MEGATRON),
-    _true("--no-save-optim", "megatron (reset by slime)", REFUSED, LATER),
+    _true("--no-save-optim", "megatron (reset by slime)", YES),
     _f("--seed", "megatron (reset by slime)", 1234, YES),
     _f("--clip-grad", "megatron (reset by slime)", 1.0, YES),
     _true("--calculate-per-token-loss", "megatron (reset by slime)", YES, "built-in job: on"),

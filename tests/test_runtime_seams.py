@@ -13,6 +13,7 @@ import typing
 import pytest
 import ray
 import torch
+import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,6 +172,10 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     assert set(names) == set(before) and any(
         not torch.equal(before[k].bfloat16(), v) for b in buckets for k, v in b.items()
     )
+    call("save", str(tmp_path / "no_optim"), with_optimizer=False)  # --no-save-optim
+    saved = dcp.FileSystemReader(str(tmp_path / "no_optim")).read_metadata().state_dict_metadata
+    assert saved and not [key for key in saved if key.startswith("optim")]
+    trainer.load(str(tmp_path / "no_optim"))  # the model's weights, the optimizer as it was
     call("save", str(tmp_path / "ckpt"))
     state = call("get_rng_state")
     draw = torch.rand(3)

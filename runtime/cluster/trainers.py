@@ -168,8 +168,8 @@ class TrainerGroup:
         """The full float32 weights (rank 0's gather; tied weights once), for tests and exports."""
         return self.call("get_weights")[0]
 
-    def save(self, path: str) -> None:
-        self.call("save", path)
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        self.call("save", path, with_optimizer=with_optimizer)
 
     def load(self, path: str) -> None:
         self.call("load", path)

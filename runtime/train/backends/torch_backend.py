@@ -343,23 +343,32 @@ class TorchTrainer:
             weights.update(bucket)
         return weights if self.rank == 0 else None
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
         """Model and optimizer state (sharded with torch.distributed.checkpoint) into the folder ``path``."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
+        dcp.save(state, checkpoint_id=path)
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def load(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if any(key.startswith("optim") for key in saved):
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+        else:  # saved with --no-save-optim: the optimizer starts afresh (or keeps what it has)
+            state = {"model": model_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"])
         rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
