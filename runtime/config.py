@@ -422,6 +422,9 @@ class LogConfig:
     tb_experiment_name: str | None = field(
         default=None, metadata=_help("TensorBoard experiment (unset: the start time) under --tb-project-name")
     )
+    log_reward_category: str | None = field(
+        default=None, metadata=_help("log the fraction of samples by this entry of their dict reward")
+    )
     log_passrate: bool = field(
         default=False, metadata=_help("log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation")
     )

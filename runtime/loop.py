@@ -48,7 +48,7 @@ from runtime.logger import (
     plot_rewards,
     tensorboard_dir,
 )
-from runtime.rollout import RolloutContext, expand_groups, generate_groups, sample_metrics
+from runtime.rollout import RolloutContext, expand_groups, generate_groups, reward_category_metrics, sample_metrics
 from runtime.rollout.data import PromptDataset
 from runtime.rollout.filters import load_filter
 from runtime.rollout.passrate import passrate_metrics
@@ -198,6 +198,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 save_rollout_data(cfg.debug.rollout_data_path, step, rollout.samples)
             if cfg.log.log_passrate:
                 metrics.update(passrate_metrics(rollout.samples, prefix="rollout", reward_key=hub.reward_key))
+            if cfg.log.log_reward_category is not None:
+                metrics.update(reward_category_metrics(rollout.samples, cfg.log.log_reward_category))
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             if cfg.resources.colocate:
                 engines.release_memory()

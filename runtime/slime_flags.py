@@ -313,7 +313,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--wandb-always-use-train-step", "wandb", REFUSED, LATER),
     _true("--log-multi-turn", "wandb", REFUSED, LATER),
     _true("--log-passrate", "wandb", YES),
-    _f("--log-reward-category", "wandb", None, REFUSED, LATER),
+    _f("--log-reward-category", "wandb", None, YES),
     _true("--log-correct-samples", "wandb", REFUSED, LATER),
     _f("--wandb-run-id", "wandb", None, YES),
     # tensorboard

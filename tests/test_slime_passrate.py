@@ -38,3 +38,16 @@ def test_passrate_reads_the_reward_key_and_skips_groups_of_one():
     assert passrate_metrics([Sample(group_index=0, reward=1.0)], prefix="r") == {}
     with pytest.raises(ValueError, match="1 <= k <= n"):
         pass_at_k(2, 1, 3)
+
+
+def test_reward_category_fractions():
+    from runtime.rollout import reward_category_metrics
+
+    rewards = [{"score": 0.0, "cat": "format"}, {"score": 1.0, "cat": "ok"}, {"score": 0.0, "cat": "format"}, 0.5]
+    samples = [Sample(group_index=0, reward=r) for r in rewards]
+    assert reward_category_metrics(samples, "cat") == {
+        "rollout/error_cat/format": 0.5,
+        "rollout/error_cat/ok": 0.25,
+        "rollout/error_cat/none": 0.25,
+    }
+    assert reward_category_metrics([], "cat") == {}

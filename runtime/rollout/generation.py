@@ -258,6 +258,17 @@ async def collect_rollout(
     return samples, metrics, outcomes
 
 
+def reward_category_metrics(samples: Sequence[Sample], key: str, prefix: str = "rollout") -> dict[str, float]:
+    """slime's ``--log-reward-category``: the fraction of samples by the value of their dict reward's ``key``
+    (``{prefix}/error_cat/<value>``); a sample whose reward has no such entry counts as ``none``."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        reward = sample.reward if isinstance(sample.reward, dict) else {}
+        value = str(reward.get(key, "none"))
+        counts[value] = counts.get(value, 0) + 1
+    return {f"{prefix}/error_cat/{value}": n / len(samples) for value, n in counts.items()} if samples else {}
+
+
 def sample_metrics(
     samples: Sequence[Sample], prefix: str = "rollout", *, reward_key: str | None = None
 ) -> dict[str, float]:
