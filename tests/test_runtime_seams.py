@@ -104,7 +104,10 @@ def test_model_roles_follow_the_algorithm(tmp_path):
         return model_roles(from_dict(None, output_dir=str(tmp_path), **kw))
 
     assert roles(use_kl_loss=False) == (ACTOR,)  # the built-in job keeps a reference by default
-    assert roles(use_kl_loss=False, kl_coef=0.1) == (ACTOR, REFERENCE)
+    assert roles(use_kl_loss=False, kl_coef=0.1) == (ACTOR,)  # grpo ignores --kl-coef, as slime does
+    assert roles(use_kl_loss=False, kl_coef=0.1, advantage_estimator="reinforce_plus_plus") == (ACTOR, REFERENCE)
+    opd = {"use_opd": True, "opd_type": "megatron", "opd_teacher_load": "teacher"}
+    assert roles(use_kl_loss=False, **opd) == (ACTOR, TEACHER)
     assert roles(use_kl_loss=True, advantage_estimator="ppo") == (ACTOR, REFERENCE, CRITIC)
     assert roles(use_kl_loss=False, advantage_estimator="on_policy_distillation") == (ACTOR, TEACHER)
 

@@ -86,12 +86,14 @@ class NoSync:
         pass
 
 
-WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync, "none": NoSync}
+WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync}
 
 
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
     """The weight sync for ``engines`` (their registry default, or ``kind``)."""
-    kind = kind or (engines.kind.weight_sync if trainers.actors and engines.actors else "none")
+    if not (trainers.actors and engines.actors):
+        return NoSync(trainers, engines, bucket_bytes=bucket_bytes)  # a debug mode runs one side only
+    kind = kind or engines.kind.weight_sync
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")
     return WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)
