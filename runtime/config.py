@@ -335,6 +335,7 @@ class RewardConfig:
         default=None, metadata=_help("reward function as module:function or file.py:function; overrides --rm-type")
     )
     rm_url: str | None = field(default=None, metadata=_help("URL of the reward server of --rm-type remote_rm"))
+    http_proxy: str | None = field(default=None, metadata=_help("HTTP proxy of --rm-type remote_rm's requests"))
     reward_key: str | None = field(
         default=None, metadata=_help("the entry of a dict reward that trains (unset: 'score')")
     )

@@ -338,7 +338,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--memory-recorder", "debug", "torch", REFUSED, LATER),
     _true("--check-weight-update-equal", "debug", ELSEWHERE, SGLANG),
     # network
-    _f("--http-proxy", "network", None, REFUSED, LATER),
+    _f("--http-proxy", "network", None, DIFFERS, "used by --rm-type remote_rm's requests (not the engines')"),
     _true("--use-distributed-post", "network", REFUSED, LATER),
     # reward model
     _f(

@@ -89,11 +89,10 @@ def test_refused_flags_are_accepted_at_slimes_default_and_refused_otherwise(entr
 
 def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("keep_old_actor: true\nhttp_proxy: p\nref_load: null\n")
+    path.write_text("keep_old_actor: true\nrollout_task_type: code\nref_load: null\n")
     problems = _problems(["--config", str(path)])
-    assert any(p.startswith("--keep-old-actor") for p in problems) and any(
-        p.startswith("--http-proxy p") for p in problems
-    )
+    assert any(p.startswith("--keep-old-actor") for p in problems)
+    assert any(p.startswith("--rollout-task-type code") for p in problems)
     assert not any("--ref-load" in p for p in problems)  # at slime's default
 
 

@@ -190,6 +190,17 @@ def test_remote_rm_that_always_fails_scores_zero_and_counts_an_error():
     assert len(server.payloads) == 10
 
 
+def test_remote_rm_goes_through_http_proxy():
+    # The local server answers any path, so it can stand in for a proxy: the reward host itself does not resolve.
+    with _RewardServer() as proxy:
+        cfg = RewardConfig(
+            rm_type="remote_rm", rm_url="http://reward.invalid/score", http_proxy=proxy.url, reward_timeout=5.0
+        )
+        hub = RewardHub(cfg, remote_backoff_s=0.001)
+        assert asyncio.run(hub.score([Sample(index=0, response="a", label="a")])) == [1.0]
+    assert proxy.payloads == [{"prompt": "", "response": "a", "label": "a"}]
+
+
 def test_remote_rm_unreachable_server_scores_zero():
     hub = _remote_hub("http://127.0.0.1:9/reward")  # the discard port: nothing listens
     assert asyncio.run(hub.score([Sample(index=0, response="a", label="a")])) == [0.0]

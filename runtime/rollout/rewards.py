@@ -157,7 +157,7 @@ def _resolve(cfg: RewardConfig, *, seed: int = 0, remote_backoff_s: float = 1.0)
     base = cfg.rm_type.removeprefix("boxed_")
     if base == "remote_rm":
         fn: Callable[..., Any] = RemoteRewardModel(
-            cfg.rm_url or "", timeout=cfg.reward_timeout, backoff_s=remote_backoff_s
+            cfg.rm_url or "", timeout=cfg.reward_timeout, backoff_s=remote_backoff_s, proxy=cfg.http_proxy
         )
     elif base == "random":
         fn = RandomReward(seed)

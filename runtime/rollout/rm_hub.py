@@ -13,7 +13,8 @@
 - ``random``: 0 or 1 at random (a seeded generator per hub).
 - ``remote_rm``: ``POST --rm-url`` with ``{"prompt", "response", "label"}``; the JSON answer is the reward. Each
   attempt has ``--reward-timeout`` seconds; a failed attempt is retried (10 tries, exponential backoff, as slime)
-  and counted (``reward/remote_failures``); when every try fails the reward is 0 and counted as an error.
+  and counted (``reward/remote_failures``); when every try fails the reward is 0 and counted as an error. With
+  ``--http-proxy`` the requests go through that proxy.
 - A ``boxed_`` prefix (``boxed_f1``, ...) scores the last ``\\boxed{}`` content of the response instead of the whole.
 
 Answers are compared with math-verify where slime uses its own string normalisation (``dapo``, ``deepscaler``), so
@@ -216,17 +217,20 @@ class RemoteRewardModel:
     all; the last failure raises (the hub scores 0 and counts an error).
     """
 
-    def __init__(self, url: str, *, timeout: float, max_retries: int = 10, backoff_s: float = 1.0):
+    def __init__(
+        self, url: str, *, timeout: float, max_retries: int = 10, backoff_s: float = 1.0, proxy: str | None = None
+    ):
         if not url:
             raise ValueError("--rm-type remote_rm needs --rm-url")
         self.url, self.timeout, self.max_retries, self.backoff_s = url, timeout, max_retries, backoff_s
+        self.proxy = proxy
         self.failures = 0
 
     async def __call__(self, args: Any, sample: Sample, **kwargs: Any) -> Any:
         import httpx
 
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, proxy=self.proxy) as client:
             for attempt in range(self.max_retries):
                 try:
                     response = await client.post(self.url, json=payload)
