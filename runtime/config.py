@@ -96,6 +96,9 @@ class DataConfig:
         default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
     )
     rollout_seed: int = field(default=42, metadata=_help("seed of the prompt order of --prompt-data"))
+    balance_data: bool = field(
+        default=False, metadata=_help("balance each optimizer step's tokens over the trainer ranks (rows reordered)")
+    )
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
     )

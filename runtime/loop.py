@@ -64,7 +64,7 @@ from runtime.train.algo import (
     needs_rollout_log_probs,
     role_paths,
 )
-from runtime.train.batch import build_batch
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, balanced_order, build_batch
 
 # Skipped data rows printed at start (the rest are counted).
 MAX_REPORTED_ROWS = 10
@@ -263,6 +263,10 @@ def train_step(cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any
         reward_key=cfg.reward.reward_key,
     )
     batch = sequence_advantages(batch, adv_cfg)
+    if cfg.data.balance_data:
+        lengths = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        dp_size = cfg.resources.num_trainer_procs
+        batch = batch[balanced_order(lengths, global_batch_size=cfg.train.global_batch_size, dp_size=dp_size)]
     if cfg.debug.train_data_path is not None:
         path = Path(cfg.debug.train_data_path.format(rollout_id=rollout.step))
         path.parent.mkdir(parents=True, exist_ok=True)

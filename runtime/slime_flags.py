@@ -215,7 +215,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--rollout-batch-size", "data", None, YES, "required, as in slime; built-in job: 32"),
     _f("--n-samples-per-prompt", "data", 1, YES, "built-in job: 8; 1 is refused with a group baseline (by design)"),
     _f("--num-steps-per-rollout", "data", None, YES),
-    _true("--balance-data", "data", REFUSED, LATER + " (rows are cut into consecutive shards)"),
+    _true("--balance-data", "data", DIFFERS, "greedy within each optimizer step (slime: Karmarkar-Karp)"),
     _true("--balance-by-flops", "data", REFUSED, PACKING),
     _true("--use-dynamic-batch-size", "data", REFUSED, PACKING),
     _f("--max-tokens-per-gpu", "data", None, DIFFERS, "counts rows x longest row, and applies whenever set"),

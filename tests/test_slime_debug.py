@@ -138,3 +138,41 @@ def test_tensorboard_dir_follows_slime(tmp_path, monkeypatch):
     assert str(tensorboard_dir(tmp_path, project="p", experiment=None)).startswith("tensorboard_log/p/20")
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     assert tensorboard_dir(tmp_path, project="p", experiment="e") == tmp_path / "tb"
+
+
+def test_train_step_balances_rows_and_saves_the_batch(tmp_path):
+    import torch
+
+    from runtime.loop import train_step
+    from runtime.rollout.source import Rollout
+    from runtime.train.algo import advantage_config
+    from runtime.train.batch import RESPONSE_LENGTHS
+
+    class Trainers:
+        def train_rollout(self, batch, **kwargs):
+            self.batch = batch
+            return {"approx_kl_old": 0.0, "advantage_abs_mean": 1.0}
+
+        def call(self, method):
+            raise AssertionError(method)
+
+    class Tok:
+        pad_token_id = 0
+
+    samples = []
+    for i, length in enumerate([1, 9, 2, 8, 3, 7, 4, 6]):
+        samples.append(
+            Sample(group_index=i // 2, index=i // 2, tokens=[5] * (2 + length), response_length=length,
+                   reward=float(i % 2), loss_mask=[1] * length, rollout_log_probs=[-1.0] * length)
+        )  # fmt: skip
+    argv = ["--balance-data", "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt"]
+    argv += ["2", "--global-batch-size", "8", "--micro-batch-size", "2", "--dump-details", str(tmp_path)]
+    cfg = parse_args(argv)
+    trainers = Trainers()
+    metrics = train_step(cfg, trainers, Rollout(3, samples, {}), Tok(), advantage_config(cfg))
+    assert metrics["rollout/advantage_abs_mean"] == 1.0
+    lengths = trainers.batch[RESPONSE_LENGTHS].tolist()
+    # shard_rows gives rank 0 the first 4 rows and rank 1 the last 4: each gets 20 of the 40 response tokens.
+    assert sum(lengths[:4]) == sum(lengths[4:]) == 20
+    saved = torch.load(tmp_path / "train_data" / "3.pt", weights_only=False)
+    assert saved["rollout_id"] == 3 and saved["batch"][RESPONSE_LENGTHS].tolist() == lengths

@@ -266,3 +266,32 @@ def test_rollout_max_context_len_sets_the_prompt_limit_as_slime():
     )
     problems = _problems(["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "64"])
     assert any("--rollout-max-prompt-len 64 must be below --rollout-max-context-len 64" in p for p in problems)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_balance_data_keeps_each_step_and_evens_the_ranks_tokens(dp_size):
+    import random
+
+    import torch
+
+    from runtime.train.batch import balanced_order, shard_rows
+
+    rng = random.Random(dp_size)
+    lengths = [rng.randint(1, 100) for _ in range(32)]
+    order = balanced_order(lengths, global_batch_size=16, dp_size=dp_size)
+    assert sorted(order.tolist()) == list(range(32))
+    assert set(order[:16].tolist()) == set(range(16))  # rows stay in their optimizer step
+
+    def rank_tokens(rows):
+        per_step = []
+        for r in range(dp_size):
+            shard = rows[shard_rows(32, global_batch_size=16, dp_rank=r, dp_size=dp_size)].view(2, -1)
+            per_step.append([sum(lengths[i] for i in step.tolist()) for step in shard])
+        return torch.tensor(per_step, dtype=torch.float64)  # [rank, step]
+
+    balanced = rank_tokens(order)
+    plain = rank_tokens(torch.arange(32))
+    spread = (balanced.max(0).values - balanced.min(0).values).max()
+    assert spread <= max(lengths)  # greedy on equal counts: within one row's length
+    assert spread <= (plain.max(0).values - plain.min(0).values).max()
+    assert parse_args(["--balance-data"]).data.balance_data

@@ -107,6 +107,34 @@ def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) ->
     return torch.arange(n).view(n // global_batch_size, dp_size, per_rank)[:, dp_rank].reshape(-1)
 
 
+def balanced_order(lengths: Sequence[int], *, global_batch_size: int, dp_size: int) -> torch.Tensor:
+    """A row order (a permutation of ``range(len(lengths))``) under which :func:`shard_rows` gives every rank about
+    the same number of tokens in each optimizer step (slime's ``--balance-data``).
+
+    Rows stay in their optimizer step (the loss of each step is unchanged; it is split-invariant over ranks); within a
+    step, the longest rows go first, each to the rank with the fewest tokens that still has room (greedy, where slime
+    uses Karmarkar-Karp).
+    """
+    n = len(lengths)
+    if n % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(
+            f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
+            f"dp_size {dp_size}"
+        )
+    per_rank = global_batch_size // dp_size
+    order: list[int] = []
+    for start in range(0, n, global_batch_size):
+        rows = sorted(range(start, start + global_batch_size), key=lambda i: -lengths[i])
+        slices: list[list[int]] = [[] for _ in range(dp_size)]
+        totals = [0] * dp_size
+        for i in rows:
+            rank = min((r for r in range(dp_size) if len(slices[r]) < per_rank), key=lambda r: totals[r])
+            slices[rank].append(i)
+            totals[rank] += lengths[i]
+        order += [i for rank_rows in slices for i in rank_rows]
+    return torch.tensor(order, dtype=torch.long)
+
+
 def shard_for_ranks(td: TensorDict, *, global_batch_size: int, world_size: int) -> list[TensorDict]:
     """Every rank's shard of a rollout batch (:func:`shard_rows`); :func:`merge_shards` inverts it."""
     n = td.batch_size[0]
