@@ -400,6 +400,9 @@ class CheckpointConfig:
         default=None, metadata=_help("the first step to run (default: the --load checkpoint's next step, else 0)")
     )
     load: str | None = field(default=None, metadata=_help("checkpoint directory to resume from"))
+    ref_load: str | None = field(
+        default=None, metadata=_help("the reference model's HF folder (unset: --hf-checkpoint's weights)")
+    )
     no_save_optim: bool = field(
         default=False, metadata=_help("checkpoints leave the optimizer's state out (a resume starts it afresh)")
     )
@@ -1210,6 +1213,12 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             cfg.ckpt.save_hf.format(rollout_id=0)
         except (KeyError, IndexError, ValueError) as err:
             problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
+    ref_load = cfg.ckpt.ref_load
+    if ref_load is not None and not os.path.isfile(os.path.join(ref_load, "config.json")):
+        problems.append(
+            f"--ref-load {ref_load!r}: rlcore-run loads the reference from an HF folder (config.json and weights); "
+            "slime's Megatron torch_dist checkpoints need --train-backend megatron (issue 11)"
+        )
     start, total = cfg.ckpt.start_rollout_id, cfg.rollout.num_rollout
     if start is not None and (start < 0 or (total is not None and start >= total)):
         problems.append(f"--start-rollout-id {start} must be in [0, --num-rollout {total})")

@@ -243,7 +243,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--eval-min-new-tokens", "eval", None, REFUSED, LATER, **_OPT_INT),
     _f("--eval-max-context-len", "eval", None, YES, "as in slime: recorded, defaulting to --rollout-max-context-len"),
     # algo
-    _f("--ref-load", "algo", None, REFUSED, LATER + " (the reference is --hf-checkpoint's weights)"),
+    _f(
+        "--ref-load",
+        "algo",
+        None,
+        DIFFERS,
+        "an HF folder for the reference only (slime: a Megatron checkpoint, also the actor's start without --load)",
+    ),
     _f("--ref-ckpt-step", "algo", None, REFUSED, MEGATRON, **_OPT_INT),
     _f("--save-hf", "algo", None, YES),
     _f("--num-critic-only-steps", "algo", 0, REFUSED, LATER + " (a critic model group for ppo)"),

@@ -121,6 +121,20 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     cls = backend_class(backend)
     with pytest.raises(ValueError, match="critic"):
         cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(ACTOR, CRITIC))
+    # --ref-load: the reference from another folder (same tokenizer), so its log-probs differ from the actor's.
+    ref_model = make_tiny_model(tmp_path / "ref", alphabet=task.ALPHABET, seed=5)
+    with_ref = cls(
+        model_path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+        roles=(ACTOR, REFERENCE),
+        role_paths={"reference": str(ref_model)},
+    )
+    moved = with_ref.compute_log_probs(_batch(model_path))
+    assert not torch.equal(moved[keys.OLD_LOG_PROBS], moved[keys.REF_LOG_PROBS])
+    with_ref.shutdown()
     other = make_tiny_model(tmp_path / "other_vocab", alphabet="0123456789", seed=1)
     with pytest.raises(ValueError, match="must share a tokenizer"):
         cls(

@@ -176,3 +176,13 @@ def test_train_step_balances_rows_and_saves_the_batch(tmp_path):
     assert sum(lengths[:4]) == sum(lengths[4:]) == 20
     saved = torch.load(tmp_path / "train_data" / "3.pt", weights_only=False)
     assert saved["rollout_id"] == 3 and saved["batch"][RESPONSE_LENGTHS].tolist() == lengths
+
+
+def test_ref_load_takes_an_hf_folder_for_the_reference(tmp_path):
+    from runtime.train.algo import role_paths
+
+    with pytest.raises(ConfigError, match="--ref-load .*HF folder"):
+        parse_args(["--ref-load", str(tmp_path)])  # slime's torch_dist folders have no config.json
+    (tmp_path / "config.json").write_text("{}")
+    cfg = parse_args(["--ref-load", str(tmp_path)])
+    assert role_paths(cfg) == {"reference": str(tmp_path)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
 from runtime.config import KL_COEF_IGNORED, Config, ConfigError
-from runtime.train.roles import TEACHER, ModelRole, roles_for
+from runtime.train.roles import REFERENCE, TEACHER, ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
 _UNSUPPORTED_ESTIMATORS = {
@@ -95,9 +95,13 @@ def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
 
 
 def role_paths(cfg: Config) -> dict[str, str]:
-    """The models of roles that are not ``--hf-checkpoint``: the OPD teacher's ``--opd-teacher-load``."""
+    """The models of roles that are not ``--hf-checkpoint``: the reference's ``--ref-load``, the OPD teacher's
+    ``--opd-teacher-load``."""
     a = cfg.algo
-    return {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
+    paths = {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
+    if cfg.ckpt.ref_load is not None:
+        paths[REFERENCE.name] = cfg.ckpt.ref_load
+    return paths
 
 
 def needs_rollout_log_probs(cfg: Config) -> bool:
