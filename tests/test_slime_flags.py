@@ -186,7 +186,6 @@ def _flag_of(problem):
 SCRIPTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
 # What rlcore-run refuses in a slime script beyond the table's flags, each with the reason its message gives.
 VALUE_REFUSALS = {
-    "--rm-type": "not built yet",  # deepscaler
     "--load": "does not exist",  # slime starts fresh from an empty --load folder; rlcore needs a checkpoint
     "--colocate": "--rollout-num-gpus",  # derived from the trainer GPUs once issue 12 lands
     "--use-wandb": "needs the wandb package",  # where it is not installed
@@ -228,10 +227,9 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
     args = _local_files(tmp_path, fixture["args"])
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
-    refused = {_flag_of(p) for p in problems} - {"--rm-type", "--colocate"}
+    refused = {_flag_of(p) for p in problems} - {"--colocate"}
     assert refused
     rest = _strip(args, refused)
-    rest[rest.index("--rm-type") + 1] = "math"
     trainers = int(rest[rest.index("--actor-num-gpus-per-node") + 1])
     # slime derives --rollout-num-gpus from the trainers when colocated; here that waits for issue 12.
     argv = [*rest, "--rollout-num-gpus", str(trainers), "--dry-run", "--output-dir", str(tmp_path / "out")]
