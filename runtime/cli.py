@@ -1,14 +1,19 @@
-"""``rlcore-run``: parse the config, print it, run the job. With no arguments: the built-in CPU demo job."""
+"""``rlcore-run``: parse the config, print it, run the job. With no arguments: the built-in CPU demo job.
+
+``--dry-run`` stops after the config: it is parsed, validated and resolved, printed with the derived settings and the
+placement plan, and the command exits 0 (2 with the problems listed) without starting Ray or loading a model.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-from runtime.config import ConfigError, format_config, parse_args
+from runtime.config import Config, ConfigError, eval_datasets, format_config, parse_args
 from runtime.errors import JobError
 from runtime.hooks import HookError
 from runtime.rollout.data import DataError
+from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
 
 # Exit status of a job that could not start because of its inputs (argparse uses 2 for bad flags too).
 EXIT_BAD_INPUT = 2
@@ -17,12 +22,18 @@ EXIT_JOB_STOPPED = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv)
+        if "--dry-run" in argv:
+            check_supported(cfg)
     except ConfigError as err:
         print(f"rlcore-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_config(cfg), flush=True)
+    if "--dry-run" in argv:
+        print(dry_run_report(cfg), flush=True)
+        return 0
 
     import transformers
 
@@ -40,6 +51,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_JOB_STOPPED
     print(f"rlcore-run: done, {result.final_step} steps; outputs in {result.output_dir}", flush=True)
     return 0
+
+
+def dry_run_report(cfg: Config) -> str:
+    """What a run would derive from ``cfg`` before starting anything: batch arithmetic, the algorithm's settings,
+    the model roles and the placement plan."""
+    from runtime.cluster.placement import plan_bundles
+
+    r, t, a = cfg.rollout, cfg.train, cfg.algo
+    per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
+    num_rollout = r.num_rollout if r.num_rollout is not None else f"--num-epoch {r.num_epoch} x (prompts // batch)"
+    plan = plan_bundles(cfg)
+    lines = [
+        "[dry run: resolved]",
+        f"  job                    {'built-in task' if cfg.is_builtin_job else 'prompt data / model given'}",
+        f"  rollout steps          {num_rollout}",
+        f"  samples per rollout    {per_rollout} ({r.rollout_batch_size} prompts x {r.n_samples_per_prompt})",
+        f"  optimizer steps/rollout {per_rollout // t.global_batch_size} (global batch {t.global_batch_size})",
+        f"  loss aggregation       {a.aggregation}",
+        f"  advantages             {advantage_config(cfg)}",
+        f"  loss                   {loss_config(cfg)}",
+        f"  model roles            {', '.join(role.name for role in model_roles(cfg))}",
+        f"  evaluation             {_evaluation(cfg)}",
+        "[dry run: placement plan]",
+        f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
+        f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
+        f"  engine bundles         {plan.engine_bundles} ({cfg.rollout.rollout_engine} engine, share {plan.share})",
+        "rlcore-run: dry run, nothing started",
+    ]
+    return "\n".join(lines)
+
+
+def _evaluation(cfg: Config) -> str:
+    if cfg.eval.eval_prompt_data is None and cfg.eval.eval_config is None:
+        return "built-in task" if cfg.eval.eval_interval is not None else "none"
+    return "; ".join(
+        f"{d.name}: {d.path} (n {d.n_samples_per_eval_prompt}, T {d.temperature}, top-p {d.top_p}, "
+        f"max {d.max_response_len} tokens, reward {d.custom_rm_path or d.rm_type or cfg.reward.rm_type})"
+        for d in eval_datasets(cfg)
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import types
 import typing
@@ -24,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
+from runtime import slime_flags
 from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS
@@ -33,8 +35,16 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 
+# Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
+# grpo without the std, so it goes with them.
+KL_COEF_IGNORED = ("grpo", "gspo", "cispo", "dr_grpo")
 # slime's estimator names where rlcore.advantages names them differently.
-_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation"}
+_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation", "cispo": "grpo"}
+
+
+# Reward types rlcore-run scores with (builtin: the built-in task's), and slime's that it does not yet.
+RM_TYPES = ("builtin", "math", "exact_match", "deepscaler", "dapo", "f1", "gpqa", "random", "remote_rm")
+SLIME_RM_TYPES_NOT_BUILT = ("ifbench",)
 
 
 class ConfigError(ValueError):
@@ -73,15 +83,31 @@ class DataConfig:
     prompt_data: str | None = field(
         default=None, metadata=_help("prompt file, .jsonl or .parquet; unset: the built-in task")
     )
-    input_key: str = field(default="prompt", metadata=_help("key of the prompt (a string or a chat message list)"))
-    label_key: str = field(default="label", metadata=_help("key of the label the reward compares against"))
+    input_key: str = field(default="input", metadata=_help("key of the prompt (a string or a chat message list)"))
+    label_key: str | None = field(
+        default=None, metadata=_help("key of the label the reward compares against; unset: rows carry no label")
+    )
     metadata_key: str = field(default="metadata", metadata=_help("key of a per-row metadata dict (optional in rows)"))
+    tool_key: str = field(
+        default="tools", metadata=_help("key of a row's tool list, passed to the chat template (when present)")
+    )
     apply_chat_template: bool = field(default=False, metadata=_help("render prompts with the chat template"))
+    apply_chat_template_kwargs: dict = field(
+        default_factory=dict, metadata=_help("JSON object of keyword arguments for the chat template")
+    )
     rollout_max_prompt_len: int | None = field(
-        default=None, metadata=_help("drop (and count) prompts longer than this many tokens")
+        default=None,
+        metadata=_help("drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"),
+    )
+    rollout_max_context_len: int | None = field(
+        default=None, metadata=_help("the engines' context; sets --rollout-max-prompt-len's default to this - 1")
     )
     rollout_shuffle: bool = field(
-        default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --seed)")
+        default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
+    )
+    rollout_seed: int = field(default=42, metadata=_help("seed of the prompt order of --prompt-data"))
+    balance_data: bool = field(
+        default=False, metadata=_help("balance each optimizer step's tokens over the trainer ranks (rows reordered)")
     )
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
@@ -90,15 +116,27 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_batch_size: int = field(default=32, metadata=_help("prompts per rollout step"))
-    n_samples_per_prompt: int = field(default=8, metadata=_help("responses sampled per prompt (the group size)"))
+    rollout_batch_size: int | None = field(default=None, metadata=_help("prompts per rollout step (required)"))
+    n_samples_per_prompt: int = field(default=1, metadata=_help("responses sampled per prompt (the group size)"))
     rollout_max_response_len: int | None = field(
         default=None, metadata=_help("max new tokens per response; no default (as in slime): set it for your model")
     )
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
-    num_rollout: int = field(default=250, metadata=_help("number of rollout (and training) steps"))
+    rollout_skip_special_tokens: bool = field(
+        default=False, metadata=_help("leave special tokens (e.g. <|im_end|>) out of the response text")
+    )
+    rollout_stop_token_ids: list[int] | None = field(
+        default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
+    )
+    num_rollout: int | None = field(
+        default=None, metadata=_help("number of rollout (and training) steps; unset: from --num-epoch")
+    )
+    num_epoch: int | None = field(
+        default=None,
+        metadata=_help("passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"),
+    )
     custom_generate_function_path: str | None = field(
         default=None,
         metadata=_hook_help("async def generate(args, sample, sampling_params) -> Sample, as module:function"),
@@ -144,6 +182,7 @@ class RolloutConfig:
 class AlgoConfig:
     advantage_estimator: Literal[
         "grpo",
+        "cispo",
         "dr_grpo",
         "gspo",
         "rloo",
@@ -155,22 +194,99 @@ class AlgoConfig:
     eps_clip: float = field(default=0.2, metadata=_help("PPO clip range (lower, and upper unless --eps-clip-high)"))
     eps_clip_high: float | None = field(default=None, metadata=_help("PPO upper clip range (clip-higher)"))
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
-    kl_coef: float = field(default=0.0, metadata=_help("KL penalty folded into the reward"))
+    value_clip: float = field(default=0.2, metadata=_help("clip of the critic's values around the old values (ppo)"))
+    kl_coef: float = field(
+        default=0.0,
+        metadata=_help(
+            "KL penalty folded into the reward (ppo, reinforce_plus_plus[_baseline]; the grpo family "
+            "ignores it, as slime does)"
+        ),
+    )
     use_kl_loss: bool = field(
         default=False, metadata=_help("add a KL-to-reference term to the loss (coefficient 0: KL is only logged)")
     )
     kl_loss_coef: float = field(default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)"))
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
-        default="k1", metadata=_help("KL estimator of the KL loss")
+        default="k1", metadata=_help("KL estimator of the KL loss (and of the KL in the reward)")
+    )
+    ref_update_interval: int | None = field(
+        default=None, metadata=_help("copy the actor's weights into the reference model every N steps")
+    )
+    reset_optimizer_states: bool = field(
+        default=False, metadata=_help("drop the optimizer's moments after every rollout's training")
+    )
+    use_unbiased_kl: bool = field(
+        default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
+    tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight"))
+    tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight"))
+    use_rollout_logprobs: bool = field(
+        default=False, metadata=_help("take the engine's log-probs as the old log-probs (no trainer recompute)")
+    )
+    get_mismatch_metrics: bool = field(
+        default=False, metadata=_help("log rollout/train mismatch metrics (the TIS weights, not applied)")
+    )
+    use_opsm: bool = field(
+        default=False,
+        metadata=_help(
+            "off-policy sequence masking: drop negative-advantage tokens of sequences whose KL(old||new) "
+            "exceeds --opsm-delta"
+        ),
+    )
+    opsm_delta: float = field(default=1e-4, metadata=_help("OPSM threshold on the sequence's mean log-ratio"))
     normalize_advantages: bool = field(default=False, metadata=_help("whiten advantages over the batch"))
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        field(default="token_mean", metadata=_help("how per-token losses are aggregated"))
+    use_opd: bool = field(
+        default=False,
+        metadata=_help(
+            "on-policy distillation on top of the estimator: minus --opd-kl-coef x (student - teacher) "
+            "log-probs on every token's advantage"
+        ),
+    )
+    opd_type: Literal["megatron", "sglang"] | None = field(
+        default=None,
+        metadata=_help(
+            "where the teacher's log-probs come from: megatron = a teacher model in the trainers (any "
+            "--train-backend here); sglang = a teacher server"
+        ),
+    )
+    opd_kl_coef: float = field(default=1.0, metadata=_help("weight of the distillation term"))
+    opd_teacher_load: str | None = field(
+        default=None, metadata=_help("the teacher model (an HF folder), for --opd-type megatron")
+    )
+    disable_grpo_std_normalization: bool = field(
+        default=False, metadata=_help("grpo/gspo/cispo: centre rewards on the group mean only (Dr. GRPO)")
+    )
+    disable_rewards_normalization: bool = field(
+        default=False, metadata=_help("no group normalization: the raw reward is the sequence advantage")
+    )
+    calculate_per_token_loss: bool = field(
+        default=False,
+        metadata=_help(
+            "aggregate losses as a token mean over the step; off: each sample's token mean, then the mean over samples"
+        ),
+    )
+    loss_agg_mode: (
+        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] | None
+    ) = field(
+        default=None,
+        metadata=_help(
+            "ours: how per-token losses are aggregated; unset: from --calculate-per-token-loss "
+            "(token_mean on, seq_mean_token_mean off)"
+        ),
     )
     gamma: float = field(default=1.0, metadata=_help("discount (ppo / reinforce++)"))
     lambd: float = field(default=1.0, metadata=_help("GAE lambda (ppo)"))
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in force: ``--loss-agg-mode`` when given, else slime's by
+        ``--calculate-per-token-loss`` (on: a token mean over the step; off: per-sample token means, then their
+        mean)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "token_mean" if self.calculate_per_token_loss else "seq_mean_token_mean"
 
     @property
     def core_estimator(self) -> str:
@@ -183,8 +299,17 @@ class AlgoConfig:
 class TrainConfig:
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
-    global_batch_size: int = field(default=256, metadata=_help("samples per optimizer step, over all trainers"))
-    micro_batch_size: int = field(default=8, metadata=_help("samples per forward/backward (without a token budget)"))
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
+            "--n-samples-per-prompt / --num-steps-per-rollout"
+        ),
+    )
+    num_steps_per_rollout: int | None = field(
+        default=None, metadata=_help("optimizer steps per rollout (sets --global-batch-size; unset: 1)")
+    )
+    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
         default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
     )
@@ -215,7 +340,7 @@ class ResourceConfig:
 
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
     actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
-    actor_num_gpus_per_node: int = field(default=1, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
+    actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
     rollout_num_gpus: int = field(default=1, metadata=_help("rollout engine devices in all (or CPU slots)"))
 
     @property
@@ -226,9 +351,12 @@ class ResourceConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    rm_type: Literal["builtin", "math", "exact_match"] = field(
+    rm_type: str = field(
         default="builtin",
-        metadata=_help("builtin (the default task's reward), math (math-verify on \\boxed{}), exact_match"),
+        metadata=_help(
+            "builtin (the default task's), math, exact_match, deepscaler, dapo, f1, gpqa, random, remote_rm, or "
+            "boxed_<type> (scores the last \\boxed{} of the response)"
+        ),
     )
     custom_rm_path: str | None = field(
         default=None,
@@ -247,33 +375,167 @@ class RewardConfig:
     max_reward_error_steps: int = field(
         default=3, metadata=_help("ours: consecutive steps over --max-reward-error-rate that stop the job")
     )
+    rm_url: str | None = field(default=None, metadata=_help("URL of the reward server of --rm-type remote_rm"))
+    http_proxy: str | None = field(default=None, metadata=_help("HTTP proxy of --rm-type remote_rm's requests"))
+    reward_key: str | None = field(
+        default=None, metadata=_help("the entry of a dict reward that trains (unset: 'score')")
+    )
+    eval_reward_key: str | None = field(
+        default=None, metadata=_help("the entry of a dict reward that evaluation reports (unset: --reward-key)")
+    )
+    group_rm: bool = field(
+        default=False, metadata=_help("--custom-rm-path is batched and called once per prompt's group")
+    )
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     eval_interval: int | None = field(default=None, metadata=_help("evaluate every this many steps"))
-    eval_prompt_data: str | None = field(default=None, metadata=_help("evaluation prompt file (.jsonl / .parquet)"))
+    eval_prompt_data: list[str] | None = field(
+        default=None,
+        metadata=_help(
+            "evaluation datasets as name/path pairs (aime /data/aime.jsonl ...), or one path (named after its file)"
+        ),
+    )
+    eval_config: str | None = field(
+        default=None,
+        metadata=_help(
+            "YAML of evaluation datasets with per-dataset settings (slime's layout); wins over --eval-prompt-data"
+        ),
+    )
+    skip_eval_before_train: bool = field(
+        default=False, metadata=_help("with --eval-interval, do not evaluate before the first step")
+    )
     n_samples_per_eval_prompt: int = field(default=1, metadata=_help("responses per evaluation prompt"))
+    eval_input_key: str | None = field(default=None, metadata=_help("--input-key of the evaluation data"))
+    eval_label_key: str | None = field(default=None, metadata=_help("--label-key of the evaluation data"))
+    eval_tool_key: str | None = field(default=None, metadata=_help("--tool-key of the evaluation data"))
+    eval_temperature: float | None = field(default=None, metadata=_help("evaluation temperature (unset: rollout's)"))
+    eval_top_p: float | None = field(default=None, metadata=_help("evaluation top-p (unset: rollout's)"))
+    eval_top_k: int | None = field(default=None, metadata=_help("evaluation top-k (unset: rollout's)"))
+    eval_max_response_len: int | None = field(
+        default=None, metadata=_help("evaluation max new tokens (unset: --rollout-max-response-len)")
+    )
+    eval_max_context_len: int | None = field(
+        default=None,
+        metadata=_help("evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"),
+    )
+    eval_max_prompt_len: int | None = field(
+        default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     save: str | None = field(default=None, metadata=_help("checkpoint directory"))
     save_interval: int | None = field(default=None, metadata=_help("save every this many steps (and at the end)"))
+    save_hf: str | None = field(
+        default=None,
+        metadata=_help("also write the model in HF format at every save, to this path formatted with {rollout_id}"),
+    )
+    start_rollout_id: int | None = field(
+        default=None, metadata=_help("the first step to run (default: the --load checkpoint's next step, else 0)")
+    )
     load: str | None = field(default=None, metadata=_help("checkpoint directory to resume from"))
+    ref_load: str | None = field(
+        default=None, metadata=_help("the reference model's HF folder (unset: --hf-checkpoint's weights)")
+    )
+    no_save_optim: bool = field(
+        default=False, metadata=_help("checkpoints leave the optimizer's state out (a resume starts it afresh)")
+    )
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    use_tensorboard: bool = field(default=True, metadata=_help("write TensorBoard event files to the output dir"))
+    use_tensorboard: bool = field(default=False, metadata=_help("write TensorBoard event files to the output dir"))
     use_wandb: bool = field(default=False, metadata=_help("log to Weights & Biases (needs the wandb package)"))
     wandb_project: str | None = field(default=None, metadata=_help("W&B project"))
+    wandb_team: str | None = field(default=None, metadata=_help("W&B entity"))
+    wandb_group: str | None = field(default=None, metadata=_help("W&B group (and run name)"))
+    wandb_mode: Literal["online", "offline", "disabled"] | None = field(default=None, metadata=_help("W&B mode"))
+    wandb_dir: str | None = field(default=None, metadata=_help("W&B local folder (unset: --output-dir)"))
+    wandb_key: str | None = field(default=None, metadata=_help("W&B API key (logs in unless offline)"))
+    wandb_host: str | None = field(default=None, metadata=_help("W&B host of the login"))
+    wandb_run_id: str | None = field(default=None, metadata=_help("resume this W&B run"))
+    disable_wandb_random_suffix: bool = field(
+        default=False, metadata=_help("no random suffix on --wandb-group (and the run name)")
+    )
+    tb_project_name: str | None = field(
+        default=None, metadata=_help("TensorBoard: write to tensorboard_log/<this>/<--tb-experiment-name>")
+    )
+    tb_experiment_name: str | None = field(
+        default=None, metadata=_help("TensorBoard experiment (unset: the start time) under --tb-project-name")
+    )
+    log_reward_category: str | None = field(
+        default=None, metadata=_help("log the fraction of samples by this entry of their dict reward")
+    )
+    log_passrate: bool = field(
+        default=False, metadata=_help("log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation")
+    )
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """slime's debug and replay modes: how to bisect train against rollout problems."""
+
+    save_debug_rollout_data: str | None = field(
+        default=None, metadata=_help("save each step's rollout samples to this path formatted with {rollout_id}")
+    )
+    load_debug_rollout_data: str | None = field(
+        default=None,
+        metadata=_help("replay saved rollouts (path formatted with {rollout_id}) instead of generating; no engines"),
+    )
+    load_debug_rollout_data_subsample: float | None = field(
+        default=None, metadata=_help("replay about this fraction of each saved rollout, in (0, 1]")
+    )
+    save_debug_train_data: str | None = field(
+        default=None, metadata=_help("save each step's training batch to this path formatted with {rollout_id}")
+    )
+    dump_details: str | None = field(
+        default=None,
+        metadata=_help(
+            "a folder: sets --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt and "
+            "--save-debug-train-data DIR/train_data/{rollout_id}.pt"
+        ),
+    )
+    debug_rollout_only: bool = field(default=False, metadata=_help("generate and score rollouts only: no trainers"))
+    debug_train_only: bool = field(
+        default=False, metadata=_help("train only, on --load-debug-rollout-data: no engines, no evaluation")
+    )
+
+    @property
+    def rollout_data_path(self) -> str | None:
+        """Where rollouts are saved: ``--save-debug-rollout-data``, or ``--dump-details``' folder."""
+        if self.save_debug_rollout_data is None and self.dump_details is not None:
+            return os.path.join(self.dump_details, "rollout_data", "{rollout_id}.pt")
+        return self.save_debug_rollout_data
+
+    @property
+    def train_data_path(self) -> str | None:
+        """Where training batches are saved: ``--save-debug-train-data``, or ``--dump-details``' folder."""
+        if self.save_debug_train_data is None and self.dump_details is not None:
+            return os.path.join(self.dump_details, "train_data", "{rollout_id}.pt")
+        return self.save_debug_train_data
+
+    @property
+    def train_only(self) -> bool:
+        """No engines: ``--debug-train-only``, which ``--load-debug-rollout-data`` implies (as in slime)."""
+        return self.debug_train_only or self.load_debug_rollout_data is not None
 
 
 @dataclass(frozen=True)
 class Config:
     seed: int = field(default=1234, metadata=_help("seed of prompt shuffling, sampling and initialisation"))
     output_dir: str = field(default="outputs/default", metadata=_help("metrics, event files, plots, final model"))
+    custom_config_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "slime's YAML of settings that override the command line; keys that are no flag reach hooks as args.<key>"
+        ),
+    )
+    custom_args: dict = field(
+        default_factory=dict, metadata=_help("ours: extra settings for hooks, read as args.<key> (the YAML's others)")
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -284,12 +546,17 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __getattr__(self, name: str) -> Any:
         # slime's hooks read a flat namespace (args.n_samples_per_prompt); leaf names are unique across sections,
         # so a flat read resolves to exactly one field. Only called when normal lookup fails.
         spec = _SPECS.get(name) if not name.startswith("_") else None
         if spec is None or spec[0] is None:
+            # A hook's own setting from --custom-config-path (slime sets any key of that YAML on args).
+            extra = object.__getattribute__(self, "custom_args")
+            if not name.startswith("_") and name in extra:
+                return extra[name]
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(object.__getattribute__(self, spec[0]), name)
 
@@ -312,6 +579,14 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "use_kl_loss": True,
     "kl_loss_type": "low_var_kl",
     "rollout_shuffle": True,
+    "rollout_batch_size": 32,
+    "n_samples_per_prompt": 8,
+    "num_rollout": 250,
+    "micro_batch_size": 8,
+    "actor_num_gpus_per_node": 1,
+    "calculate_per_token_loss": True,
+    "use_tensorboard": True,
+    "rollout_skip_special_tokens": True,
 }
 
 
@@ -364,6 +639,11 @@ def _type_problem(name: str, value: Any, tp: Any) -> str | None:
         if value not in choices:
             return f"{flag(name)} must be one of {', '.join(map(str, choices))}; got {value!r}"
         return None
+    if typing.get_origin(inner) is list:
+        (item,) = typing.get_args(inner)
+        if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            return f"{flag(name)} must be a list of {item.__name__}, got {value!r}"
+        return None
     if inner is bool:
         ok = isinstance(value, bool)
     elif inner is int:
@@ -409,7 +689,10 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
 
     def put(key: str, value: Any, where: str) -> None:
         if key not in _SPECS:
-            problems.append(f"unknown setting {key!r} in {where}")
+            if key in slime_flags.REFUSED_BY_DEST:
+                problems.extend(slime_flags.refused_problems({key: value}))
+            else:
+                problems.append(f"unknown setting {key!r} in {where}")
             return
         section = _SPECS[key][0]
         if where != "top level" and where != section:
@@ -443,9 +726,151 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
             # One version behind, the built-in job learns clearly slower uncorrected and level with sync with
             # TIS on its off-policy tokens (5 seeds, docs/runtime.md); in sync TIS would change nothing it needs.
             flat.setdefault("use_tis", True)
+    _resolve_global_batch_size(flat)
+    # slime's defaults from --rollout-max-context-len: room for one generated token, and the evaluation's context.
+    if flat.get("rollout_max_context_len") is not None and "rollout_max_prompt_len" not in flat:
+        if isinstance(flat["rollout_max_context_len"], int):
+            flat["rollout_max_prompt_len"] = flat["rollout_max_context_len"] - 1
+    if flat.get("rollout_max_context_len") is not None and "eval_max_context_len" not in flat:
+        flat["eval_max_context_len"] = flat["rollout_max_context_len"]
 
     sections = {name: cls(**{k: v for k, v in flat.items() if _SPECS[k][0] == name}) for name, cls in SECTIONS.items()}
     return Config(**sections, **{k: flat[k] for k in _TOP_LEVEL if k in flat})
+
+
+def _resolve_global_batch_size(flat: dict[str, Any]) -> None:
+    """slime's default: one rollout is ``--num-steps-per-rollout`` (1 when unset) optimizer steps."""
+    if "global_batch_size" in flat:
+        return
+    rollout, n = flat.get("rollout_batch_size"), flat.get("n_samples_per_prompt", 1)
+    steps = flat.get("num_steps_per_rollout") or 1
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rollout, n, steps)):
+        if rollout * n % steps == 0:
+            flat["global_batch_size"] = rollout * n // steps
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    """One evaluation dataset with its settings resolved: the dataset's own (``--eval-config``), else the config's
+    ``defaults``, else the ``--eval-*`` flags, else the rollout's (as slime resolves them)."""
+
+    name: str
+    path: str
+    n_samples_per_eval_prompt: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_response_len: int | None
+    stop_token_ids: tuple[int, ...]
+    input_key: str
+    label_key: str | None
+    tool_key: str
+    metadata_key: str
+    apply_chat_template: bool
+    apply_chat_template_kwargs: Mapping[str, Any]
+    max_prompt_len: int | None
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+    metadata_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+# Per-dataset keys of slime's --eval-config that rlcore-run takes, with the flags they fall back to (first set wins).
+_EVAL_KEY_FALLBACKS: dict[str, tuple[str, ...]] = {
+    "n_samples_per_eval_prompt": ("n_samples_per_eval_prompt",),
+    "temperature": ("eval_temperature", "rollout_temperature"),
+    "top_p": ("eval_top_p", "rollout_top_p"),
+    "top_k": ("eval_top_k", "rollout_top_k"),
+    "max_response_len": ("eval_max_response_len", "rollout_max_response_len"),
+    "stop_token_ids": ("rollout_stop_token_ids",),
+    "input_key": ("eval_input_key", "input_key"),
+    "label_key": ("eval_label_key", "label_key"),
+    "tool_key": ("eval_tool_key", "tool_key"),
+    "metadata_key": ("metadata_key",),
+    "apply_chat_template": ("apply_chat_template",),
+    "apply_chat_template_kwargs": ("apply_chat_template_kwargs",),
+    "max_prompt_len": ("eval_max_prompt_len", "rollout_max_prompt_len"),
+}
+_EVAL_KEYS_OWN = ("name", "path", "rm_type", "custom_rm_path", "metadata_overrides")
+
+
+def _eval_config_entries(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(defaults, datasets)`` of an ``--eval-config`` YAML file (slime's layout: ``eval: {defaults, datasets}``,
+    the ``eval`` level optional, ``datasets`` a list of entries with a ``name`` or a mapping by name)."""
+    if not os.path.isfile(path):
+        raise ConfigError([f"--eval-config: file {os.path.abspath(path)!r} does not exist"])
+    with open(path) as fh:
+        try:
+            root = yaml.safe_load(fh)
+        except yaml.YAMLError as err:
+            raise ConfigError([f"--eval-config: {path} is not valid YAML ({err})"]) from err
+    tree = root.get("eval", root) if isinstance(root, Mapping) else None
+    if not isinstance(tree, Mapping):
+        raise ConfigError([f"--eval-config: {path} must hold a mapping (an `eval` section, or its content)"])
+    defaults = dict(tree.get("defaults") or {})
+    raw = tree.get("datasets")
+    if isinstance(raw, Mapping):
+        entries = [{"name": name, **dict(entry or {})} for name, entry in raw.items()]
+    elif isinstance(raw, list) and all(isinstance(entry, Mapping) for entry in raw):
+        entries = [dict(entry) for entry in raw]
+    else:
+        raise ConfigError([f"--eval-config: {path} defines no datasets under `eval.datasets` (a list or a mapping)"])
+    problems = []
+    for where, entry in [("defaults", defaults), *((f"dataset {e.get('name')!r}", e) for e in entries)]:
+        unknown = sorted(set(entry) - set(_EVAL_KEY_FALLBACKS) - set(_EVAL_KEYS_OWN))
+        if unknown:
+            problems.append(
+                f"--eval-config: {where} sets {', '.join(unknown)}, which rlcore-run does not take (it takes "
+                f"{', '.join(sorted(set(_EVAL_KEY_FALLBACKS) | set(_EVAL_KEYS_OWN)))})"
+            )
+    for entry in entries:
+        if not entry.get("name") or not entry.get("path"):
+            problems.append(f"--eval-config: every dataset needs a name and a path, got {entry!r}")
+    if problems:
+        raise ConfigError(problems)
+    return defaults, entries
+
+
+def eval_datasets(cfg: Config) -> list[EvalDataset]:
+    """The evaluation datasets, settings resolved: from ``--eval-config`` when given, else ``--eval-prompt-data``'s
+    name/path pairs (one bare path is named ``aime``, as slime names it). Raises ``ConfigError``."""
+    if cfg.eval.eval_config is not None:
+        defaults, entries = _eval_config_entries(cfg.eval.eval_config)
+    else:
+        values = cfg.eval.eval_prompt_data or []
+        if len(values) == 1:
+            values = ["aime", values[0]]
+        if len(values) % 2:
+            raise ConfigError(
+                [f"--eval-prompt-data takes name/path pairs (aime /data/aime.jsonl ...) or one path; got {values!r}"]
+            )
+        defaults, entries = {}, [{"name": n, "path": p} for n, p in zip(values[::2], values[1::2], strict=True)]
+    names = [str(entry["name"]) for entry in entries]
+    if len(set(names)) != len(names):
+        raise ConfigError([f"evaluation dataset names must differ, got {names}"])
+    return [resolve_eval_dataset(cfg, entry, defaults) for entry in entries]
+
+
+def resolve_eval_dataset(
+    cfg: Config, entry: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> EvalDataset:
+    """An evaluation dataset (``entry``: its name, path and own settings) with every setting resolved: the entry's,
+    else ``defaults``', else the ``--eval-*`` flags', else the rollout's."""
+    defaults = defaults or {}
+    resolved = {}
+    for key, fallbacks in _EVAL_KEY_FALLBACKS.items():
+        if key in entry:
+            resolved[key] = entry[key]
+        elif key in defaults:
+            resolved[key] = defaults[key]
+        else:
+            resolved[key] = next((v for v in (getattr(cfg, f) for f in fallbacks) if v is not None), None)
+    resolved["stop_token_ids"] = tuple(resolved["stop_token_ids"] or ())
+    resolved["apply_chat_template_kwargs"] = dict(resolved["apply_chat_template_kwargs"] or {})
+    own = {key: entry.get(key, defaults.get(key)) for key in ("rm_type", "custom_rm_path")}
+    overrides = dict(defaults.get("metadata_overrides") or {}) | dict(entry.get("metadata_overrides") or {})
+    return EvalDataset(
+        name=str(entry["name"]), path=str(entry["path"]), metadata_overrides=overrides, **own, **resolved
+    )
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -464,17 +889,17 @@ def load_yaml(path: str | os.PathLike[str]) -> Config:
     return from_dict(read_yaml_tree(path))
 
 
-def read_yaml_tree(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+def read_yaml_tree(path: str | os.PathLike[str], *, flag_name: str = "--config") -> Mapping[str, Any]:
     """The mapping a YAML config file holds, as written (only the keys it sets); raises ``ConfigError``."""
     if not os.path.isfile(path):
-        raise ConfigError([f"--config: file {os.path.abspath(path)!r} does not exist"])
+        raise ConfigError([f"{flag_name}: file {os.path.abspath(path)!r} does not exist"])
     with open(path) as fh:
         try:
             tree = yaml.safe_load(fh)
         except yaml.YAMLError as err:
-            raise ConfigError([f"--config: {path} is not valid YAML ({err})"]) from err
+            raise ConfigError([f"{flag_name}: {path} is not valid YAML ({err})"]) from err
     if tree is not None and not isinstance(tree, Mapping):
-        raise ConfigError([f"--config: {path} must hold a mapping, got {type(tree).__name__}"])
+        raise ConfigError([f"{flag_name}: {path} must hold a mapping, got {type(tree).__name__}"])
     return tree or {}
 
 
@@ -500,6 +925,14 @@ def _arg_type(name: str, inner: Any, optional: bool):
     def convert(text: str) -> Any:
         if optional and text.lower() in ("none", "null"):
             return None
+        if inner is dict:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = None
+            if not isinstance(value, dict):
+                raise argparse.ArgumentTypeError(f"{flag(name)} expects a JSON object, got {text!r}")
+            return value
         try:
             return inner(text)
         except ValueError:
@@ -525,6 +958,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="ours: parse, validate and resolve the config, print it and the placement plan, and exit (no Ray)",
+    )
     for shorthand, schedule in (("--async", "one_step"), ("--fully-async", "fully_async")):
         parser.add_argument(
             shorthand,
@@ -547,10 +985,14 @@ def build_parser() -> argparse.ArgumentParser:
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
             group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(inner) is list:
+            (item,) = typing.get_args(inner)
+            group.add_argument(flag(name), dest=name, nargs="+", type=_arg_type(name, item, False), help=help_text)
         elif typing.get_origin(inner) is Literal:
             group.add_argument(flag(name), dest=name, choices=typing.get_args(inner), help=help_text)
         else:
             group.add_argument(flag(name), dest=name, type=_arg_type(name, inner, optional), help=help_text)
+    slime_flags.add_refused_arguments(parser)
     return parser
 
 
@@ -560,17 +1002,53 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     Precedence: defaults (the built-in job's for settings left unset when neither ``--hf-checkpoint`` nor
     ``--prompt-data`` is given), then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
     """
-    namespace = vars(build_parser().parse_args(argv))
+    parsed, extras = build_parser().parse_known_args(argv)
+    namespace = vars(parsed)
+    # Flags of slime's that this parser does not take (the SGLang fleet's, Megatron's) are named with their issue.
+    problems = [slime_flags.unknown_flag_problem(arg) for arg in slime_flags.unknown_flags(extras)]
+    if extras and not problems:
+        problems.append(f"unexpected arguments {' '.join(extras)!r} (every value belongs to a --flag)")
+    refused = {dest: namespace.pop(dest) for dest in list(namespace) if dest in slime_flags.REFUSED_BY_DEST}
+    problems += slime_flags.refused_problems(refused)
+    namespace.pop("dry_run", None)  # the CLI's business (runtime.cli), not the job's
     config_path = namespace.pop("config", None)
-    tree = read_yaml_tree(config_path) if config_path is not None else {}
-    cfg = from_dict(tree, **namespace)
-    validate(cfg)
+    try:
+        tree = read_yaml_tree(config_path) if config_path is not None else {}
+        custom_path = namespace.get("custom_config_path", tree.get("custom_config_path"))
+        if custom_path is not None:
+            # slime's --custom-config-path: its keys override the command line; the ones that are no flag of ours
+            # are the hooks' (args.<key>), unless they are slime flags this runtime refuses.
+            custom = read_yaml_tree(custom_path, flag_name="--custom-config-path")
+            extras = dict(tree.get("custom_args") or {}) | dict(namespace.pop("custom_args", {}) or {})
+            for raw_key, value in custom.items():
+                key = _normalise_key(raw_key)
+                if key in _SPECS:
+                    namespace[key] = value
+                elif key in slime_flags.REFUSED_BY_DEST:
+                    problems += slime_flags.refused_problems({key: value})
+                else:
+                    extras[key] = value
+            namespace["custom_args"] = extras
+        cfg = from_dict(tree, **namespace)
+        validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(problems + err.problems) from None
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
 def _check_positive(problems: list[str], cfg: Config) -> None:
     r, t, res, e, c = cfg.rollout, cfg.train, cfg.resources, cfg.eval, cfg.ckpt
+    a = cfg.algo
     positive = {
+        "num_epoch": r.num_epoch,
+        "num_steps_per_rollout": t.num_steps_per_rollout,
+        "ref_update_interval": a.ref_update_interval,
+        "tis_clip": a.tis_clip,
+        "eval_temperature": e.eval_temperature,
+        "eval_max_response_len": e.eval_max_response_len,
+        "eval_max_prompt_len": e.eval_max_prompt_len,
         "rollout_batch_size": r.rollout_batch_size,
         "n_samples_per_prompt": r.n_samples_per_prompt,
         "rollout_max_response_len": r.rollout_max_response_len,
@@ -587,6 +1065,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "rollout_temperature": r.rollout_temperature,
         "reward_timeout": cfg.reward.reward_timeout,
         "rollout_max_prompt_len": cfg.data.rollout_max_prompt_len,
+        "rollout_max_context_len": cfg.data.rollout_max_context_len,
+        "eval_max_context_len": e.eval_max_context_len,
         "max_tokens_per_gpu": t.max_tokens_per_gpu,
         "over_sampling_batch_size": r.over_sampling_batch_size,
         "eval_interval": e.eval_interval,
@@ -606,12 +1086,27 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "kl_loss_coef": cfg.algo.kl_loss_coef,
         "max_staleness": r.max_staleness,
         "lora_rank": t.lora_rank,
+        "tis_clip_low": a.tis_clip_low,
+        "opsm_delta": a.opsm_delta,
+        "value_clip": a.value_clip,
     }
     for name, value in non_negative.items():
-        if value < 0:
+        if value is not None and value < 0:
             problems.append(f"{flag(name)} must be >= 0, got {value!r}")
     if not 0 < r.rollout_top_p <= 1:
         problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
+    if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
+        problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
+    if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
+        problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
+    context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len
+    if context is not None and prompt is not None and prompt > context - 1:
+        problems.append(
+            f"--rollout-max-prompt-len {prompt} must be below --rollout-max-context-len {context}: a response needs "
+            "at least one token"
+        )
+    if a.tis_clip_low >= a.tis_clip:
+        problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
         problems.append(f"--rollout-top-k must be -1 (off) or >= 1, got {r.rollout_top_k!r}")
     for name in ("gamma", "lambd"):
@@ -622,12 +1117,18 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         problems.append(f"--max-reward-error-rate must be in [0, 1], got {cfg.reward.max_reward_error_rate!r}")
     if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
         problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
-    _check_lora(problems, t)
+    _check_lora(problems, cfg)
 
 
-def _check_lora(problems: list[str], t: TrainConfig) -> None:
+def _check_lora(problems: list[str], cfg: Config) -> None:
+    t = cfg.train
     if t.lora_rank == 0:
         return
+    if cfg.algo.ref_update_interval is not None:
+        problems.append(
+            "--ref-update-interval with --lora-rank: the LoRA reference is the base model under the adapters, which "
+            "is never trained (checkpoints hold the adapters only); drop one of them"
+        )
     if t.lora_alpha <= 0:
         problems.append(f"--lora-alpha must be > 0, got {t.lora_alpha!r}")
     if not 0 <= t.lora_dropout < 1:
@@ -636,6 +1137,53 @@ def _check_lora(problems: list[str], t: TrainConfig) -> None:
         problems.append("--lora-target-modules: give all-linear or comma-separated module names (q_proj,v_proj)")
     if importlib.util.find_spec("peft") is None:
         problems.append("--lora-rank needs the peft package (pip install peft)")
+
+
+def _check_required(problems: list[str], cfg: Config) -> None:
+    """What slime requires (or derives) and this job left unset."""
+    r, t = cfg.rollout, cfg.train
+    if r.rollout_batch_size is None:
+        problems.append("--rollout-batch-size is required (prompts per rollout), as in slime")
+    if r.num_rollout is None and r.num_epoch is None:
+        problems.append("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    if r.num_rollout is None and r.num_epoch is not None and cfg.data.prompt_data is None:
+        problems.append("--num-epoch counts passes over --prompt-data; the built-in task needs --num-rollout")
+    steps = t.num_steps_per_rollout
+    if r.rollout_batch_size is not None and steps is not None:
+        per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
+        if per_rollout % steps:
+            problems.append(
+                f"--num-steps-per-rollout {steps} must divide --rollout-batch-size x --n-samples-per-prompt = "
+                f"{per_rollout}"
+            )
+        elif t.global_batch_size is not None and t.global_batch_size != per_rollout // steps:
+            problems.append(
+                f"--global-batch-size {t.global_batch_size} disagrees with --num-steps-per-rollout {steps} "
+                f"({per_rollout} samples per rollout / {steps} = {per_rollout // steps}): set one of them"
+            )
+    if t.global_batch_size is None and r.rollout_batch_size is not None and not problems:
+        problems.append("--global-batch-size is unset: set it, or --num-steps-per-rollout")
+    if cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None:
+        try:
+            for dataset in eval_datasets(cfg):
+                problems.extend(_eval_dataset_problems(dataset))
+        except ConfigError as err:
+            problems.extend(err.problems)
+
+
+def _eval_dataset_problems(d: EvalDataset) -> list[str]:
+    """Type and range problems of one resolved evaluation dataset, named by the dataset and key."""
+    where = f"evaluation dataset {d.name!r}"
+    checks = {
+        "n_samples_per_eval_prompt": isinstance(d.n_samples_per_eval_prompt, int) and d.n_samples_per_eval_prompt > 0,
+        "temperature": isinstance(d.temperature, int | float) and d.temperature > 0,
+        "top_p": isinstance(d.top_p, int | float) and 0 < d.top_p <= 1,
+        "top_k": isinstance(d.top_k, int) and (d.top_k == -1 or d.top_k >= 1),
+        "max_response_len": d.max_response_len is None
+        or (isinstance(d.max_response_len, int) and d.max_response_len > 0),
+        "rm_type": d.rm_type is None or d.rm_type in RM_TYPES or d.rm_type.removeprefix("boxed_") in RM_TYPES[1:],
+    }
+    return [f"{where}: {key} {getattr(d, key)!r} is out of range" for key, ok in checks.items() if not ok]
 
 
 def _check_batches(problems: list[str], cfg: Config) -> None:
@@ -661,7 +1209,8 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
             f"--n-samples-per-prompt {r.n_samples_per_prompt} = {per_rollout} (each rollout is whole optimizer steps)"
         )
     # A group of one has no baseline for the estimators whose baseline is the rest of the prompt's group.
-    if r.n_samples_per_prompt == 1 and cfg.algo.core_estimator in GROUP_BASELINE_ESTIMATORS:
+    no_baseline = cfg.algo.disable_rewards_normalization and cfg.algo.advantage_estimator != "rloo"
+    if r.n_samples_per_prompt == 1 and cfg.algo.core_estimator in GROUP_BASELINE_ESTIMATORS and not no_baseline:
         problems.append(
             f"--n-samples-per-prompt 1 leaves --advantage-estimator {cfg.algo.advantage_estimator} without a group "
             f"baseline: sample >= 2 per prompt or use reinforce_plus_plus / ppo"
@@ -689,7 +1238,11 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
 
 
 def _check_paths(problems: list[str], cfg: Config) -> None:
-    for name, path in (("prompt_data", cfg.data.prompt_data), ("eval_prompt_data", cfg.eval.eval_prompt_data)):
+    paths = [("prompt_data", cfg.data.prompt_data)]
+    if cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None:
+        flag_name = "eval_config" if cfg.eval.eval_config is not None else "eval_prompt_data"
+        paths += [(flag_name, d.path) for d in eval_datasets(cfg)]
+    for name, path in paths:
         if path is None:
             continue
         if not os.path.isfile(path):
@@ -756,11 +1309,38 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
             "longest response to sample, e.g. --rollout-max-response-len 1024"
         )
-    if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None:
-        problems.append("--save-interval needs --save (the checkpoint directory)")
-    if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and cfg.eval.eval_prompt_data is None:
+    if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None and cfg.ckpt.save_hf is None:
+        problems.append("--save-interval needs --save (the checkpoint directory) or --save-hf")
+    if cfg.ckpt.save_hf is not None:
+        try:
+            cfg.ckpt.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as err:
+            problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
+    ref_load = cfg.ckpt.ref_load
+    if ref_load is not None and not os.path.isfile(os.path.join(ref_load, "config.json")):
+        problems.append(
+            f"--ref-load {ref_load!r}: rlcore-run loads the reference from an HF folder (config.json and weights); "
+            "slime's Megatron torch_dist checkpoints need --train-backend megatron (issue 11)"
+        )
+    start, total = cfg.ckpt.start_rollout_id, cfg.rollout.num_rollout
+    if start is not None and (start < 0 or (total is not None and start >= total)):
+        problems.append(f"--start-rollout-id {start} must be in [0, --num-rollout {total})")
+    has_eval_data = cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None
+    if cfg.eval.eval_interval is not None and cfg.data.prompt_data is not None and not has_eval_data:
         problems.append("--eval-interval with --prompt-data needs --eval-prompt-data")
-    if cfg.data.prompt_data is not None and cfg.reward.rm_type == "builtin" and cfg.reward.custom_rm_path is None:
+    rm_type = cfg.reward.rm_type
+    known = rm_type in RM_TYPES or (rm_type.startswith("boxed_") and rm_type[6:] in RM_TYPES[1:])
+    if not known and cfg.reward.custom_rm_path is None:
+        if rm_type.removeprefix("boxed_") in SLIME_RM_TYPES_NOT_BUILT:
+            problems.append(f"--rm-type {rm_type}: slime's reward type is not built yet in rlcore-run (issue 13)")
+        else:
+            problems.append(
+                f"--rm-type must be one of {', '.join(RM_TYPES)} or boxed_<type> (or use --custom-rm-path); got "
+                f"{rm_type!r}"
+            )
+    if rm_type.removeprefix("boxed_") == "remote_rm" and not cfg.reward.rm_url and cfg.reward.custom_rm_path is None:
+        problems.append("--rm-type remote_rm needs --rm-url (the reward server's URL)")
+    if cfg.data.prompt_data is not None and rm_type == "builtin" and cfg.reward.custom_rm_path is None:
         problems.append(
             "--rm-type builtin scores the built-in task only; with --prompt-data choose --rm-type math or "
             "exact_match, or --custom-rm-path"
@@ -770,13 +1350,81 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             f"--kl-loss-coef {cfg.algo.kl_loss_coef} has no effect without --use-kl-loss (add it, or use --kl-coef "
             "for a KL penalty in the reward)"
         )
+    a = cfg.algo
+    if a.loss_agg_mode is not None and a.calculate_per_token_loss and a.loss_agg_mode != "token_mean":
+        problems.append(
+            "--calculate-per-token-loss is --loss-agg-mode token_mean; it contradicts --loss-agg-mode "
+            f"{a.loss_agg_mode}"
+        )
+    kl_in_reward = a.kl_coef != 0 and a.advantage_estimator not in KL_COEF_IGNORED
+    if a.ref_update_interval is not None and not a.use_kl_loss and not kl_in_reward:
+        problems.append(
+            "--ref-update-interval refreshes the reference model, which the job keeps only with --use-kl-loss or "
+            "--kl-coef"
+        )
+    if a.use_opd:
+        if a.opd_type is None:
+            problems.append("--use-opd needs --opd-type megatron (a teacher model in the trainers) or sglang")
+        elif a.opd_type == "sglang":
+            problems.append(
+                "--opd-type sglang needs a teacher SGLang server, which rlcore-run does not start yet (issue 12); use "
+                "--opd-type megatron --opd-teacher-load <HF folder>"
+            )
+        elif a.opd_teacher_load is None:
+            problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
+        elif not os.path.isfile(os.path.join(a.opd_teacher_load, "config.json")):
+            problems.append(f"--opd-teacher-load: {a.opd_teacher_load!r} is not an HF model folder (no config.json)")
+    elif a.opd_type is not None or a.opd_teacher_load is not None:
+        problems.append("--opd-type and --opd-teacher-load take effect with --use-opd only")
+    if a.use_rollout_logprobs and a.use_tis:
+        problems.append(
+            "--use-rollout-logprobs makes the engine's log-probs the old ones, leaving nothing for --use-tis to "
+            "correct: use one of them (as slime)"
+        )
+    if a.kl_coef != 0 and a.kl_loss_coef != 0:
+        problems.append(
+            f"--kl-coef {a.kl_coef} (KL in the reward) and --kl-loss-coef {a.kl_loss_coef} (KL loss) cannot both be "
+            "set, as in slime"
+        )
     if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.sglang_url:
         problems.append("--rollout-engine sglang needs --sglang-url (the base URLs of running SGLang servers)")
     if cfg.rollout.sglang_url and cfg.rollout.rollout_engine != "sglang":
         problems.append("--sglang-url is used only with --rollout-engine sglang")
     _check_schedule(problems, cfg)
+    _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
+
+
+def _check_debug(problems: list[str], cfg: Config) -> None:
+    d = cfg.debug
+    for name, path in (
+        ("save_debug_rollout_data", d.save_debug_rollout_data),
+        ("load_debug_rollout_data", d.load_debug_rollout_data),
+        ("save_debug_train_data", d.save_debug_train_data),
+    ):
+        if path is not None:
+            try:
+                path.format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as err:
+                problems.append(f"{flag(name)} {path!r}: a path formatted with {{rollout_id}} only ({err!r})")
+    if d.rollout_data_path is not None and d.rollout_data_path == d.train_data_path:
+        problems.append("--save-debug-train-data must differ from --save-debug-rollout-data")
+    if d.load_debug_rollout_data_subsample is not None and not 0 < d.load_debug_rollout_data_subsample <= 1:
+        problems.append(
+            f"--load-debug-rollout-data-subsample must be in (0, 1], got {d.load_debug_rollout_data_subsample!r}"
+        )
+    if d.debug_train_only and d.load_debug_rollout_data is None:
+        problems.append("--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data")
+    if d.debug_rollout_only and d.train_only:
+        problems.append("--debug-rollout-only and --debug-train-only (--load-debug-rollout-data) exclude each other")
+    if d.debug_rollout_only and (cfg.ckpt.save is not None or cfg.ckpt.save_hf is not None):
+        problems.append("--debug-rollout-only trains nothing: it cannot go with --save or --save-hf")
+    if (d.debug_rollout_only or d.train_only) and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
+        problems.append(
+            "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
+            "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"
+        )
 
 
 def _check_schedule(problems: list[str], cfg: Config) -> None:
@@ -817,7 +1465,9 @@ def validate(cfg: Config) -> Config:
     if problems:
         # The batch arithmetic below divides by these sizes.
         raise ConfigError(problems)
-    _check_batches(problems, cfg)
+    _check_required(problems, cfg)
+    if not problems:
+        _check_batches(problems, cfg)
     _check_paths(problems, cfg)
     _check_combinations(problems, cfg)
     if problems:

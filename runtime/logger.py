@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,8 @@ class MetricsLogger:
         wandb_project: str | None = None,
         config: Mapping[str, Any] | None = None,
         start_step: int = 0,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
+        wandb_options: WandbOptions | None = None,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -104,12 +108,11 @@ class MetricsLogger:
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir or self.dir / "tensorboard"))
         self._wandb = None
         if use_wandb:
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_project, config=dict(config or {}), dir=str(self.dir))
+            options = wandb_options or WandbOptions(project=wandb_project)
+            self._wandb = options.init(config=dict(config or {}), default_dir=str(self.dir))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -135,6 +138,59 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """slime's W&B flags: ``--wandb-project``, ``--wandb-team`` (entity), ``--wandb-group`` (also the run name; a
+    random suffix is added unless ``--disable-wandb-random-suffix``), ``--wandb-mode``, ``--wandb-dir``,
+    ``--wandb-key`` / ``--wandb-host`` (a login, when not offline) and ``--wandb-run-id`` (resume that run)."""
+
+    project: str | None = None
+    team: str | None = None
+    group: str | None = None
+    mode: str | None = None
+    dir: str | None = None
+    key: str | None = None
+    host: str | None = None
+    run_id: str | None = None
+    random_suffix: bool = True
+
+    def init(self, *, config: dict[str, Any], default_dir: str) -> Any:
+        import wandb
+
+        offline = (self.mode or os.environ.get("WANDB_MODE")) == "offline"
+        if self.key is not None and not offline:
+            wandb.login(key=self.key, host=self.host)
+        group = self.group
+        if group is not None and self.random_suffix:
+            group = f"{group}_{wandb.util.generate_id()}"
+        kwargs: dict[str, Any] = {
+            "project": self.project,
+            "entity": self.team,
+            "group": group,
+            "name": group,
+            "config": config,
+            "dir": self.dir or default_dir,
+        }
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.run_id is not None:
+            kwargs.update(id=self.run_id, resume="allow")
+        if self.dir is not None:
+            os.makedirs(self.dir, exist_ok=True)
+        return wandb.init(**kwargs)
+
+
+def tensorboard_dir(output_dir: str | os.PathLike[str], *, project: str | None, experiment: str | None) -> Path:
+    """Where TensorBoard event files go: ``$TENSORBOARD_DIR``, or ``tensorboard_log/<project>/<experiment>`` with
+    ``--tb-project-name`` (the experiment defaults to the start time), as slime; else ``output_dir/tensorboard``."""
+    if os.environ.get("TENSORBOARD_DIR"):
+        return Path(os.environ["TENSORBOARD_DIR"])
+    if project is not None:
+        experiment = experiment or datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+        return Path("tensorboard_log") / project / experiment
+    return Path(output_dir) / "tensorboard"
 
 
 def append_ledger(output_dir: str | os.PathLike[str], step: int, prompts: Mapping[str, list[int]]) -> None:

@@ -8,6 +8,7 @@ source (``--rollout-schedule``: sync, one-step or fully async).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -26,7 +27,17 @@ from runtime.cluster.loopback import confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import make_weight_sync
-from runtime.config import Config, ConfigError, dump_yaml, flag, to_dict
+from runtime.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalDataset,
+    dump_yaml,
+    eval_datasets,
+    flag,
+    resolve_eval_dataset,
+    to_dict,
+)
 from runtime.engines.base import SamplingParams
 from runtime.errors import JobError
 from runtime.hooks import resolve_hook
@@ -35,19 +46,30 @@ from runtime.logger import (
     METRICS_FILE,
     REWARD_PLOT,
     MetricsLogger,
+    WandbOptions,
     append_ledger,
     format_step_line,
     plot_rewards,
     repair_rows,
+    tensorboard_dir,
 )
-from runtime.rollout import RolloutContext, expand_groups, generate_groups, sample_metrics
+from runtime.rollout import RolloutContext, expand_groups, generate_groups, reward_category_metrics, sample_metrics
 from runtime.rollout.data import PromptDataset
 from runtime.rollout.filters import load_filter
+from runtime.rollout.passrate import passrate_metrics
+from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
-from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
-from runtime.train.batch import build_batch
+from runtime.train.algo import (
+    advantage_config,
+    check_supported,
+    loss_config,
+    model_roles,
+    needs_rollout_log_probs,
+    role_paths,
+)
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, balanced_order, build_batch
 
 # Skipped data rows printed at start (the rest are counted).
 MAX_REPORTED_ROWS = 10
@@ -67,9 +89,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
-    adv_cfg, gbs = advantage_config(cfg), cfg.train.global_batch_size
-    model_path, tokenizer, dataset, eval_prompts = prepare_model_and_data(cfg)
-    hub = RewardHub(cfg.reward, args=cfg)
+    adv_cfg = advantage_config(cfg)
+    model_path, tokenizer, dataset, eval_sets = prepare_model_and_data(cfg)
+    cfg = resolve_num_rollout(cfg, len(dataset))
+    hub = RewardHub(cfg.reward, args=cfg, seed=cfg.seed)
+    # No engines, no evaluation with --debug-train-only (as slime).
+    evals = [] if cfg.debug.train_only else [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
     custom_generate = (
@@ -91,6 +116,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     # Everything started is released in reverse order however the job ends.
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(hub.close)
+        for e in evals:
+            cleanup.callback(e.hub.close)
         if _init_ray(cfg):
             cleanup.callback(ray.shutdown)
         placement = create_placement(cfg)
@@ -100,6 +127,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             backend=cfg.train.train_backend,
             model_path=model_path,
             roles=model_roles(cfg),
+            role_paths=role_paths(cfg),
             train_cfg=cfg.train,
             loss_cfg=loss_config(cfg),
             temperature=r.rollout_temperature,
@@ -114,9 +142,15 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(runner.close)
         ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
         feed = PromptFeed(dataset)
-        source = SCHEDULES[r.rollout_schedule](
-            runner, feed, ctx, hub, settings, filter_fn=filter_fn, custom_generate=custom_generate
-        )
+        if cfg.debug.load_debug_rollout_data is not None:
+            d = cfg.debug
+            source = ReplaySource(
+                d.load_debug_rollout_data, subsample=d.load_debug_rollout_data_subsample, reward_key=hub.reward_key
+            )
+        else:
+            source = SCHEDULES[r.rollout_schedule](
+                runner, feed, ctx, hub, settings, filter_fn=filter_fn, custom_generate=custom_generate
+            )
         cleanup.callback(source.close)
 
         start = 0
@@ -124,19 +158,33 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             start = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, feed=feed)
         elif cfg.train.sft_warmup_steps:
             sft_warmup(cfg, trainers, tokenizer)
+        if cfg.ckpt.start_rollout_id is not None:
+            start = cfg.ckpt.start_rollout_id  # slime's --start-rollout-id wins over the checkpoint's step
         weights.push(start)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
         else:
             # Rows of the steps about to run again (written after the checkpoint) and a torn last line go.
             repair_rows(out / LEDGER_FILE, before_step=start)
+        lg = cfg.log
         logger = MetricsLogger(
             out,
-            use_tensorboard=cfg.log.use_tensorboard,
-            use_wandb=cfg.log.use_wandb,
-            wandb_project=cfg.log.wandb_project,
+            use_tensorboard=lg.use_tensorboard,
+            use_wandb=lg.use_wandb,
             config=to_dict(cfg),
             start_step=start,
+            tensorboard_dir=tensorboard_dir(out, project=lg.tb_project_name, experiment=lg.tb_experiment_name),
+            wandb_options=WandbOptions(
+                project=lg.wandb_project,
+                team=lg.wandb_team,
+                group=lg.wandb_group,
+                mode=lg.wandb_mode,
+                dir=lg.wandb_dir,
+                key=lg.wandb_key,
+                host=lg.wandb_host,
+                run_id=lg.wandb_run_id,
+                random_suffix=not lg.disable_wandb_random_suffix,
+            ),
         )
         cleanup.callback(logger.close)
         if logger.repaired and logger.repaired["dropped_unreadable"]:
@@ -146,13 +194,24 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(bar.close)
         source.start(start)
         # On a JobError (a hook, a reward, a filter the user must fix) the last completed step is saved first.
-        last = LastStep(cfg.ckpt.save, start, trainers=trainers, engines=engines, feed=feed)
+        last = LastStep(
+            cfg.ckpt.save,
+            start,
+            trainers=trainers,
+            engines=engines,
+            feed=feed,
+            with_optimizer=not cfg.ckpt.no_save_optim,
+        )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
             metrics: dict[str, float] = dataset.stats() if step == start else {}
+            if step == 0 and evals and not cfg.eval.skip_eval_before_train:
+                # As slime: the starting model is evaluated too (logged with the first step's metrics, as "before").
+                before = runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate))
+                metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
             if cfg.resources.colocate:
@@ -160,6 +219,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 engines.resume_memory()
             rollout = source.get(step)
             metrics.update(rollout.metrics)
+            if cfg.debug.rollout_data_path is not None:
+                save_rollout_data(cfg.debug.rollout_data_path, step, rollout.samples)
+            if cfg.log.log_passrate:
+                metrics.update(passrate_metrics(rollout.samples, prefix="rollout", reward_key=hub.reward_key))
+            if cfg.log.log_reward_category is not None:
+                metrics.update(reward_category_metrics(rollout.samples, cfg.log.log_reward_category))
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             reward_error_rates.append(reward_error_rate(rollout.metrics))
             check_reward_errors(reward_error_rates, cfg, reward=hub.name)
@@ -169,18 +234,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
 
             # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
             # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
-            t = time.perf_counter()
-            batch = build_batch(
-                rollout.samples, pad_token_id=tokenizer.pad_token_id, require_rollout_log_probs=cfg.algo.use_tis
-            )
-            last.training()
-            metrics.update(
-                train_metrics(
-                    trainers.train_rollout(sequence_advantages(batch, adv_cfg), global_batch_size=gbs, adv_cfg=adv_cfg)
-                )
-            )
-            metrics["perf/train_time"] = time.perf_counter() - t
             done = step + 1
+            if not cfg.debug.debug_rollout_only:
+                t = time.perf_counter()
+                last.training()
+                metrics.update(train_step(cfg, trainers, rollout, tokenizer, adv_cfg))
+                metrics["perf/train_time"] = time.perf_counter() - t
 
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
@@ -195,9 +254,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
             # the job once this step (trained) is logged and committed.
             eval_failure = None
-            if eval_prompts is not None and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
+            if evals and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
                 try:
-                    metrics.update(runner.run(evaluate(ctx, hub, eval_prompts, cfg, custom_generate=custom_generate)))
+                    metrics.update(runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate)))
                 except JobError as err:
                     eval_failure = err
             metrics["perf/step_time"] = time.perf_counter() - step_start
@@ -209,13 +268,16 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             last.complete(done)
             if eval_failure is not None:
                 raise eval_failure
-            if cfg.ckpt.save is not None and (
-                (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout
-            ):
-                last.save()
+            if (cfg.ckpt.save_interval is not None and done % cfg.ckpt.save_interval == 0) or done == r.num_rollout:
+                if cfg.ckpt.save is not None:
+                    last.save()
+                if cfg.ckpt.save_hf is not None:
+                    # slime's pattern: the rollout id is the 0-based step just trained.
+                    trainers.save_hf(cfg.ckpt.save_hf.format(rollout_id=step))
 
         source.close()
-        trainers.save_hf(str(out / "final_model"))
+        if not cfg.debug.debug_rollout_only:
+            trainers.save_hf(str(out / "final_model"))
     plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=r.num_rollout, history=history)
 
@@ -228,8 +290,10 @@ class LastStep:
     uncommitted step, nor when saving is what failed.
     """
 
-    def __init__(self, root: str | None, start: int, *, trainers: Any, engines: Any, feed: Any):
-        self.root, self.start = root, start
+    def __init__(
+        self, root: str | None, start: int, *, trainers: Any, engines: Any, feed: Any, with_optimizer: bool = True
+    ):
+        self.root, self.start, self.with_optimizer = root, start, with_optimizer
         self.completed = self.saved = start
         self.trained_ahead = False
         self._state = {"trainers": trainers, "engines": engines, "feed": feed}
@@ -241,7 +305,7 @@ class LastStep:
         self.completed, self.trained_ahead = step, False
 
     def save(self) -> Path:
-        folder = checkpoint.save(self.root, self.completed, **self._state)
+        folder = checkpoint.save(self.root, self.completed, with_optimizer=self.with_optimizer, **self._state)
         self.saved = self.completed
         return folder
 
@@ -270,6 +334,40 @@ def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None
         )
 
 
+def train_step(cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any, adv_cfg: Any) -> dict[str, float]:
+    """One step's training on ``rollout``: its batch, the trainers' optimizer steps, then slime's per-step extras
+    (optimizer reset, reference refresh, the batch saved for debugging); returns the metrics."""
+    batch = build_batch(
+        rollout.samples,
+        pad_token_id=tokenizer.pad_token_id,
+        require_rollout_log_probs=needs_rollout_log_probs(cfg),
+        reward_key=cfg.reward.reward_key,
+    )
+    batch = sequence_advantages(batch, adv_cfg)
+    if cfg.data.balance_data:
+        lengths = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        dp_size = cfg.resources.num_trainer_procs
+        batch = batch[balanced_order(lengths, global_batch_size=cfg.train.global_batch_size, dp_size=dp_size)]
+    if cfg.debug.train_data_path is not None:
+        path = Path(cfg.debug.train_data_path.format(rollout_id=rollout.step))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"rollout_id": rollout.step, "batch": batch.to_dict()}, path)
+    metrics = train_metrics(
+        trainers.train_rollout(
+            batch,
+            global_batch_size=cfg.train.global_batch_size,
+            adv_cfg=adv_cfg,
+            use_rollout_log_probs=cfg.algo.use_rollout_logprobs,
+        )
+    )
+    done = rollout.step + 1
+    if cfg.algo.reset_optimizer_states:
+        trainers.call("reset_optimizer")
+    if cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
+        trainers.call("update_reference")
+    return metrics
+
+
 def sampling_params(cfg: Config) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
@@ -277,11 +375,76 @@ def sampling_params(cfg: Config) -> SamplingParams:
         temperature=r.rollout_temperature,
         top_p=r.rollout_top_p,
         top_k=r.rollout_top_k,
+        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
     )
 
 
-def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[Sample] | None]:
-    """The model folder, its tokenizer, the prompt dataset and the evaluation prompts (None without eval).
+@dataclass
+class EvalSet:
+    """One evaluation dataset of the job: its resolved settings, its prompts and the reward hub that scores them."""
+
+    dataset: EvalDataset
+    prompts: list[Sample]
+    hub: RewardHub
+
+    @property
+    def params(self) -> SamplingParams:
+        d = self.dataset
+        return SamplingParams(
+            max_new_tokens=d.max_response_len,
+            temperature=d.temperature,
+            top_p=d.top_p,
+            top_k=d.top_k,
+            stop_token_ids=d.stop_token_ids,
+        )
+
+
+def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
+    """The reward hub of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them, scoring
+    ``--eval-reward-key``."""
+    reward = dataclasses.replace(
+        cfg.reward,
+        rm_type=dataset.rm_type or cfg.reward.rm_type,
+        custom_rm_path=dataset.custom_rm_path or cfg.reward.custom_rm_path,
+    )
+    return RewardHub(reward, args=cfg, seed=cfg.seed, evaluation=True)
+
+
+def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
+    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass."""
+    r = cfg.rollout
+    if r.num_rollout is not None:
+        return cfg
+    per_epoch = dataset_size // r.rollout_batch_size
+    if per_epoch == 0:
+        raise ConfigError(
+            [
+                f"--num-epoch: the prompt data holds {dataset_size} prompts, fewer than --rollout-batch-size "
+                f"{r.rollout_batch_size}: set --num-rollout"
+            ]
+        )
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
+
+
+def eval_data_config(cfg: Config, dataset: EvalDataset) -> DataConfig:
+    """How an evaluation dataset's rows are read: its keys, template and prompt limit."""
+    return dataclasses.replace(
+        cfg.data,
+        input_key=dataset.input_key,
+        label_key=dataset.label_key,
+        tool_key=dataset.tool_key,
+        metadata_key=dataset.metadata_key,
+        apply_chat_template=dataset.apply_chat_template,
+        apply_chat_template_kwargs=dict(dataset.apply_chat_template_kwargs),
+        rollout_max_prompt_len=dataset.max_prompt_len,
+    )
+
+
+def prepare_model_and_data(
+    cfg: Config,
+) -> tuple[str, Any, PromptDataset, list[tuple[EvalDataset, list[Sample]]] | None]:
+    """The model folder, its tokenizer, the prompt dataset and the evaluation datasets with their prompts (None
+    without eval).
 
     Without ``--hf-checkpoint`` the demo's tiny model is built into ``output_dir/base_model`` and loaded from there
     like any checkpoint; without ``--prompt-data`` the prompts are the demo task's. What was dropped or skipped is
@@ -294,22 +457,29 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
     model_path = cfg.model.hf_checkpoint or demo.base_model(cfg.output_dir, seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     context = model_context(model_path)
-    eval_set = None
+    eval_sets: list[tuple[EvalDataset, PromptDataset]] = []
+    has_eval_data = cfg.eval.eval_prompt_data is not None or cfg.eval.eval_config is not None
     if cfg.data.prompt_data is None:
         dataset, demo_eval = demo.prompt_datasets(tokenizer, cfg.data, seed=cfg.seed)
-        if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is None:
-            eval_set = demo_eval
+        if cfg.eval.eval_interval is not None and not has_eval_data:
+            eval_sets.append((resolve_eval_dataset(cfg, {"name": "builtin", "path": ""}), demo_eval))
     else:
-        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.seed, max_context=context)
-    if cfg.eval.eval_interval is not None and cfg.eval.eval_prompt_data is not None:
-        eval_set = PromptDataset(cfg.eval.eval_prompt_data, tokenizer, cfg.data, seed=cfg.seed, max_context=context)
-    datasets = (dataset,) if eval_set is None else (dataset, eval_set)
+        dataset = PromptDataset(
+            cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.data.rollout_seed, max_context=context
+        )
+    if cfg.eval.eval_interval is not None and has_eval_data:
+        for d in eval_datasets(cfg):
+            config = eval_data_config(cfg, d)
+            eval_sets.append(
+                (d, PromptDataset(d.path, tokenizer, config, seed=cfg.data.rollout_seed, max_context=context))
+            )
+    datasets = (dataset, *(ds for _, ds in eval_sets))
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu
     if budget is not None:
         longest = max(ds.max_prompt_tokens for ds in datasets)
-        need = longest + cfg.rollout.rollout_max_response_len
+        need = longest + max([cfg.rollout.rollout_max_response_len] + [d.max_response_len for d, _ in eval_sets])
         if budget < need:
             raise ConfigError(
                 [
@@ -318,8 +488,13 @@ def prepare_model_and_data(cfg: Config) -> tuple[str, Any, PromptDataset, list[S
                     "or drop long prompts with --rollout-max-prompt-len)"
                 ]
             )
-    eval_prompts = eval_set.next_batch(len(eval_set)) if eval_set is not None else None
-    return model_path, tokenizer, dataset, eval_prompts
+    evals = []
+    for d, ds in eval_sets:
+        prompts = ds.next_batch(len(ds))
+        for sample in prompts:
+            sample.metadata = {**sample.metadata, **d.metadata_overrides}
+        evals.append((d, prompts))
+    return model_path, tokenizer, dataset, evals or None
 
 
 def model_context(model_path: str) -> int | None:
@@ -370,22 +545,36 @@ def _init_ray(cfg: Config) -> bool:
 
 
 async def evaluate(
-    ctx: RolloutContext, hub: RewardHub, prompts: list[Sample], cfg: Config, *, custom_generate: Any = None
+    ctx: RolloutContext, evals: list[EvalSet], cfg: Config, *, custom_generate: Any = None
 ) -> dict[str, float]:
-    """Mean reward over the evaluation prompts (``--n-samples-per-eval-prompt`` each), no filter, no training.
+    """Reward statistics over the evaluation prompts (each dataset's samples per prompt, sampling settings and
+    reward), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them.
 
     Responses come from the same generation path as training rollouts: ``custom_generate`` (the
     ``--custom-generate-function-path`` hook) when given, the engines' batched generate otherwise.
     """
-    groups = expand_groups(prompts, cfg.eval.n_samples_per_eval_prompt, first_group=0)
-    # Aborted groups are left out of the score, as the rollout leaves them out of training.
-    whole, aborted = await generate_groups(ctx, groups, sampling_params(cfg), custom_generate)
-    samples = [s for g in whole for s in g]
-    await hub.score(samples)
-    errors = hub.pop_metrics()
-    metrics = sample_metrics(samples, prefix="eval") if samples else {}
-    metrics["eval/reward_errors"] = errors["reward/errors"]
-    metrics["eval/groups_aborted"] = len(aborted)
+    metrics: dict[str, float] = {}
+    every: list[Sample] = []
+    aborted_groups = errors = 0
+    for e in evals:
+        name, key = e.dataset.name, e.hub.reward_key
+        groups = expand_groups(e.prompts, e.dataset.n_samples_per_eval_prompt, first_group=0)
+        # Aborted groups are left out of the score, as the rollout leaves them out of training.
+        whole, aborted = await generate_groups(ctx, groups, e.params, custom_generate)
+        samples = [s for g in whole for s in g]
+        await e.hub.score(samples)
+        errors += e.hub.pop_metrics()["reward/errors"]
+        if samples:
+            metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=key))
+            if cfg.log.log_passrate:
+                metrics.update(passrate_metrics(samples, prefix=f"eval/{name}", reward_key=key))
+        every += samples
+        aborted_groups += len(aborted)
+    if every:
+        # Every dataset's hub reads the same --eval-reward-key.
+        metrics.update(sample_metrics(every, prefix="eval", reward_key=evals[0].hub.reward_key))
+    metrics["eval/reward_errors"] = errors
+    metrics["eval/groups_aborted"] = aborted_groups
     return metrics
 
 

@@ -18,6 +18,7 @@ from rlcore.losses import (
     entropy_bonus,
     gspo,
     mismatch_weights,
+    opsm_keep,
     ppo_clip,
     sft_loss,
     value_loss,
@@ -356,21 +357,49 @@ def test_gspo_ignores_masked_positions_even_nan(shape, seed):
 # ---------------------------------------------------------------- cispo
 
 
-@given(shape=shapes, seed=seeds, eps_high=st.floats(0.05, 3.0))
-def test_cispo_matches_loop_reference_value_and_gradient(shape, seed, eps_high):
+@given(shape=shapes, seed=seeds, eps_high=st.floats(0.05, 3.0), eps_low=st.one_of(st.none(), st.floats(0.0, 0.9)))
+def test_cispo_matches_loop_reference_value_and_gradient(shape, seed, eps_high, eps_low):
     lp, old, adv, _ = make(seed, *shape)
     lp = lp.requires_grad_()
-    loss, clipped = cispo(lp, old, adv, eps_clip_high=eps_high)
+    loss, clipped = cispo(lp, old, adv, eps_clip_high=eps_high, eps_clip=eps_low)
     (grad,) = torch.autograd.grad(loss.sum(), lp)
     want_loss, want_grad, want_clipped = [], [], []
+    low = -math.inf if eps_low is None else 1 - eps_low  # None: the paper's form; a number: slime's two-sided clamp
     for a, b, d in zip(lp.detach().flatten().tolist(), old.flatten().tolist(), adv.flatten().tolist(), strict=True):
-        w = min(math.exp(a - b), 1 + eps_high)
+        r = math.exp(a - b)
+        w = max(min(r, 1 + eps_high), low)
         want_loss.append(-w * d * a)
         want_grad.append(-w * d)  # the truncated weight is a constant: clipped tokens keep their gradient
-        want_clipped.append(math.exp(a - b) > 1 + eps_high)
+        want_clipped.append(r > 1 + eps_high or r < low)
     torch.testing.assert_close(loss.flatten(), torch.tensor(want_loss, dtype=F64))
     torch.testing.assert_close(grad.flatten(), torch.tensor(want_grad, dtype=F64))
     assert clipped.flatten().tolist() == want_clipped
+
+
+# ---------------------------------------------------------------- opsm_keep
+
+
+@given(shape=shapes, seed=seeds, delta=st.floats(0.0, 0.5))
+def test_opsm_keep_matches_loop_reference_and_ignores_masked_positions(shape, seed, delta):
+    lp, old, adv, mask = make(seed, *shape)
+    keep = opsm_keep(nan_fill(lp, mask), nan_fill(old, mask), nan_fill(adv, mask), mask, delta=delta)
+    for i in range(shape[0]):
+        n = int(mask[i].sum())
+        seq_kl = sum(float(old[i, t] - lp[i, t]) for t in range(shape[1]) if mask[i, t]) / max(n, 1)
+        for t in range(shape[1]):
+            want = bool(mask[i, t]) and not (float(adv[i, t]) < 0 and seq_kl > delta)
+            assert bool(keep[i, t]) == want
+    # Tokens with a non-negative advantage are never masked; delta = inf masks nothing.
+    assert bool(keep[mask & (adv >= 0)].all())
+    assert torch.equal(opsm_keep(lp, old, adv, mask, delta=math.inf), mask)
+
+
+def test_opsm_keep_checks_its_arguments():
+    lp, old, adv, mask = make(0, 2, 3)
+    with pytest.raises(ValueError, match="delta"):
+        opsm_keep(lp, old, adv, mask, delta=-1.0)
+    with pytest.raises(ValueError, match="mask"):
+        opsm_keep(lp, old, adv, mask[:, :2], delta=0.1)
 
 
 # ---------------------------------------------------------------- mismatch_weights

@@ -21,6 +21,9 @@ CHAT_TEMPLATE = (
 )
 WORDS = "what is plus minus times the answer a b c one two three four five six seven eight nine".split()
 
+# The rows below are keyed prompt/label (slime's flag defaults are input and no label).
+KEYS = {"input_key": "prompt", "label_key": "label"}
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
@@ -73,18 +76,18 @@ def test_jsonl_plain_prompts_with_keys_by_flag(tmp_path, tokenizer):
 def test_jsonl_with_byte_order_mark(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "label": "b"}).encode() + b"\n")
-    assert PromptDataset(path, None, DataConfig(), seed=0).next_batch(1)[0].label == "b"
+    assert PromptDataset(path, None, DataConfig(**KEYS), seed=0).next_batch(1)[0].label == "b"
 
 
 def test_chat_template_through_the_tokenizer(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "answer the question"}, {"role": "user", "content": "what is 2 + 3"}]
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "what is 1 + 1", "label": "2"}, {"prompt": messages}])
     with pytest.raises(DataError, match="line 2: missing key 'label'"):
-        PromptDataset(path, tokenizer, DataConfig(apply_chat_template=True), seed=0)
+        PromptDataset(path, tokenizer, DataConfig(**KEYS, apply_chat_template=True), seed=0)
     path = _write_jsonl(
         tmp_path / "chat.jsonl", [{"prompt": "what is 1 + 1", "label": "2"}, {"prompt": messages, "label": "5"}]
     )
-    ds = PromptDataset(path, tokenizer, DataConfig(apply_chat_template=True, rollout_shuffle=False), seed=0)
+    ds = PromptDataset(path, tokenizer, DataConfig(**KEYS, apply_chat_template=True, rollout_shuffle=False), seed=0)
     first, second = ds.next_batch(2)
     template = jinja2.Template(CHAT_TEMPLATE)
     assert first.prompt == template.render(
@@ -100,7 +103,7 @@ def test_chat_template_through_the_tokenizer(tmp_path, tokenizer):
 def test_chat_messages_without_template_flag_are_bad_rows(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "label": "x"}])
     with pytest.raises(DataError, match="line 1: .*pass --apply-chat-template"):
-        PromptDataset(path, tokenizer, DataConfig(), seed=0)
+        PromptDataset(path, tokenizer, DataConfig(**KEYS), seed=0)
 
 
 def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer):
@@ -108,7 +111,7 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer):
     plain.chat_template = None
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(2))
     with pytest.raises(DataError, match="no chat_template"):
-        PromptDataset(path, plain, DataConfig(apply_chat_template=True), seed=0)
+        PromptDataset(path, plain, DataConfig(**KEYS, apply_chat_template=True), seed=0)
 
 
 def test_long_prompts_dropped_and_counted(tmp_path, tokenizer):
@@ -116,7 +119,9 @@ def test_long_prompts_dropped_and_counted(tmp_path, tokenizer):
     rows = [{"prompt": " ".join(words[: k + 1]), "label": str(k)} for k in range(7)]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
     limit = 4
-    ds = PromptDataset(path, tokenizer, DataConfig(rollout_max_prompt_len=limit, rollout_shuffle=False), seed=0)
+    ds = PromptDataset(
+        path, tokenizer, DataConfig(**KEYS, rollout_max_prompt_len=limit, rollout_shuffle=False), seed=0
+    )
     # Each prompt is k+1 words plus BOS.
     expected_kept = [r for k, r in enumerate(rows) if k + 2 <= limit]
     assert len(ds) == len(expected_kept) == 3
@@ -125,7 +130,7 @@ def test_long_prompts_dropped_and_counted(tmp_path, tokenizer):
     assert [s.prompt for s in ds.next_batch(3)] == [r["prompt"] for r in expected_kept]
     assert all(len(s.tokens) <= limit for s in ds.next_batch(3))
     with pytest.raises(DataError, match="no usable prompts .* 7 longer than --rollout-max-prompt-len 1"):
-        PromptDataset(path, tokenizer, DataConfig(rollout_max_prompt_len=1), seed=0)
+        PromptDataset(path, tokenizer, DataConfig(**KEYS, rollout_max_prompt_len=1), seed=0)
 
 
 BAD_LINES = [
@@ -144,14 +149,14 @@ BAD_LINES = [
 def test_malformed_rows_fail_with_line_number(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
     with pytest.raises(DataError) as info:
-        PromptDataset(path, tokenizer, DataConfig(), seed=0)
+        PromptDataset(path, tokenizer, DataConfig(**KEYS), seed=0)
     message = str(info.value)
     assert f"{path} line 3: invalid JSON" in message and "--on-bad-row skip" in message
 
 
 def test_malformed_rows_skipped_and_counted(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
-    ds = PromptDataset(path, tokenizer, DataConfig(on_bad_row="skip", rollout_shuffle=False), seed=0)
+    ds = PromptDataset(path, tokenizer, DataConfig(**KEYS, on_bad_row="skip", rollout_shuffle=False), seed=0)
     assert [line for line, _ in ds.bad_rows] == [3, 5, 6, 7, 8]
     reasons = dict(ds.bad_rows)
     assert "invalid JSON" in reasons[3]
@@ -176,8 +181,8 @@ def test_parquet_loading_and_bad_row_numbers(tmp_path, tokenizer):
     path = tmp_path / "p.parquet"
     pq.write_table(table, path)
     with pytest.raises(DataError, match=r"p\.parquet row 2: .*NoneType"):
-        PromptDataset(path, tokenizer, DataConfig(), seed=0)
-    ds = PromptDataset(path, tokenizer, DataConfig(on_bad_row="skip", rollout_shuffle=False), seed=0)
+        PromptDataset(path, tokenizer, DataConfig(**KEYS), seed=0)
+    ds = PromptDataset(path, tokenizer, DataConfig(**KEYS, on_bad_row="skip", rollout_shuffle=False), seed=0)
     assert ds.num_bad_rows == 1 and ds.bad_rows[0][0] == 2
     samples = ds.next_batch(2)
     assert [(s.prompt, s.label, s.metadata) for s in samples] == [
@@ -187,12 +192,12 @@ def test_parquet_loading_and_bad_row_numbers(tmp_path, tokenizer):
 
     chat = pa.table({"prompt": [[{"role": "user", "content": "what is 4 plus 4"}]], "label": ["8"]})
     pq.write_table(chat, tmp_path / "chat.parquet")
-    ds = PromptDataset(tmp_path / "chat.parquet", tokenizer, DataConfig(apply_chat_template=True), seed=0)
+    ds = PromptDataset(tmp_path / "chat.parquet", tokenizer, DataConfig(**KEYS, apply_chat_template=True), seed=0)
     assert ds.next_batch(1)[0].prompt == "<|user|> what is 4 plus 4 <|assistant|>"
 
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="cannot read as Parquet"):
-        PromptDataset(tmp_path / "junk.parquet", tokenizer, DataConfig(), seed=0)
+        PromptDataset(tmp_path / "junk.parquet", tokenizer, DataConfig(**KEYS), seed=0)
 
 
 def _stream(ds, n_batches, batch_size):
@@ -202,7 +207,7 @@ def _stream(ds, n_batches, batch_size):
 def test_per_epoch_shuffle_is_seeded_and_complete():
     records = _rows(12)
     make = lambda seed, shuffle=True: PromptDataset.from_records(  # noqa: E731
-        records, None, DataConfig(rollout_shuffle=shuffle), seed=seed
+        records, None, DataConfig(**KEYS, rollout_shuffle=shuffle), seed=seed
     )
     first = _stream(make(3), 9, 4)  # three epochs of 12
     assert first == _stream(make(3), 9, 4)
@@ -219,7 +224,7 @@ def test_per_epoch_shuffle_is_seeded_and_complete():
 
 def test_state_dict_resumes_at_the_same_position(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(10))
-    cfg = DataConfig(rollout_max_prompt_len=64)
+    cfg = DataConfig(**KEYS, rollout_max_prompt_len=64)
     ds = PromptDataset(path, tokenizer, cfg, seed=9)
     _stream(ds, 7, 3)  # 21 prompts: into the third epoch
     state = json.loads(json.dumps(ds.state_dict()))  # checkpoints store it as plain data
@@ -238,7 +243,7 @@ def test_state_dict_resumes_at_the_same_position(tmp_path, tokenizer):
 
 def test_samples_are_independent_copies():
     ds = PromptDataset.from_records(
-        [{"prompt": "a", "label": ["x"], "metadata": {"tags": ["t"]}}], None, DataConfig(), seed=0
+        [{"prompt": "a", "label": ["x"], "metadata": {"tags": ["t"]}}], None, DataConfig(**KEYS), seed=0
     )
     sample = ds.next_batch(1)[0]
     sample.metadata["tags"].append("changed")
@@ -249,12 +254,12 @@ def test_samples_are_independent_copies():
 
 def test_from_records_errors_name_the_record():
     with pytest.raises(DataError, match="<records> record 2: missing key 'label'"):
-        PromptDataset.from_records([{"prompt": "a", "label": 1}, {"prompt": "b"}], None, DataConfig(), seed=0)
+        PromptDataset.from_records([{"prompt": "a", "label": 1}, {"prompt": "b"}], None, DataConfig(**KEYS), seed=0)
     with pytest.raises(ValueError, match="tokenizer is None"):
-        PromptDataset.from_records(_rows(2), None, DataConfig(rollout_max_prompt_len=3), seed=0)
+        PromptDataset.from_records(_rows(2), None, DataConfig(**KEYS, rollout_max_prompt_len=3), seed=0)
     with pytest.raises(DataError, match="does not exist"):
-        PromptDataset("/nonexistent/p.jsonl", None, DataConfig(), seed=0)
-    ds = PromptDataset.from_records(_rows(2), None, DataConfig(), seed=0)
+        PromptDataset("/nonexistent/p.jsonl", None, DataConfig(**KEYS), seed=0)
+    ds = PromptDataset.from_records(_rows(2), None, DataConfig(**KEYS), seed=0)
     with pytest.raises(ValueError, match="n must be a positive int"):
         ds.next_batch(0)
 
@@ -268,7 +273,7 @@ def test_from_records_errors_name_the_record():
 )
 def test_stream_is_epochwise_permutations_and_resume_anywhere_matches(n_prompts, seed, sizes, split, shuffle):
     records = [{"prompt": f"p{i}", "label": i} for i in range(n_prompts)]
-    cfg = DataConfig(rollout_shuffle=shuffle)
+    cfg = DataConfig(**KEYS, rollout_shuffle=shuffle)
     ds = PromptDataset.from_records(records, None, cfg, seed=seed)
     split = min(split, len(sizes))
     head = [s for size in sizes[:split] for s in ds.next_batch(size)]
@@ -287,7 +292,7 @@ def test_stream_is_epochwise_permutations_and_resume_anywhere_matches(n_prompts,
 
 def test_report_lists_counts_and_the_first_skipped_rows(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
-    ds = PromptDataset(path, tokenizer, DataConfig(on_bad_row="skip"), seed=0)
+    ds = PromptDataset(path, tokenizer, DataConfig(**KEYS, on_bad_row="skip"), seed=0)
     lines = ds.report(max_rows=2)
     assert lines[0].startswith(f"{path}: {len(ds)} prompts; {ds.num_dropped_long} dropped as longer than")
     assert "5 malformed rows skipped" in lines[0]
@@ -313,7 +318,9 @@ def test_job_prints_skipped_rows_and_checks_the_token_budget_against_the_data(tm
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
     argv = ["--hf-checkpoint", str(_model_dir(tmp_path, tokenizer)), "--prompt-data", str(path)]
     argv += ["--rm-type", "exact_match", "--on-bad-row", "skip", "--rollout-max-response-len", "4"]
-    argv += ["--output-dir", str(tmp_path / "out")]
+    argv += ["--output-dir", str(tmp_path / "out"), "--input-key", "prompt", "--label-key", "label"]
+    argv += ["--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--num-rollout", "1"]
+    argv += ["--actor-num-gpus-per-node", "1", "--micro-batch-size", "8"]
     # Without --rollout-max-prompt-len validation cannot know the longest prompt: BOS + 9 words = 10 tokens.
     cfg = parse_args([*argv, "--max-tokens-per-gpu", "13", "--global-batch-size", "32"])
     with pytest.raises(ConfigError, match=r"--max-tokens-per-gpu 13 cannot hold the longest sample: a prompt of 10"):

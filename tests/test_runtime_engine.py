@@ -218,6 +218,23 @@ def _collect(engines, *, args=None, custom_generate=None, **kw):
         hub.close()
 
 
+def test_rollout_skip_special_tokens_reaches_the_response_text():
+    from runtime.rollout import RolloutContext
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens):
+            return "4" if skip_special_tokens else "4</s>"
+
+    assert apply_generation(Sample(tokens=[3]), Generation([4, 2], [-0.1, -0.2], "stop"), Tok()).response == "4"
+    kept = apply_generation(Sample(), Generation([4, 2], [-0.1, -0.2], "stop"), Tok(), skip_special_tokens=False)
+    assert kept.response == "4</s>"  # slime's default keeps them
+    assert not RolloutContext(None, None, from_dict(None, hf_checkpoint="m")).skip_special_tokens
+    assert RolloutContext(None, None, from_dict(None)).skip_special_tokens  # the built-in job's value
+    assert RolloutContext(
+        None, None, from_dict(None, hf_checkpoint="m", rollout_skip_special_tokens=True)
+    ).skip_special_tokens
+
+
 @pytest.mark.parametrize(("reason", "status"), [("stop", "COMPLETED"), ("length", "TRUNCATED"), ("abort", "ABORTED")])
 def test_apply_generation_maps_finish_reason_to_status(reason, status):
     s = apply_generation(Sample(tokens=[3]), Generation([4], [-0.1], reason), _Tokenizer())

@@ -60,7 +60,13 @@ SMALL = {
     "global_batch_size": 8,
     "micro_batch_size": 4,
     "lr": 1e-3,
+    "actor_num_gpus_per_node": 1,
 }
+
+
+# What a job with --prompt-data must say (slime has no defaults for these), and the keys of the test rows.
+JOB_SIZE = ["--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+JOB_SIZE += ["--actor-num-gpus-per-node", "1", "--input-key", "prompt", "--label-key", "label"]
 
 
 def small_cfg(tmp_path, **overrides) -> Config:
@@ -495,6 +501,9 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert row["train/num_steps"] == 2  # 16 samples per rollout, global batch 8
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
+    # As slime: the starting model is evaluated before the first step (logged with it), per dataset and over all.
+    assert rows[0]["eval/reward_mean_before_train"] == rows[0]["eval/builtin/reward_mean_before_train"]
+    assert rows[1]["eval/reward_mean"] == rows[1]["eval/builtin/reward_mean"]
     # The data counts are logged once, at the first step.
     assert rows[0]["data/num_prompts"] == demo.NUM_PROMPTS
     assert (rows[0]["data/num_bad_rows"], rows[0]["data/num_dropped_long"]) == (0, 0)
@@ -596,6 +605,95 @@ def test_evaluation_uses_the_custom_generate_function(ray_session, tmp_path):
     assert rows[0]["rollout/reward_mean"] == 1.0 and rows[0]["eval/reward_mean"] == 1.0
 
 
+def test_dump_details_then_replay_without_engines_then_rollout_only(ray_session, tmp_path):
+    dump = tmp_path / "dump"
+    first = read_metrics(
+        run(small_cfg(tmp_path / "a", num_rollout=1, dump_details=str(dump)), progress=False).output_dir / METRICS_FILE
+    )
+    assert sorted(p.name for p in (dump / "rollout_data").iterdir()) == ["0.pt"]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0.pt"]
+    # --load-debug-rollout-data: the same samples trained again, with no engine (and no evaluation).
+    replay = small_cfg(
+        tmp_path / "b", num_rollout=1, load_debug_rollout_data=str(dump / "rollout_data" / "{rollout_id}.pt")
+    )
+    second = read_metrics(run(replay, progress=False).output_dir / METRICS_FILE)
+    assert [r["rollout/reward_mean"] for r in second] == [r["rollout/reward_mean"] for r in first]
+    assert all(r["rollout/replayed_samples"] == 16 and "train/loss" in r for r in second)
+    # The same weights and samples: the step trains alike.
+    assert second[0]["train/loss"] == pytest.approx(first[0]["train/loss"], rel=1e-5, abs=1e-7)
+    # --debug-rollout-only: rollouts and rewards, no trainer, no model written.
+    only = small_cfg(tmp_path / "c", num_rollout=1, debug_rollout_only=True)
+    (row,) = read_metrics(run(only, progress=False).output_dir / METRICS_FILE)
+    assert "rollout/reward_mean" in row and not [k for k in row if k.startswith("train/")]
+    assert not (tmp_path / "c" / "out" / "final_model").exists()
+
+
+def test_on_policy_distillation_with_a_teacher_model_in_the_trainers(ray_session, tmp_path):
+    teacher = make_tiny_model(tmp_path / "teacher", alphabet=task.ALPHABET, seed=7)
+    cfg = small_cfg(
+        tmp_path, num_rollout=1, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher), opd_kl_coef=0.5
+    )
+    (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    # A different model: its log-probs differ from the student's, and the reverse KL reaches the advantages.
+    assert row["train/opd_reverse_kl"] != 0.0 and row["rollout/advantage_abs_mean"] > 0
+
+
+def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
+    pattern = str(tmp_path / "hf" / "iter_{rollout_id}")
+    cfg = small_cfg(tmp_path, num_rollout=3, start_rollout_id=1, save_hf=pattern, save_interval=1)
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    assert [row["step"] for row in rows] == [1, 2]  # --start-rollout-id 1 of --num-rollout 3
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_1", "iter_2"]  # slime's 0-based ids
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "iter_2")
+
+
+def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path):
+    # One optimizer step per rollout, so each step's KL to the reference is measured before the step's update.
+    cfg = small_cfg(
+        tmp_path,
+        num_rollout=3,
+        global_batch_size=16,
+        use_kl_loss=True,
+        ref_update_interval=2,
+        reset_optimizer_states=True,
+    )
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    kl = [row["train/approx_kl_ref"] for row in rows]
+    assert kl[0] == 0.0 and kl[1] != 0.0  # the initial model, then one step away from it
+    assert kl[2] == 0.0  # the reference was refreshed after step 2 (--ref-update-interval 2)
+
+
+def test_eval_config_datasets_with_their_own_settings_and_passrate(ray_session, tmp_path):
+    paths = {}
+    for name, seed in (("a", 21), ("b", 22)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in task.make_records(4, seed=seed)))
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        "eval:\n  defaults: {max_response_len: 2}\n  datasets:\n"
+        f"    - {{name: a, path: {paths['a']}, n_samples_per_eval_prompt: 4}}\n"
+        f"    - {{name: b, path: {paths['b']}, max_response_len: 3}}\n"
+    )
+    cfg = small_cfg(
+        tmp_path,
+        num_rollout=1,
+        eval_interval=1,
+        eval_config=str(config),
+        eval_input_key="prompt",  # slime's --eval-*-key: the eval files' keys, not --input-key's "input"
+        eval_label_key="label",
+        n_samples_per_eval_prompt=2,
+        eval_temperature=0.5,
+        log_passrate=True,
+        skip_eval_before_train=True,
+    )
+    (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    assert row["eval/a/response_len_mean"] <= 2 and row["eval/b/response_len_mean"] <= 3  # not the rollout's 5
+    assert {"eval/a/pass@1", "eval/a/pass@2", "eval/a/pass@4"} <= row.keys()  # 4 samples per prompt (its own)
+    assert {"eval/b/pass@1", "eval/b/pass@2"} <= row.keys() and "eval/b/pass@4" not in row  # 2 (the flag's)
+    assert {"rollout/pass@1", "rollout/pass@2", "rollout/pass@4"} <= row.keys()  # 4 samples per prompt
+    assert not [key for key in row if key.endswith("_before_train")]  # --skip-eval-before-train
+
+
 def test_save_then_load_resumes_at_the_same_step_and_data_position(ray_session, tmp_path):
     save = tmp_path / "ckpt"
     full = run(small_cfg(tmp_path / "a", num_rollout=4, save=str(save), save_interval=2), progress=False)
@@ -636,7 +734,7 @@ def test_cli_reports_settings_the_runtime_cannot_run(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n")
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--sft-warmup-steps", "2"]
-    args += ["--rollout-max-response-len", "4"]
+    args += ["--rollout-max-response-len", "4", *JOB_SIZE]
     assert main([*args, "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     assert "--sft-warmup-steps" in capsys.readouterr().err
 
@@ -645,7 +743,7 @@ def test_cli_reports_malformed_data_with_its_line(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n" + '{"prompt": "c3=", "label": \n')
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--output-dir", str(tmp_path / "out")]
-    assert main([*args, "--rollout-max-response-len", "4"]) == EXIT_BAD_INPUT
+    assert main([*args, "--rollout-max-response-len", "4", *JOB_SIZE]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "line 2" in err and str(data) in err
 

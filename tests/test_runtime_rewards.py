@@ -2,7 +2,6 @@
 
 import asyncio
 import pickle
-import statistics
 import textwrap
 import time
 
@@ -246,12 +245,15 @@ def _group(rewards):
 
 
 @pytest.mark.parametrize(
-    "rewards", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5], [1.0, 0.0, 1.0], [0.2, 0.2, 0.2 + 1e-3], [0.3, 0.3, 0.3, 0.3]]
+    "rewards",
+    [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5], [1.0, 0.0, 1.0], [0.2, 0.2, 0.2 + 1e-3], [0.3, 0.3, 0.3, 0.3], [0.0, 1.5e-6]],
 )
 def test_check_reward_nonzero_std_matches_std(rewards):
     out = check_reward_nonzero_std(None, _group(rewards))
     assert isinstance(out, DynamicFilterOutput)
-    assert out.keep == (len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6)
+    # slime's filter: torch.std (unbiased) in float64 above 1e-6; [0, 1.5e-6] is kept (its population std is below).
+    unbiased = torch.tensor(rewards, dtype=torch.float64).std().item() if len(rewards) > 1 else 0.0
+    assert out.keep == (len(rewards) > 1 and unbiased > 1e-6)
     assert (out.reason is None) == out.keep
     if not out.keep:
         assert out.reason == f"zero_std_{round(rewards[0], 1)}"

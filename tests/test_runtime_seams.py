@@ -13,6 +13,7 @@ import typing
 import pytest
 import ray
 import torch
+import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,7 +104,10 @@ def test_model_roles_follow_the_algorithm(tmp_path):
         return model_roles(from_dict(None, output_dir=str(tmp_path), **kw))
 
     assert roles(use_kl_loss=False) == (ACTOR,)  # the built-in job keeps a reference by default
-    assert roles(use_kl_loss=False, kl_coef=0.1) == (ACTOR, REFERENCE)
+    assert roles(use_kl_loss=False, kl_coef=0.1) == (ACTOR,)  # grpo ignores --kl-coef, as slime does
+    assert roles(use_kl_loss=False, kl_coef=0.1, advantage_estimator="reinforce_plus_plus") == (ACTOR, REFERENCE)
+    opd = {"use_opd": True, "opd_type": "megatron", "opd_teacher_load": "teacher"}
+    assert roles(use_kl_loss=False, **opd) == (ACTOR, TEACHER)
     assert roles(use_kl_loss=True, advantage_estimator="ppo") == (ACTOR, REFERENCE, CRITIC)
     assert roles(use_kl_loss=False, advantage_estimator="on_policy_distillation") == (ACTOR, TEACHER)
 
@@ -117,6 +121,31 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     cls = backend_class(backend)
     with pytest.raises(ValueError, match="critic"):
         cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(ACTOR, CRITIC))
+    # --ref-load: the reference from another folder (same tokenizer), so its log-probs differ from the actor's.
+    ref_model = make_tiny_model(tmp_path / "ref", alphabet=task.ALPHABET, seed=5)
+    with_ref = cls(
+        model_path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+        roles=(ACTOR, REFERENCE),
+        role_paths={"reference": str(ref_model)},
+    )
+    moved = with_ref.compute_log_probs(_batch(model_path))
+    assert not torch.equal(moved[keys.OLD_LOG_PROBS], moved[keys.REF_LOG_PROBS])
+    with_ref.shutdown()
+    other = make_tiny_model(tmp_path / "other_vocab", alphabet="0123456789", seed=1)
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        cls(
+            model_path,
+            train_cfg=cfg.train,
+            loss_cfg=loss_config(cfg),
+            temperature=1.0,
+            seed=0,
+            roles=(ACTOR, TEACHER),
+            role_paths={"teacher": str(other)},
+        )
     trainer = cls(
         model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=model_roles(cfg)
     )
@@ -140,6 +169,16 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     }
     metrics = call("train", compute(td, advantage_config(cfg)), per_step_rows=8)
     assert metrics["num_steps"] == 1 and metrics["grad_norm"] > 0
+    # --reset-optimizer-states: the moments are gone (and training goes on); --ref-update-interval: the reference
+    # becomes the actor.
+    assert trainer.optimizer.state
+    call("reset_optimizer")
+    assert not trainer.optimizer.state
+    moved = trainer.compute_log_probs(td)
+    assert not torch.equal(moved[keys.OLD_LOG_PROBS], moved[keys.REF_LOG_PROBS])
+    call("update_reference")
+    synced = trainer.compute_log_probs(td)
+    torch.testing.assert_close(synced[keys.REF_LOG_PROBS], synced[keys.OLD_LOG_PROBS], rtol=0, atol=0)
     assert call("sft_train", td)["sft_loss"] > 0
     # Buckets: HF names, the asked dtype, tied weights once, each within the size unless one tensor is bigger.
     buckets = list(call("weight_buckets", dtype=torch.bfloat16, bucket_bytes=8192))
@@ -150,6 +189,10 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     assert set(names) == set(before) and any(
         not torch.equal(before[k].bfloat16(), v) for b in buckets for k, v in b.items()
     )
+    call("save", str(tmp_path / "no_optim"), with_optimizer=False)  # --no-save-optim
+    saved = dcp.FileSystemReader(str(tmp_path / "no_optim")).read_metadata().state_dict_metadata
+    assert saved and not [key for key in saved if key.startswith("optim")]
+    trainer.load(str(tmp_path / "no_optim"))  # the model's weights, the optimizer as it was
     call("save", str(tmp_path / "ckpt"))
     state = call("get_rng_state")
     draw = torch.rand(3)
@@ -240,7 +283,8 @@ def _job(tmp_path, name, prompts, schedule, extra=()):
         sys.executable, "-m", "runtime.cli", "--prompt-data", str(prompts), "--rm-type", "exact_match",
         "--rollout-max-response-len", "4", "--num-rollout", "9", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
-        "--no-use-tensorboard", "--rollout-schedule", schedule, "--output-dir", str(tmp_path / name), *extra,
+        "--no-use-tensorboard", "--rollout-schedule", schedule, "--output-dir", str(tmp_path / name),
+        "--input-key", "prompt", "--label-key", "label", "--actor-num-gpus-per-node", "1", *extra,
     ]  # fmt: skip
 
 

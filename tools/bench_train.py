@@ -62,6 +62,8 @@ def measure(path: str, args: argparse.Namespace, *, fused: bool) -> dict[str, fl
         from_dict(
             None,
             hf_checkpoint=path,
+            num_rollout=1,
+            actor_num_gpus_per_node=1,
             rollout_max_response_len=args.seq_len - args.prompt_len,
             rollout_batch_size=args.samples // 8,
             n_samples_per_prompt=8,

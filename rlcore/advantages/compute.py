@@ -43,6 +43,11 @@ class AdvantageConfig:
             ``--kl-loss-type``, default ``k1``).
         whiten: whiten the advantages over the valid tokens (slime's ``--normalize-advantages``).
         std_normalize: divide GRPO/GSPO advantages by the group std (off is Dr. GRPO; ``dr_grpo`` forces it off).
+        group_normalize: for the estimators with a group baseline; off, the raw reward is the sequence advantage
+            (no baseline at all: slime's ``--disable-rewards-normalization``).
+        opd_kl_coef: on-policy distillation on top of any estimator (slime's ``--use-opd --opd-kl-coef``), >= 0:
+            ``opd_kl_coef * (log_probs - teacher_log_probs)`` is subtracted from every token's advantage before
+            whitening; 0 is off and reads no teacher.
         eps: added to the group std, > 0 (a group of equal rewards has std 0).
         whiten_eps: added to the variance when whitening.
     """
@@ -54,6 +59,8 @@ class AdvantageConfig:
     kl_kind: str = "k1"
     whiten: bool = False
     std_normalize: bool = True
+    group_normalize: bool = True
+    opd_kl_coef: float = 0.0
     eps: float = 1e-6
     whiten_eps: float = 1e-8
 
@@ -63,6 +70,7 @@ class AdvantageConfig:
         check_unit_interval("gamma", self.gamma)
         check_unit_interval("lam", self.lam)
         check_non_negative("kl_coef", self.kl_coef)
+        check_non_negative("opd_kl_coef", self.opd_kl_coef)
         check_positive("eps", self.eps)
         check_non_negative("whiten_eps", self.whiten_eps)
 
@@ -193,11 +201,12 @@ def sequence_advantages(td: TensorDictBase, cfg: AdvantageConfig) -> TensorDictB
     """The group-baseline part of the advantages, over a whole batch: run it before cutting the batch into shards.
 
     For the estimators with a group baseline (``GROUP_BASELINE_ESTIMATORS``) it reads ``rewards`` and ``group_ids``
-    only and sets ``sequence_advantages`` [B] float32: :func:`grpo` for ``grpo`` and ``gspo`` (``std_normalize`` and
-    ``eps`` from ``cfg``), :func:`grpo` without std for ``dr_grpo`` and ``reinforce_plus_plus_baseline`` (the reward
-    minus its group mean), :func:`rloo` for ``rloo``. :func:`compute` with the same ``cfg`` on any row shard of the
-    result gives those rows of :func:`compute` on the whole batch. The other estimators (``gae``,
-    ``reinforce_plus_plus``, ``distillation``) have no group baseline: their td comes back unchanged (a copy).
+    only and sets ``sequence_advantages`` [B] float32 (the rewards themselves when ``cfg.group_normalize`` is off):
+    :func:`grpo` for ``grpo`` and ``gspo`` (``std_normalize`` and ``eps`` from ``cfg``), :func:`grpo` without std for
+    ``dr_grpo`` and ``reinforce_plus_plus_baseline`` (the reward minus its group mean), :func:`rloo` for ``rloo``.
+    :func:`compute` with the same ``cfg`` on any row shard of the result gives those rows of :func:`compute` on the
+    whole batch. The other estimators (``gae``, ``reinforce_plus_plus``, ``distillation``) have no group baseline:
+    their td comes back unchanged (a copy).
 
     Args:
         td: rollout batch, ``batch_size=[B]``, holding every sample of each of its groups. Not modified.
@@ -212,8 +221,12 @@ def sequence_advantages(td: TensorDictBase, cfg: AdvantageConfig) -> TensorDictB
     estimator = _TABLE[cfg.estimator]
     out = td.copy()
     if estimator.baseline is not None:
-        rewards, group_ids = (_get(td, key, cfg.estimator) for key in (keys.REWARDS, keys.GROUP_IDS))
-        out.set(keys.SEQUENCE_ADVANTAGES, estimator.baseline(rewards, group_ids, cfg).to(torch.float32))
+        if cfg.group_normalize:
+            rewards, group_ids = (_get(td, key, cfg.estimator) for key in (keys.REWARDS, keys.GROUP_IDS))
+            seq = estimator.baseline(rewards, group_ids, cfg)
+        else:
+            seq = check_rewards(_get(td, keys.REWARDS, cfg.estimator), batch=td.batch_size[0])
+        out.set(keys.SEQUENCE_ADVANTAGES, seq.to(torch.float32))
     return out
 
 
@@ -226,7 +239,8 @@ def shard_keys(cfg: AdvantageConfig) -> tuple[str, ...]:
     if not isinstance(cfg, AdvantageConfig):
         raise TypeError(f"cfg must be an AdvantageConfig, got {type(cfg).__name__}")
     penalty_keys = (keys.REF_LOG_PROBS, keys.OLD_LOG_PROBS) if cfg.kl_coef > 0 else ()
-    return tuple(dict.fromkeys((keys.MASK, *_TABLE[cfg.estimator].in_keys, *penalty_keys)))
+    opd_keys = (keys.TEACHER_LOG_PROBS, keys.OLD_LOG_PROBS) if cfg.opd_kl_coef > 0 else ()
+    return tuple(dict.fromkeys((keys.MASK, *_TABLE[cfg.estimator].in_keys, *penalty_keys, *opd_keys)))
 
 
 def compute(td: TensorDictBase, cfg: AdvantageConfig, *, group: dist.ProcessGroup | None = None) -> TensorDictBase:
@@ -236,8 +250,9 @@ def compute(td: TensorDictBase, cfg: AdvantageConfig, *, group: dist.ProcessGrou
     here from ``rewards`` and ``group_ids`` by :func:`sequence_advantages` when td does not hold it), ``rewards``
     (``gae``, ``reinforce_plus_plus``), ``values`` (``gae``), ``teacher_log_probs`` (``distillation``); with
     ``kl_coef > 0`` also ``ref_log_probs`` and the policy's log-probs (``old_log_probs`` if present, else
-    ``log_probs``). The KL-in-reward penalty is ``kl_t = approx_kl(policy, ref, kind=kl_kind)`` on valid tokens,
-    applied as in slime:
+    ``log_probs``); with ``opd_kl_coef > 0`` also ``teacher_log_probs`` and the policy's log-probs (on-policy
+    distillation, subtracted from the advantages before whitening). The KL-in-reward penalty is
+    ``kl_t = approx_kl(policy, ref, kind=kl_kind)`` on valid tokens, applied as in slime:
 
     - ``gae``: token rewards ``-kl_coef * kl_t``, plus the sample reward on the last valid token (slime's ``ppo``
       puts it on the response's last position; on the last *valid* one here because masked tokens are skipped).
@@ -287,6 +302,11 @@ def compute(td: TensorDictBase, cfg: AdvantageConfig, *, group: dist.ProcessGrou
         rows = sequence_advantages(td, cfg)  # td is a whole batch: its groups are all here
     inputs = {key: _read(rows, key, name, mask) for key in estimator.in_keys}
     advantages, returns = estimator.advantages(inputs, mask, kl, cfg)
+    if cfg.opd_kl_coef > 0:
+        # On-policy distillation on top of the estimator (slime's --use-opd): minus the reverse KL to the teacher.
+        student = _policy_log_probs(td, name, mask)
+        teacher = check_token_tensor(keys.TEACHER_LOG_PROBS, _get(td, keys.TEACHER_LOG_PROBS, name), mask)
+        advantages = advantages - cfg.opd_kl_coef * masked_fill_zero(student - teacher, mask)
 
     if cfg.whiten:
         advantages = whiten(advantages, mask, eps=cfg.whiten_eps, group=group)

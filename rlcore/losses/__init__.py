@@ -4,7 +4,7 @@ from rlcore.losses.aggregate import AGG_MODES, Normalizer, aggregate
 from rlcore.losses.entropy import entropy_bonus
 from rlcore.losses.kl import KL_KINDS, approx_kl
 from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_weights
-from rlcore.losses.policy import cispo, gspo, ppo_clip
+from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip
 from rlcore.losses.rl_loss import POLICY_LOSSES, LossConfig, rl_loss
 from rlcore.losses.sft import sft_loss
 from rlcore.losses.value import value_loss
@@ -20,6 +20,7 @@ __all__ = [
     "aggregate",
     "approx_kl",
     "cispo",
+    "opsm_keep",
     "entropy_bonus",
     "gspo",
     "mismatch_weights",

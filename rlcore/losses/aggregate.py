@@ -1,10 +1,10 @@
 """Reduction of per-token losses to a scalar, split-invariant over micro-batches and data-parallel ranks.
 
-slime divides each micro-batch's loss by that micro-batch's own token (or sample) count and averages the
-micro-batch losses, so the loss, and its gradient, depend on how the global batch was cut (a long sample
-weighs more in a short micro-batch). Here the denominators come from a ``Normalizer`` of the whole global
-batch: each micro-batch's ``aggregate`` is its share of the global loss, and the shares sum to exactly
-the loss of the global batch, whatever the split.
+The denominators come from a ``Normalizer`` of the whole global batch: each micro-batch's ``aggregate`` is its
+share of the global loss, and the shares sum to exactly the loss of the global batch, whatever the split. slime's
+aggregation is split-invariant too: by default it divides each sample's token sum by that sample's precomputed
+token count and scales by the step's sample count (``seq_mean_token_mean`` here); with
+``--calculate-per-token-loss`` Megatron divides by the step's total token count (``token_mean`` here).
 """
 
 from dataclasses import dataclass

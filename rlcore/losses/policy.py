@@ -139,19 +139,22 @@ def cispo(
     advantages: Tensor,
     *,
     eps_clip_high: float,
+    eps_clip: float | None = None,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5) per token: ``-sg(min(r, 1 + eps_clip_high)) * A * log_probs``.
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5) per token: ``-sg(clamp(r, 1 - eps_clip, 1 + eps_clip_high)) * A *
+    log_probs``.
 
     The importance weight is truncated under stop-gradient, so, unlike PPO, a clipped token keeps its
-    gradient ``-min(r, 1 + eps_clip_high) * A``. slime's ``compute_cispo_loss`` also has a lower bound
-    ``1 - eps_clip``; canonical CISPO has none (slime's advice is to disable it), so neither do we.
+    gradient ``-clamp(r, ...) * A``. With ``eps_clip=None`` there is no lower bound (the paper's form); with a
+    number the weight is also held at ``1 - eps_clip`` from below, as slime's ``compute_cispo_loss`` does.
 
     Args:
         log_probs: [...] current policy log-probs.
         old_log_probs: [...] log-probs of the sampling policy.
         advantages: [...] per-token advantages.
         eps_clip_high: upper truncation ``r <= 1 + eps_clip_high``.
+        eps_clip: lower truncation ``r >= 1 - eps_clip``, or ``None`` for none.
         mask: [...] bool, valid tokens, or ``None``; as in ``ppo_clip``: masked positions are zeroed first and get
             loss 0, ``clipped`` False and gradient 0 whatever they hold.
 
@@ -161,9 +164,41 @@ def cispo(
     """
     _check_policy_inputs(log_probs, old_log_probs, advantages)
     eps_high = _check_eps("eps_clip_high", eps_clip_high)
+    low = None if eps_clip is None else 1.0 - _check_eps("eps_clip", eps_clip)
     log_probs, old_log_probs, advantages = zero_masked(
         mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages
     )
     ratio = torch.exp(log_probs - old_log_probs).detach()
-    weight = ratio.clamp(max=1.0 + eps_high)
-    return -weight * advantages * log_probs, ratio > 1.0 + eps_high
+    weight = ratio.clamp(min=low, max=1.0 + eps_high)
+    clipped = ratio > 1.0 + eps_high
+    if low is not None:
+        clipped = clipped | (ratio < low)
+    return -weight * advantages * log_probs, clipped
+
+
+def opsm_keep(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *, delta: float) -> Tensor:
+    """Off-policy sequence masking (slime's ``--use-opsm``): which tokens keep their policy loss.
+
+    A token is dropped when its advantage is negative and its sequence has drifted from the sampling policy:
+    ``mean over valid t of (old_log_probs - log_probs) > delta`` (a sequence-level KL(old || new) estimate).
+
+    Args:
+        log_probs: [B, T] current policy log-probs (read without gradient).
+        old_log_probs: [B, T] log-probs of the sampling policy.
+        advantages: [B, T] per-token advantages.
+        mask: [B, T] bool, valid tokens.
+        delta: the threshold, >= 0.
+
+    Returns:
+        [B, T] bool: True where the token keeps its loss (always False at masked positions).
+    """
+    _check_policy_inputs(log_probs, old_log_probs, advantages)
+    check_tensor("log_probs", log_probs, ndim=2)
+    check_mask(mask, like=log_probs)
+    threshold = _check_eps("delta", delta)
+    log_probs, old_log_probs, advantages = zero_masked(
+        mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages
+    )
+    seq_kl = -sequence_log_ratio(log_probs.detach(), old_log_probs.detach(), mask)
+    drop = (advantages < 0) & (seq_kl > threshold)[:, None]
+    return mask & ~drop

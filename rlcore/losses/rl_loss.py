@@ -13,7 +13,7 @@ from rlcore.losses.aggregate import AGG_MODES, Normalizer, aggregate
 from rlcore.losses.entropy import entropy_bonus
 from rlcore.losses.kl import KL_KINDS, approx_kl
 from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_weights
-from rlcore.losses.policy import cispo, gspo, ppo_clip, sequence_log_ratio
+from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip, sequence_log_ratio
 from rlcore.losses.value import value_loss
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
@@ -26,7 +26,9 @@ class LossConfig:
     Attributes:
         policy_loss: ``ppo`` (``ppo_clip``), ``gspo`` or ``cispo``.
         eps_clip, eps_clip_high: clip ranges (``--eps-clip``, ``--eps-clip-high``; ``None`` = ``eps_clip``).
-            CISPO uses ``eps_clip_high`` (or ``eps_clip``) as its truncation.
+            CISPO uses ``eps_clip_high`` (or ``eps_clip``) as its upper truncation.
+        cispo_clip_low: CISPO's weight is also held at ``1 - eps_clip`` from below (slime's form); off, it has
+            no lower bound (the paper's).
         eps_clip_c: ``c > 1`` for dual-clip PPO (``--eps-clip-c``; ``dual_clip`` of ``ppo_clip``), ``None``
             off. PPO only.
         use_tis: correct for the mismatch of rollout and trainer log-probs (``--use-tis``) with
@@ -35,6 +37,10 @@ class LossConfig:
         tis_level, tis_clip_low, tis_clip: ``level``, ``low`` and ``high`` of ``mismatch_weights``
             (``--tis-clip-low``, ``--tis-clip``; slime's ``--tis-clip-low`` defaults to 0, ours to the mode's
             default).
+        mismatch_metrics: report the mismatch of rollout and trainer log-probs (``tis_weight_*`` of
+            ``tis_mode``, ``mismatch_k3``) without applying weights (slime's ``--get-mismatch-metrics``); reads
+            ``rollout_log_probs``.
+        use_opsm, opsm_delta: off-policy sequence masking (``opsm_keep``; slime's ``--use-opsm``, ``--opsm-delta``).
         use_kl_loss, kl_loss_coef, kl_loss_type: KL-to-reference loss (reads ``ref_log_probs``).
         use_unbiased_kl: weight the KL by ``exp(log_probs - old_log_probs)`` (slime's ``--use-unbiased-kl``);
             ``low_var_kl`` clamps the weighted estimate, as slime does.
@@ -49,11 +55,15 @@ class LossConfig:
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
+    cispo_clip_low: bool = False
     use_tis: bool = False
     tis_mode: str = "tis"
     tis_level: str = "token"
     tis_clip_low: float | None = None
     tis_clip: float = 2.0
+    mismatch_metrics: bool = False
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -69,11 +79,11 @@ class LossConfig:
         check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
         check_choice("tis_mode", self.tis_mode, MISMATCH_MODES)
         check_choice("tis_level", self.tis_level, MISMATCH_LEVELS)
-        for name in ("use_tis", "use_kl_loss", "use_unbiased_kl"):
+        for name in ("use_tis", "use_kl_loss", "use_unbiased_kl", "cispo_clip_low", "mismatch_metrics", "use_opsm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LossConfig.{name} must be a bool, got {getattr(self, name)!r}")
         optional = ("eps_clip_high", "eps_clip_c", "tis_clip_low", "value_clip")
-        for name in ("eps_clip", "tis_clip", "kl_loss_coef", "entropy_coef", "value_coef", *optional):
+        for name in ("eps_clip", "tis_clip", "opsm_delta", "kl_loss_coef", "entropy_coef", "value_coef", *optional):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -81,7 +91,15 @@ class LossConfig:
                 raise TypeError(f"LossConfig.{name} must be a number, got {type(value).__name__} {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"LossConfig.{name} must be finite, got {value!r}")
-        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "value_coef", "value_clip", "tis_clip_low"):
+        for name in (
+            "eps_clip",
+            "eps_clip_high",
+            "kl_loss_coef",
+            "value_coef",
+            "value_clip",
+            "tis_clip_low",
+            "opsm_delta",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {value!r}")
@@ -191,16 +209,24 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
         pg, clipped = gspo(log_probs, old_log_probs, advantages, mask, eps_clip=cfg.eps_clip, eps_clip_high=eps_high)
         ratio = torch.exp(sequence_log_ratio(log_probs, old_log_probs, mask))[:, None].expand_as(mask).detach()
     else:
-        pg, clipped = cispo(log_probs, old_log_probs, advantages, eps_clip_high=eps_high)
+        eps_low = cfg.eps_clip if cfg.cispo_clip_low else None
+        pg, clipped = cispo(log_probs, old_log_probs, advantages, eps_clip_high=eps_high, eps_clip=eps_low)
         ratio = torch.exp(log_ratio)
+    if cfg.use_opsm:
+        opsm = opsm_keep(log_probs, old_log_probs, advantages, mask, delta=cfg.opsm_delta)
+        pg = pg * opsm
+    else:
+        opsm = mask
 
     metrics: dict[str, Tensor] = {}
     keep = mask
-    if cfg.use_tis or keys.ROLLOUT_LOG_PROBS in td.keys():
-        rollout_log_probs = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis").detach()
+    if cfg.use_tis or cfg.mismatch_metrics or keys.ROLLOUT_LOG_PROBS in td.keys():
+        rollout_log_probs = _read(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis / mismatch_metrics").detach()
         metrics["rollout_log_prob_abs_diff"] = token_mean((old_log_probs - rollout_log_probs).abs())
-        if cfg.use_tis:
-            weights, keep = mismatch_weights(
+        if cfg.mismatch_metrics:
+            metrics["mismatch_k3"] = token_mean(approx_kl(rollout_log_probs, old_log_probs, kind="k3"))
+        if cfg.use_tis or cfg.mismatch_metrics:
+            weights, tis_keep = mismatch_weights(
                 old_log_probs,
                 rollout_log_probs,
                 mask,
@@ -209,10 +235,12 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
                 low=cfg.tis_clip_low,
                 high=cfg.tis_clip,
             )
-            pg = pg * weights
             metrics["tis_weight_mean"] = token_mean(weights)
             metrics["tis_weight_max"] = valid_max(weights)
-            metrics["tis_masked_frac"] = token_mean((mask & ~keep).to(weights.dtype))
+            metrics["tis_masked_frac"] = token_mean((mask & ~tis_keep).to(weights.dtype))
+            if cfg.use_tis:
+                pg = pg * weights
+                keep = tis_keep
 
     def kept(per_token: Tensor) -> Tensor:
         return masked_fill_zero(per_token, keep)
@@ -221,6 +249,8 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
     metrics["clipfrac"] = token_mean(clipped.to(pg.dtype))
+    if cfg.use_opsm:
+        metrics["opsm_masked_frac"] = token_mean((mask & ~opsm).to(pg.dtype))
     metrics["approx_kl_old"] = token_mean(-log_ratio)
     metrics["ratio_mean"] = token_mean(ratio)
     metrics["ratio_max"] = valid_max(ratio)

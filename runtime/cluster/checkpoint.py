@@ -42,8 +42,11 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, feed: Any) -> Path:
-    """Save the state after ``step`` completed steps; returns the step's folder."""
+def save(
+    root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any, feed: Any, with_optimizer: bool = True
+) -> Path:
+    """Save the state after ``step`` completed steps (the optimizer's too unless ``with_optimizer`` is False:
+    slime's ``--no-save-optim``); returns the step's folder."""
     import numpy as np
     import torch
 
@@ -52,7 +55,7 @@ def save(root: str | os.PathLike[str], step: int, *, trainers: Any, engines: Any
     shutil.rmtree(partial, ignore_errors=True)  # left by a job killed while saving this step
     try:
         partial.mkdir(parents=True)
-        trainers.save(str(partial / TRAINER_DIR))
+        trainers.save(str(partial / TRAINER_DIR), with_optimizer=with_optimizer)
         state = {
             "step": step,
             "feed": feed.state_dict(),

@@ -60,7 +60,7 @@ class EngineGroup:
     def __init__(self, cfg: Config, placement: Placement, model_path: str):
         self.kind: EngineKind = engine_kind(cfg.rollout.rollout_engine)
         remote_cls = engine_actor_class(self.kind.load())
-        n = self.kind.count(cfg)
+        n = 0 if cfg.debug.train_only else self.kind.count(cfg)  # --debug-train-only runs no engine
         self.actors = []
         for i in range(n):
             # Engines without a bundle are HTTP clients of servers that own their devices: they need no CPU slot.

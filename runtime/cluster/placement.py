@@ -68,9 +68,10 @@ def plan_bundles(cfg: Config) -> BundlePlan:
     """The bundles ``cfg`` needs. Engines whose registry entry takes no bundles (SGLang clients: the servers own their
     devices) reserve none; only the trainers' are reserved then."""
     res = cfg.resources
-    trainers = res.num_trainer_procs
+    # The debug modes run one side only: --debug-rollout-only no trainers, --debug-train-only no engines.
+    trainers = 0 if cfg.debug.debug_rollout_only else res.num_trainer_procs
     kind = engine_kind(cfg.rollout.rollout_engine)
-    engines = kind.count(cfg) if kind.uses_bundles else 0
+    engines = kind.count(cfg) if kind.uses_bundles and not cfg.debug.train_only else 0
     shared = res.colocate and engines > 0
     n_bundles = max(trainers, engines) if shared else trainers + engines
     engine_bundles = list(range(engines)) if shared else [trainers + e for e in range(engines)]

@@ -38,9 +38,20 @@ class TrainerWorker:
         return getattr(self.backend, method)(*args, **kwargs)
 
     def train_rollout(
-        self, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+        self,
+        batch: TensorDict,
+        *,
+        global_batch_size: int,
+        adv_cfg: AdvantageConfig,
+        use_rollout_log_probs: bool = False,
     ) -> dict[str, float]:
-        return train_rollout(self.backend, batch, global_batch_size=global_batch_size, adv_cfg=adv_cfg)
+        return train_rollout(
+            self.backend,
+            batch,
+            global_batch_size=global_batch_size,
+            adv_cfg=adv_cfg,
+            use_rollout_log_probs=use_rollout_log_probs,
+        )
 
     def sft_train(self, batch: TensorDict) -> dict[str, float]:
         dp_rank, dp_size = self.backend.dp_info()
@@ -117,12 +128,18 @@ class TrainerGroup:
         return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
 
     def train_rollout(
-        self, batch: TensorDict, *, global_batch_size: int, adv_cfg: AdvantageConfig
+        self,
+        batch: TensorDict,
+        *,
+        global_batch_size: int,
+        adv_cfg: AdvantageConfig,
+        use_rollout_log_probs: bool = False,
     ) -> dict[str, float]:
         """Train every rank on its shard of ``batch``, which goes out once, as one object ref."""
         ref = ray.put(batch)
+        kwargs = {"global_batch_size": global_batch_size, "adv_cfg": adv_cfg}
         outs = ray.get(
-            [a.train_rollout.remote(ref, global_batch_size=global_batch_size, adv_cfg=adv_cfg) for a in self.actors]
+            [a.train_rollout.remote(ref, use_rollout_log_probs=use_rollout_log_probs, **kwargs) for a in self.actors]
         )
         return outs[0]
 
@@ -151,8 +168,8 @@ class TrainerGroup:
         """The full float32 weights (rank 0's gather; tied weights once), for tests and exports."""
         return self.call("get_weights")[0]
 
-    def save(self, path: str) -> None:
-        self.call("save", path)
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        self.call("save", path, with_optimizer=with_optimizer)
 
     def load(self, path: str) -> None:
         self.call("load", path)

@@ -73,11 +73,26 @@ class DiskSync:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+class NoSync:
+    """No engines or no trainers (the debug modes): there is nothing to move."""
+
+    def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int):
+        pass
+
+    def push(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync}
 
 
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
     """The weight sync for ``engines`` (their registry default, or ``kind``)."""
+    if not (trainers.actors and engines.actors):
+        return NoSync(trainers, engines, bucket_bytes=bucket_bytes)  # a debug mode runs one side only
     kind = kind or engines.kind.weight_sync
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")

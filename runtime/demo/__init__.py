@@ -8,6 +8,7 @@ values live in ``runtime.config.BUILTIN_JOB_DEFAULTS``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ def base_model(output_dir: str | Path, *, seed: int) -> str:
 
 def prompt_datasets(tokenizer: Any, data_cfg: Any, *, seed: int) -> tuple[PromptDataset, PromptDataset]:
     """``(train, eval)``: the task's prompt pool and evaluation prompts none of the pool's strings."""
+    # The task's records have their own keys, whatever --input-key / --label-key say about prompt files.
+    data_cfg = dataclasses.replace(data_cfg, input_key="prompt", label_key="label")
     records = task.make_records(NUM_PROMPTS, seed=seed)
     train = PromptDataset.from_records(records, tokenizer, data_cfg, seed=seed)
     seen = {r["prompt"] for r in records}

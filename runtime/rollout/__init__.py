@@ -13,6 +13,7 @@ from runtime.rollout.generation import (
     expand_groups,
     generate,
     generate_groups,
+    reward_category_metrics,
     sample_metrics,
     split_aborted,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "expand_groups",
     "generate",
     "generate_groups",
+    "reward_category_metrics",
     "sample_metrics",
     "split_aborted",
 ]

@@ -222,7 +222,7 @@ class PromptDataset:
         if not isinstance(row, Mapping):
             return None, None, None, f"row must be an object/dict, got {type(row).__name__}"
         for key in (cfg.input_key, cfg.label_key):
-            if key not in row:
+            if key is not None and key not in row:
                 return None, None, None, f"missing key {key!r} (has {sorted(map(str, row))})"
         prompt = row[cfg.input_key]
         error = _check_prompt(prompt, cfg.input_key)
@@ -233,15 +233,20 @@ class PromptDataset:
             return None, None, None, error
         if cfg.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            # slime passes the row's tools (--tool-key) and --apply-chat-template-kwargs to the template.
+            kwargs = dict(cfg.apply_chat_template_kwargs)
+            if row.get(cfg.tool_key) is not None:
+                kwargs["tools"] = row[cfg.tool_key]
             try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
             except Exception as err:  # a template may raise anything (jinja errors, its own raise_exception)
                 return None, None, None, f"chat template failed ({type(err).__name__}: {err})"
         elif isinstance(prompt, list):
             return None, None, None, f"key {cfg.input_key!r} holds chat messages; pass --apply-chat-template"
         else:
             text = prompt
-        return text, copy.deepcopy(row[cfg.label_key]), metadata, None
+        label = None if cfg.label_key is None else copy.deepcopy(row[cfg.label_key])
+        return text, label, metadata, None
 
     def _tokenize(self, tokenizer: Any, texts: list[str]) -> list[list[int]]:
         if tokenizer is None or not texts:

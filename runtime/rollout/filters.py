@@ -25,24 +25,27 @@ class DynamicFilterOutput:
     reason: str | None = None
 
 
-def reward_value(sample: Sample) -> float:
-    """The scalar reward of a scored sample (a dict reward's ``"score"`` entry, as slime's ``reward_key`` default)."""
+def reward_value(sample: Sample, key: str | None = None) -> float:
+    """The scalar reward of a scored sample: a dict reward's ``key`` entry (``--reward-key``; None: ``"score"``)."""
     reward = sample.reward
     if isinstance(reward, dict):
-        if "score" not in reward:
-            raise ValueError(f"sample {sample.index}: dict reward has no 'score' entry (keys {sorted(reward)})")
-        reward = reward["score"]
+        key = key or "score"
+        if key not in reward:
+            raise ValueError(f"sample {sample.index}: dict reward has no {key!r} entry (keys {sorted(reward)})")
+        reward = reward[key]
     if reward is None:
         raise ValueError(f"sample {sample.index} has no reward yet; filters run after scoring")
     return float(reward)
 
 
 def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any) -> DynamicFilterOutput:
-    """Keep a group whose rewards are not all equal (population std above 1e-6, as slime's filter)."""
+    """Keep a group whose rewards are not all equal: their unbiased (n - 1) standard deviation is above 1e-6, as in
+    slime's filter (``torch.std`` in float64)."""
     if not samples:
         raise ValueError("samples must hold at least one sample of the group, got an empty list")
-    rewards = [reward_value(sample) for sample in samples]
-    keep = len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6
+    key = args.get("reward_key") if isinstance(args, dict) else getattr(args, "reward_key", None)
+    rewards = [reward_value(sample, key) for sample in samples]
+    keep = len(rewards) > 1 and statistics.stdev(rewards) > 1e-6
     if keep:
         return DynamicFilterOutput(keep=True)
     # The reason names the shared value so that all-correct and all-wrong groups are counted apart.

@@ -49,6 +49,12 @@ class RolloutContext:
     tokenizer: Any
     args: Any
 
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether response texts leave out special tokens (``--rollout-skip-special-tokens``; off in slime, so the
+        text keeps e.g. ``<|im_end|>``); True when the args do not say."""
+        return bool(getattr(self.args, "rollout_skip_special_tokens", True))
+
 
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("rlcore_rollout_context")
 
@@ -76,11 +82,13 @@ async def engine_generate(token_ids: list[int], sampling_params: dict[str, Any])
     return (await current_context().engines.generate([list(token_ids)], params))[0]
 
 
-def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> Sample:
+def apply_generation(
+    sample: Sample, generation: Generation, tokenizer: Any, *, skip_special_tokens: bool = True
+) -> Sample:
     """``sample`` (a prompt) with ``generation`` appended as its response; returns the same object."""
     sample.tokens = list(sample.tokens) + list(generation.token_ids)
     sample.response_length = len(generation.token_ids)
-    sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+    sample.response = tokenizer.decode(generation.token_ids, skip_special_tokens=skip_special_tokens)
     sample.rollout_log_probs = list(generation.log_probs)
     sample.loss_mask = [1] * len(generation.token_ids)
     sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
@@ -91,7 +99,8 @@ def apply_generation(sample: Sample, generation: Generation, tokenizer: Any) -> 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """The default generate function, one sample at a time (slime's signature)."""
     ctx = current_context()
-    return apply_generation(sample, await engine_generate(sample.tokens, sampling_params), ctx.tokenizer)
+    generation = await engine_generate(sample.tokens, sampling_params)
+    return apply_generation(sample, generation, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
 
 
 def expand_groups(prompts: Sequence[Sample], n_samples: int, *, first_group: int) -> list[list[Sample]]:
@@ -117,7 +126,7 @@ async def _generate_groups(
     if custom_generate is None:
         generations = await ctx.engines.generate([s.tokens for s in samples], params)
         for s, g in zip(samples, generations, strict=True):
-            apply_generation(s, g, ctx.tokenizer)
+            apply_generation(s, g, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
         return
 
     async def one(sample: Sample) -> Any:
@@ -243,7 +252,7 @@ async def collect_rollout(
             samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
             if groups:
                 await hub.score([s for g in groups for s in g])
-                scored_rewards.extend(reward_value(s) for g in groups for s in g)
+                scored_rewards.extend(reward_value(s, hub.reward_key) for g in groups for s in g)
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             passed_ids = {id(g[0]) for g in passed}
             outcomes["filtered"].extend(g[0].index for g in groups if id(g[0]) not in passed_ids)
@@ -262,7 +271,7 @@ async def collect_rollout(
         **{f"rollout/dropped/{reason}": count for reason, count in dropped.items()},
         **hub.pop_metrics(),
     }
-    metrics.update(sample_metrics(samples))
+    metrics.update(sample_metrics(samples, reward_key=hub.reward_key))
     # rollout/reward_mean is over the trained batch (after the filter); this one is over every scored sample.
     if scored_rewards:
         metrics["rollout/reward_mean_before_filter"] = sum(scored_rewards) / len(scored_rewards)
@@ -286,8 +295,21 @@ def kept_too_few(filter_fn: FilterFn | None, *, kept: int, generated: int, round
     )
 
 
-def sample_metrics(samples: Sequence[Sample], prefix: str = "rollout") -> dict[str, float]:
-    rewards = [reward_value(s) for s in samples]
+def reward_category_metrics(samples: Sequence[Sample], key: str, prefix: str = "rollout") -> dict[str, float]:
+    """slime's ``--log-reward-category``: the fraction of samples by the value of their dict reward's ``key``
+    (``{prefix}/error_cat/<value>``); a sample whose reward has no such entry counts as ``none``."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        reward = sample.reward if isinstance(sample.reward, dict) else {}
+        value = str(reward.get(key, "none"))
+        counts[value] = counts.get(value, 0) + 1
+    return {f"{prefix}/error_cat/{value}": n / len(samples) for value, n in counts.items()} if samples else {}
+
+
+def sample_metrics(
+    samples: Sequence[Sample], prefix: str = "rollout", *, reward_key: str | None = None
+) -> dict[str, float]:
+    rewards = [reward_value(s, reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     return {
         f"{prefix}/reward_mean": sum(rewards) / len(rewards),

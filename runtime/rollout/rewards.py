@@ -5,14 +5,21 @@ A custom function (``--custom-rm-path``) is one of
 - per sample: ``[async] def reward_func(args, sample: Sample, **kwargs) -> float``
 - batched: ``[async] def reward_func(args, samples: list[Sample], **kwargs) -> list[float]``
 
-told apart by the second parameter (named ``samples``, or annotated as a list / sequence; slime says it with
-``--group-rm``). Every call, sync or async, runs in a thread of its own (an async one on its own event loop in that
-thread), at most ``max_workers`` at a time, so that no call, not even an ``async def`` that blocks (``time.sleep``,
-a synchronous HTTP client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises,
-returns something that is not a finite number, or runs past ``--reward-timeout`` gives reward 0 and is counted
-(``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the job goes on (``--max-reward-error-rate`` bounds
-how long, in the loop). The timeout of a call counts from the moment its thread starts, not from when it began
-waiting for one of the ``max_workers`` slots; a batched function has one deadline for its batch.
+told apart by the second parameter (named ``samples``, or annotated as a list / sequence), or declared batched by
+``--group-rm``. A batched function is called once per group with ``--group-rm`` (as slime), once per sampling round
+without it. ``--rm-type`` names a built-in type instead (``runtime.rollout.rm_hub``: slime's ``deepscaler``, ``dapo``,
+``f1``, ``gpqa``, ``random``, ``remote_rm`` and the ``boxed_`` prefix, plus ``math`` and ``exact_match``). A dict
+reward is stored whole in ``sample.reward``; the scalar that trains is its ``--reward-key`` entry (``score`` when the
+flag is unset; ``--eval-reward-key`` for evaluation).
+
+Every call, sync or async, runs in a thread of its own (an async one on its own event loop in that thread), at most
+``max_workers`` at a time, so that no call, not even an ``async def`` that blocks (``time.sleep``, a synchronous HTTP
+client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises, returns something
+that is not a finite number, or runs past ``--reward-timeout`` gives reward 0 and is counted (``reward/errors``,
+``reward/timeouts`` in ``pop_metrics()``); the job goes on (``--max-reward-error-rate`` bounds how long, in the loop).
+The timeout of a call counts from the moment its thread starts, not from when it began waiting for one of the
+``max_workers`` slots; a batched function has one deadline for its batch. ``remote_rm`` times its own requests
+(``--reward-timeout`` per attempt, with retries).
 
 A timed-out call cannot be killed from Python: its (daemon) thread runs on in the background until it returns, but
 gives its slot back at the timeout, so a stuck call does not make later calls time out.
@@ -32,6 +39,7 @@ from typing import Any
 
 from runtime.config import RewardConfig
 from runtime.hooks import load_function
+from runtime.rollout.rm_hub import RULE_REWARDS, RandomReward, RemoteRewardModel, boxed
 from runtime.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -89,6 +97,10 @@ def exact_match_reward(args: Any, sample: Sample, **kwargs: Any) -> float:
     return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
 
 
+_RULES: dict[str, Callable[..., Any]] = {"math": math_reward, "exact_match": exact_match_reward, **RULE_REWARDS}
+RM_NAMES = ("builtin", *_RULES, "random", "remote_rm")
+
+
 def is_batched(fn: Callable[..., Any]) -> bool:
     """Whether a reward function takes a list of samples (slime's group RM) rather than one sample.
 
@@ -121,13 +133,15 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _as_reward(value: Any) -> tuple[float, float | dict[str, Any]]:
-    """``(scalar reward, what to store in sample.reward)``; raises ``ValueError`` for anything else."""
+def _as_reward(value: Any, key: str | None = None) -> tuple[float, float | dict[str, Any]]:
+    """``(scalar reward, what to store in sample.reward)``; raises ``ValueError`` for anything else. The scalar of a
+    dict reward is its ``key`` entry (``score`` when None)."""
     stored = value
     if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"a dict reward needs a 'score' entry, got keys {sorted(value)}")
-        value = value["score"]
+        key = key or "score"
+        if key not in value:
+            raise ValueError(f"a dict reward needs a {key!r} entry (--reward-key), got keys {sorted(value)}")
+        value = value[key]
     if hasattr(value, "item") and not isinstance(value, bool | int | float):
         value = value.item()  # numpy / torch scalars
     if not isinstance(value, bool | int | float):
@@ -138,16 +152,23 @@ def _as_reward(value: Any) -> tuple[float, float | dict[str, Any]]:
     return value, stored if isinstance(stored, dict) else value
 
 
-def _resolve(cfg: RewardConfig) -> tuple[str, Callable[..., Any]]:
+def _resolve(cfg: RewardConfig, *, seed: int = 0, remote_backoff_s: float = 1.0) -> tuple[str, Callable[..., Any]]:
     if cfg.custom_rm_path is not None:
         return cfg.custom_rm_path, load_function(cfg.custom_rm_path)
-    if cfg.rm_type == "math":
-        return "math", math_reward
-    if cfg.rm_type == "exact_match":
-        return "exact_match", exact_match_reward
     if cfg.rm_type == "builtin":
         return BUILTIN_TASK_REWARD, load_function(BUILTIN_TASK_REWARD)
-    raise ValueError(f"cfg.rm_type must be builtin, math or exact_match, got {cfg.rm_type!r}")
+    base = cfg.rm_type.removeprefix("boxed_")
+    if base == "remote_rm":
+        fn: Callable[..., Any] = RemoteRewardModel(
+            cfg.rm_url or "", timeout=cfg.reward_timeout, backoff_s=remote_backoff_s, proxy=cfg.http_proxy
+        )
+    elif base == "random":
+        fn = RandomReward(seed)
+    elif base in _RULES:
+        fn = _RULES[base]
+    else:
+        raise ValueError(f"cfg.rm_type must be one of {', '.join(RM_NAMES)} (or boxed_<type>), got {cfg.rm_type!r}")
+    return cfg.rm_type, boxed(fn) if cfg.rm_type.startswith("boxed_") else fn
 
 
 class RewardHub:
@@ -157,14 +178,29 @@ class RewardHub:
     reward function as its first argument (slime passes its argparse namespace; rlcore passes the ``Config``).
     """
 
-    def __init__(self, cfg: RewardConfig, args: Any = None, *, max_workers: int = 8):
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        args: Any = None,
+        *,
+        max_workers: int = 8,
+        evaluation: bool = False,
+        seed: int = 0,
+        remote_backoff_s: float = 1.0,
+    ):
         if not isinstance(cfg, RewardConfig):
             raise TypeError(f"cfg must be a runtime.config.RewardConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.args = args
-        self.name, self.fn = _resolve(cfg)
-        self.batched = is_batched(self.fn)
+        self._resolve_kwargs = {"seed": seed, "remote_backoff_s": remote_backoff_s}
+        self.name, self.fn = _resolve(cfg, **self._resolve_kwargs)
+        # The scalar of a dict reward: --reward-key (--eval-reward-key, falling back to it, for evaluation).
+        self.reward_key = (cfg.eval_reward_key or cfg.reward_key) if evaluation else cfg.reward_key
+        # slime's --group-rm says a custom function takes a group's samples; a built-in type scores one at a time.
+        self.batched = (cfg.group_rm and cfg.custom_rm_path is not None) or is_batched(self.fn)
         self.is_async = _is_async(self.fn)
+        # remote_rm bounds each HTTP attempt by --reward-timeout itself, so that it can retry.
+        self._timeout = None if isinstance(self.fn, RemoteRewardModel) else cfg.reward_timeout
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         self._max_workers = max_workers
@@ -178,8 +214,11 @@ class RewardHub:
         return {"reward/errors": 0, "reward/timeouts": 0, "reward/num_scored": 0, "reward/time": 0.0}
 
     def pop_metrics(self) -> dict[str, float]:
-        """Counters since the last call: errors, timeouts, samples scored, seconds spent scoring."""
+        """Counters since the last call: errors, timeouts, samples scored, seconds spent scoring (and failed HTTP
+        attempts of ``remote_rm``)."""
         metrics, self._metrics = self._metrics, self._zero_metrics()
+        if isinstance(self.fn, RemoteRewardModel):
+            metrics["reward/remote_failures"] = self.fn.pop_failures()
         return metrics
 
     def close(self) -> None:
@@ -195,7 +234,19 @@ class RewardHub:
         if not samples:
             return []
         start = time.perf_counter()
-        if self.batched:
+        if self.batched and self.cfg.group_rm:
+            # slime's --group-rm: the batched function sees one prompt's group per call.
+            groups: dict[Any, list[int]] = {}
+            for i, sample in enumerate(samples):
+                groups.setdefault(sample.group_index, []).append(i)
+            results: list[Any] = [None] * len(samples)
+            scored = await asyncio.gather(
+                *(self._score_batched([samples[i] for i in rows]) for rows in groups.values())
+            )
+            for rows, group_results in zip(groups.values(), scored, strict=True):
+                for i, result in zip(rows, group_results, strict=True):
+                    results[i] = result
+        elif self.batched:
             results = await self._score_batched(samples)
         else:
             results = await asyncio.gather(*(self._score_one(sample) for sample in samples))
@@ -213,7 +264,7 @@ class RewardHub:
         if value is _FAILED:
             return 0.0, 0.0
         try:
-            return _as_reward(value)
+            return _as_reward(value, self.reward_key)
         except ValueError as err:
             self._record_error(err, f"sample {sample.index}", count=1)
             return 0.0, 0.0
@@ -231,7 +282,7 @@ class RewardHub:
         results = []
         for sample, value in zip(samples, values, strict=True):
             try:
-                results.append(_as_reward(value))
+                results.append(_as_reward(value, self.reward_key))
             except ValueError as err:
                 self._record_error(err, f"sample {sample.index}", count=1)
                 results.append((0.0, 0.0))
@@ -251,7 +302,7 @@ class RewardHub:
         try:
             # The slot is taken before the clock starts: waiting for a free thread is not the function's time.
             async with self._get_slots():
-                result, err = await asyncio.wait_for(attempt(), timeout=self.cfg.reward_timeout)
+                result, err = await asyncio.wait_for(attempt(), timeout=self._timeout)
         except TimeoutError:
             self._metrics["reward/timeouts"] += count
             logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
@@ -290,7 +341,7 @@ class RewardHub:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _, self.fn = _resolve(self.cfg)
+        _, self.fn = _resolve(self.cfg, **self._resolve_kwargs)
 
 
 _FAILED = object()

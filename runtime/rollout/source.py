@@ -422,7 +422,7 @@ class StreamingSource(_Source):
                 old_len, old_lps, old_mask = x.response_length, x.rollout_log_probs or [], x.loss_mask or []
                 old_tokens = x.tokens[len(x.tokens) - old_len :] if old_len else []
                 x.tokens = x.tokens[: len(x.tokens) - old_len]
-                apply_generation(x, generation, self.ctx.tokenizer)
+                apply_generation(x, generation, self.ctx.tokenizer, skip_special_tokens=self.ctx.skip_special_tokens)
                 new_tokens = x.tokens[len(x.tokens) - x.response_length :]
                 x.tokens = x.tokens[: len(x.tokens) - x.response_length] + old_tokens + new_tokens
                 keep_old = 0 if s.mask_offpolicy_in_partial_rollout else 1
@@ -430,7 +430,7 @@ class StreamingSource(_Source):
                 x.rollout_log_probs = list(old_lps) + list(x.rollout_log_probs)
                 x.response_length = old_len + x.response_length
                 x.response = self.ctx.tokenizer.decode(
-                    x.tokens[len(x.tokens) - x.response_length :], skip_special_tokens=True
+                    x.tokens[len(x.tokens) - x.response_length :], skip_special_tokens=self.ctx.skip_special_tokens
                 )
 
     # -- consumer (the loop's thread) ------------------------------------------------------------------------
@@ -476,7 +476,7 @@ class StreamingSource(_Source):
             "rollout/groups_in_flight": sum(1 for x in self._slots.values() if not x.done),
             "rollout/groups_buffered": sum(1 for x in self._slots.values() if x.done),
             **self.hub.pop_metrics(),
-            **sample_metrics(samples),
+            **sample_metrics(samples, reward_key=self.hub.reward_key),
             **staleness_metrics(samples, step=step),
         }
         return Rollout(step, samples, metrics, handouts=handouts, outcomes=outcomes)

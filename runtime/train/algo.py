@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
-from runtime.config import Config, ConfigError
-from runtime.train.roles import ModelRole, roles_for
+from runtime.config import KL_COEF_IGNORED, Config, ConfigError
+from runtime.train.roles import REFERENCE, TEACHER, ModelRole, roles_for
 
 # Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
-_UNSUPPORTED_ESTIMATORS = {"gae": "a critic (value model)", "distillation": "a teacher model"}
+_UNSUPPORTED_ESTIMATORS = {
+    "gae": "a critic (value model)",
+    "distillation": "a teacher model of its own (slime's form is additive: --use-opd --opd-type megatron)",
+}
+# slime's policy loss by estimator (PPO's clipped surrogate for the rest).
+_POLICY_LOSS = {"gspo": "gspo", "cispo": "cispo"}
+
+
+def effective_kl_coef(cfg: Config) -> float:
+    """``--kl-coef`` as slime applies it: 0 for the estimators that ignore it."""
+    a = cfg.algo
+    return 0.0 if a.advantage_estimator in KL_COEF_IGNORED else a.kl_coef
 
 
 def check_supported(cfg: Config) -> None:
@@ -41,29 +52,59 @@ def advantage_config(cfg: Config) -> AdvantageConfig:
         estimator=a.core_estimator,
         gamma=a.gamma,
         lam=a.lambd,
-        kl_coef=a.kl_coef,
+        kl_coef=effective_kl_coef(cfg),
         kl_kind=a.kl_loss_type,
         whiten=a.normalize_advantages,
+        std_normalize=not a.disable_grpo_std_normalization,
+        group_normalize=not a.disable_rewards_normalization,
+        opd_kl_coef=a.opd_kl_coef if a.use_opd else 0.0,
     )
 
 
 def loss_config(cfg: Config) -> LossConfig:
     a = cfg.algo
     return LossConfig(
-        policy_loss="gspo" if a.advantage_estimator == "gspo" else "ppo",
+        policy_loss=_POLICY_LOSS.get(a.advantage_estimator, "ppo"),
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         eps_clip_c=a.eps_clip_c,
+        cispo_clip_low=True,
         use_tis=a.use_tis,
+        tis_clip=a.tis_clip,
+        tis_clip_low=a.tis_clip_low,
+        mismatch_metrics=a.get_mismatch_metrics,
+        use_opsm=a.use_opsm,
+        opsm_delta=a.opsm_delta,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
+        use_unbiased_kl=a.use_unbiased_kl,
         entropy_coef=a.entropy_coef,
-        loss_agg_mode=a.loss_agg_mode,
+        value_clip=a.value_clip,
+        loss_agg_mode=a.aggregation,
     )
 
 
 def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
     """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; ...)."""
     a = cfg.algo
-    return roles_for(use_kl_loss=a.use_kl_loss, kl_coef=a.kl_coef, estimator=a.core_estimator)
+    roles = roles_for(use_kl_loss=a.use_kl_loss, kl_coef=effective_kl_coef(cfg), estimator=a.core_estimator)
+    if a.use_opd and TEACHER not in roles:
+        roles = (*roles, TEACHER)
+    return roles
+
+
+def role_paths(cfg: Config) -> dict[str, str]:
+    """The models of roles that are not ``--hf-checkpoint``: the reference's ``--ref-load``, the OPD teacher's
+    ``--opd-teacher-load``."""
+    a = cfg.algo
+    paths = {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
+    if cfg.ckpt.ref_load is not None:
+        paths[REFERENCE.name] = cfg.ckpt.ref_load
+    return paths
+
+
+def needs_rollout_log_probs(cfg: Config) -> bool:
+    """Whether the batch must carry the engine's log-probs (TIS, mismatch metrics, or as the old log-probs)."""
+    a = cfg.algo
+    return a.use_tis or a.get_mismatch_metrics or a.use_rollout_logprobs

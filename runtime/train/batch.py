@@ -23,7 +23,11 @@ RESPONSE_TOKENS = "response_tokens"
 
 
 def build_batch(
-    samples: Sequence[Sample], *, pad_token_id: int, require_rollout_log_probs: bool = False
+    samples: Sequence[Sample],
+    *,
+    pad_token_id: int,
+    require_rollout_log_probs: bool = False,
+    reward_key: str | None = None,
 ) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
@@ -79,7 +83,7 @@ def build_batch(
             RESPONSE_TOKENS: response_tokens,
             keys.MASK: mask,
             keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
-            keys.REWARDS: torch.tensor([reward_value(s) for s in samples], dtype=torch.float32),
+            keys.REWARDS: torch.tensor([reward_value(s, reward_key) for s in samples], dtype=torch.float32),
             keys.GROUP_IDS: torch.tensor([s.group_index for s in samples], dtype=torch.long),
         },
         batch_size=[n],
@@ -101,6 +105,34 @@ def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) ->
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
     per_rank = global_batch_size // dp_size
     return torch.arange(n).view(n // global_batch_size, dp_size, per_rank)[:, dp_rank].reshape(-1)
+
+
+def balanced_order(lengths: Sequence[int], *, global_batch_size: int, dp_size: int) -> torch.Tensor:
+    """A row order (a permutation of ``range(len(lengths))``) under which :func:`shard_rows` gives every rank about
+    the same number of tokens in each optimizer step (slime's ``--balance-data``).
+
+    Rows stay in their optimizer step (the loss of each step is unchanged; it is split-invariant over ranks); within a
+    step, the longest rows go first, each to the rank with the fewest tokens that still has room (greedy, where slime
+    uses Karmarkar-Karp).
+    """
+    n = len(lengths)
+    if n % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(
+            f"batch of {n} samples must split into global batches of {global_batch_size}, each divisible by "
+            f"dp_size {dp_size}"
+        )
+    per_rank = global_batch_size // dp_size
+    order: list[int] = []
+    for start in range(0, n, global_batch_size):
+        rows = sorted(range(start, start + global_batch_size), key=lambda i: -lengths[i])
+        slices: list[list[int]] = [[] for _ in range(dp_size)]
+        totals = [0] * dp_size
+        for i in rows:
+            rank = min((r for r in range(dp_size) if len(slices[r]) < per_rank), key=lambda r: totals[r])
+            slices[rank].append(i)
+            totals[rank] += lengths[i]
+        order += [i for rank_rows in slices for i in rank_rows]
+    return torch.tensor(order, dtype=torch.long)
 
 
 def shard_for_ranks(td: TensorDict, *, global_batch_size: int, world_size: int) -> list[TensorDict]:

@@ -47,16 +47,25 @@ class TrainBackend(Protocol):
         the end; only the rank that holds the gathered weights (rank 0) yields buckets."""
         ...
 
-    def save(self, path: str) -> None:
-        """Model, optimizer and RNG state into the folder ``path`` (every rank writes its part)."""
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Model, optimizer and RNG state into the folder ``path`` (every rank writes its part); without the
+        optimizer's state when ``with_optimizer`` is False (slime's ``--no-save-optim``)."""
         ...
 
     def load(self, path: str) -> None:
-        """Restore what :meth:`save` wrote."""
+        """Restore what :meth:`save` wrote (the optimizer keeps its state when the checkpoint has none)."""
         ...
 
     def save_hf(self, path: str) -> None:
         """A HF folder that ``AutoModelForCausalLM.from_pretrained`` loads (written by rank 0)."""
+        ...
+
+    def update_reference(self) -> None:
+        """Copy the actor's current weights into the reference role (slime's ``--ref-update-interval``)."""
+        ...
+
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer's state, its moments and step counts (slime's ``--reset-optimizer-states``)."""
         ...
 
     def release_memory(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -36,10 +36,10 @@ from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
-from runtime.train.roles import ACTOR, REFERENCE, ModelRole
+from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 
-# The roles this backend builds a model for; others (critic, teacher) are refused by name at construction.
-SUPPORTED_ROLES = (ACTOR, REFERENCE)
+# The roles this backend builds a model for; others (the critic) are refused by name at construction.
+SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
 
 
 def _is_max_metric(name: str) -> bool:
@@ -106,6 +106,7 @@ class TorchTrainer:
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
         device: str = "auto",
+        role_paths: Mapping[str, str] | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -140,14 +141,22 @@ class TorchTrainer:
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
         self.model = self._load(AutoModelForCausalLM, trainable=True)
         self.lora = lora.is_lora(self.model)
+        paths = dict(role_paths or {})
         # Frozen roles by the key they write (the reference's ref_log_probs). Under LoRA the reference is the actor
-        # with its adapters disabled, not a second copy.
+        # with its adapters disabled, not a second copy (unless --ref-load names another model).
+        self.base_is_reference = self.lora and REFERENCE in roles and REFERENCE.name not in paths
         self.frozen = {
-            role.writes: self._load(AutoModelForCausalLM, trainable=False)
+            role.writes: self._load(AutoModelForCausalLM, trainable=False, path=paths.get(role.name))
             for role in roles
-            if role != ACTOR and not (self.lora and role == REFERENCE)
+            if role != ACTOR and not (self.base_is_reference and role == REFERENCE)
         }
-        self.base_is_reference = self.lora and REFERENCE in roles
+        for role in roles:
+            other = self.frozen.get(role.writes)
+            if role != ACTOR and other is not None and other.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(
+                    f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
+                    f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
+                )
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=train_cfg.lr,
@@ -155,8 +164,8 @@ class TorchTrainer:
         )
         self.released = False
 
-    def _load(self, auto_cls: Any, *, trainable: bool) -> torch.nn.Module:
-        model = auto_cls.from_pretrained(self.model_path, dtype=torch.float32)
+    def _load(self, auto_cls: Any, *, trainable: bool, path: str | None = None) -> torch.nn.Module:
+        model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32)
         model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
@@ -416,31 +425,40 @@ class TorchTrainer:
             weights.update(bucket)
         return weights if self.rank == 0 else None
 
-    def save(self, path: str) -> None:
-        """Trained parameters and optimizer state (sharded with torch.distributed.checkpoint) into the folder
-        ``path``. Frozen parameters are left out: under LoRA the checkpoint holds the adapters only."""
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Trained parameters and (unless ``with_optimizer`` is False) the optimizer state, sharded with
+        torch.distributed.checkpoint, into the folder ``path``. Frozen parameters are left out: under LoRA the
+        checkpoint holds the adapters only."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
         model_sd = self._trained_entries(model_sd)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
+        dcp.save(state, checkpoint_id=path)
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def load(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
-        state = {"model": self._trained_entries(model_sd), "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=_TRAINED_ONLY,
-        )
+        model_sd = self._trained_entries(model_sd)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if any(key.startswith("optim") for key in saved):
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=_TRAINED_ONLY,
+            )
+        else:  # saved with --no-save-optim: the optimizer starts afresh (or keeps what it has)
+            state = {"model": model_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"], options=_TRAINED_ONLY)
         rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
@@ -506,6 +524,20 @@ class TorchTrainer:
     def _check_resident(self) -> None:
         if self.released:
             raise RuntimeError("trainer memory is released: call resume_memory() first")
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Copy the actor's parameters and buffers into the reference model (the same layout, FSDP shards included)."""
+        if self.base_is_reference:
+            raise RuntimeError("update_reference: under LoRA the reference is the frozen base model")
+        if keys.REF_LOG_PROBS not in self.frozen:
+            raise RuntimeError("update_reference: this trainer runs no reference model (--use-kl-loss / --kl-coef)")
+        reference = self.frozen[keys.REF_LOG_PROBS]
+        for target, source in zip(reference.state_dict().values(), self.model.state_dict().values(), strict=True):
+            target.copy_(source)
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()
 
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)

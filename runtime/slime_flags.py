@@ -1,0 +1,590 @@
+"""Every flag of slime's own argument groups, and what ``rlcore-run`` does with it: one table, read by the parser
+(which flags to accept and refuse, and why) and rendered into ``docs/runtime.md`` (``python -m runtime.slime_flags
+--write docs/runtime.md``; a test checks the two agree).
+
+Each entry is one of
+
+- ``yes``: a flag of ``runtime/config.py`` under slime's name, default and meaning;
+- ``differs``: a flag of ``runtime/config.py`` under slime's name whose default, values or behaviour differ as the
+  note says (by design, or until the named issue lands);
+- ``refused``: accepted by the parser at slime's default (so a slime script that spells the default out runs) and
+  refused at validation, naming the flag and why, when set to anything else;
+- ``elsewhere``: owned by an issue being built on another branch (the SGLang fleet, fault tolerance); not parsed here
+  yet: a command line that uses it is refused with the owning issue's name.
+
+The facts (names, groups, defaults) come from slime's ``slime/utils/arguments.py`` and
+``slime/backends/sglang_utils/arguments.py`` at 624b824a; the Megatron flags slime resets (``reset_arg``) are
+listed under the group that resets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+YES, DIFFERS, REFUSED, ELSEWHERE = "yes", "differs", "refused", "elsewhere"
+STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
+
+# Why a flag is refused, by what it needs.
+MEGATRON = "needs --train-backend megatron (issue 11: the Megatron backend)"
+HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
+SGLANG = "belongs to the managed SGLang fleet (issue 12)"
+FAULTS = "belongs to fault tolerance (issue 10)"
+PACKING = "needs packed (THD) micro-batches (issue 11: --use-dynamic-batch-size)"
+LATER = "not built yet in rlcore-run (issue 13, still open)"
+CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
+DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
+ROLLOUT_BUFFER = (
+    "drives slime's rollout-buffer plugin server (slime_plugins/rollout_buffer), which rlcore does not have"
+)
+
+
+@dataclass(frozen=True)
+class SlimeFlag:
+    """One slime flag: its name, slime's group and default, rlcore's status and a note (the reason, for a refusal).
+
+    ``kind`` says how the parser takes a refused flag: ``true`` (store_true), ``false`` (a ``--disable-*``
+    store_false: giving it is the non-default), ``value`` (one value of ``type``), ``list`` (``nargs='+'``) or
+    ``append`` (repeatable).
+    """
+
+    name: str
+    group: str
+    default: Any
+    status: str
+    note: str = ""
+    kind: str = "value"
+    type: Callable[[str], Any] = str
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    def refusal(self, value: Any) -> str | None:
+        """The problem to report when a refused flag holds ``value``; None at slime's default."""
+        if self.status not in (REFUSED, ELSEWHERE):
+            return None
+        if self.kind == "false":
+            is_default = value is False or value is None
+        elif self.kind == "true":
+            is_default = value is False or value is None
+        else:
+            is_default = value == self.default or (value is None and self.default is None)
+        if is_default:
+            return None
+        shown = "" if self.kind in ("true", "false") else f" {_show(value)}"
+        return f"{self.name}{shown}: {self.note}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expects JSON, got {text!r} ({err.msg})") from None
+
+
+def _f(name: str, group: str, default: Any, status: str, note: str = "", **kw: Any) -> SlimeFlag:
+    if "kind" not in kw:
+        if isinstance(default, bool):
+            kw["kind"] = "true"
+        elif "type" not in kw and isinstance(default, int | float):
+            kw["type"] = type(default)
+    return SlimeFlag(name, group, default, status, note, **kw)
+
+
+def _true(name: str, group: str, status: str, note: str = "") -> SlimeFlag:
+    return SlimeFlag(name, group, False, status, note, kind="true")
+
+
+def _disable(name: str, group: str, status: str, note: str = "") -> SlimeFlag:
+    """A slime ``--disable-*`` flag (store_false into the positive name)."""
+    return SlimeFlag(name, group, False, status, note, kind="false")
+
+
+_OPT_INT = {"type": int}
+_OPT_FLOAT = {"type": float}
+_LIST = {"kind": "list"}
+
+SLIME_FLAGS: tuple[SlimeFlag, ...] = (
+    # cluster
+    _f("--actor-num-nodes", "cluster", 1, DIFFERS, "above 1 refused: the torch backend's trainers run on one node"),
+    _f("--actor-num-gpus-per-node", "cluster", 8, YES, "built-in job: 1 (on a CPU a GPU is a process)"),
+    _f("--rollout-num-gpus", "cluster", None, DIFFERS, "default 1, not derived from the trainer GPUs (issue 12)"),
+    _f("--rollout-num-gpus-per-engine", "cluster", 1, ELSEWHERE, SGLANG),
+    _f("--num-gpus-per-node", "cluster", 8, ELSEWHERE, SGLANG),
+    _true("--colocate", "cluster", DIFFERS, "offloads by moving the model to the CPU; no --offload-* flags yet"),
+    _true("--offload", "cluster", ELSEWHERE, SGLANG),
+    _f("--offload-train", "cluster", None, ELSEWHERE, SGLANG, kind="true"),
+    _f("--offload-rollout", "cluster", None, ELSEWHERE, SGLANG, kind="true"),
+    # train
+    _f("--qwen-gdn-backend", "train", "fla", REFUSED, "selects a Qwen gated-delta-net kernel, a path rlcore lacks"),
+    _f("--train-env-vars", "train", {}, REFUSED, LATER, type=_json),
+    _f("--update-weight-mode", "train", "full", ELSEWHERE, SGLANG),
+    _f("--update-weight-transport", "train", "nccl", ELSEWHERE, SGLANG),
+    _true("--release-train", "train", REFUSED, MEGATRON),
+    _f("--update-weight-disk-dir", "train", None, ELSEWHERE, SGLANG),
+    _true("--update-weight-disk-keep-files", "train", ELSEWHERE, SGLANG),
+    _f("--update-weight-delta-encoding", "train", "xor", ELSEWHERE, SGLANG),
+    _f("--update-weight-delta-checksum", "train", "xxh3-128", ELSEWHERE, SGLANG),
+    _f("--custom-update-weight-post-write-path", "train", None, ELSEWHERE, SGLANG),
+    _f("--update-weight-local-checkpoint-dir", "train", None, ELSEWHERE, SGLANG),
+    _f("--custom-model-provider-path", "train", None, REFUSED, MEGATRON),
+    _true("--recompute-loss-function", "train", REFUSED, MEGATRON),
+    _f(
+        "--log-probs-chunk-size",
+        "train",
+        -1,
+        REFUSED,
+        "rlcore's fused log-prob kernel never materialises float32 logits and picks its own chunks",
+    ),
+    _f("--only-train-params-name-list", "train", None, REFUSED, HOOKS, **_LIST),
+    _f("--freeze-params-name-list", "train", None, REFUSED, HOOKS, **_LIST),
+    _true("--allgather-cp", "train", REFUSED, MEGATRON),
+    # rollout
+    _f("--hf-checkpoint", "rollout", None, YES, "unset: the built-in tiny model"),
+    _f("--model-name", "rollout", None, REFUSED, MEGATRON + " (Megatron-to-HF weight names)"),
+    _f("--rollout-function-path", "rollout", "slime.rollout.sglang_rollout.generate_rollout", REFUSED, HOOKS),
+    _f("--rollout-temperature", "rollout", 1.0, YES),
+    _f("--rollout-top-p", "rollout", 1.0, DIFFERS, "below 1: no nucleus replay in the training log-probs yet"),
+    _f("--rollout-top-k", "rollout", -1, YES),
+    _f(
+        "--rollout-max-context-len",
+        "rollout",
+        None,
+        YES,
+        "as in slime: sets --rollout-max-prompt-len's default (context - 1) and checks it",
+    ),
+    _f("--rollout-max-prompt-len", "rollout", None, YES),
+    _f("--rollout-max-response-len", "rollout", None, YES, "built-in job: 8"),
+    _true("--rollout-skip-special-tokens", "rollout", YES, "built-in job: on"),
+    _f("--rollout-stop", "rollout", None, REFUSED, LATER + " (stop strings; --rollout-stop-token-ids works)", **_LIST),
+    _f("--rollout-stop-token-ids", "rollout", None, YES),
+    _true("--rollout-shuffle", "rollout", YES, "built-in job: on"),
+    _f("--rollout-seed", "rollout", 42, YES, "the built-in task's prompts are drawn and shuffled from --seed"),
+    _f("--over-sampling-batch-size", "rollout", None, DIFFERS, "rounds run in order (not first-completed)"),
+    _f("--dynamic-sampling-filter-path", "rollout", None, YES),
+    _true("--partial-rollout", "rollout", DIFFERS, "needs --fully-async (ours), where generations cross syncs"),
+    _true("--mask-offpolicy-in-partial-rollout", "rollout", YES),
+    _f("--custom-generate-function-path", "rollout", None, DIFFERS, "must return one Sample (issue 14: lists)"),
+    _f("--rollout-sample-hook-path", "rollout", [], REFUSED, HOOKS, kind="append"),
+    _f("--custom-rollout-log-function-path", "rollout", None, REFUSED, HOOKS),
+    _f("--custom-eval-rollout-log-function-path", "rollout", None, REFUSED, HOOKS),
+    _f("--buffer-filter-path", "rollout", None, REFUSED, HOOKS),
+    _f("--update-weight-buffer-size", "rollout", 512 * 1024**2, YES),
+    _f("--update-weights-interval", "rollout", 1, YES),
+    _true("--keep-old-actor", "rollout", REFUSED, LATER),
+    _f("--rollout-data-postprocess-path", "rollout", None, REFUSED, HOOKS),
+    _f(
+        "--rollout-data-transport",
+        "rollout",
+        "object-store",
+        REFUSED,
+        "nixl is a hardware transport rlcore lacks; batches go through Ray's object store",
+    ),
+    _f("--rollout-external-engine-addrs", "rollout", None, ELSEWHERE, SGLANG, **_LIST),
+    # fault tolerance
+    _true("--use-fault-tolerance", "fault_tolerance", ELSEWHERE, FAULTS),
+    _f("--rollout-health-check-interval", "fault_tolerance", 30.0, ELSEWHERE, FAULTS),
+    _f("--rollout-health-check-timeout", "fault_tolerance", 30.0, ELSEWHERE, FAULTS),
+    _f("--rollout-health-check-first-wait", "fault_tolerance", 0.0, ELSEWHERE, FAULTS),
+    # data
+    _f("--num-rollout", "data", None, YES, "built-in job: 250; unset: from --num-epoch"),
+    _f("--num-epoch", "data", None, YES),
+    _disable("--disable-rollout-global-dataset", "data", REFUSED, HOOKS),
+    _f("--data-source-path", "data", "slime.rollout.data_source.RolloutDataSourceWithBuffer", REFUSED, HOOKS),
+    _f("--prompt-data", "data", None, YES, "unset: the built-in task"),
+    _true("--apply-chat-template", "data", YES),
+    _f("--apply-chat-template-kwargs", "data", {}, YES),
+    _f("--input-key", "data", "input", YES),
+    _f("--label-key", "data", None, YES),
+    _f("--multimodal-keys", "data", None, REFUSED, LATER + " (text only)", type=_json),
+    _f("--metadata-key", "data", "metadata", YES),
+    _f("--tool-key", "data", "tools", YES),
+    _f("--start-rollout-id", "data", None, YES),
+    _f("--rollout-batch-size", "data", None, YES, "required, as in slime; built-in job: 32"),
+    _f("--n-samples-per-prompt", "data", 1, YES, "built-in job: 8; 1 is refused with a group baseline (by design)"),
+    _f("--num-steps-per-rollout", "data", None, YES),
+    _true("--balance-data", "data", DIFFERS, "greedy within each optimizer step (slime: Karmarkar-Karp)"),
+    _true("--balance-by-flops", "data", REFUSED, PACKING),
+    _true("--use-dynamic-batch-size", "data", REFUSED, PACKING),
+    _f("--max-tokens-per-gpu", "data", None, DIFFERS, "counts rows x longest row, and applies whenever set"),
+    _f("--log-probs-max-tokens-per-gpu", "data", None, REFUSED, PACKING, **_OPT_INT),
+    # eval
+    _f("--eval-function-path", "eval", None, REFUSED, HOOKS),
+    _f("--eval-prompt-data", "eval", None, YES, "name/path pairs; one bare path is named aime, as in slime"),
+    _f(
+        "--eval-config",
+        "eval",
+        None,
+        DIFFERS,
+        "read with PyYAML (no OmegaConf interpolation); per-dataset keys beyond rlcore-run's are refused by name",
+    ),
+    _true("--skip-eval-before-train", "eval", YES),
+    _f("--eval-input-key", "eval", None, YES),
+    _f("--eval-label-key", "eval", None, YES),
+    _f("--eval-tool-key", "eval", None, YES),
+    _f("--n-samples-per-eval-prompt", "eval", 1, YES),
+    _f("--eval-temperature", "eval", None, YES),
+    _f("--eval-top-p", "eval", None, YES),
+    _f("--eval-top-k", "eval", None, YES),
+    _f("--eval-max-response-len", "eval", None, YES),
+    _f("--eval-max-prompt-len", "eval", None, YES),
+    _f("--eval-min-new-tokens", "eval", None, REFUSED, LATER, **_OPT_INT),
+    _f("--eval-max-context-len", "eval", None, YES, "as in slime: recorded, defaulting to --rollout-max-context-len"),
+    # algo
+    _f(
+        "--ref-load",
+        "algo",
+        None,
+        DIFFERS,
+        "an HF folder for the reference only (slime: a Megatron checkpoint, also the actor's start without --load)",
+    ),
+    _f("--ref-ckpt-step", "algo", None, REFUSED, MEGATRON, **_OPT_INT),
+    _f("--save-hf", "algo", None, YES),
+    _f("--num-critic-only-steps", "algo", 0, REFUSED, LATER + " (a critic model group for ppo)"),
+    _f("--megatron-config-path", "algo", None, REFUSED, MEGATRON),
+    _f("--eps-clip", "algo", 0.2, YES),
+    _f("--eps-clip-high", "algo", None, YES),
+    _f("--eps-clip-c", "algo", None, YES),
+    _f("--value-clip", "algo", 0.2, YES, "used by the value loss of ppo, which still needs a critic"),
+    _f("--kl-coef", "algo", 0.0, YES, "ignored by grpo/gspo/cispo/dr_grpo, as slime ignores it"),
+    _f("--loss-type", "algo", "policy_loss", REFUSED, HOOKS),
+    _f("--custom-loss-function-path", "algo", None, REFUSED, HOOKS),
+    _f("--kl-loss-type", "algo", "k1", YES),
+    _f(
+        "--advantage-estimator",
+        "algo",
+        "grpo",
+        DIFFERS,
+        "adds dr_grpo, rloo, on_policy_distillation; ppo needs a critic",
+    ),
+    _disable("--disable-compute-advantages-and-returns", "algo", REFUSED, HOOKS + " (SFT mode)"),
+    _f("--custom-advantage-function-path", "algo", None, REFUSED, HOOKS),
+    _true("--use-kl-loss", "algo", YES, "built-in job: on"),
+    _f("--kl-loss-coef", "algo", 0.0, YES),
+    _true("--use-unbiased-kl", "algo", YES),
+    _f("--ref-update-interval", "algo", None, YES),
+    _f("--entropy-coef", "algo", 0.0, YES),
+    _f("--gamma", "algo", 1.0, YES),
+    _f("--lambd", "algo", 1.0, YES),
+    _true("--normalize-advantages", "algo", DIFFERS, "not required for reinforce_plus_plus[_baseline]"),
+    _disable("--disable-grpo-std-normalization", "algo", YES),
+    _disable("--disable-rewards-normalization", "algo", YES),
+    _true("--use-rollout-entropy", "algo", REFUSED, HOOKS + " (custom masks)"),
+    _true("--get-mismatch-metrics", "algo", YES),
+    _true("--reset-optimizer-states", "algo", YES),
+    _true("--use-stateless-adam", "algo", REFUSED, LATER),
+    _true("--use-rollout-logprobs", "algo", YES),
+    _true("--use-tis", "algo", YES),
+    _f("--tis-clip", "algo", 2.0, YES),
+    _f("--tis-clip-low", "algo", 0.0, YES),
+    _f("--custom-tis-function-path", "algo", None, REFUSED, HOOKS),
+    _f("--custom-pg-loss-reducer-function-path", "algo", None, REFUSED, HOOKS + " (--loss-agg-mode is ours)"),
+    _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
+    _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
+    _true("--use-opsm", "algo", YES),
+    _f("--opsm-delta", "algo", 1e-4, YES),
+    # on-policy distillation
+    _true("--use-opd", "on_policy_distillation", YES),
+    _f(
+        "--opd-type",
+        "on_policy_distillation",
+        None,
+        DIFFERS,
+        "megatron: a teacher model in the trainers, any backend; sglang (a teacher server) waits for issue 12",
+    ),
+    _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
+    _f("--opd-teacher-load", "on_policy_distillation", None, DIFFERS, "an HF folder (slime: a Megatron checkpoint)"),
+    _f("--opd-teacher-ckpt-step", "on_policy_distillation", None, REFUSED, MEGATRON, **_OPT_INT),
+    # wandb
+    _true("--use-wandb", "wandb", YES),
+    _f("--wandb-mode", "wandb", None, YES),
+    _f("--wandb-dir", "wandb", None, YES, "unset: --output-dir"),
+    _f("--wandb-key", "wandb", None, YES),
+    _f("--wandb-host", "wandb", None, YES),
+    _f("--wandb-team", "wandb", None, YES),
+    _f("--wandb-group", "wandb", None, YES),
+    _disable("--disable-wandb-random-suffix", "wandb", YES),
+    _true("--wandb-always-use-train-step", "wandb", REFUSED, LATER),
+    _true("--log-multi-turn", "wandb", REFUSED, LATER),
+    _true("--log-passrate", "wandb", YES),
+    _f("--log-reward-category", "wandb", None, YES),
+    _true("--log-correct-samples", "wandb", REFUSED, LATER),
+    _f("--wandb-run-id", "wandb", None, YES),
+    # tensorboard
+    _true("--use-tensorboard", "tensorboard", YES, "built-in job: on"),
+    _f("--tb-project-name", "tensorboard", None, YES, "unset (and no $TENSORBOARD_DIR): --output-dir/tensorboard"),
+    _f("--tb-experiment-name", "tensorboard", None, YES),
+    # debug
+    _f("--save-debug-rollout-data", "debug", None, YES, "evaluation rollouts are not saved"),
+    _f(
+        "--load-forge-rollout-data",
+        "debug",
+        None,
+        REFUSED,
+        LATER + " (replay with live engines; --load-debug-rollout-data replays without them)",
+    ),
+    _f("--load-debug-rollout-data-subsample", "debug", None, YES),
+    _f("--save-debug-train-data", "debug", None, DIFFERS, "one file per step: the whole batch, from the driver"),
+    _f("--dump-details", "debug", None, YES),
+    _f("--memory-snapshot-dir", "debug", ".", REFUSED, LATER + " (CUDA memory snapshots)"),
+    _f("--memory-snapshot-num-steps", "debug", None, REFUSED, LATER + " (CUDA memory snapshots)", **_OPT_INT),
+    _f("--profile-target", "debug", ["train_overall"], REFUSED, LATER + " (torch profiler)", **_LIST),
+    _f("--memory-recorder", "debug", "torch", REFUSED, LATER),
+    _true("--check-weight-update-equal", "debug", ELSEWHERE, SGLANG),
+    # network
+    _f("--http-proxy", "network", None, DIFFERS, "used by --rm-type remote_rm's requests (not the engines')"),
+    _true("--use-distributed-post", "network", REFUSED, LATER),
+    # reward model
+    _f(
+        "--rm-type",
+        "reward_model",
+        None,
+        DIFFERS,
+        "default builtin (ours: the built-in task's); adds exact_match; no ifbench; dapo and deepscaler compare with "
+        "math-verify",
+    ),
+    _f("--reward-key", "reward_model", None, DIFFERS, "unset: a dict reward trains on its 'score'"),
+    _f("--eval-reward-key", "reward_model", None, YES),
+    _true("--group-rm", "reward_model", YES),
+    _f("--rm-url", "reward_model", None, YES),
+    _f(
+        "--custom-rm-path",
+        "reward_model",
+        None,
+        DIFFERS,
+        "without --group-rm a batched function (told by its signature) is called once per sampling round",
+    ),
+    _f("--custom-reward-post-process-path", "reward_model", None, REFUSED, HOOKS),
+    _f("--custom-convert-samples-to-train-data-path", "reward_model", None, REFUSED, HOOKS),
+    # rollout buffer
+    _f("--rollout-buffer-url", "rollout_buffer", None, REFUSED, ROLLOUT_BUFFER),
+    _f("--fetch-trajectory-retry-times", "rollout_buffer", -1, REFUSED, ROLLOUT_BUFFER),
+    _f("--min-batch-collection-ratio", "rollout_buffer", 1.0, REFUSED, ROLLOUT_BUFFER),
+    _f("--rollout-task-type", "rollout_buffer", "math", REFUSED, ROLLOUT_BUFFER),
+    _f("--loss-mask-type", "rollout_buffer", "qwen", REFUSED, HOOKS + " (SFT loss masks)"),
+    _f("--data-pad-size-multiplier", "rollout_buffer", 128, REFUSED, PACKING),
+    _f("--rollout-sample-filter-path", "rollout_buffer", None, REFUSED, HOOKS),
+    _f("--rollout-all-samples-process-path", "rollout_buffer", None, REFUSED, HOOKS),
+    # custom Megatron plugins
+    _f("--custom-megatron-init-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
+    _f("--custom-megatron-before-log-prob-hook-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
+    _f("--custom-megatron-before-train-step-hook-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
+    _f("--megatron-deepgemm-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
+    _f("--megatron-deepgemm-forward-modules", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
+    _f("--megatron-deepgemm-moe-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
+    _f("--megatron-deepgemm-moe-forward-modules", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
+    # MTP training
+    _true("--enable-mtp-training", "mtp_training", REFUSED, MEGATRON + " (MTP layers)"),
+    _f("--mtp-num-layers", "mtp_training", None, REFUSED, MEGATRON + " (MTP layers)", **_OPT_INT),
+    _f("--mtp-loss-scaling-factor", "mtp_training", 0.2, REFUSED, MEGATRON + " (MTP layers)"),
+    # CI
+    _true("--ci-test", "ci", REFUSED, CI_ONLY),
+    _true("--ci-disable-kl-checker", "ci", REFUSED, CI_ONLY),
+    _f("--ci-train-rollout-logprob-abs-diff-threshold", "ci", 0.1, REFUSED, CI_ONLY),
+    _f("--ci-save-grad-norm", "ci", None, REFUSED, CI_ONLY),
+    _f("--ci-load-grad-norm", "ci", None, REFUSED, CI_ONLY),
+    # _pre_parse_mode
+    _f("--train-backend", "mode", "megatron", DIFFERS, "default torch (by design); megatron is issue 11"),
+    _true("--debug-rollout-only", "mode", YES),
+    _true("--debug-train-only", "mode", DIFFERS, "needs --load-debug-rollout-data"),
+    _f("--load-debug-rollout-data", "mode", None, YES),
+    # SGLang (slime/backends/sglang_utils/arguments.py)
+    _f("--sglang-router-ip", "sglang", None, ELSEWHERE, SGLANG),
+    _f("--sglang-router-port", "sglang", None, ELSEWHERE, SGLANG),
+    _f("--sglang-router-request-timeout-secs", "sglang", 14400, ELSEWHERE, SGLANG),
+    _f("--sglang-server-concurrency", "sglang", 512, ELSEWHERE, SGLANG),
+    _f("--prefill-num-servers", "sglang", None, ELSEWHERE, SGLANG),
+    _f("--sglang-config", "sglang", None, ELSEWHERE, SGLANG),
+    # Megatron flags whose defaults slime resets (reset_arg)
+    _f("--distributed-backend", "megatron (reset by slime)", "nccl", REFUSED, MEGATRON),
+    _f("--distributed-timeout-minutes", "megatron (reset by slime)", 10, REFUSED, MEGATRON),
+    _true("--freeze-indexer", "megatron (reset by slime)", REFUSED, MEGATRON),
+    _f("--global-batch-size", "megatron (reset by slime)", None, YES, "unset: rollout x n / steps per rollout"),
+    _f("--micro-batch-size", "megatron (reset by slime)", 1, YES, "built-in job: 8"),
+    _f("--eval-interval", "megatron (reset by slime)", None, YES),
+    _f("--load", "megatron (reset by slime)", None, DIFFERS, "rlcore's own checkpoint folders (step_NNNNNN)"),
+    _f("--save", "megatron (reset by slime)", None, YES),
+    _f("--save-interval", "megatron (reset by slime)", None, YES),
+    _true("--async-save", "megatron (reset by slime)", REFUSED, MEGATRON),
+    _true("--no-save-optim", "megatron (reset by slime)", YES),
+    _f("--seed", "megatron (reset by slime)", 1234, YES),
+    _f("--clip-grad", "megatron (reset by slime)", 1.0, YES),
+    _true("--calculate-per-token-loss", "megatron (reset by slime)", YES, "built-in job: on"),
+    _f("--lr", "megatron (reset by slime)", 1e-6, YES, "built-in job: 1e-3"),
+    _f("--wandb-project", "megatron (reset by slime)", None, YES),
+    _true("--record-memory-history", "megatron (reset by slime)", REFUSED, LATER + " (CUDA memory snapshots)"),
+    _f(
+        "--custom-config-path",
+        "megatron (reset by slime)",
+        None,
+        YES,
+        "its keys override the command line; the ones that are no flag reach hooks as args.<key>",
+    ),
+    _f("--padded-vocab-size", "megatron (reset by slime)", None, REFUSED, MEGATRON, **_OPT_INT),
+)
+BY_NAME: dict[str, SlimeFlag] = {f.name: f for f in SLIME_FLAGS}
+if len(BY_NAME) != len(SLIME_FLAGS):
+    raise RuntimeError("a slime flag is listed twice")
+PARSED_REFUSED = tuple(f for f in SLIME_FLAGS if f.status == REFUSED)
+REFUSED_BY_DEST: dict[str, SlimeFlag] = {f.dest: f for f in PARSED_REFUSED}
+
+# Flags slime generates or takes from Megatron, by prefix or name: refused with the issue that brings them.
+_OWNED_PREFIXES = (("--sglang-", SGLANG), ("--router-", SGLANG))
+# Megatron's own flags that slime's run scripts use (parallelism, recompute, optimizer, LR schedule, model shape);
+# --weight-decay and --bf16 are rlcore's own too (the torch backend's), so they are parsed, not refused.
+MEGATRON_FLAGS = frozenset(
+    """
+    --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
+    --expert-model-parallel-size --expert-tensor-parallel-size --decoder-first-pipeline-num-layers
+    --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --recompute-granularity
+    --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2 --adam-eps
+    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
+    --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction --lr-warmup-iters
+    --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention
+    --num-query-groups --kv-channels --qk-layernorm --swiglu --use-rotary-position-embeddings --rotary-base
+    --rotary-percent --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
+    --untie-embeddings-and-output-weights --position-embedding-type --attention-backend --attention-softmax-in-fp32
+    --attention-dropout --hidden-dropout --moe-ffn-hidden-size --moe-shared-expert-intermediate-size
+    --moe-router-topk --num-experts --moe-grouped-gemm --moe-token-dispatcher-type --moe-router-score-function
+    --moe-router-dtype --moe-aux-loss-coeff --moe-router-load-balancing-type --moe-layer-freq
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-topk-scaling-factor
+    --moe-enable-deepep --moe-permute-fusion --spec --fp16 --fp8-format --fp8-recipe --fp8-param-gather
+    --deterministic-mode --use-distributed-optimizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+    --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --use-flash-attn --transformer-impl
+    --make-vocab-size-divisible-by --seq-length --max-position-embeddings --init-method-std --log-interval
+    --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --multi-latent-attention
+    --no-load-optim --no-load-rng --finetune --ckpt-format --use-checkpoint-opt_param-scheduler
+    --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
+    """.split()
+)
+
+
+def unknown_flag_problem(arg: str) -> str:
+    """The problem to report for a flag the parser did not take: whose it is and why it is refused."""
+    name = arg.split("=", 1)[0]
+    if name in BY_NAME:
+        return f"{name}: {BY_NAME[name].note}"
+    for prefix, reason in _OWNED_PREFIXES:
+        if name.startswith(prefix):
+            return f"{name}: {reason}"
+    if name in MEGATRON_FLAGS:
+        return f"{name}: a Megatron flag; {MEGATRON}"
+    return f"{name}: unrecognized argument (neither rlcore's nor slime's)"
+
+
+def unknown_flags(extras: Sequence[str]) -> list[str]:
+    """The flags among argparse's leftover arguments (their values are dropped)."""
+    return [a for a in extras if a.startswith("--")]
+
+
+def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``refused`` slime flag to ``parser`` (defaults suppressed), in a group of its own."""
+    group = parser.add_argument_group(
+        "slime flags rlcore-run accepts at slime's default only",
+        "Each is refused, naming why, when set to anything else (docs/runtime.md lists them).",
+    )
+    for f in PARSED_REFUSED:
+        help_text = f"refused: {f.note}"
+        if f.kind == "true":
+            group.add_argument(f.name, dest=f.dest, action="store_const", const=True, help=help_text)
+        elif f.kind == "false":
+            group.add_argument(f.name, dest=f.dest, action="store_const", const=True, help=help_text)
+        elif f.kind == "list":
+            group.add_argument(f.name, dest=f.dest, nargs="*", type=f.type, help=help_text)
+        elif f.kind == "append":
+            group.add_argument(f.name, dest=f.dest, action="append", type=f.type, help=help_text)
+        else:
+            group.add_argument(f.name, dest=f.dest, type=f.type, help=help_text)
+
+
+def refused_problems(values: dict[str, Any]) -> list[str]:
+    """Problems for the refused flags among ``values`` (by dest) that are set away from slime's default."""
+    problems = []
+    for dest, value in values.items():
+        flag = REFUSED_BY_DEST[dest]
+        if flag.kind == "list" and isinstance(value, list) and isinstance(flag.default, list):
+            value = list(value)
+        problem = flag.refusal(value)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def counts() -> dict[str, int]:
+    out = {status: 0 for status in STATUSES}
+    for f in SLIME_FLAGS:
+        out[f.status] += 1
+    return out
+
+
+_DOC_BEGIN = "<!-- slime-flags:begin (generated by `python -m runtime.slime_flags --write docs/runtime.md`) -->"
+_DOC_END = "<!-- slime-flags:end -->"
+_STATUS_WORDS = {
+    YES: "yes",
+    DIFFERS: "yes, differs",
+    REFUSED: "refused unless default",
+    ELSEWHERE: "refused (other issue)",
+}
+
+
+def _cell(value: Any) -> str:
+    text = repr(value) if not isinstance(value, str) else f"'{value}'"
+    return text.replace("|", "\\|")
+
+
+def render_markdown() -> str:
+    """The docs table of every slime flag, between its markers."""
+    c = counts()
+    lines = [
+        _DOC_BEGIN,
+        "",
+        f"{len(SLIME_FLAGS)} flags: {c[YES]} supported as in slime, {c[DIFFERS]} supported with a difference, "
+        f"{c[REFUSED]} accepted at slime's default and refused otherwise, {c[ELSEWHERE]} owned by issues on other "
+        "branches (refused until they land).",
+        "",
+        "| group | flag | slime default | rlcore-run | note |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in SLIME_FLAGS:
+        note = f.note.replace("|", "\\|")
+        lines.append(f"| {f.group} | `{f.name}` | {_cell(f.default)} | {_STATUS_WORDS[f.status]} | {note} |")
+    lines += ["", _DOC_END]
+    return "\n".join(lines)
+
+
+def replace_in(text: str) -> str:
+    """``text`` (docs/runtime.md) with its generated table replaced by ``render_markdown()``."""
+    pattern = re.compile(re.escape(_DOC_BEGIN) + ".*?" + re.escape(_DOC_END), re.S)
+    if not pattern.search(text):
+        raise ValueError("docs/runtime.md has no slime-flags markers")
+    return pattern.sub(lambda _: render_markdown(), text)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print (or write into a markdown file) the slime flag table.")
+    parser.add_argument("--write", metavar="FILE.md", help="replace the table between the markers in FILE.md")
+    args = parser.parse_args(None if argv is None else list(argv))
+    if args.write is None:
+        print(render_markdown())
+        return 0
+    with open(args.write) as fh:
+        text = fh.read()
+    with open(args.write, "w") as fh:
+        fh.write(replace_in(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
