@@ -35,8 +35,12 @@ LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs promp
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import json
+import signal
+import sys
 import math
 import threading
 import time
@@ -45,6 +49,8 @@ from typing import Any
 
 import torch
 from aiohttp import web
+
+from runtime.engines import sglang_api
 
 # Field names of SGLang's GenerateReqInput that this fake accepts; any other name is refused like an unknown field.
 GENERATE_FIELDS = {
@@ -81,6 +87,24 @@ NEUTRAL_SAMPLING = {
     "structural_tag": None, "logit_bias": None, "custom_params": None,
 }  # fmt: skip
 _SAMPLING_EPS = 1e-6
+
+
+# Fields the SGLang router adds to every /generate body it forwards; SGLang's own parse drops them.
+ROUTER_ADDED_FIELDS = {"model"}
+
+
+def request_fields(what: str, fallback: set[str]) -> set[str]:
+    """The field names of SGLang's request class ``what`` (``sglang.srt.managers.io_struct``) where SGLang imports,
+    else the hand-written ``fallback`` (which ``tests/test_fake_sglang_strict.py`` checks against the real class)."""
+    api = sglang_api.load()
+    if api is None:
+        return fallback
+    cls = getattr(api.io_struct, what)
+    if hasattr(cls, "__struct_fields__"):
+        names = set(cls.__struct_fields__)
+    else:
+        names = {f.name for f in dataclasses.fields(cls)}
+    return names | ROUTER_ADDED_FIELDS if what == "GenerateReqInput" else names
 
 
 class BadRequest(ValueError):
@@ -191,6 +215,8 @@ class FakeSGLangServer:
         self.host, self.port = host, port
         self.startup_delay, self.token_delay = startup_delay, token_delay
         self.weight_version = "default"
+        # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
+        self.launch_args: dict[str, Any] = {}
         self.released = False
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
@@ -280,7 +306,14 @@ class FakeSGLangServer:
             body = await request.json()
         except ValueError as e:
             raise BadRequest(f"{what}: body is not JSON ({e})") from e
-        return _check_fields({} if body is None else body, allowed, what)
+        body = _check_fields({} if body is None else body, request_fields(what, allowed), what)
+        api = sglang_api.load()
+        if what == "GenerateReqInput" and api is not None:
+            # SGLang's own schema gate of /generate (the same check its HTTP server makes before anything else).
+            problem = api.generate_contract_error(body)
+            if problem is not None:
+                raise BadRequest(problem)
+        return body
 
     async def _health(self, request: web.Request) -> web.Response:
         if time.monotonic() - self._started_at < self.startup_delay:
@@ -312,6 +345,7 @@ class FakeSGLangServer:
         # A few of the launch arguments SGLang reports (all of them, resolved), and the scheduler's numbers.
         return web.json_response(
             {
+                **self.launch_args,
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
                 "dtype": self.dtype,
@@ -569,3 +603,31 @@ class FakeSGLangServer:
             )
         with self._model_lock:
             self.model.load_state_dict(state, strict=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve like ``python -m sglang.launch_server``: SGLang 0.5.23's own flags (from the generated list, so an
+    unknown flag fails as in SGLang), of which the fake uses ``--model-path``, ``--host``, ``--port`` and
+    ``--random-seed``; runs until SIGTERM. This is what the launcher tests start as ``--sglang-server-command``."""
+    from runtime.engines import sglang_flags
+
+    parser = argparse.ArgumentParser(prog="fake_sglang")
+    sglang_flags.add_passthrough_flags(parser, "server", prefixed=False)
+    args = parser.parse_args(argv)
+    server = FakeSGLangServer(
+        args.model_path,
+        seed=getattr(args, "random_seed", None) or 0,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 30000),
+    )
+    server.launch_args = vars(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print(f"fake SGLang server ready at {server.url}", flush=True)
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
