@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
         prog="rlcore-run",
-        usage="rlcore-run [--config PATH.yaml] [--FLAG VALUE ...] [--sglang-FLAG ...] [--router-FLAG ...] (see --help)",
+        usage="rlcore-run [--config PATH.yaml] [--FLAG VALUE ...] [--sglang-FLAG ...] [--router-FLAG ...]",
         description=(
             "Run an RL post-training job (GRPO and friends). With no arguments: the built-in CPU demo job. Flag "
             "defaults follow slime's; the built-in job (no --hf-checkpoint and no --prompt-data) uses its own tuned "

@@ -39,9 +39,9 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import signal
 import sys
-import math
 import threading
 import time
 from pathlib import Path
@@ -354,7 +354,8 @@ class FakeSGLangServer:
                 "launch_command": f"sglang.launch_server --model-path {self.model_path} --dtype {self.dtype}",
                 "status": "ready",
                 "max_total_num_tokens": 4096,
-                "internal_states": [{}],
+                # SGLang's scheduler reports free-form internal state here; the fake reports its request counts.
+                "internal_states": [{"requests": dict(self.requests)}],
                 "version": "0.5.23",
                 "frontend": "python",
             }

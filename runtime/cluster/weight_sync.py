@@ -78,7 +78,7 @@ WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": D
 
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
     """The weight sync for ``engines`` (their registry default, or ``kind``)."""
-    kind = kind or engines.kind.weight_sync
+    kind = kind or engines.weight_sync_kind
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")
     return WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)

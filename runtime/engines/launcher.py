@@ -44,7 +44,7 @@ def server_argv(
     *,
     model_path: str,
     host: str,
-    port: int,
+    port: int | str,
     tp_size: int,
     seed: int,
     server_args: Mapping[str, Any] | None = None,
@@ -70,7 +70,7 @@ def router_argv(
     worker_urls: Sequence[str],
     *,
     host: str,
-    port: int,
+    port: int | str,
     request_timeout_secs: int,
     router_args: Mapping[str, Any] | None = None,
     python: str = sys.executable,
@@ -97,24 +97,50 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class ProcessLauncher:
-    """One server or router process (see the module docstring). ``health_url`` is polled after the start."""
+def add_router_workers(router_url: str, worker_urls: Sequence[str], *, timeout: float = 30.0) -> None:
+    """Register ``worker_urls`` with a running SGLang router (``POST /workers``, sglang-router 0.3.2)."""
+    with httpx.Client(base_url=router_url, timeout=timeout) as client:
+        for url in worker_urls:
+            response = client.post("/workers", json={"url": url})
+            if response.is_error:
+                raise RuntimeError(
+                    f"router {router_url} refused worker {url}: HTTP {response.status_code} {response.text}"
+                )
 
-    def __init__(self, argv: Sequence[str], *, health_url: str, env: Mapping[str, str] | None = None):
-        if not argv:
-            raise ValueError("argv must not be empty")
-        self.argv = list(argv)
-        self.health_url = health_url
+
+def _node_address() -> str:
+    """This node's address as other nodes reach it (Ray's view; loopback outside Ray)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except ImportError:
+        return "127.0.0.1"
+
+
+class ProcessLauncher:
+    """One server or router process (see the module docstring); ``env`` is added to the process's environment."""
+
+    def __init__(self, *, env: Mapping[str, str] | None = None):
         self.env = {**os.environ, **(env or {})}
+        self.argv: list[str] = []
         self.process: subprocess.Popen | None = None
         self.log = Path(tempfile.mkstemp(prefix="rlcore-launch-", suffix=".log")[1])
 
-    def start(self, timeout: float) -> str:
-        """Start the process and wait until ``health_url`` answers 200; returns the command line (for logs).
+    def start(self, argv: Sequence[str], *, health_path: str, timeout: float) -> str:
+        """Start ``argv`` and wait until ``health_path`` answers 200; returns the process's base URL.
 
-        Raises ``RuntimeError`` (with the end of the process's output) if it exits first, ``TimeoutError`` after
+        ``{host}`` and ``{port}`` in ``argv`` become this node's address and a free port on it. Raises
+        ``RuntimeError`` (with the end of the process's output) if the process exits first, ``TimeoutError`` after
         ``timeout`` seconds (the process is stopped then).
         """
+        if not argv:
+            raise ValueError("argv must not be empty")
+        host = _node_address()
+        port = free_port(host)
+        self.argv = [a.replace("{host}", host).replace("{port}", str(port)) for a in argv]
+        url = f"http://{host}:{port}"
+        self.health_url = url + health_path
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
                 self.argv,
@@ -134,7 +160,7 @@ class ProcessLauncher:
                     )
                 with contextlib.suppress(httpx.TransportError):
                     if client.get(self.health_url).status_code == 200:
-                        return shlex.join(self.argv)
+                        return url
                 if time.monotonic() >= deadline:
                     self.stop()
                     raise TimeoutError(
@@ -162,6 +188,3 @@ class ProcessLauncher:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
-
-    def __del__(self) -> None:
-        self.stop(grace=5.0)

@@ -75,6 +75,8 @@ from runtime.engines.hf_engine import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+# The SGLang router's header for the key that its consistent-hashing and manual policies route by.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 WEIGHTS_FILE = "model.safetensors"
 # Files of an HF folder that hold weights: never copied from the original checkpoint next to new weights.
@@ -348,10 +350,12 @@ class SGLangEngine:
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             try:
-                response = self.client.request(method, path, json=payload)
+                response = self.client.request(method, path, json=payload, headers=headers)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 if attempt == self.max_retries:
@@ -364,8 +368,8 @@ class SGLangEngine:
             raise SGLangHTTPError(method, f"{self.base_url}{path}", response.status_code, _error_message(response))
         return response
 
-    def _post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        response = self._request("POST", path, {} if payload is None else payload)
+    def _post(self, path: str, payload: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Any:
+        response = self._request("POST", path, {} if payload is None else payload, headers)
         return _json_or_text(response)
 
     def _get(self, path: str) -> Any:
@@ -423,8 +427,18 @@ class SGLangEngine:
 
     # -- RolloutEngine --------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
-        """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists."""
+    def url(self) -> str:
+        """The server's base URL."""
+        return self.base_url
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any], *, routing_key: str | None = None
+    ) -> list[Generation]:
+        """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists.
+
+        ``routing_key`` goes along as the SGLang router's ``x-smg-routing-key`` header (a multi-turn session's id), so
+        that the router's consistent-hashing or manual policy sends every turn of a session to one server.
+        """
         params = check_generate_args(prompts, params, released=self.released)
         batch = uuid.uuid4().hex
         sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
@@ -441,8 +455,10 @@ class SGLangEngine:
                 "sampling_params": sampling,
                 "return_logprob": True,
                 "logprob_start_len": -1,
-                "rid": [f"rlcore-{batch}-{i}" for i in range(len(prompts))],
+                # One id for the batch: SGLang numbers its prompts after it; the router takes only a string here.
+                "rid": f"rlcore-{batch}",
             },
+            headers={ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None,
         )
         if not isinstance(outputs, list) or len(outputs) != len(prompts):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__

@@ -1,0 +1,131 @@
+"""The managed SGLang fleet: servers launched through the launcher (the fake server as ``--sglang-server-command``),
+the real SGLang router (the ``sglang-router`` package, its Rust router on the CPU) in front of them."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+
+from runtime.cluster.engines import EngineGroup
+from runtime.cluster.placement import create_placement
+from runtime.config import from_dict, validate
+from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
+from runtime.engines import SamplingParams
+
+pytest.importorskip("sglang_router", reason="the router tests need the sglang-router package (the dev extra)")
+
+FAKE_SERVER = f"{sys.executable} {Path(__file__).with_name('fake_sglang.py')}"
+PARAMS = SamplingParams(max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), alphabet=task.ALPHABET, seed=0))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def fleet_cfg(tmp_path, model_path, **overrides):
+    return validate(
+        from_dict(
+            None,
+            output_dir=str(tmp_path),
+            hf_checkpoint=model_path,
+            rollout_max_response_len=2,
+            rollout_engine="sglang",
+            rollout_num_gpus=2,
+            sglang_server_command=FAKE_SERVER,
+            sglang_server_startup_timeout=120.0,
+            **overrides,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session, model_path, tmp_path_factory):
+    cfg = fleet_cfg(
+        tmp_path_factory.mktemp("fleet"),
+        model_path,
+        sglang_args={"mem_fraction_static": 0.5, "enable_memory_saver": True},
+        # manual: the routing key picks the server (sticky per key); requests without one go to a random server.
+        router_args={"policy": "manual", "health_check_interval_secs": 1, "health_failure_threshold": 1},
+    )
+    placement = create_placement(cfg)
+    engines = EngineGroup(cfg, placement, model_path)
+    yield cfg, engines
+    engines.shutdown()
+    ray.util.remove_placement_group(placement.group)
+
+
+def server_info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def generate_counts(urls: list[str]) -> list[int]:
+    return [server_info(u)["internal_states"][0]["requests"].get("/generate", 0) for u in urls]
+
+
+def test_servers_are_launched_with_the_passthrough_flags(fleet):
+    cfg, engines = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    assert len(urls) == 2 and len(set(urls)) == 2 and engines.router_url not in urls
+    for i, url in enumerate(urls):
+        info = server_info(url)
+        assert info["mem_fraction_static"] == 0.5 and info["enable_memory_saver"] is True
+        assert info["random_seed"] == cfg.seed + 1000 * i and info["tp_size"] == 1
+        assert info["model_path"] == cfg.model.hf_checkpoint
+    assert engines.health() == [True, True]
+
+
+def test_requests_go_through_the_router_and_are_spread_over_the_servers(fleet):
+    _, engines = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    before = generate_counts(urls)
+    prompts = [[1 + i % 5, 2, 3] for i in range(16)]
+    refs = engines.generate_async(prompts, PARAMS)
+    generations = ray.get(refs, timeout=120)
+    assert len(refs) == 16 and all(len(g) == 1 and len(g[0].token_ids) >= 1 for g in generations)
+    delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+    assert sum(delta) == 16 and min(delta) > 0, delta
+
+
+def test_a_session_sticks_to_one_server(fleet):
+    _, engines = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    for session in ("session-a", "session-b", "session-c"):
+        before = generate_counts(urls)
+        for _ in range(4):
+            ray.get(engines.generate_async([[1, 2, 3]], PARAMS, session_ids=[session]), timeout=60)
+        delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+        assert sorted(delta) == [0, 4], (session, delta)
+
+
+def test_a_server_that_goes_away_is_dropped_and_nothing_hangs(fleet):
+    # Runs last in this module: it stops a server of the shared fleet.
+    _, engines = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    ray.get(engines.launchers[1].stop.remote(), timeout=60)
+    start = time.monotonic()
+    generations = ray.get(engines.generate_async([[1, 2, 3]] * 8, PARAMS), timeout=120)
+    assert all(g[0].token_ids for g in generations)
+    assert engines.health() == [True, False]
+    deadline = time.monotonic() + 30
+    while True:
+        workers = httpx.get(engines.router_url + "/workers", timeout=10).json()["workers"]
+        healthy = [w["url"] for w in workers if w["is_healthy"]]
+        if healthy == [urls[0]] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert healthy == [urls[0]]
+    assert time.monotonic() - start < 120
