@@ -279,7 +279,7 @@ class _Actor:
 
 def _engine_group(n):
     group = EngineGroup.__new__(EngineGroup)
-    group.actors, group._next_engine = [_Actor(i) for i in range(n)], 0
+    group.actors, group._next_engine, group.router = [_Actor(i) for i in range(n)], 0, None
     return group
 
 

@@ -27,6 +27,13 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def _choices(choices: Any) -> list[Any] | None:
+    if choices is None:
+        return None
+    # Sorted: some choices are sets, or lists built from sets, whose order changes from run to run.
+    return [_jsonable(c) for c in sorted(choices, key=str)]
+
+
 def _kind(action: argparse.Action) -> str:
     if isinstance(action, argparse.BooleanOptionalAction):
         return "bool_optional"
@@ -58,7 +65,7 @@ def parser_flags(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
                 "type": converter,
                 "nargs": action.nargs if _kind(action) == "value" else None,
                 "default": _jsonable(action.default),
-                "choices": [_jsonable(c) for c in action.choices] if action.choices is not None else None,
+                "choices": _choices(action.choices),
                 "help": " ".join((action.help or "").split()),
             }
         )
