@@ -32,7 +32,7 @@ def test_the_generated_flag_list_matches_the_installed_sglang_and_router():
 def test_rlcores_own_sglang_flags_do_not_shadow_sglangs():
     own = {a.dest: a.option_strings for a in _rlcore_parser()._actions if not a.dest.startswith("_")}
     passthrough = {s for f in sglang_flags.flags("server").values() for s in f.flags}
-    for dest, options in own.items():
+    for options in own.values():
         for option in options:
             if option.startswith("--sglang-"):
                 assert "--" + option.removeprefix("--sglang-") not in passthrough, option
@@ -97,7 +97,8 @@ def test_passthrough_flags_are_parsed_into_the_config_and_merged_with_yaml(tmp_p
     cfg = parse_args(
         [
             "--config", str(config), "--rollout-engine", "sglang",
-            "--sglang-mem-fraction-static", "0.7", "--sglang-enable-memory-saver", "--sglang-cuda-graph-bs-decode", "1", "2",
+            "--sglang-mem-fraction-static", "0.7", "--sglang-enable-memory-saver",
+            "--sglang-cuda-graph-bs-decode", "1", "2",
             "--router-policy", "round_robin", "--no-sglang-enable-tf32-matmul",
         ]
     )  # fmt: skip
