@@ -767,6 +767,11 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
         problems.append("--sglang-router-request-timeout-secs and --sglang-server-startup-timeout must be > 0")
     if not s.sglang_server_command.split():
         problems.append("--sglang-server-command must not be empty")
+    if uses_sglang and s.sglang_router_ip is None and importlib.util.find_spec("sglang_router") is None:
+        problems.append(
+            "--rollout-engine sglang launches the SGLang router, which needs the sglang-router package "
+            "(pip install 'rlcore[sglang]'), or give a running one with --sglang-router-ip/--sglang-router-port"
+        )
     if s.update_weight_transport == "nccl" and not uses_sglang:
         problems.append(
             "--update-weight-transport nccl reaches SGLang servers (--rollout-engine sglang); the embedded engine "
