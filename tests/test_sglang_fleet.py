@@ -3,6 +3,7 @@ the real SGLang router (the ``sglang-router`` package, its Rust router on the CP
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from runtime.config import from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import SamplingParams
+from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups
+from runtime.rollout.sample import Sample
 
 pytest.importorskip("sglang_router", reason="the router tests need the sglang-router package (the dev extra)")
 
@@ -109,6 +112,25 @@ def test_a_session_sticks_to_one_server(fleet):
             ray.get(engines.generate_async([[1, 2, 3]], PARAMS, session_ids=[session]), timeout=60)
         delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
         assert sorted(delta) == [0, 4], (session, delta)
+
+
+def test_a_multi_turn_samples_turns_stay_on_one_server(fleet):
+    _, engines = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    samples = expand_groups([Sample(tokens=[1, 2, 3])], 2, first_group=7)[0]
+    assert [s.session_id for s in samples] == ["7-0", "7-1"]
+
+    async def conversation(sample):
+        for _ in range(3):  # three turns, each continuing the conversation so far
+            generation = await engine_generate(sample.tokens, PARAMS.to_dict(), session_id=sample.session_id)
+            sample.tokens = sample.tokens + generation.token_ids + [4]
+
+    for sample in samples:
+        before = generate_counts(urls)
+        with _running(RolloutContext(engines=engines, tokenizer=None, args=None)):
+            asyncio.run(conversation(sample))
+        delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+        assert sorted(delta) == [0, 3], (sample.session_id, delta)
 
 
 def test_a_server_that_goes_away_is_dropped_and_nothing_hangs(fleet):
