@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from runtime.engines import sglang_api
+from runtime.engines import sglang_api, weight_transfer
 
 # Field names of SGLang's GenerateReqInput that this fake accepts; any other name is refused like an unknown field.
 GENERATE_FIELDS = {
@@ -73,6 +73,15 @@ UPDATE_FROM_DISK_FIELDS = BASE_REQ_FIELDS | {
     "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
     "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest",
 }  # fmt: skip
+INIT_GROUP_FIELDS = BASE_REQ_FIELDS | {
+    "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+}  # fmt: skip
+UPDATE_FROM_DISTRIBUTED_FIELDS = BASE_REQ_FIELDS | {
+    "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format",
+    "selector", "torch_empty_cache",
+}  # fmt: skip
+DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
+GET_WEIGHTS_FIELDS = BASE_REQ_FIELDS | {"name", "truncate_size"}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 MEMORY_FIELDS = BASE_REQ_FIELDS | {"tags"}
 ABORT_FIELDS = BASE_REQ_FIELDS | {"abort_all", "finished_reason", "abort_message", "weight_versions"}
@@ -115,6 +124,11 @@ def _validation_error(message: str) -> web.Response:
     # SGLang turns request-validation errors into HTTP 400 with an OpenAI-style error object.
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.json_response(body, status=400)
+
+
+def _failure(message: str) -> web.Response:
+    # The weight-update routes answer {"success", "message"}, with HTTP 400 on failure.
+    return web.json_response({"success": False, "message": message}, status=400)
 
 
 def _handler_error(message: str) -> web.Response:
@@ -217,6 +231,9 @@ class FakeSGLangServer:
         self.weight_version = "default"
         # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
         self.launch_args: dict[str, Any] = {}
+        # Weight-update groups by name, and the bytes of each bucket received over them.
+        self.weight_groups: dict[str, Any] = {}
+        self.received_buckets: list[int] = []
         self.released = False
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
@@ -276,6 +293,11 @@ class FakeSGLangServer:
                 web.get("/resume_memory_occupation", self._resume),
                 web.post("/resume_memory_occupation", self._resume),
                 web.post("/abort_request", self._abort),
+                web.post("/init_weights_update_group", self._init_weights_update_group),
+                web.post("/update_weights_from_distributed", self._update_weights_from_distributed),
+                web.post("/destroy_weights_update_group", self._destroy_weights_update_group),
+                web.get("/get_weights_by_name", self._get_weights_by_name),
+                web.post("/get_weights_by_name", self._get_weights_by_name),
             ]
         )
         runner = web.AppRunner(app, access_log=None)
@@ -355,7 +377,9 @@ class FakeSGLangServer:
                 "status": "ready",
                 "max_total_num_tokens": 4096,
                 # SGLang's scheduler reports free-form internal state here; the fake reports its request counts.
-                "internal_states": [{"requests": dict(self.requests)}],
+                "internal_states": [
+                    {"requests": dict(self.requests), "received_buckets": list(self.received_buckets)}
+                ],
                 "version": "0.5.23",
                 "frontend": "python",
             }
@@ -403,6 +427,91 @@ class FakeSGLangServer:
             # The tokenizer manager forwards an id it knows; the scheduler aborts every request it prefixes.
             self._aborted |= {r for r in self._running if r.startswith(rid)}
         return web.Response(status=200)
+
+    async def _init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
+            for name, kind in (
+                ("master_address", str),
+                ("master_port", int),
+                ("rank_offset", int),
+                ("world_size", int),
+            ):
+                if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
+                    raise BadRequest(f"{name} must be a {kind.__name__}, got {body.get(name)!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group_name = body.get("group_name", weight_transfer.DEFAULT_GROUP)
+        if group_name in self.weight_groups:
+            return _failure(f"Failed to initialize custom process group: {group_name!r} already exists.")
+        try:
+            # One rank: the fake is one process (tensor-parallel size 1).
+            self.weight_groups[group_name] = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: weight_transfer.init_weights_update_group(
+                    master_address=body["master_address"],
+                    master_port=body["master_port"],
+                    rank=body["rank_offset"],
+                    world_size=body["world_size"],
+                    group_name=group_name,
+                    backend=body.get("backend", "nccl"),
+                    timeout=60.0,
+                ),
+            )
+        except (RuntimeError, ValueError) as e:
+            return _failure(f"Failed to initialize custom process group: {e}.")
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(
+                request, UPDATE_FROM_DISTRIBUTED_FIELDS, "UpdateWeightsFromDistributedReqInput"
+            )
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+                raise BadRequest("names, dtypes and shapes must be lists")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest(f"weight_version must be a string or null, got {version!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group = self.weight_groups.get(body.get("group_name", weight_transfer.DEFAULT_GROUP))
+        if group is None:
+            return _failure("Failed to update parameter online: the weight-update group is not initialized.")
+        # The broadcast is received in full before the bucket is checked: every rank must take part in it.
+        bucket = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes)
+        )
+        try:
+            self._load_state(bucket)
+        except ValueError as e:
+            return _failure(f"Failed to update parameter online: {e}")
+        self.received_buckets.append(sum(t.nbytes for t in bucket.values()))
+        if version is not None:
+            self.weight_version = version
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, DESTROY_GROUP_FIELDS, "DestroyWeightsUpdateGroupReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group = self.weight_groups.pop(body.get("group_name", weight_transfer.DEFAULT_GROUP), None)
+        if group is None:
+            return _failure("Failed to destroy custom process group: it does not exist.")
+        weight_transfer.destroy_group(group)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def _get_weights_by_name(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, GET_WEIGHTS_FIELDS, "GetWeightsByNameReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        try:
+            parameter = self.model.get_parameter(body.get("name", ""))
+        except AttributeError:
+            return _handler_error("Get parameter by name failed")
+        return web.json_response(parameter.detach().float().tolist()[: body.get("truncate_size", 100)])
 
     async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
@@ -593,6 +702,11 @@ class FakeSGLangServer:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        self._load_state(state)
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load named tensors as SGLang's model classes do: ``lm_head.weight`` skipped when tied, unknown names
+        skipped, missing ones kept; a shape mismatch loads nothing (``ValueError``)."""
         if self.model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         own = self.model.state_dict()

@@ -204,6 +204,10 @@ class EngineGroup:
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self._all("update_weights_from_disk", path, weight_version=weight_version)
 
+    def tp_sizes(self) -> list[int]:
+        """Each engine's ranks in a weight-update group (its tensor-parallel size)."""
+        return self._all("tp_size")
+
     def weight_versions(self) -> list[int]:
         return self._all("weight_version")
 

@@ -10,16 +10,25 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   checkpoint's config and tokenizer files) and every engine loads it (``update_weights_from_disk``); SGLang servers
   read it through ``/update_weights_from_disk``, so the folder must be on a file system they see.
 
-NCCL broadcast and CUDA IPC (SGLang's ``update_weights_from_distributed`` / ``update_weights_from_tensor``) plug in
-here as two more entries.
+- ``nccl``: trainer rank 0 and every engine join one ``torch.distributed`` group (SGLang's
+  ``init_weights_update_group``, once), then each bucket is one ``update_weights_from_distributed`` call per engine
+  while rank 0 broadcasts its tensors (``runtime.engines.weight_transfer``); NCCL when the trainer has a GPU, gloo on
+  the CPU. SGLang servers and the embedded engine both receive this way.
+
+CUDA IPC (SGLang's ``update_weights_from_tensor``, for colocated engines) would plug in here as one more entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+import ray
+
+from runtime.engines import weight_transfer
 
 
 @runtime_checkable
@@ -73,7 +82,51 @@ class DiskSync:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync}
+class DistributedSync:
+    """Buckets broadcast over a weight-update group (see the module docstring). ``bucket_sizes`` holds the bytes of
+    each bucket of the last push."""
+
+    def __init__(
+        self, trainers: Any, engines: Any, *, bucket_bytes: int, group_name: str = weight_transfer.DEFAULT_GROUP
+    ):
+        self.trainers, self.engines, self.bucket_bytes, self.group_name = trainers, engines, bucket_bytes, group_name
+        self.dtype = engines.weight_dtype()
+        self.bucket_sizes: list[int] = []
+        self.bytes_sent = 0
+        host, port, self.backend = trainers.weight_group_address()
+        ranks = engines.tp_sizes()
+        world_size = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        joins = [
+            a.init_weights_update_group.remote(
+                host, port, offset, world_size, group_name=group_name, backend=self.backend
+            )
+            for a, offset in zip(engines.actors, offsets, strict=True)
+        ]
+        trainer = trainers.init_weight_group(
+            master_address=host, master_port=port, world_size=world_size, group_name=group_name, backend=self.backend
+        )
+        ray.get([trainer, *joins])
+
+    def push(self, version: int) -> None:
+        self.bucket_sizes = self.trainers.broadcast_buckets(
+            self.engines.actors,
+            version=version,
+            dtype=self.dtype,
+            bucket_bytes=self.bucket_bytes,
+            group_name=self.group_name,
+        )
+        self.bytes_sent = sum(self.bucket_sizes)
+
+    def close(self) -> None:
+        # Best effort: this also runs while a failed job unwinds.
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get([a.destroy_weights_update_group.remote(self.group_name) for a in self.engines.actors])
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.trainers.destroy_weight_group()
+
+
+WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync, "nccl": DistributedSync}
 
 
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from runtime.engines import weight_transfer
 from runtime.engines.base import Generation, SamplingParams, check_generate_args
 
 
@@ -242,6 +243,7 @@ class HFEngine:
         self.model.generation_config = bare_generation_config(eos=self.eos_token_ids, pad=self.pad_token_id)
         self.weight_update = WeightUpdate(self.model)
         self._weight_version = 0
+        self._weight_groups: dict[str, Any] = {}
         self.released = False
         self.closed = False
         # abort() bumps the epoch; a generate call stops once the epoch differs from the one it started under.
@@ -333,6 +335,57 @@ class HFEngine:
         for f in files:
             self.load_weights(load_file(str(f)))
         self.load_weights({}, weight_version=weight_version)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        backend: str = "gloo",
+    ) -> None:
+        """Join the trainer's weight-update group as rank ``rank_offset`` (SGLang's ``/init_weights_update_group``)."""
+        if group_name in self._weight_groups:
+            raise ValueError(f"weight-update group {group_name!r} already exists")
+        self._weight_groups[group_name] = weight_transfer.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket broadcast by the trainer and load it as :meth:`load_weights` does (SGLang's
+        ``/update_weights_from_distributed``)."""
+        if group_name not in self._weight_groups:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        device = self.device if self.device.type == "cuda" else "cpu"
+        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        self.load_weights(bucket, weight_version=weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
+        if group_name in self._weight_groups:
+            weight_transfer.destroy_group(self._weight_groups.pop(group_name))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of weight ``name`` as nested lists (SGLang's ``/get_weights_by_name``)."""
+        return self.model.get_parameter(name).detach().float().cpu().tolist()[:truncate_size]
+
+    def tp_size(self) -> int:
+        """Ranks the engine takes in a weight-update group (one: the embedded engine is one process)."""
+        return 1
 
     def weight_version(self) -> int:
         return self._weight_version

@@ -65,6 +65,7 @@ import httpx
 import numpy as np
 import torch
 
+from runtime.engines import weight_transfer
 from runtime.engines.base import Generation, SamplingParams, check_generate_args
 from runtime.engines.hf_engine import (
     WeightUpdate,
@@ -503,6 +504,60 @@ class SGLangEngine:
         if Path(path).is_dir():
             self._check_folder(Path(path))
         self._load_from_disk(Path(path), weight_version, owned=False)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        backend: str = "nccl",
+    ) -> None:
+        """Have the server join the trainer's weight-update group (``/init_weights_update_group``); its ranks are
+        ``rank_offset`` to ``rank_offset + tp_size - 1``. Blocks until every rank has joined."""
+        self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Have the server receive one bucket the trainer broadcasts (``/update_weights_from_distributed``); the
+        call returns once the server has loaded it. ``weight_version`` (the last bucket) becomes its version."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        if weight_version is not None:
+            check_weight_version(weight_version)
+            payload["weight_version"] = str(weight_version)
+        self._post("/update_weights_from_distributed", payload)
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
+        self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of the server's weight ``name`` (``/get_weights_by_name``)."""
+        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def tp_size(self) -> int:
+        """The server's tensor-parallel size (its ranks in a weight-update group), from ``/server_info``."""
+        return int(self._get("/server_info").get("tp_size", 1))
 
     def weight_version(self) -> int:
         return self._weight_version
