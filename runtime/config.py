@@ -268,8 +268,8 @@ class SGLangConfig:
     update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
         default=None,
         metadata=_help(
-            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU) or disk; "
-            "unset: nccl for SGLang, Ray's object store for the embedded engine"
+            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU) or disk "
+            "(safetensors); unset: nccl for SGLang, Ray's object store for the embedded engine"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -771,11 +771,6 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
         problems.append(
             "--rollout-engine sglang launches the SGLang router, which needs the sglang-router package "
             "(pip install 'rlcore[sglang]'), or give a running one with --sglang-router-ip/--sglang-router-port"
-        )
-    if s.update_weight_transport == "nccl" and not uses_sglang:
-        problems.append(
-            "--update-weight-transport nccl reaches SGLang servers (--rollout-engine sglang); the embedded engine "
-            "takes its weights through Ray's object store"
         )
 
 

@@ -23,7 +23,7 @@ from runtime.cluster import checkpoint
 from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
-from runtime.cluster.weight_sync import make_weight_sync
+from runtime.cluster.weight_sync import check_weights_equal, make_weight_sync
 from runtime.config import Config, ConfigError, dump_yaml, to_dict
 from runtime.engines.base import SamplingParams
 from runtime.hooks import load_function
@@ -117,6 +117,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         elif cfg.train.sft_warmup_steps:
             sft_warmup(cfg, trainers, tokenizer)
         weights.push(start)
+        if cfg.sglang.check_weight_update_equal:
+            check_weights_equal(trainers, engines)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
         logger = MetricsLogger(

@@ -231,7 +231,7 @@ class FakeSGLangServer:
         self.weight_version = "default"
         # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
         self.launch_args: dict[str, Any] = {}
-        # Weight-update groups by name, and the bytes of each bucket received over them.
+        # Weight-update groups by name, and [bytes, tensors] of each bucket received over them.
         self.weight_groups: dict[str, Any] = {}
         self.received_buckets: list[int] = []
         self.released = False
@@ -486,7 +486,7 @@ class FakeSGLangServer:
             self._load_state(bucket)
         except ValueError as e:
             return _failure(f"Failed to update parameter online: {e}")
-        self.received_buckets.append(sum(t.nbytes for t in bucket.values()))
+        self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
         if version is not None:
             self.weight_version = version
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})

@@ -153,9 +153,8 @@ def test_sglang_flags_need_the_sglang_engine():
     with pytest.raises(ConfigError) as info:
         parse_args(["--sglang-mem-fraction-static", "0.7"])
     assert "--sglang-* flags are used only with --rollout-engine sglang" in str(info.value)
-    with pytest.raises(ConfigError) as info:
-        parse_args(["--update-weight-transport", "nccl"])
-    assert "--update-weight-transport nccl" in str(info.value)
+    # The embedded engine receives over a weight-update group too.
+    assert parse_args(["--update-weight-transport", "nccl"]).sglang.update_weight_transport == "nccl"
 
 
 def test_a_passthrough_value_of_the_wrong_type_in_yaml_names_its_flag():

@@ -11,15 +11,22 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
+import torch
+from transformers import AutoTokenizer
 
+from rlcore.advantages import sequence_advantages
 from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
+from runtime.cluster.trainers import TrainerGroup
+from runtime.cluster.weight_sync import DistributedSync, check_weights_equal, make_weight_sync
 from runtime.config import from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import SamplingParams
 from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups
 from runtime.rollout.sample import Sample
+from runtime.train.algo import advantage_config, loss_config, model_roles
+from runtime.train.batch import build_batch
 
 pytest.importorskip("sglang_router", reason="the router tests need the sglang-router package (the dev extra)")
 
@@ -66,7 +73,7 @@ def fleet(ray_session, model_path, tmp_path_factory):
     )
     placement = create_placement(cfg)
     engines = EngineGroup(cfg, placement, model_path)
-    yield cfg, engines
+    yield cfg, engines, placement
     engines.shutdown()
     ray.util.remove_placement_group(placement.group)
 
@@ -80,7 +87,7 @@ def generate_counts(urls: list[str]) -> list[int]:
 
 
 def test_servers_are_launched_with_the_passthrough_flags(fleet):
-    cfg, engines = fleet
+    cfg, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]
     assert len(urls) == 2 and len(set(urls)) == 2 and engines.router_url not in urls
     for i, url in enumerate(urls):
@@ -92,7 +99,7 @@ def test_servers_are_launched_with_the_passthrough_flags(fleet):
 
 
 def test_requests_go_through_the_router_and_are_spread_over_the_servers(fleet):
-    _, engines = fleet
+    _, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]
     before = generate_counts(urls)
     prompts = [[1 + i % 5, 2, 3] for i in range(16)]
@@ -104,7 +111,7 @@ def test_requests_go_through_the_router_and_are_spread_over_the_servers(fleet):
 
 
 def test_a_session_sticks_to_one_server(fleet):
-    _, engines = fleet
+    _, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]
     for session in ("session-a", "session-b", "session-c"):
         before = generate_counts(urls)
@@ -115,7 +122,7 @@ def test_a_session_sticks_to_one_server(fleet):
 
 
 def test_a_multi_turn_samples_turns_stay_on_one_server(fleet):
-    _, engines = fleet
+    _, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]
     samples = expand_groups([Sample(tokens=[1, 2, 3])], 2, first_group=7)[0]
     assert [s.session_id for s in samples] == ["7-0", "7-1"]
@@ -133,9 +140,60 @@ def test_a_multi_turn_samples_turns_stay_on_one_server(fleet):
         assert sorted(delta) == [0, 3], (sample.session_id, delta)
 
 
+def _train_one_step(trainers, cfg, model_path, seed):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    samples = []
+    for i, rec in enumerate(task.make_records(8, seed=seed)):
+        prompt = tokenizer(rec["prompt"])["input_ids"]
+        samples.append(
+            Sample(index=i // 4, group_index=i // 4, tokens=prompt + [5, 6], response_length=2, reward=float(i % 2))
+        )
+    adv_cfg = advantage_config(cfg)
+    batch = sequence_advantages(build_batch(samples, pad_token_id=tokenizer.pad_token_id), adv_cfg)
+    trainers.train_rollout(batch, global_batch_size=8, adv_cfg=adv_cfg)
+
+
+def test_weights_reach_every_server_over_a_gloo_group_in_buckets(fleet, model_path):
+    cfg, engines, placement = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    trainers = TrainerGroup(
+        placement,
+        backend="torch",
+        model_path=model_path,
+        roles=model_roles(cfg),
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+    )
+    limit = 8192
+    sync = make_weight_sync(trainers, engines, bucket_bytes=limit)  # SGLang's default transport: nccl (gloo here)
+    try:
+        assert isinstance(sync, DistributedSync) and sync.backend == "gloo"
+        for version in (1, 2):
+            weights = trainers.get_weights()
+            before = [len(server_info(u)["internal_states"][0]["received_buckets"]) for u in urls]
+            sync.push(version)
+            # Every server holds the trainer's weights (all rows of every weight), with the version.
+            assert check_weights_equal(trainers, engines, truncate_size=1 << 20) == len(weights)
+            assert engines.weight_versions() == [version, version]
+            for url, start in zip(urls, before, strict=True):
+                assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == str(version)
+                received = server_info(url)["internal_states"][0]["received_buckets"][start:]
+                # One update_weights_from_distributed call per bucket; none over the limit unless one tensor is.
+                assert [b for b, _ in received] == sync.bucket_sizes and len(received) > 2
+                assert all(size <= limit or n == 1 for size, n in received)
+            assert sum(sync.bucket_sizes) == sum(v.nbytes for v in weights.values())
+            _train_one_step(trainers, cfg, model_path, seed=version)
+            assert any(not torch.equal(v, trainers.get_weights()[k]) for k, v in weights.items())
+    finally:
+        sync.close()
+        trainers.shutdown()
+
+
 def test_a_server_that_goes_away_is_dropped_and_nothing_hangs(fleet):
     # Runs last in this module: it stops a server of the shared fleet.
-    _, engines = fleet
+    _, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]
     ray.get(engines.launchers[1].stop.remote(), timeout=60)
     start = time.monotonic()

@@ -129,6 +129,29 @@ class DistributedSync:
 WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync, "nccl": DistributedSync}
 
 
+def check_weights_equal(trainers: Any, engines: Any, *, truncate_size: int = 4) -> int:
+    """``--check-weight-update-equal``: every engine holds the trainer's weights, in the engines' dtype.
+
+    Compares the first ``truncate_size`` rows of every weight (what ``get_weights_by_name`` returns, as SGLang's
+    route of that name does) exactly; raises ``RuntimeError`` naming the first weight and engine that differ.
+    Returns the number of weights compared.
+    """
+    import torch
+
+    dtype = getattr(torch, engines.weight_dtype())
+    expected = trainers.get_weights()
+    for name, value in expected.items():
+        want = value.to(dtype).float()[:truncate_size]
+        got = ray.get([a.get_weights_by_name.remote(name, truncate_size) for a in engines.actors])
+        for index, rows in enumerate(got):
+            if not torch.equal(torch.tensor(rows, dtype=torch.float32).reshape(want.shape), want):
+                raise RuntimeError(
+                    f"--check-weight-update-equal: engine {index}'s {name} differs from the trainer's after the "
+                    f"weight sync (first rows: engine {rows!r:.200}, trainer {want.tolist()!r:.200})"
+                )
+    return len(expected)
+
+
 def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
     """The weight sync for ``engines`` (their registry default, or ``kind``)."""
     kind = kind or engines.weight_sync_kind

@@ -55,7 +55,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
         cls="runtime.engines.hf_engine:HFEngine",
         bundles_per_engine=lambda cfg: 1,
         launches=lambda cfg: False,
-        weight_sync=lambda cfg: "object_store",
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "object_store",
         count=lambda cfg: cfg.resources.rollout_num_gpus,
         kwargs=lambda cfg, model_path, i: {"model_path": model_path, "seed": cfg.seed + 1000 * i},
     ),
@@ -63,7 +63,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
         cls="runtime.engines.sglang_engine:SGLangEngine",
         bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
         launches=lambda cfg: not sglang_urls(cfg),
-        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "disk",
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "nccl",
         count=_sglang_engines,
         kwargs=lambda cfg, model_path, i: {
             **({"base_url": sglang_urls(cfg)[i]} if sglang_urls(cfg) else {}),
