@@ -23,6 +23,8 @@ from runtime.config import from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import SamplingParams
+from runtime.logger import METRICS_FILE, read_metrics
+from runtime.loop import run
 from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
@@ -47,19 +49,56 @@ def ray_session():
 
 
 def fleet_cfg(tmp_path, model_path, **overrides):
-    return validate(
-        from_dict(
-            None,
-            output_dir=str(tmp_path),
-            hf_checkpoint=model_path,
-            rollout_max_response_len=2,
-            rollout_engine="sglang",
-            rollout_num_gpus=2,
-            sglang_server_command=FAKE_SERVER,
-            sglang_server_startup_timeout=120.0,
-            **overrides,
-        )
+    settings = {
+        "output_dir": str(tmp_path),
+        "hf_checkpoint": model_path,
+        "rollout_max_response_len": 2,
+        "rollout_engine": "sglang",
+        "rollout_num_gpus": 2,
+        "sglang_server_command": FAKE_SERVER,
+        "sglang_server_startup_timeout": 120.0,
+    }
+    return validate(from_dict(None, **{**settings, **overrides}))
+
+
+def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, model_path, tmp_path):
+    # First in the module: the shared fleet below holds the CPU slots a job needs.
+    cfg = fleet_cfg(
+        tmp_path,
+        model_path,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        rollout_max_response_len=5,
+        num_rollout=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        lr=1e-3,
+        use_tensorboard=False,
+        check_weight_update_equal=True,
     )
+    result = run(cfg, progress=False)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    # The servers sample with the trainer's weights at every step (pushed over the gloo group, checked equal after
+    # the first push): their log-probs equal the trainer's recompute.
+    assert all(r["train/rollout_log_prob_abs_diff"] < 1e-4 for r in rows)
+    # The servers and the router the job launched are gone with it.
+    deadline = time.monotonic() + 30
+    while _launched_by(model_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _launched_by(model_path)
+
+
+def _launched_by(model_path: str) -> list[str]:
+    """Command lines of the running fake servers of ``model_path`` (this test's own: the folder is unique)."""
+    import psutil
+
+    running = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if "fake_sglang.py" in cmdline and model_path in cmdline:
+            running.append(cmdline)
+    return running
 
 
 @pytest.fixture(scope="module")
