@@ -21,7 +21,6 @@ from runtime.engines.sglang_engine import (
     sampling_params_to_sglang,
     sampling_seed,
     save_hf_weights,
-    sglang_launch_command,
     sglang_weight_dtype,
 )
 
@@ -404,23 +403,6 @@ def test_saved_weights_are_an_hf_folder_transformers_loads(tmp_path, model_dirs)
         save_hf_weights({**state, "lm_head.weight": [1.0]}, tmp_path / "x", config_source=model_dirs[0])
     with pytest.raises(ValueError, match="config.json"):
         save_hf_weights(state, tmp_path / "y", config_source=tmp_path)
-
-
-def test_launch_command_for_a_gpu_actor():
-    cmd = sglang_launch_command(
-        "/ckpt/qwen", host="0.0.0.0", port=31000, tp_size=2, mem_fraction_static=0.7, seed=3, enable_memory_saver=True
-    )
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-    assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "31000" and flags["--tp-size"] == "2"
-    assert flags["--mem-fraction-static"] == "0.7" and flags["--random-seed"] == "3" and flags["--host"] == "0.0.0.0"
-    assert cmd[-1] == "--enable-memory-saver" and "--enable-deterministic-inference" not in cmd
-    assert sglang_launch_command("/m", deterministic=True)[-1] == "--enable-deterministic-inference"
-    assert "--mem-fraction-static" not in sglang_launch_command("/m")
-    with pytest.raises(ValueError, match="tp_size"):
-        sglang_launch_command("/m", tp_size=0)
-    with pytest.raises(ValueError, match="mem_fraction_static"):
-        sglang_launch_command("/m", mem_fraction_static=1.5)
 
 
 def test_seeded_sampling_resumes_with_the_saved_state(server):

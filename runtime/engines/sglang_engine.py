@@ -1,7 +1,7 @@
 """A rollout engine that drives an SGLang server over its native HTTP API (see :class:`RolloutEngine`).
 
-The server is SGLang's own process (``python -m sglang.launch_server``, see :func:`sglang_launch_command`), started
-on a GPU machine by a Ray actor or by hand; this adapter only speaks HTTP to it, so it runs anywhere and imports
+The server is SGLang's own process (``python -m sglang.launch_server``), started by the engine group's launcher
+(``runtime.engines.launcher``) or by hand; this adapter only speaks HTTP to it, so it runs anywhere and imports
 nothing from SGLang. The endpoints and JSON shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``
 and ``managers/io_struct.py`` of that release):
 
@@ -27,23 +27,25 @@ What callers should know:
   embedded engine).
 - The stop token is kept in ``token_ids`` (``no_stop_trim``), as in the embedded engine.
 
-Weights go through the file system: :meth:`SGLangEngine.load_weights` collects the buckets of an update and, at the
+Weights reach the server two ways. Over a ``torch.distributed`` group (the default, ``--update-weight-transport
+nccl``): :meth:`SGLangEngine.init_weights_update_group` has the server join the trainer's group once
+(``/init_weights_update_group``), then each bucket is one ``/update_weights_from_distributed`` call (its names, dtypes
+and shapes) while the trainer broadcasts the tensors (``runtime.engines.weight_transfer``; NCCL on GPUs, gloo on the
+CPU). Through the file system (``--update-weight-transport disk``): :meth:`SGLangEngine.load_weights` collects the buckets of an update and, at the
 last one, writes them as safetensors into an HF folder (the checkpoint's config and tokenizer files copied beside it)
 that the server must be able to read, then calls ``/update_weights_from_disk``;
 :meth:`SGLangEngine.update_weights_from_disk` has the server load a folder the trainer wrote. SGLang itself loads
 whatever names a folder holds and silently keeps the old values of the others, and for tied embeddings it reads the
 input embeddings and skips ``lm_head.weight``; so the adapter checks names, shapes and completeness against the
 checkpoint's architecture (a ``meta``-device transformers model, no weights) and writes tied weights under each of
-their names. SGLang also has GPU paths that skip the disk:
-``/update_weights_from_tensor`` (CUDA IPC handles of tensors on the same node) and ``/init_weights_update_group`` +
-``/update_weights_from_distributed`` (an NCCL group between trainer and server, the trainer broadcasting each
-tensor); slime uses those. They need GPUs on both sides and are not implemented here.
+their names. SGLang's third path, ``/update_weights_from_tensor`` (CUDA IPC handles, for a colocated server), is
+not implemented here.
 
 Reproducible sampling: with ``seed`` set, every prompt carries its own ``sampling_seed`` derived from the seed, the
 number of ``generate`` calls so far and its index in the batch; :meth:`SGLangEngine.get_rng_state` /
 :meth:`SGLangEngine.set_rng_state` save and restore that counter, so a resumed job sends the same seeds. SGLang
-applies ``sampling_seed`` in its deterministic-inference mode (``--enable-deterministic-inference``, see
-:func:`sglang_launch_command`); otherwise the server's own generator decides and the seeds only label requests.
+applies ``sampling_seed`` in its deterministic-inference mode (``--sglang-enable-deterministic-inference``); otherwise
+the server's own generator decides and the seeds only label requests.
 
 Retries: only connection failures (nothing reached the server) are retried, with exponential backoff; a request that
 reached the server is never sent twice, because generation and weight loads are not idempotent.
@@ -54,7 +56,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -242,56 +243,6 @@ def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_so
     copy_model_files(source, out)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
-
-
-def sglang_launch_command(
-    model_path: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    tp_size: int = 1,
-    mem_fraction_static: float | None = None,
-    seed: int = 0,
-    enable_memory_saver: bool = False,
-    deterministic: bool = False,
-    weight_version: int = 0,
-    python: str = sys.executable,
-    extra_args: tuple[str, ...] = (),
-) -> list[str]:
-    """The ``python -m sglang.launch_server`` command line for one server, as an argv list.
-
-    Meant for a Ray actor that owns ``tp_size`` GPUs to ``subprocess.Popen`` on a GPU machine, then build an
-    :class:`SGLangEngine` on ``http://{host}:{port}`` (which waits until the server answers). It cannot run on a
-    machine without SGLang and a GPU, so rlcore's CPU tests only check the command it builds.
-    ``enable_memory_saver`` is needed for :meth:`SGLangEngine.release_memory` to free anything (``--colocate``);
-    ``mem_fraction_static`` is the share of GPU memory for weights and KV cache (SGLang picks one when ``None``);
-    ``deterministic`` turns on SGLang's deterministic inference, which honours per-request ``sampling_seed``.
-    """
-    if not isinstance(model_path, str) or not model_path:
-        raise ValueError(f"model_path must be a non-empty string, got {model_path!r}")
-    for name, value, low in (("port", port, 1), ("tp_size", tp_size, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if port > 65535:
-        raise ValueError(f"port must be <= 65535, got {port}")
-    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    cmd = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--host", host,
-        "--port", str(port),
-        "--tp-size", str(tp_size),
-        "--random-seed", str(seed),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
-    if mem_fraction_static is not None:
-        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-    if enable_memory_saver:
-        cmd.append("--enable-memory-saver")
-    if deterministic:
-        cmd.append("--enable-deterministic-inference")
-    return cmd + list(extra_args)
 
 
 class SGLangEngine:
