@@ -31,9 +31,9 @@ Weights reach the server two ways. Over a ``torch.distributed`` group (the defau
 nccl``): :meth:`SGLangEngine.init_weights_update_group` has the server join the trainer's group once
 (``/init_weights_update_group``), then each bucket is one ``/update_weights_from_distributed`` call (its names, dtypes
 and shapes) while the trainer broadcasts the tensors (``runtime.engines.weight_transfer``; NCCL on GPUs, gloo on the
-CPU). Through the file system (``--update-weight-transport disk``): :meth:`SGLangEngine.load_weights` collects the buckets of an update and, at the
-last one, writes them as safetensors into an HF folder (the checkpoint's config and tokenizer files copied beside it)
-that the server must be able to read, then calls ``/update_weights_from_disk``;
+CPU). Through the file system (``--update-weight-transport disk``): :meth:`SGLangEngine.load_weights` collects the
+buckets of an update and, at the last one, writes them as safetensors into an HF folder (the checkpoint's config and
+tokenizer files copied beside it) that the server must be able to read, then calls ``/update_weights_from_disk``;
 :meth:`SGLangEngine.update_weights_from_disk` has the server load a folder the trainer wrote. SGLang itself loads
 whatever names a folder holds and silently keeps the old values of the others, and for tied embeddings it reads the
 input embeddings and skips ``lm_head.weight``; so the adapter checks names, shapes and completeness against the
