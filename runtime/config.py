@@ -275,6 +275,13 @@ class SGLangConfig:
     check_weight_update_equal: bool = field(
         default=False, metadata=_help("after the first weight sync, compare every engine's weights with the trainer's")
     )
+    offload_rollout: bool | None = field(
+        default=None,
+        metadata=_help("release the engines' memory while training (weights back before a sync); unset: --colocate"),
+    )
+    offload_train: bool | None = field(
+        default=None, metadata=_help("offload the trainers while the engines generate; unset: --colocate")
+    )
     sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
     router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
 
@@ -767,6 +774,14 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
         problems.append("--sglang-router-request-timeout-secs and --sglang-server-startup-timeout must be > 0")
     if not s.sglang_server_command.split():
         problems.append("--sglang-server-command must not be empty")
+    for name in ("offload_rollout", "offload_train"):
+        if res.colocate and getattr(s, name) is False:
+            problems.append(f"--colocate shares devices between trainers and engines: it needs {flag(name)}")
+        if getattr(s, name) and cfg.rollout.rollout_schedule != "sync":
+            problems.append(
+                f"{flag(name)} takes turns between rollout and training: it needs --rollout-schedule sync, not "
+                f"{cfg.rollout.rollout_schedule}"
+            )
     if uses_sglang and s.sglang_router_ip is None and importlib.util.find_spec("sglang_router") is None:
         problems.append(
             "--rollout-engine sglang launches the SGLang router, which needs the sglang-router package "

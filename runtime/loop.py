@@ -133,6 +133,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         history: list[dict[str, Any]] = []
         bar = ProgressBar(r.num_rollout, start, enabled=progress)
         cleanup.callback(bar.close)
+        # --offload-rollout / --offload-train (both on with --colocate): engines release their memory after each
+        # rollout and take back their weights before a sync, their caches before the next rollout; the trainers
+        # are offloaded while the engines generate.
+        offload_rollout = cfg.resources.colocate if cfg.sglang.offload_rollout is None else cfg.sglang.offload_rollout
+        offload_train = cfg.resources.colocate if cfg.sglang.offload_train is None else cfg.sglang.offload_train
+        engine_memory = EngineMemory(engines)
         source.start(start)
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
@@ -140,14 +146,15 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             metrics: dict[str, float] = dataset.stats() if step == start else {}
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
-            if cfg.resources.colocate:
+            if offload_train:
                 trainers.release_memory()
-                engines.resume_memory()
+            engine_memory.resume()
             rollout = source.get(step)
             metrics.update(rollout.metrics)
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
-            if cfg.resources.colocate:
-                engines.release_memory()
+            if offload_rollout:
+                engine_memory.release()
+            if offload_train:
                 trainers.resume_memory()
 
             # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
@@ -168,8 +175,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
                 source.pause()
-                if cfg.resources.colocate:
-                    engines.resume_memory()
+                engine_memory.resume(["weights"])
                 weights.push(done)
                 source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
@@ -272,6 +278,27 @@ def _init_ray(cfg: Config) -> bool:
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=False)
     return True
+
+
+class EngineMemory:
+    """Which memory tags the engines have released, so that each is resumed once, and in slime's order."""
+
+    TAGS = ("weights", "kv_cache", "cuda_graph")
+
+    def __init__(self, engines: EngineGroup):
+        self.engines = engines
+        self.released: set[str] = set()
+
+    def release(self) -> None:
+        self.engines.release_memory(list(self.TAGS))
+        self.released = set(self.TAGS)
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        """Resume ``tags`` (all by default) among those released; nothing if none is."""
+        wanted = [t for t in (tags or self.TAGS) if t in self.released]
+        if wanted:
+            self.engines.resume_memory(wanted)
+            self.released -= set(wanted)
 
 
 async def evaluate(

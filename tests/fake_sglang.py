@@ -234,7 +234,7 @@ class FakeSGLangServer:
         # Weight-update groups by name, and [bytes, tensors] of each bucket received over them.
         self.weight_groups: dict[str, Any] = {}
         self.received_buckets: list[int] = []
-        self.released = False
+        self.released_tags: set[str] = set()
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
         self._running: set[str] = set()
@@ -410,10 +410,17 @@ class FakeSGLangServer:
                 raise BadRequest(f"tags must be null or a list drawn from {sorted(MEMORY_TAGS)}, got {tags!r}")
         except BadRequest as e:
             return _validation_error(str(e))
-        if release == self.released:
-            return _handler_error(f"memory is already {'released' if release else 'resumed'}")
-        self.released = release
+        tags = set(tags) if tags is not None else set(MEMORY_TAGS)
+        clash = tags & self.released_tags if release else tags - self.released_tags
+        if clash:
+            return _handler_error(f"memory of {sorted(clash)} is already {'released' if release else 'resumed'}")
+        self.released_tags = self.released_tags | tags if release else self.released_tags - tags
         return web.json_response(None)
+
+    @property
+    def released(self) -> bool:
+        """Whether any memory is released (a server without its weights or KV cache cannot generate)."""
+        return bool(self.released_tags)
 
     async def _abort(self, request: web.Request) -> web.Response:
         try:

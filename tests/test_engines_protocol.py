@@ -334,6 +334,18 @@ def test_release_and_resume_memory(rig):
     check_generations(
         rig, rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=3)), 1.0, max_new_tokens=3, version=0
     )
+    # Staged, as the loop does around training (--offload-rollout): weights first, then the caches.
+    rig.engine.release_memory(["weights", "kv_cache", "cuda_graph"])
+    rig.engine.resume_memory(["weights"])
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=2))
+    rig.engine.resume_memory(["kv_cache", "cuda_graph"])
+    assert rig.engine.health()
+    check_generations(
+        rig, rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=3)), 1.0, max_new_tokens=3, version=0
+    )
+    with pytest.raises(ValueError, match="tags"):
+        rig.engine.release_memory(["optimizer"])
 
 
 @covers("get_rng_state", "set_rng_state", "generate")

@@ -75,6 +75,8 @@ def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, 
         lr=1e-3,
         use_tensorboard=False,
         check_weight_update_equal=True,
+        # The servers release their memory while the trainer trains, and take it back in two stages.
+        offload_rollout=True,
     )
     result = run(cfg, progress=False)
     rows = read_metrics(result.output_dir / METRICS_FILE)

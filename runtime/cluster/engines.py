@@ -229,11 +229,11 @@ class EngineGroup:
     def set_rng_state(self, states: list[Any]) -> None:
         ray.get([a.set_rng_state.remote(s) for a, s in zip(self.actors, states, strict=True)])
 
-    def release_memory(self) -> None:
-        self._all("release_memory")
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._all("release_memory", tags)
 
-    def resume_memory(self) -> None:
-        self._all("resume_memory")
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._all("resume_memory", tags)
 
     def health(self) -> list[bool]:
         return self._all("health")

@@ -162,12 +162,14 @@ class RolloutEngine(Protocol):
         ``finish_reason="abort"`` (partial rollout resumes such samples after a weight update)."""
         ...
 
-    def release_memory(self) -> None:
-        """Give device memory back (weights and caches) until :meth:`resume_memory`."""
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give device memory back until :meth:`resume_memory`: all of it, or the ``tags`` among ``weights``,
+        ``kv_cache``, ``cuda_graph`` (SGLang's). The engine generates again once every released tag is resumed."""
         ...
 
-    def resume_memory(self) -> None:
-        """Take device memory again after :meth:`release_memory`."""
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take device memory again: all of it, or ``tags`` (weights before a weight sync, the caches before
+        generating)."""
         ...
 
     def get_rng_state(self) -> Any:

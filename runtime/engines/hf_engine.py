@@ -215,6 +215,17 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
     )
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _memory_tags(tags: list[str] | None) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or any(t not in MEMORY_TAGS for t in tags):
+        raise ValueError(f"tags must be None or a non-empty list drawn from {MEMORY_TAGS}, got {tags!r}")
+    return set(tags)
+
+
 class HFEngine:
     """A causal LM from a HF folder that samples responses with per-token log-probs (see :class:`RolloutEngine`).
 
@@ -244,6 +255,7 @@ class HFEngine:
         self.weight_update = WeightUpdate(self.model)
         self._weight_version = 0
         self._weight_groups: dict[str, Any] = {}
+        self._released_tags: set[str] = set()
         self.released = False
         self.closed = False
         # abort() bumps the epoch; a generate call stops once the epoch differs from the one it started under.
@@ -397,16 +409,23 @@ class HFEngine:
         """The engine's current weights on the CPU (used by tests to check a weight sync)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def release_memory(self) -> None:
-        if self.device.type == "cuda":
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give device memory back: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph`` (as
+        SGLang's; only ``weights`` holds memory between calls here: the model moves to the CPU)."""
+        tags = _memory_tags(tags)
+        if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
+        self._released_tags |= tags
         self.released = True
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`release_memory` gave (all, or ``tags``); generates again once nothing is released."""
+        tags = _memory_tags(tags)
+        if "weights" in tags and "weights" in self._released_tags and self.device.type == "cuda":
             self.model.to(self.device)
-        self.released = False
+        self._released_tags -= tags
+        self.released = bool(self._released_tags)
 
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)

@@ -289,6 +289,7 @@ class SGLangEngine:
         self._weight_version = 0
         self._weight_dtype: str | None = None
         self.released = False
+        self._released_tags: set[str] = set()
         self.closed = False
         # The buckets of the update in progress, and the checkpoint's architecture they are checked against.
         self._pending: dict[str, Any] = {}
@@ -573,14 +574,20 @@ class SGLangEngine:
         self._weight_version = weight_version
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``."""
+        """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``
+        (the server must run with ``--sglang-enable-memory-saver``). It generates again once every released tag is
+        resumed."""
         self.flush_cache()
         self._post("/release_memory_occupation", _tags_payload(tags))
+        self._released_tags |= set(tags or MEMORY_TAGS)
         self.released = True
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take memory back: all of it, or ``tags`` (slime resumes ``weights`` before a weight sync, ``kv_cache``
+        and ``cuda_graph`` before generating)."""
         self._post("/resume_memory_occupation", _tags_payload(tags))
-        self.released = False
+        self._released_tags -= set(tags or MEMORY_TAGS)
+        self.released = bool(self._released_tags)
 
     def get_rng_state(self) -> dict[str, Any]:
         """What decides the next ``sampling_seed``s (the server's own generator cannot be read over HTTP)."""
