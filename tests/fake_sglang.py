@@ -410,8 +410,13 @@ class FakeSGLangServer:
                 raise BadRequest(f"tags must be null or a list drawn from {sorted(MEMORY_TAGS)}, got {tags!r}")
         except BadRequest as e:
             return _validation_error(str(e))
-        tags = set(tags) if tags is not None else set(MEMORY_TAGS)
-        clash = tags & self.released_tags if release else tags - self.released_tags
+        if tags is None:
+            # No tags: every region that can be released (resumed) now; refused only when there is none.
+            tags = set(MEMORY_TAGS) - self.released_tags if release else set(self.released_tags)
+            clash = set(MEMORY_TAGS) if not tags else set()
+        else:
+            tags = set(tags)
+            clash = tags & self.released_tags if release else tags - self.released_tags
         if clash:
             return _handler_error(f"memory of {sorted(clash)} is already {'released' if release else 'resumed'}")
         self.released_tags = self.released_tags | tags if release else self.released_tags - tags

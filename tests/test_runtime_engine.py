@@ -157,7 +157,8 @@ class _Engines:
     def rewind(self):
         pass
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, *, session_ids=None):
+        assert session_ids is None or len(session_ids) == len(prompts)
         out = []
         for p in prompts:
             first = p[0] not in self.seen

@@ -232,7 +232,12 @@ def test_release_and_resume_memory(engine, server):
         other.generate([[1, 4]], params)
     assert err.value.status_code == 400
     other.close()
+    # Staged: a server with any region still released does not generate.
     engine.resume_memory(tags=["weights", "kv_cache"])
+    assert server.released and server.released_tags == {"cuda_graph"}
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate([[1, 4]], params)
+    engine.resume_memory(tags=["cuda_graph"])
     assert not server.released
     assert len(engine.generate([[1, 4]], params)) == 1
     with pytest.raises(ValueError, match="tags"):
@@ -328,11 +333,12 @@ def test_abort_by_rid_ends_that_request_only(model_dirs):
         eng = SGLangEngine(srv.url)
         eng.abort(rid="nobody-runs-this")  # unknown ids (and aborts with nothing in flight) do nothing
         worker, result = _generate_in_background(eng, PROMPTS[:2], SamplingParams(max_new_tokens=20, top_k=1), srv)
-        (batch,) = {rid.rsplit("-", 1)[0] for rid in srv._running}
-        eng.abort(rid=batch + "-")  # a prefix of both ids, but not an id the server knows: nothing happens
+        # One id for the batch: SGLang numbers its prompts "<id>_0", "<id>_1".
+        (batch,) = {rid.rsplit("_", 1)[0] for rid in srv._running}
+        eng.abort(rid=batch + "_")  # a prefix of both ids, but not an id the server knows: nothing happens
         time.sleep(0.1)
         assert not srv._aborted
-        eng.abort(rid=batch + "-0")
+        eng.abort(rid=batch + "_0")
         worker.join(30)
         eng.close()
     assert [g.finish_reason for g in result] == ["abort", "length"] and len(result[1].token_ids) == 20

@@ -241,9 +241,10 @@ class EngineGroup:
     def shutdown(self) -> None:
         """Close the engines, stop the router and the servers this group launched (best effort: this also runs while
         a failed job unwinds)."""
+        clients = self.actors + ([self.router] if self.router is not None else [])
         with contextlib.suppress(ray.exceptions.RayError):
-            self._all("close")
-        for a in self.actors + ([self.router] if self.router is not None else []):
+            ray.get([a.close.remote() for a in clients])
+        for a in clients:
             ray.kill(a)
         launchers = self.launchers + ([self.router_launcher] if self.router_launcher is not None else [])
         with contextlib.suppress(ray.exceptions.RayError):

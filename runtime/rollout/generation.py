@@ -38,8 +38,8 @@ _STATUS_OF_FINISH = {
 class RolloutContext:
     """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args.
 
-    ``engines`` needs ``async generate(prompts, params) -> list[Generation]`` and ``rewind()`` (see
-    ``runtime.cluster.placement.EngineGroup``).
+    ``engines`` needs ``async generate(prompts, params, *, session_ids=None) -> list[Generation]`` and ``rewind()``
+    (see ``runtime.cluster.engines.EngineGroup``).
     """
 
     engines: Any
