@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch comes from this machine's disk; install it first so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[runtime,dev]'
+	# SGLang's API for the tests, without its dependencies (see the sglang-api extra in pyproject.toml).
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -26,6 +26,7 @@ import yaml
 
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_flags
+from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS
@@ -34,6 +35,8 @@ from runtime.train.backends import TRAIN_BACKENDS
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
+# --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
+WEIGHT_TRANSPORTS = ("nccl", "disk")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -152,7 +155,7 @@ class RolloutConfig:
         default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
     )
     sglang_url: str | None = field(
-        default=None, metadata=_help("comma-separated base URLs of running SGLang servers, one engine each")
+        default=None, metadata=_help("alias of --rollout-external-engine-addrs (comma-separated base URLs)")
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
         default="sync",
@@ -524,6 +527,56 @@ class DebugConfig:
 
 
 @dataclass(frozen=True)
+class SGLangConfig:
+    """The SGLang fleet of ``--rollout-engine sglang``: launched servers (or running ones), the router in front,
+    weight sync. ``sglang_args`` / ``router_args`` hold the ``--sglang-*`` / ``--router-*`` passthrough flags by
+    SGLang's own names (``runtime.engines.sglang_flags``); they have no flag of their own."""
+
+    rollout_num_gpus_per_engine: int = field(
+        default=1, metadata=_help("GPUs per SGLang server (its tensor-parallel size); --rollout-num-gpus in all")
+    )
+    rollout_external_engine_addrs: str | None = field(
+        default=None,
+        metadata=_help("use these running SGLang servers (comma- or space-separated host:port or URLs); no launch"),
+    )
+    sglang_server_command: str = field(
+        default="python -m sglang.launch_server",
+        metadata=_help("ours: the command that starts one SGLang server (the launcher appends its flags)"),
+    )
+    sglang_server_startup_timeout: float = field(
+        default=600.0, metadata=_help("ours: seconds a launched server may take to answer /health_generate")
+    )
+    sglang_router_ip: str | None = field(
+        default=None, metadata=_help("use the running SGLang router at this address instead of launching one")
+    )
+    sglang_router_port: int | None = field(
+        default=None, metadata=_help("port of the router (with --sglang-router-ip)")
+    )
+    sglang_router_request_timeout_secs: int = field(
+        default=14400, metadata=_help("seconds the router waits for one request")
+    )
+    update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
+        default=None,
+        metadata=_help(
+            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU) or disk "
+            "(safetensors); unset: nccl for SGLang, Ray's object store for the embedded engine"
+        ),
+    )
+    check_weight_update_equal: bool = field(
+        default=False, metadata=_help("after the first weight sync, compare every engine's weights with the trainer's")
+    )
+    offload_rollout: bool | None = field(
+        default=None,
+        metadata=_help("release the engines' memory while training (weights back before a sync); unset: --colocate"),
+    )
+    offload_train: bool | None = field(
+        default=None, metadata=_help("offload the trainers while the engines generate; unset: --colocate")
+    )
+    sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
+    router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int = field(default=1234, metadata=_help("seed of prompt shuffling, sampling and initialisation"))
     output_dir: str = field(default="outputs/default", metadata=_help("metrics, event files, plots, final model"))
@@ -547,6 +600,7 @@ class Config:
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __getattr__(self, name: str) -> Any:
         # slime's hooks read a flat namespace (args.n_samples_per_prompt); leaf names are unique across sections,
@@ -946,6 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
         prog="rlcore-run",
+        usage="rlcore-run [--config PATH.yaml] [--FLAG VALUE ...] [--sglang-FLAG ...] [--router-FLAG ...]",
         description=(
             "Run an RL post-training job (GRPO and friends). With no arguments: the built-in CPU demo job. Flag "
             "defaults follow slime's; the built-in job (no --hf-checkpoint and no --prompt-data) uses its own tuned "
@@ -976,6 +1031,8 @@ def build_parser() -> argparse.ArgumentParser:
     for section in SECTIONS:
         groups[section] = parser.add_argument_group(section)
     for name, (section, f, tp) in _SPECS.items():
+        if f.metadata.get("passthrough"):
+            continue
         default = getattr(defaults, name)
         help_text = f.metadata.get("help", "") + f" (default: {default!r}"
         if name in BUILTIN_JOB_DEFAULTS:
@@ -993,6 +1050,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             group.add_argument(flag(name), dest=name, type=_arg_type(name, inner, optional), help=help_text)
     slime_flags.add_refused_arguments(parser)
+    sglang_flags.add_passthrough_flags(parser, "server")
+    sglang_flags.add_passthrough_flags(parser, "router")
     return parser
 
 
@@ -1014,6 +1073,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     config_path = namespace.pop("config", None)
     try:
         tree = read_yaml_tree(config_path) if config_path is not None else {}
+        # Passthrough flags add to (and override) the passthrough settings of the YAML file, one flag at a time.
+        for key, values in sglang_flags.pop_passthrough(namespace).items():
+            from_yaml = from_dict(tree) if tree else Config()
+            namespace[key] = {**getattr(from_yaml.sglang, key), **values}
         custom_path = namespace.get("custom_config_path", tree.get("custom_config_path"))
         if custom_path is not None:
             # slime's --custom-config-path: its keys override the command line; the ones that are no flag of ours
@@ -1386,10 +1449,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             f"--kl-coef {a.kl_coef} (KL in the reward) and --kl-loss-coef {a.kl_loss_coef} (KL loss) cannot both be "
             "set, as in slime"
         )
-    if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.sglang_url:
-        problems.append("--rollout-engine sglang needs --sglang-url (the base URLs of running SGLang servers)")
-    if cfg.rollout.sglang_url and cfg.rollout.rollout_engine != "sglang":
-        problems.append("--sglang-url is used only with --rollout-engine sglang")
+    _check_sglang(problems, cfg)
     _check_schedule(problems, cfg)
     _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -1424,6 +1484,53 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
         problems.append(
             "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
             "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"
+        )
+
+
+def _check_sglang(problems: list[str], cfg: Config) -> None:
+    s, res = cfg.sglang, cfg.resources
+    uses_sglang = cfg.rollout.rollout_engine == "sglang"
+    if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
+        problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
+    for name in ("sglang_url", "rollout_external_engine_addrs"):
+        if getattr(cfg, name) and not uses_sglang:
+            problems.append(f"{flag(name)} is used only with --rollout-engine sglang")
+    for which, values in (("server", s.sglang_args), ("router", s.router_args)):
+        problems.extend(sglang_flags.passthrough_problems(which, values))
+        if values and not uses_sglang:
+            prefix = sglang_flags.SERVER_PREFIX if which == "server" else sglang_flags.ROUTER_PREFIX
+            problems.append(f"{prefix}* flags are used only with --rollout-engine sglang")
+    if s.rollout_num_gpus_per_engine < 1:
+        problems.append(f"--rollout-num-gpus-per-engine must be >= 1, got {s.rollout_num_gpus_per_engine}")
+    elif res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
+        problems.append(
+            f"--rollout-num-gpus {res.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
+            f"{s.rollout_num_gpus_per_engine} (each engine takes that many)"
+        )
+    if s.rollout_num_gpus_per_engine != 1 and not uses_sglang:
+        problems.append("--rollout-num-gpus-per-engine applies to SGLang engines (--rollout-engine sglang) only")
+    if (s.sglang_router_ip is None) != (s.sglang_router_port is None):
+        problems.append("--sglang-router-ip and --sglang-router-port go together (the address of a running router)")
+    if s.sglang_router_port is not None and not 0 < s.sglang_router_port < 65536:
+        problems.append(f"--sglang-router-port must be in [1, 65535], got {s.sglang_router_port}")
+    if s.sglang_router_ip is not None and s.router_args:
+        problems.append("--router-* flags configure the router rlcore launches: not with --sglang-router-ip")
+    if s.sglang_router_request_timeout_secs <= 0 or s.sglang_server_startup_timeout <= 0:
+        problems.append("--sglang-router-request-timeout-secs and --sglang-server-startup-timeout must be > 0")
+    if not s.sglang_server_command.split():
+        problems.append("--sglang-server-command must not be empty")
+    for name in ("offload_rollout", "offload_train"):
+        if res.colocate and getattr(s, name) is False:
+            problems.append(f"--colocate shares devices between trainers and engines: it needs {flag(name)}")
+        if getattr(s, name) and cfg.rollout.rollout_schedule != "sync":
+            problems.append(
+                f"{flag(name)} takes turns between rollout and training: it needs --rollout-schedule sync, not "
+                f"{cfg.rollout.rollout_schedule}"
+            )
+    if uses_sglang and s.sglang_router_ip is None and importlib.util.find_spec("sglang_router") is None:
+        problems.append(
+            "--rollout-engine sglang launches the SGLang router, which needs the sglang-router package "
+            "(pip install 'rlcore[sglang]'), or give a running one with --sglang-router-ip/--sglang-router-port"
         )
 
 

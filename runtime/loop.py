@@ -26,7 +26,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.loopback import confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
-from runtime.cluster.weight_sync import make_weight_sync
+from runtime.cluster.weight_sync import check_weights_equal, make_weight_sync
 from runtime.config import (
     Config,
     ConfigError,
@@ -161,6 +161,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         if cfg.ckpt.start_rollout_id is not None:
             start = cfg.ckpt.start_rollout_id  # slime's --start-rollout-id wins over the checkpoint's step
         weights.push(start)
+        if cfg.sglang.check_weight_update_equal:
+            check_weights_equal(trainers, engines)
         if start == 0:
             (out / LEDGER_FILE).unlink(missing_ok=True)
         else:
@@ -192,6 +194,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         history: list[dict[str, Any]] = []
         bar = ProgressBar(r.num_rollout, start, enabled=progress)
         cleanup.callback(bar.close)
+        # --offload-rollout / --offload-train (both on with --colocate): engines release their memory after each
+        # rollout and take back their weights before a sync, their caches before the next rollout; the trainers
+        # are offloaded while the engines generate.
+        offload_rollout = cfg.resources.colocate if cfg.sglang.offload_rollout is None else cfg.sglang.offload_rollout
+        offload_train = cfg.resources.colocate if cfg.sglang.offload_train is None else cfg.sglang.offload_train
+        engine_memory = EngineMemory(engines)
         source.start(start)
         # On a JobError (a hook, a reward, a filter the user must fix) the last completed step is saved first.
         last = LastStep(
@@ -214,9 +222,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
-            if cfg.resources.colocate:
+            if offload_train:
                 trainers.release_memory()
-                engines.resume_memory()
+            engine_memory.resume()
             rollout = source.get(step)
             metrics.update(rollout.metrics)
             if cfg.debug.rollout_data_path is not None:
@@ -228,8 +236,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             reward_error_rates.append(reward_error_rate(rollout.metrics))
             check_reward_errors(reward_error_rates, cfg, reward=hub.name)
-            if cfg.resources.colocate:
-                engines.release_memory()
+            if offload_rollout:
+                engine_memory.release()
+            if offload_train:
                 trainers.resume_memory()
 
             # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
@@ -245,8 +254,7 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
                 source.pause()
-                if cfg.resources.colocate:
-                    engines.resume_memory()
+                engine_memory.resume(["weights"])
                 weights.push(done)
                 source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
@@ -542,6 +550,27 @@ def _init_ray(cfg: Config) -> bool:
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
     ray.init(num_cpus=max(usable_cpus(), slots), include_dashboard=False, log_to_driver=False)
     return True
+
+
+class EngineMemory:
+    """Which memory tags the engines have released, so that each is resumed once, and in slime's order."""
+
+    TAGS = ("weights", "kv_cache", "cuda_graph")
+
+    def __init__(self, engines: EngineGroup):
+        self.engines = engines
+        self.released: set[str] = set()
+
+    def release(self) -> None:
+        self.engines.release_memory(list(self.TAGS))
+        self.released = set(self.TAGS)
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        """Resume ``tags`` (all by default) among those released; nothing if none is."""
+        wanted = [t for t in (tags or self.TAGS) if t in self.released]
+        if wanted:
+            self.engines.resume_memory(wanted)
+            self.released -= set(wanted)
 
 
 async def evaluate(

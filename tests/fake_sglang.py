@@ -35,9 +35,13 @@ LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs promp
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import json
 import math
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,6 +49,8 @@ from typing import Any
 
 import torch
 from aiohttp import web
+
+from runtime.engines import sglang_api, weight_transfer
 
 # Field names of SGLang's GenerateReqInput that this fake accepts; any other name is refused like an unknown field.
 GENERATE_FIELDS = {
@@ -67,6 +73,15 @@ UPDATE_FROM_DISK_FIELDS = BASE_REQ_FIELDS | {
     "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
     "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest",
 }  # fmt: skip
+INIT_GROUP_FIELDS = BASE_REQ_FIELDS | {
+    "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+}  # fmt: skip
+UPDATE_FROM_DISTRIBUTED_FIELDS = BASE_REQ_FIELDS | {
+    "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format",
+    "selector", "torch_empty_cache",
+}  # fmt: skip
+DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
+GET_WEIGHTS_FIELDS = BASE_REQ_FIELDS | {"name", "truncate_size"}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 MEMORY_FIELDS = BASE_REQ_FIELDS | {"tags"}
 ABORT_FIELDS = BASE_REQ_FIELDS | {"abort_all", "finished_reason", "abort_message", "weight_versions"}
@@ -83,6 +98,24 @@ NEUTRAL_SAMPLING = {
 _SAMPLING_EPS = 1e-6
 
 
+# Fields the SGLang router adds to every /generate body it forwards; SGLang's own parse drops them.
+ROUTER_ADDED_FIELDS = {"model"}
+
+
+def request_fields(what: str, fallback: set[str]) -> set[str]:
+    """The field names of SGLang's request class ``what`` (``sglang.srt.managers.io_struct``) where SGLang imports,
+    else the hand-written ``fallback`` (which ``tests/test_fake_sglang_strict.py`` checks against the real class)."""
+    api = sglang_api.load()
+    if api is None:
+        return fallback
+    cls = getattr(api.io_struct, what)
+    if hasattr(cls, "__struct_fields__"):
+        names = set(cls.__struct_fields__)
+    else:
+        names = {f.name for f in dataclasses.fields(cls)}
+    return names | ROUTER_ADDED_FIELDS if what == "GenerateReqInput" else names
+
+
 class BadRequest(ValueError):
     """A request SGLang would refuse with HTTP 400."""
 
@@ -91,6 +124,11 @@ def _validation_error(message: str) -> web.Response:
     # SGLang turns request-validation errors into HTTP 400 with an OpenAI-style error object.
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.json_response(body, status=400)
+
+
+def _failure(message: str) -> web.Response:
+    # The weight-update routes answer {"success", "message"}, with HTTP 400 on failure.
+    return web.json_response({"success": False, "message": message}, status=400)
 
 
 def _handler_error(message: str) -> web.Response:
@@ -191,7 +229,12 @@ class FakeSGLangServer:
         self.host, self.port = host, port
         self.startup_delay, self.token_delay = startup_delay, token_delay
         self.weight_version = "default"
-        self.released = False
+        # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
+        self.launch_args: dict[str, Any] = {}
+        # Weight-update groups by name, and [bytes, tensors] of each bucket received over them.
+        self.weight_groups: dict[str, Any] = {}
+        self.received_buckets: list[int] = []
+        self.released_tags: set[str] = set()
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
         self._running: set[str] = set()
@@ -250,6 +293,11 @@ class FakeSGLangServer:
                 web.get("/resume_memory_occupation", self._resume),
                 web.post("/resume_memory_occupation", self._resume),
                 web.post("/abort_request", self._abort),
+                web.post("/init_weights_update_group", self._init_weights_update_group),
+                web.post("/update_weights_from_distributed", self._update_weights_from_distributed),
+                web.post("/destroy_weights_update_group", self._destroy_weights_update_group),
+                web.get("/get_weights_by_name", self._get_weights_by_name),
+                web.post("/get_weights_by_name", self._get_weights_by_name),
             ]
         )
         runner = web.AppRunner(app, access_log=None)
@@ -280,7 +328,14 @@ class FakeSGLangServer:
             body = await request.json()
         except ValueError as e:
             raise BadRequest(f"{what}: body is not JSON ({e})") from e
-        return _check_fields({} if body is None else body, allowed, what)
+        body = _check_fields({} if body is None else body, request_fields(what, allowed), what)
+        api = sglang_api.load()
+        if what == "GenerateReqInput" and api is not None:
+            # SGLang's own schema gate of /generate (the same check its HTTP server makes before anything else).
+            problem = api.generate_contract_error(body)
+            if problem is not None:
+                raise BadRequest(problem)
+        return body
 
     async def _health(self, request: web.Request) -> web.Response:
         if time.monotonic() - self._started_at < self.startup_delay:
@@ -312,6 +367,7 @@ class FakeSGLangServer:
         # A few of the launch arguments SGLang reports (all of them, resolved), and the scheduler's numbers.
         return web.json_response(
             {
+                **self.launch_args,
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
                 "dtype": self.dtype,
@@ -320,7 +376,10 @@ class FakeSGLangServer:
                 "launch_command": f"sglang.launch_server --model-path {self.model_path} --dtype {self.dtype}",
                 "status": "ready",
                 "max_total_num_tokens": 4096,
-                "internal_states": [{}],
+                # SGLang's scheduler reports free-form internal state here; the fake reports its request counts.
+                "internal_states": [
+                    {"requests": dict(self.requests), "received_buckets": list(self.received_buckets)}
+                ],
                 "version": "0.5.23",
                 "frontend": "python",
             }
@@ -351,10 +410,22 @@ class FakeSGLangServer:
                 raise BadRequest(f"tags must be null or a list drawn from {sorted(MEMORY_TAGS)}, got {tags!r}")
         except BadRequest as e:
             return _validation_error(str(e))
-        if release == self.released:
-            return _handler_error(f"memory is already {'released' if release else 'resumed'}")
-        self.released = release
+        if tags is None:
+            # No tags: every region that can be released (resumed) now; refused only when there is none.
+            tags = set(MEMORY_TAGS) - self.released_tags if release else set(self.released_tags)
+            clash = set(MEMORY_TAGS) if not tags else set()
+        else:
+            tags = set(tags)
+            clash = tags & self.released_tags if release else tags - self.released_tags
+        if clash:
+            return _handler_error(f"memory of {sorted(clash)} is already {'released' if release else 'resumed'}")
+        self.released_tags = self.released_tags | tags if release else self.released_tags - tags
         return web.json_response(None)
+
+    @property
+    def released(self) -> bool:
+        """Whether any memory is released (a server without its weights or KV cache cannot generate)."""
+        return bool(self.released_tags)
 
     async def _abort(self, request: web.Request) -> web.Response:
         try:
@@ -368,6 +439,91 @@ class FakeSGLangServer:
             # The tokenizer manager forwards an id it knows; the scheduler aborts every request it prefixes.
             self._aborted |= {r for r in self._running if r.startswith(rid)}
         return web.Response(status=200)
+
+    async def _init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
+            for name, kind in (
+                ("master_address", str),
+                ("master_port", int),
+                ("rank_offset", int),
+                ("world_size", int),
+            ):
+                if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
+                    raise BadRequest(f"{name} must be a {kind.__name__}, got {body.get(name)!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group_name = body.get("group_name", weight_transfer.DEFAULT_GROUP)
+        if group_name in self.weight_groups:
+            return _failure(f"Failed to initialize custom process group: {group_name!r} already exists.")
+        try:
+            # One rank: the fake is one process (tensor-parallel size 1).
+            self.weight_groups[group_name] = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: weight_transfer.init_weights_update_group(
+                    master_address=body["master_address"],
+                    master_port=body["master_port"],
+                    rank=body["rank_offset"],
+                    world_size=body["world_size"],
+                    group_name=group_name,
+                    backend=body.get("backend", "nccl"),
+                    timeout=60.0,
+                ),
+            )
+        except (RuntimeError, ValueError) as e:
+            return _failure(f"Failed to initialize custom process group: {e}.")
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(
+                request, UPDATE_FROM_DISTRIBUTED_FIELDS, "UpdateWeightsFromDistributedReqInput"
+            )
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+                raise BadRequest("names, dtypes and shapes must be lists")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest(f"weight_version must be a string or null, got {version!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group = self.weight_groups.get(body.get("group_name", weight_transfer.DEFAULT_GROUP))
+        if group is None:
+            return _failure("Failed to update parameter online: the weight-update group is not initialized.")
+        # The broadcast is received in full before the bucket is checked: every rank must take part in it.
+        bucket = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes)
+        )
+        try:
+            self._load_state(bucket)
+        except ValueError as e:
+            return _failure(f"Failed to update parameter online: {e}")
+        self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
+        if version is not None:
+            self.weight_version = version
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, DESTROY_GROUP_FIELDS, "DestroyWeightsUpdateGroupReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        group = self.weight_groups.pop(body.get("group_name", weight_transfer.DEFAULT_GROUP), None)
+        if group is None:
+            return _failure("Failed to destroy custom process group: it does not exist.")
+        weight_transfer.destroy_group(group)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def _get_weights_by_name(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, GET_WEIGHTS_FIELDS, "GetWeightsByNameReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        try:
+            parameter = self.model.get_parameter(body.get("name", ""))
+        except AttributeError:
+            return _handler_error("Get parameter by name failed")
+        return web.json_response(parameter.detach().float().tolist()[: body.get("truncate_size", 100)])
 
     async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
@@ -558,6 +714,11 @@ class FakeSGLangServer:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        self._load_state(state)
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load named tensors as SGLang's model classes do: ``lm_head.weight`` skipped when tied, unknown names
+        skipped, missing ones kept; a shape mismatch loads nothing (``ValueError``)."""
         if self.model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         own = self.model.state_dict()
@@ -569,3 +730,31 @@ class FakeSGLangServer:
             )
         with self._model_lock:
             self.model.load_state_dict(state, strict=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve like ``python -m sglang.launch_server``: SGLang 0.5.23's own flags (from the generated list, so an
+    unknown flag fails as in SGLang), of which the fake uses ``--model-path``, ``--host``, ``--port`` and
+    ``--random-seed``; runs until SIGTERM. This is what the launcher tests start as ``--sglang-server-command``."""
+    from runtime.engines import sglang_flags
+
+    parser = argparse.ArgumentParser(prog="fake_sglang")
+    sglang_flags.add_passthrough_flags(parser, "server", prefixed=False)
+    args = parser.parse_args(argv)
+    server = FakeSGLangServer(
+        args.model_path,
+        seed=getattr(args, "random_seed", None) or 0,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 30000),
+    )
+    server.launch_args = vars(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print(f"fake SGLang server ready at {server.url}", flush=True)
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -237,6 +237,57 @@ def test_update_weights_from_disk_loads_a_sharded_hf_folder(rig, model_dirs, oth
 
 
 @covers("abort", "generate")
+def _send_as_trainer(port: int, buckets: list[dict[str, torch.Tensor]]) -> None:
+    """Trainer rank 0 of a weight-update group of two, in its own process: broadcast ``buckets`` in order."""
+    from runtime.engines import weight_transfer
+
+    group = weight_transfer.init_weights_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="test_group", backend="gloo"
+    )
+    for bucket in buckets:
+        weight_transfer.send_bucket(group, bucket)
+    weight_transfer.destroy_group(group)
+
+
+@covers(
+    "tp_size",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "get_weights_by_name",
+    "weight_version",
+)
+def test_weights_arrive_over_a_weight_update_group(rig, other_weights):
+    import multiprocessing
+
+    from runtime.engines import weight_transfer
+    from runtime.engines.launcher import free_port
+
+    assert rig.engine.tp_size() == 1
+    names = sorted(other_weights)
+    buckets = [
+        {n: other_weights[n] for n in names[: len(names) // 2]},
+        {n: other_weights[n] for n in names[len(names) // 2 :]},
+    ]
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(target=_send_as_trainer, args=(port, buckets))
+    trainer.start()
+    try:
+        rig.engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="test_group", backend="gloo")
+        for i, bucket in enumerate(buckets):
+            meta = weight_transfer.bucket_meta(bucket)
+            version = 4 if i == len(buckets) - 1 else None
+            rig.engine.update_weights_from_distributed(*meta, group_name="test_group", weight_version=version)
+            assert rig.engine.weight_version() == (4 if version else 0)
+        rig.engine.destroy_weights_update_group("test_group")
+    finally:
+        trainer.join(60)
+    assert trainer.exitcode == 0
+    assert_weights_equal(rig.model, other_weights)
+    rows = rig.engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=3)
+    torch.testing.assert_close(torch.tensor(rows), other_weights["model.embed_tokens.weight"][:3], rtol=0, atol=0)
+
+
 def test_abort_from_another_thread_returns_the_partial_responses(rig):
     max_new_tokens, delay = 50, 0.02
     decoding = threading.Event()
@@ -283,6 +334,18 @@ def test_release_and_resume_memory(rig):
     check_generations(
         rig, rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=3)), 1.0, max_new_tokens=3, version=0
     )
+    # Staged, as the loop does around training (--offload-rollout): weights first, then the caches.
+    rig.engine.release_memory(["weights", "kv_cache", "cuda_graph"])
+    rig.engine.resume_memory(["weights"])
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=2))
+    rig.engine.resume_memory(["kv_cache", "cuda_graph"])
+    assert rig.engine.health()
+    check_generations(
+        rig, rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=3)), 1.0, max_new_tokens=3, version=0
+    )
+    with pytest.raises(ValueError, match="tags"):
+        rig.engine.release_memory(["optimizer"])
 
 
 @covers("get_rng_state", "set_rng_state", "generate")

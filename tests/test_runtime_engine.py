@@ -182,7 +182,8 @@ class _Engines:
     def rewind(self):
         pass
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, *, session_ids=None):
+        assert session_ids is None or len(session_ids) == len(prompts)
         out = []
         for p in prompts:
             first = p[0] not in self.seen
@@ -321,7 +322,7 @@ class _Actor:
 
 def _engine_group(n):
     group = EngineGroup.__new__(EngineGroup)
-    group.actors, group._next_engine = [_Actor(i) for i in range(n)], 0
+    group.actors, group._next_engine, group.router = [_Actor(i) for i in range(n)], 0, None
     return group
 
 

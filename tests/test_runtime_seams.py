@@ -92,7 +92,7 @@ def test_flag_choices_are_the_registries():
     for name in TRAIN_BACKENDS:
         assert isinstance(backend_class(name), type)
     for name, kind in ROLLOUT_ENGINES.items():
-        assert kind.weight_sync in WEIGHT_SYNCS and engine_kind(name) is kind
+        assert kind.weight_sync(from_dict(None, rollout_engine=name)) in WEIGHT_SYNCS and engine_kind(name) is kind
     with pytest.raises(ValueError, match="--train-backend 'megatron' is not one of torch"):
         backend_class("megatron")
     with pytest.raises(ValueError, match="--rollout-engine 'vllm' is not one of hf, sglang"):

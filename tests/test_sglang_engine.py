@@ -21,7 +21,6 @@ from runtime.engines.sglang_engine import (
     sampling_params_to_sglang,
     sampling_seed,
     save_hf_weights,
-    sglang_launch_command,
     sglang_weight_dtype,
 )
 
@@ -233,7 +232,12 @@ def test_release_and_resume_memory(engine, server):
         other.generate([[1, 4]], params)
     assert err.value.status_code == 400
     other.close()
+    # Staged: a server with any region still released does not generate.
     engine.resume_memory(tags=["weights", "kv_cache"])
+    assert server.released and server.released_tags == {"cuda_graph"}
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate([[1, 4]], params)
+    engine.resume_memory(tags=["cuda_graph"])
     assert not server.released
     assert len(engine.generate([[1, 4]], params)) == 1
     with pytest.raises(ValueError, match="tags"):
@@ -329,11 +333,12 @@ def test_abort_by_rid_ends_that_request_only(model_dirs):
         eng = SGLangEngine(srv.url)
         eng.abort(rid="nobody-runs-this")  # unknown ids (and aborts with nothing in flight) do nothing
         worker, result = _generate_in_background(eng, PROMPTS[:2], SamplingParams(max_new_tokens=20, top_k=1), srv)
-        (batch,) = {rid.rsplit("-", 1)[0] for rid in srv._running}
-        eng.abort(rid=batch + "-")  # a prefix of both ids, but not an id the server knows: nothing happens
+        # One id for the batch: SGLang numbers its prompts "<id>_0", "<id>_1".
+        (batch,) = {rid.rsplit("_", 1)[0] for rid in srv._running}
+        eng.abort(rid=batch + "_")  # a prefix of both ids, but not an id the server knows: nothing happens
         time.sleep(0.1)
         assert not srv._aborted
-        eng.abort(rid=batch + "-0")
+        eng.abort(rid=batch + "_0")
         worker.join(30)
         eng.close()
     assert [g.finish_reason for g in result] == ["abort", "length"] and len(result[1].token_ids) == 20
@@ -404,23 +409,6 @@ def test_saved_weights_are_an_hf_folder_transformers_loads(tmp_path, model_dirs)
         save_hf_weights({**state, "lm_head.weight": [1.0]}, tmp_path / "x", config_source=model_dirs[0])
     with pytest.raises(ValueError, match="config.json"):
         save_hf_weights(state, tmp_path / "y", config_source=tmp_path)
-
-
-def test_launch_command_for_a_gpu_actor():
-    cmd = sglang_launch_command(
-        "/ckpt/qwen", host="0.0.0.0", port=31000, tp_size=2, mem_fraction_static=0.7, seed=3, enable_memory_saver=True
-    )
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-    assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "31000" and flags["--tp-size"] == "2"
-    assert flags["--mem-fraction-static"] == "0.7" and flags["--random-seed"] == "3" and flags["--host"] == "0.0.0.0"
-    assert cmd[-1] == "--enable-memory-saver" and "--enable-deterministic-inference" not in cmd
-    assert sglang_launch_command("/m", deterministic=True)[-1] == "--enable-deterministic-inference"
-    assert "--mem-fraction-static" not in sglang_launch_command("/m")
-    with pytest.raises(ValueError, match="tp_size"):
-        sglang_launch_command("/m", tp_size=0)
-    with pytest.raises(ValueError, match="mem_fraction_static"):
-        sglang_launch_command("/m", mem_fraction_static=1.5)
 
 
 def test_seeded_sampling_resumes_with_the_saved_state(server):

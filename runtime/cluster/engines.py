@@ -1,8 +1,21 @@
-"""The engine group: the rollout engine actors of ``--rollout-engine``, driven as one.
+"""The engine group: the rollout engines of ``--rollout-engine``, driven as one.
+
+It has two parts. **The servers** (``actors``): one engine actor per engine, through which weights, memory and health
+go to every engine directly. **Where requests go**: the same actors, prompts split over them in chunks (embedded
+engines, and SGLang servers without a router), or one client of the SGLang router (``router``), which takes one
+request per prompt and picks the server itself; a prompt's session id (multi-turn samples) goes along as the
+router's routing key (``x-smg-routing-key``), so a consistent-hashing or manual policy keeps a session on one server.
 
 Engines are built from their registry entry (``runtime.engines.registry``): the group never names an engine class.
+When the entry ``launches`` servers, the group first starts one per engine, each by a
+:class:`runtime.engines.launcher.ProcessLauncher` actor on the engine's first bundle of the job's placement group
+(``--sglang-server-command`` plus the launcher's flags and the ``--sglang-*`` passthrough), then the SGLang router in
+front of them (unless ``--sglang-router-ip`` names a running one, to which the servers are added). Everything it
+started stops in :meth:`EngineGroup.shutdown`.
+
 Engine calls run one at a time, except the control calls (``abort``, ``health``, ``weight_version``), which have a
-concurrency group of their own so that :meth:`EngineGroup.abort` reaches an engine while it generates.
+concurrency group of their own so that :meth:`EngineGroup.abort` reaches an engine while it generates; the router
+client runs up to :data:`ROUTER_CLIENT_CONCURRENCY` requests at once.
 """
 
 from __future__ import annotations
@@ -15,10 +28,13 @@ import ray
 
 from runtime.cluster.placement import Placement
 from runtime.config import Config
+from runtime.engines import launcher
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.registry import EngineKind, engine_kind
 
 CONTROL_METHODS = ("abort", "health", "weight_version")
+# Requests the router client has in flight at once (each a thread of the actor waiting on HTTP).
+ROUTER_CLIENT_CONCURRENCY = 256
 
 
 def engine_actor_class(cls: type[Any]) -> Any:
@@ -54,19 +70,92 @@ def assign_chunks(n_prompts: int, n_engines: int, *, start: int = 0) -> list[tup
     return out
 
 
+def _gpu_ids(placement: Placement, bundles: list[int]) -> list[str]:
+    """The GPU ids Ray gives ``bundles`` of ``placement`` on their node, in bundle order (empty on a CPU cluster)."""
+    if not placement.use_gpu:
+        return []
+
+    @ray.remote
+    def gpu_ids() -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    return [g for b in bundles for g in ray.get(gpu_ids.options(**placement.options(b)).remote())]
+
+
 class EngineGroup:
-    """The rollout engine actors; prompts are spread over them in contiguous chunks (see :func:`assign_chunks`)."""
+    """The rollout engines: the servers, and where requests go (see the module docstring)."""
 
     def __init__(self, cfg: Config, placement: Placement, model_path: str):
         self.kind: EngineKind = engine_kind(cfg.rollout.rollout_engine)
+        self.weight_sync_kind = self.kind.weight_sync(cfg)
         remote_cls = engine_actor_class(self.kind.load())
         n = 0 if cfg.debug.train_only else self.kind.count(cfg)  # --debug-train-only runs no engine
+        per = self.kind.bundles_per_engine(cfg)
+        self.launchers: list[Any] = []
+        self.router_launcher: Any = None
+        self.router: Any = None
+        self.router_url: str | None = None
         self.actors = []
-        for i in range(n):
-            # Engines without a bundle are HTTP clients of servers that own their devices: they need no CPU slot.
-            opts = placement.options(placement.engine_bundles[i]) if self.kind.uses_bundles else {"num_cpus": 0}
-            self.actors.append(remote_cls.options(**opts).remote(**self.kind.kwargs(cfg, model_path, i)))
+        try:
+            urls = self._launch_servers(cfg, placement, model_path, n, per) if self.kind.launches(cfg) else None
+            for i in range(n):
+                kwargs = self.kind.kwargs(cfg, model_path, i)
+                if urls is not None:
+                    kwargs["base_url"] = urls[i]
+                # An engine that drives a server over HTTP needs no device of its own: the server holds it.
+                opts = placement.options(placement.engine_bundles[i]) if per and urls is None else {"num_cpus": 0}
+                self.actors.append(remote_cls.options(**opts).remote(**kwargs))
+            if cfg.rollout.rollout_engine == "sglang":
+                self._start_router(cfg, remote_cls, model_path, [ray.get(a.url.remote()) for a in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
         self._next_engine = 0
+
+    def _launch_servers(self, cfg: Config, placement: Placement, model_path: str, n: int, per: int) -> list[str]:
+        """Start one server per engine, each by a launcher on the engine's first bundle; their base URLs."""
+        s = cfg.sglang
+        pending = []
+        for i in range(n):
+            bundles = placement.engine_bundles[i * per : (i + 1) * per]
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(_gpu_ids(placement, bundles))} if placement.use_gpu else {}
+            actor = ray.remote(launcher.ProcessLauncher).options(**placement.options(bundles[0])).remote(env=env)
+            self.launchers.append(actor)
+            argv = launcher.server_argv(
+                s.sglang_server_command,
+                model_path=model_path,
+                host="{host}",
+                port="{port}",
+                tp_size=s.rollout_num_gpus_per_engine,
+                seed=cfg.seed + 1000 * i,
+                server_args=s.sglang_args,
+            )
+            pending.append(
+                actor.start.remote(argv, health_path="/health_generate", timeout=s.sglang_server_startup_timeout)
+            )
+        return ray.get(pending)
+
+    def _start_router(self, cfg: Config, remote_cls: Any, model_path: str, urls: list[str]) -> None:
+        """The router in front of ``urls`` (launched, or the running one of ``--sglang-router-ip``) and its client."""
+        s = cfg.sglang
+        if s.sglang_router_ip is not None:
+            self.router_url = f"http://{s.sglang_router_ip}:{s.sglang_router_port}"
+            launcher.add_router_workers(self.router_url, urls)
+        else:
+            self.router_launcher = ray.remote(launcher.ProcessLauncher).options(num_cpus=0).remote()
+            argv = launcher.router_argv(
+                urls,
+                host="{host}",
+                port="{port}",
+                request_timeout_secs=s.sglang_router_request_timeout_secs,
+                router_args=s.router_args,
+            )
+            self.router_url = ray.get(
+                self.router_launcher.start.remote(argv, health_path="/health", timeout=s.sglang_server_startup_timeout)
+            )
+        self.router = remote_cls.options(num_cpus=0, max_concurrency=ROUTER_CLIENT_CONCURRENCY).remote(
+            base_url=self.router_url, hf_checkpoint=model_path, seed=None
+        )
 
     def rewind(self) -> None:
         """Send the next call of fewer prompts than engines to engine 0 again.
@@ -77,13 +166,24 @@ class EngineGroup:
         """
         self._next_engine = 0
 
-    def generate_async(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[ray.ObjectRef]:
-        """One ``generate`` call per chunk of ``prompts``, in prompt order.
+    def generate_async(
+        self, prompts: Sequence[list[int]], params: SamplingParams, *, session_ids: Sequence[str | None] | None = None
+    ) -> list[ray.ObjectRef]:
+        """``generate`` calls for ``prompts``, in prompt order.
 
-        A batch of at least as many prompts as engines uses every engine, from engine 0. A smaller call (custom and
-        multi-turn generate functions send one prompt per call) starts where the previous small call stopped, so
-        such calls go round-robin over the engines.
+        Through the router: one call per prompt, with its session id (if any) as the routing key. Otherwise one call
+        per chunk: a batch of at least as many prompts as engines uses every engine, from engine 0; a smaller call
+        (custom and multi-turn generate functions send one prompt per call) starts where the previous small call
+        stopped, so such calls go round-robin over the engines.
         """
+        if session_ids is not None and len(session_ids) != len(prompts):
+            raise ValueError(f"session_ids has {len(session_ids)} entries for {len(prompts)} prompts")
+        if self.router is not None:
+            keys = session_ids or [None] * len(prompts)
+            return [
+                self.router.generate.remote([list(p)], params, routing_key=k)
+                for p, k in zip(prompts, keys, strict=True)
+            ]
         n = len(self.actors)
         if len(prompts) >= n:
             chunks = assign_chunks(len(prompts), n)
@@ -92,8 +192,10 @@ class EngineGroup:
             self._next_engine = (self._next_engine + len(chunks)) % n
         return [self.actors[e].generate.remote(list(prompts[lo:hi]), params) for e, lo, hi in chunks]
 
-    async def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
-        outs = [await ref for ref in self.generate_async(prompts, params)]
+    async def generate(
+        self, prompts: Sequence[list[int]], params: SamplingParams, *, session_ids: Sequence[str | None] | None = None
+    ) -> list[Generation]:
+        outs = [await ref for ref in self.generate_async(prompts, params, session_ids=session_ids)]
         return [g for out in outs for g in out]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -101,6 +203,10 @@ class EngineGroup:
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self._all("update_weights_from_disk", path, weight_version=weight_version)
+
+    def tp_sizes(self) -> list[int]:
+        """Each engine's ranks in a weight-update group (its tensor-parallel size)."""
+        return self._all("tp_size")
 
     def weight_versions(self) -> list[int]:
         return self._all("weight_version")
@@ -123,18 +229,25 @@ class EngineGroup:
     def set_rng_state(self, states: list[Any]) -> None:
         ray.get([a.set_rng_state.remote(s) for a, s in zip(self.actors, states, strict=True)])
 
-    def release_memory(self) -> None:
-        self._all("release_memory")
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._all("release_memory", tags)
 
-    def resume_memory(self) -> None:
-        self._all("resume_memory")
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._all("resume_memory", tags)
 
     def health(self) -> list[bool]:
         return self._all("health")
 
     def shutdown(self) -> None:
-        # Best effort, as for the trainers: an SGLang client deletes its weight folders on close.
+        """Close the engines, stop the router and the servers this group launched (best effort: this also runs while
+        a failed job unwinds)."""
+        clients = self.actors + ([self.router] if self.router is not None else [])
         with contextlib.suppress(ray.exceptions.RayError):
-            self._all("close")
-        for a in self.actors:
+            ray.get([a.close.remote() for a in clients])
+        for a in clients:
             ray.kill(a)
+        launchers = self.launchers + ([self.router_launcher] if self.router_launcher is not None else [])
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get([la.stop.remote() for la in launchers])
+        for la in launchers:
+            ray.kill(la)

@@ -65,13 +65,15 @@ class BundlePlan:
 
 
 def plan_bundles(cfg: Config) -> BundlePlan:
-    """The bundles ``cfg`` needs. Engines whose registry entry takes no bundles (SGLang clients: the servers own their
-    devices) reserve none; only the trainers' are reserved then."""
+    """The bundles ``cfg`` needs: the trainers', and ``bundles_per_engine`` for each engine (engine ``e`` takes
+    ``engine_bundles[e * per : (e + 1) * per]``). Servers that already run (``--rollout-external-engine-addrs``)
+    reserve none."""
     res = cfg.resources
     # The debug modes run one side only: --debug-rollout-only no trainers, --debug-train-only no engines.
     trainers = 0 if cfg.debug.debug_rollout_only else res.num_trainer_procs
     kind = engine_kind(cfg.rollout.rollout_engine)
-    engines = kind.count(cfg) if kind.uses_bundles and not cfg.debug.train_only else 0
+    # --debug-train-only runs no engine.
+    engines = 0 if cfg.debug.train_only else kind.count(cfg) * kind.bundles_per_engine(cfg)
     shared = res.colocate and engines > 0
     n_bundles = max(trainers, engines) if shared else trainers + engines
     engine_bundles = list(range(engines)) if shared else [trainers + e for e in range(engines)]

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from rlcore.advantages import AdvantageConfig
 from runtime.cluster.placement import Placement, free_port
+from runtime.engines import launcher, weight_transfer
 from runtime.engines.sglang_engine import copy_model_files
 from runtime.train.backends import backend_class
 from runtime.train.batch import shard_rows
@@ -77,6 +78,59 @@ class TrainerWorker:
         ref = ray.put(bucket)
         ray.get([e.load_weights.remote(ref, weight_version=version) for e in engines])
         return sum(t.nbytes for t in bucket.values())
+
+    def weight_group_address(self) -> tuple[str, int, str]:
+        """Where this rank hosts a weight-update group (its node's address, a free port) and the backend it takes:
+        NCCL when it has a GPU, gloo otherwise."""
+        host = ray.util.get_node_ip_address()
+        return host, launcher.free_port(host), "nccl" if torch.cuda.is_available() else "gloo"
+
+    def init_weight_group(
+        self, *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
+    ):
+        """Join (as rank 0, hosting the rendezvous) the weight-update group the engines join too."""
+        self._weight_group = weight_transfer.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        self._weight_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+
+    def broadcast_buckets(
+        self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int, group_name: str
+    ) -> list[int]:
+        """Send the weights to ``engines`` over the weight-update group, bucket by bucket: each engine is told a
+        bucket's names, dtypes and shapes (``update_weights_from_distributed``) while this rank broadcasts its tensors;
+        the last bucket carries ``version``. Every rank joins the gather; returns the bytes of each bucket sent."""
+        sizes = []
+        previous = None
+        for bucket in self.backend.weight_buckets(dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes):
+            if previous is not None:
+                sizes.append(self._broadcast(engines, previous, version=None, group_name=group_name))
+            previous = bucket
+        if previous is not None:
+            sizes.append(self._broadcast(engines, previous, version=version, group_name=group_name))
+        return sizes
+
+    def _broadcast(self, engines: list[Any], bucket: dict[str, torch.Tensor], *, version: int | None, group_name: str):
+        names, dtypes, shapes = weight_transfer.bucket_meta(bucket)
+        refs = [
+            e.update_weights_from_distributed.remote(
+                names, dtypes, shapes, group_name=group_name, weight_version=version
+            )
+            for e in engines
+        ]
+        sent = weight_transfer.send_bucket(self._weight_group, bucket, device=self._weight_device)
+        ray.get(refs)
+        return sent
+
+    def destroy_weight_group(self) -> None:
+        group, self._weight_group = getattr(self, "_weight_group", None), None
+        if group is not None:
+            weight_transfer.destroy_group(group)
 
     def write_weights(self, folder: str, *, dtype: str, bucket_bytes: int) -> str | None:
         """Write the weights as an HF folder (one safetensors file per bucket plus their index, and the checkpoint's
@@ -158,6 +212,34 @@ class TrainerGroup:
             ]
         )
         return outs[0]
+
+    def weight_group_address(self) -> tuple[str, int, str]:
+        return ray.get(self.actors[0].weight_group_address.remote())
+
+    def init_weight_group(self, **kwargs: Any) -> ray.ObjectRef:
+        """Rank 0 joins the weight-update group; returns the call's ref (it blocks until the engines join too)."""
+        return self.actors[0].init_weight_group.remote(**kwargs)
+
+    def broadcast_buckets(
+        self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int, group_name: str
+    ) -> list[int]:
+        # Every rank gathers; only rank 0 holds the weights, joins the group and talks to the engines.
+        outs = ray.get(
+            [
+                a.broadcast_buckets.remote(
+                    engines if rank == 0 else [],
+                    version=version,
+                    dtype=dtype,
+                    bucket_bytes=bucket_bytes,
+                    group_name=group_name,
+                )
+                for rank, a in enumerate(self.actors)
+            ]
+        )
+        return outs[0]
+
+    def destroy_weight_group(self) -> None:
+        ray.get(self.actors[0].destroy_weight_group.remote())
 
     def write_weights(self, folder: str, *, dtype: str, bucket_bytes: int) -> str:
         return ray.get([a.write_weights.remote(folder, dtype=dtype, bucket_bytes=bucket_bytes) for a in self.actors])[

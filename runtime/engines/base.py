@@ -107,6 +107,47 @@ class RolloutEngine(Protocol):
         """Load a whole HF folder of safetensors written by the trainer and take ``weight_version``."""
         ...
 
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's weight-update group (``torch.distributed``; the trainer is rank 0 and hosts the
+        rendezvous at ``master_address:master_port``) as ranks ``rank_offset`` .. ``rank_offset + tp_size() - 1``;
+        blocks until every rank has joined (SGLang's ``/init_weights_update_group``)."""
+        ...
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket that rank 0 broadcasts over the group, tensor by tensor in ``names`` order, and load it
+        as :meth:`load_weights` loads a bucket (``weight_version`` with the last bucket of an update)."""
+        ...
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the weight-update group."""
+        ...
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of weight ``name`` as nested lists of floats (SGLang's
+        ``/get_weights_by_name``; ``--check-weight-update-equal`` compares them with the trainer's)."""
+        ...
+
+    def tp_size(self) -> int:
+        """The engine's ranks in a weight-update group (its tensor-parallel size)."""
+        ...
+
     def weight_version(self) -> int:
         """The version of the weights the engine samples with now."""
         ...
@@ -121,12 +162,14 @@ class RolloutEngine(Protocol):
         ``finish_reason="abort"`` (partial rollout resumes such samples after a weight update)."""
         ...
 
-    def release_memory(self) -> None:
-        """Give device memory back (weights and caches) until :meth:`resume_memory`."""
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give device memory back until :meth:`resume_memory`: all of it, or the ``tags`` among ``weights``,
+        ``kv_cache``, ``cuda_graph`` (SGLang's). The engine generates again once every released tag is resumed."""
         ...
 
-    def resume_memory(self) -> None:
-        """Take device memory again after :meth:`release_memory`."""
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take device memory again: all of it, or ``tags`` (weights before a weight sync, the caches before
+        generating)."""
         ...
 
     def get_rng_state(self) -> Any:

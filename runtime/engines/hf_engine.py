@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from runtime.engines import weight_transfer
 from runtime.engines.base import Generation, SamplingParams, check_generate_args
 
 
@@ -252,6 +253,17 @@ def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: i
     )
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _memory_tags(tags: list[str] | None) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or any(t not in MEMORY_TAGS for t in tags):
+        raise ValueError(f"tags must be None or a non-empty list drawn from {MEMORY_TAGS}, got {tags!r}")
+    return set(tags)
+
+
 class HFEngine:
     """A causal LM from a HF folder that samples responses with per-token log-probs (see :class:`RolloutEngine`).
 
@@ -280,6 +292,8 @@ class HFEngine:
         self.model.generation_config = bare_generation_config(eos=self.eos_token_ids, pad=self.pad_token_id)
         self.weight_update = WeightUpdate(self.model)
         self._weight_version = 0
+        self._weight_groups: dict[str, Any] = {}
+        self._released_tags: set[str] = set()
         self.released = False
         self.closed = False
         # abort() bumps the epoch; a generate call stops once the epoch differs from the one it started under.
@@ -372,6 +386,57 @@ class HFEngine:
             self.load_weights(load_file(str(f)))
         self.load_weights({}, weight_version=weight_version)
 
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        backend: str = "gloo",
+    ) -> None:
+        """Join the trainer's weight-update group as rank ``rank_offset`` (SGLang's ``/init_weights_update_group``)."""
+        if group_name in self._weight_groups:
+            raise ValueError(f"weight-update group {group_name!r} already exists")
+        self._weight_groups[group_name] = weight_transfer.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket broadcast by the trainer and load it as :meth:`load_weights` does (SGLang's
+        ``/update_weights_from_distributed``)."""
+        if group_name not in self._weight_groups:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        device = self.device if self.device.type == "cuda" else "cpu"
+        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        self.load_weights(bucket, weight_version=weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
+        if group_name in self._weight_groups:
+            weight_transfer.destroy_group(self._weight_groups.pop(group_name))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of weight ``name`` as nested lists (SGLang's ``/get_weights_by_name``)."""
+        return self.model.get_parameter(name).detach().float().cpu().tolist()[:truncate_size]
+
+    def tp_size(self) -> int:
+        """Ranks the engine takes in a weight-update group (one: the embedded engine is one process)."""
+        return 1
+
     def weight_version(self) -> int:
         return self._weight_version
 
@@ -382,16 +447,23 @@ class HFEngine:
         """The engine's current weights on the CPU (used by tests to check a weight sync)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def release_memory(self) -> None:
-        if self.device.type == "cuda":
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give device memory back: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph`` (as
+        SGLang's; only ``weights`` holds memory between calls here: the model moves to the CPU)."""
+        tags = _memory_tags(tags)
+        if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
+        self._released_tags |= tags
         self.released = True
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`release_memory` gave (all, or ``tags``); generates again once nothing is released."""
+        tags = _memory_tags(tags)
+        if "weights" in tags and "weights" in self._released_tags and self.device.type == "cuda":
             self.model.to(self.device)
-        self.released = False
+        self._released_tags -= tags
+        self.released = bool(self._released_tags)
 
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)

@@ -17,15 +17,18 @@ from typing import Any
 class EngineKind:
     """How to run one kind of engine.
 
-    ``cls``: the class, as an import path. ``uses_bundles``: whether each engine takes a device bundle of the job's
-    placement group (an embedded engine does; an SGLang client does not: its server owns the GPUs).
+    ``cls``: the class, as an import path. ``bundles_per_engine``: how many device bundles of the job's placement
+    group each engine takes (an embedded engine one; a launched SGLang server ``--rollout-num-gpus-per-engine``; a
+    server that already runs none). ``launches``: whether the engine group starts a server per engine
+    (``runtime.cluster.engines``) and hands its URL to the constructor as ``base_url``.
     ``weight_sync``: the :data:`runtime.cluster.weight_sync.WEIGHT_SYNCS` entry that reaches it.
     ``count``: how many engines the config asks for. ``kwargs``: the constructor's arguments for engine ``index``.
     """
 
     cls: str
-    uses_bundles: bool
-    weight_sync: str
+    bundles_per_engine: Callable[[Any], int]
+    launches: Callable[[Any], bool]
+    weight_sync: Callable[[Any], str]
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
 
@@ -35,25 +38,35 @@ class EngineKind:
 
 
 def sglang_urls(cfg: Any) -> list[str]:
-    """The base URLs of ``--sglang-url`` (comma-separated)."""
-    return [url for url in (cfg.rollout.sglang_url or "").split(",") if url]
+    """The base URLs of running servers: ``--rollout-external-engine-addrs`` or its alias ``--sglang-url`` (comma- or
+    space-separated; ``host:port`` gets ``http://``)."""
+    text = cfg.sglang.rollout_external_engine_addrs or cfg.rollout.sglang_url or ""
+    addrs = text.replace(",", " ").split()
+    return [a if a.startswith(("http://", "https://")) else f"http://{a}" for a in addrs]
+
+
+def _sglang_engines(cfg: Any) -> int:
+    external = sglang_urls(cfg)
+    return len(external) if external else cfg.resources.rollout_num_gpus // cfg.sglang.rollout_num_gpus_per_engine
 
 
 ROLLOUT_ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
         cls="runtime.engines.hf_engine:HFEngine",
-        uses_bundles=True,
-        weight_sync="object_store",
+        bundles_per_engine=lambda cfg: 1,
+        launches=lambda cfg: False,
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "object_store",
         count=lambda cfg: cfg.resources.rollout_num_gpus,
         kwargs=lambda cfg, model_path, i: {"model_path": model_path, "seed": cfg.seed + 1000 * i},
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",
-        uses_bundles=False,
-        weight_sync="disk",
-        count=lambda cfg: len(sglang_urls(cfg)),
+        bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
+        launches=lambda cfg: not sglang_urls(cfg),
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "nccl",
+        count=_sglang_engines,
         kwargs=lambda cfg, model_path, i: {
-            "base_url": sglang_urls(cfg)[i],
+            **({"base_url": sglang_urls(cfg)[i]} if sglang_urls(cfg) else {}),
             "seed": cfg.seed + 1000 * i,
             "hf_checkpoint": model_path,
         },

@@ -1,7 +1,7 @@
 """A rollout engine that drives an SGLang server over its native HTTP API (see :class:`RolloutEngine`).
 
-The server is SGLang's own process (``python -m sglang.launch_server``, see :func:`sglang_launch_command`), started
-on a GPU machine by a Ray actor or by hand; this adapter only speaks HTTP to it, so it runs anywhere and imports
+The server is SGLang's own process (``python -m sglang.launch_server``), started by the engine group's launcher
+(``runtime.engines.launcher``) or by hand; this adapter only speaks HTTP to it, so it runs anywhere and imports
 nothing from SGLang. The endpoints and JSON shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``
 and ``managers/io_struct.py`` of that release):
 
@@ -27,23 +27,25 @@ What callers should know:
   embedded engine).
 - The stop token is kept in ``token_ids`` (``no_stop_trim``), as in the embedded engine.
 
-Weights go through the file system: :meth:`SGLangEngine.load_weights` collects the buckets of an update and, at the
-last one, writes them as safetensors into an HF folder (the checkpoint's config and tokenizer files copied beside it)
-that the server must be able to read, then calls ``/update_weights_from_disk``;
+Weights reach the server two ways. Over a ``torch.distributed`` group (the default, ``--update-weight-transport
+nccl``): :meth:`SGLangEngine.init_weights_update_group` has the server join the trainer's group once
+(``/init_weights_update_group``), then each bucket is one ``/update_weights_from_distributed`` call (its names, dtypes
+and shapes) while the trainer broadcasts the tensors (``runtime.engines.weight_transfer``; NCCL on GPUs, gloo on the
+CPU). Through the file system (``--update-weight-transport disk``): :meth:`SGLangEngine.load_weights` collects the
+buckets of an update and, at the last one, writes them as safetensors into an HF folder (the checkpoint's config and
+tokenizer files copied beside it) that the server must be able to read, then calls ``/update_weights_from_disk``;
 :meth:`SGLangEngine.update_weights_from_disk` has the server load a folder the trainer wrote. SGLang itself loads
 whatever names a folder holds and silently keeps the old values of the others, and for tied embeddings it reads the
 input embeddings and skips ``lm_head.weight``; so the adapter checks names, shapes and completeness against the
 checkpoint's architecture (a ``meta``-device transformers model, no weights) and writes tied weights under each of
-their names. SGLang also has GPU paths that skip the disk:
-``/update_weights_from_tensor`` (CUDA IPC handles of tensors on the same node) and ``/init_weights_update_group`` +
-``/update_weights_from_distributed`` (an NCCL group between trainer and server, the trainer broadcasting each
-tensor); slime uses those. They need GPUs on both sides and are not implemented here.
+their names. SGLang's third path, ``/update_weights_from_tensor`` (CUDA IPC handles, for a colocated server), is
+not implemented here.
 
 Reproducible sampling: with ``seed`` set, every prompt carries its own ``sampling_seed`` derived from the seed, the
 number of ``generate`` calls so far and its index in the batch; :meth:`SGLangEngine.get_rng_state` /
 :meth:`SGLangEngine.set_rng_state` save and restore that counter, so a resumed job sends the same seeds. SGLang
-applies ``sampling_seed`` in its deterministic-inference mode (``--enable-deterministic-inference``, see
-:func:`sglang_launch_command`); otherwise the server's own generator decides and the seeds only label requests.
+applies ``sampling_seed`` in its deterministic-inference mode (``--sglang-enable-deterministic-inference``); otherwise
+the server's own generator decides and the seeds only label requests.
 
 Retries: only connection failures (nothing reached the server) are retried, with exponential backoff; a request that
 reached the server is never sent twice, because generation and weight loads are not idempotent.
@@ -54,7 +56,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -65,6 +66,7 @@ import httpx
 import numpy as np
 import torch
 
+from runtime.engines import weight_transfer
 from runtime.engines.base import Generation, SamplingParams, check_generate_args
 from runtime.engines.hf_engine import (
     WeightUpdate,
@@ -75,6 +77,8 @@ from runtime.engines.hf_engine import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+# The SGLang router's header for the key that its consistent-hashing and manual policies route by.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 WEIGHTS_FILE = "model.safetensors"
 # Files of an HF folder that hold weights: never copied from the original checkpoint next to new weights.
@@ -241,56 +245,6 @@ def save_hf_weights(state_dict: dict[str, Any], folder: str | Path, *, config_so
     return out
 
 
-def sglang_launch_command(
-    model_path: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    tp_size: int = 1,
-    mem_fraction_static: float | None = None,
-    seed: int = 0,
-    enable_memory_saver: bool = False,
-    deterministic: bool = False,
-    weight_version: int = 0,
-    python: str = sys.executable,
-    extra_args: tuple[str, ...] = (),
-) -> list[str]:
-    """The ``python -m sglang.launch_server`` command line for one server, as an argv list.
-
-    Meant for a Ray actor that owns ``tp_size`` GPUs to ``subprocess.Popen`` on a GPU machine, then build an
-    :class:`SGLangEngine` on ``http://{host}:{port}`` (which waits until the server answers). It cannot run on a
-    machine without SGLang and a GPU, so rlcore's CPU tests only check the command it builds.
-    ``enable_memory_saver`` is needed for :meth:`SGLangEngine.release_memory` to free anything (``--colocate``);
-    ``mem_fraction_static`` is the share of GPU memory for weights and KV cache (SGLang picks one when ``None``);
-    ``deterministic`` turns on SGLang's deterministic inference, which honours per-request ``sampling_seed``.
-    """
-    if not isinstance(model_path, str) or not model_path:
-        raise ValueError(f"model_path must be a non-empty string, got {model_path!r}")
-    for name, value, low in (("port", port, 1), ("tp_size", tp_size, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if port > 65535:
-        raise ValueError(f"port must be <= 65535, got {port}")
-    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    cmd = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--host", host,
-        "--port", str(port),
-        "--tp-size", str(tp_size),
-        "--random-seed", str(seed),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
-    if mem_fraction_static is not None:
-        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-    if enable_memory_saver:
-        cmd.append("--enable-memory-saver")
-    if deterministic:
-        cmd.append("--enable-deterministic-inference")
-    return cmd + list(extra_args)
-
-
 class SGLangEngine:
     """The :class:`RolloutEngine` protocol over an SGLang server's HTTP API (see the module docstring).
 
@@ -335,6 +289,7 @@ class SGLangEngine:
         self._weight_version = 0
         self._weight_dtype: str | None = None
         self.released = False
+        self._released_tags: set[str] = set()
         self.closed = False
         # The buckets of the update in progress, and the checkpoint's architecture they are checked against.
         self._pending: dict[str, Any] = {}
@@ -348,10 +303,12 @@ class SGLangEngine:
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             try:
-                response = self.client.request(method, path, json=payload)
+                response = self.client.request(method, path, json=payload, headers=headers)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 if attempt == self.max_retries:
@@ -364,8 +321,8 @@ class SGLangEngine:
             raise SGLangHTTPError(method, f"{self.base_url}{path}", response.status_code, _error_message(response))
         return response
 
-    def _post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        response = self._request("POST", path, {} if payload is None else payload)
+    def _post(self, path: str, payload: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Any:
+        response = self._request("POST", path, {} if payload is None else payload, headers)
         return _json_or_text(response)
 
     def _get(self, path: str) -> Any:
@@ -423,8 +380,18 @@ class SGLangEngine:
 
     # -- RolloutEngine --------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any]) -> list[Generation]:
-        """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists."""
+    def url(self) -> str:
+        """The server's base URL."""
+        return self.base_url
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any], *, routing_key: str | None = None
+    ) -> list[Generation]:
+        """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists.
+
+        ``routing_key`` goes along as the SGLang router's ``x-smg-routing-key`` header (a multi-turn session's id), so
+        that the router's consistent-hashing or manual policy sends every turn of a session to one server.
+        """
         params = check_generate_args(prompts, params, released=self.released)
         batch = uuid.uuid4().hex
         sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
@@ -441,8 +408,10 @@ class SGLangEngine:
                 "sampling_params": sampling,
                 "return_logprob": True,
                 "logprob_start_len": -1,
-                "rid": [f"rlcore-{batch}-{i}" for i in range(len(prompts))],
+                # One id for the batch: SGLang numbers its prompts after it; the router takes only a string here.
+                "rid": f"rlcore-{batch}",
             },
+            headers={ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None,
         )
         if not isinstance(outputs, list) or len(outputs) != len(prompts):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
@@ -487,6 +456,60 @@ class SGLangEngine:
         if Path(path).is_dir():
             self._check_folder(Path(path))
         self._load_from_disk(Path(path), weight_version, owned=False)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        backend: str = "nccl",
+    ) -> None:
+        """Have the server join the trainer's weight-update group (``/init_weights_update_group``); its ranks are
+        ``rank_offset`` to ``rank_offset + tp_size - 1``. Blocks until every rank has joined."""
+        self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Have the server receive one bucket the trainer broadcasts (``/update_weights_from_distributed``); the
+        call returns once the server has loaded it. ``weight_version`` (the last bucket) becomes its version."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        if weight_version is not None:
+            check_weight_version(weight_version)
+            payload["weight_version"] = str(weight_version)
+        self._post("/update_weights_from_distributed", payload)
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
+        self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of the server's weight ``name`` (``/get_weights_by_name``)."""
+        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def tp_size(self) -> int:
+        """The server's tensor-parallel size (its ranks in a weight-update group), from ``/server_info``."""
+        return int(self._get("/server_info").get("tp_size", 1))
 
     def weight_version(self) -> int:
         return self._weight_version
@@ -551,14 +574,20 @@ class SGLangEngine:
         self._weight_version = weight_version
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``."""
+        """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``
+        (the server must run with ``--sglang-enable-memory-saver``). It generates again once every released tag is
+        resumed."""
         self.flush_cache()
         self._post("/release_memory_occupation", _tags_payload(tags))
+        self._released_tags |= set(tags or MEMORY_TAGS)
         self.released = True
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take memory back: all of it, or ``tags`` (slime resumes ``weights`` before a weight sync, ``kv_cache``
+        and ``cuda_graph`` before generating)."""
         self._post("/resume_memory_occupation", _tags_payload(tags))
-        self.released = False
+        self._released_tags -= set(tags or MEMORY_TAGS)
+        self.released = bool(self._released_tags)
 
     def get_rng_state(self) -> dict[str, Any]:
         """What decides the next ``sampling_seed``s (the server's own generator cannot be read over HTTP)."""

@@ -41,8 +41,8 @@ _STATUS_OF_FINISH = {
 class RolloutContext:
     """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args.
 
-    ``engines`` needs ``async generate(prompts, params) -> list[Generation]`` and ``rewind()`` (see
-    ``runtime.cluster.placement.EngineGroup``).
+    ``engines`` needs ``async generate(prompts, params, *, session_ids=None) -> list[Generation]`` and ``rewind()``
+    (see ``runtime.cluster.engines.EngineGroup``).
     """
 
     engines: Any
@@ -76,10 +76,19 @@ def current_context() -> RolloutContext:
         raise RuntimeError("no rollout is running: engine_generate/generate are for use inside a rollout") from None
 
 
-async def engine_generate(token_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
-    """Sample one continuation of ``token_ids`` on the job's engines (for custom generate functions)."""
+async def engine_generate(
+    token_ids: list[int], sampling_params: dict[str, Any], *, session_id: str | None = None
+) -> Generation:
+    """Sample one continuation of ``token_ids`` on the job's engines (for custom generate functions).
+
+    ``session_id`` (a multi-turn sample's ``Sample.session_id``) keeps every turn of a conversation on one SGLang
+    server: it is the router's routing key. Engines without a router ignore it.
+    """
     params = SamplingParams.from_dict(sampling_params)
-    return (await current_context().engines.generate([list(token_ids)], params))[0]
+    engines = current_context().engines
+    if session_id is None:
+        return (await engines.generate([list(token_ids)], params))[0]
+    return (await engines.generate([list(token_ids)], params, session_ids=[session_id]))[0]
 
 
 def apply_generation(
@@ -99,7 +108,7 @@ def apply_generation(
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """The default generate function, one sample at a time (slime's signature)."""
     ctx = current_context()
-    generation = await engine_generate(sample.tokens, sampling_params)
+    generation = await engine_generate(sample.tokens, sampling_params, session_id=sample.session_id)
     return apply_generation(sample, generation, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
 
 
@@ -108,9 +117,10 @@ def expand_groups(prompts: Sequence[Sample], n_samples: int, *, first_group: int
     groups = []
     for offset, prompt in enumerate(prompts):
         group = []
-        for _ in range(n_samples):
+        for k in range(n_samples):
             s = copy.deepcopy(prompt)
             s.group_index = first_group + offset
+            s.session_id = f"{s.group_index}-{k}"
             group.append(s)
         groups.append(group)
     return groups

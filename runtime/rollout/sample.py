@@ -36,6 +36,9 @@ class Sample:
     status: Sample.Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[str] = field(default_factory=list)
+    # The id of the sample's conversation: every turn of a multi-turn sample goes to the same SGLang server (the
+    # router's routing key), so the server's prefix cache holds the conversation so far.
+    session_id: str | None = None
 
     @property
     def prompt_length(self) -> int:

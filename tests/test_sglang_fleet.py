@@ -1,0 +1,252 @@
+"""The managed SGLang fleet: servers launched through the launcher (the fake server as ``--sglang-server-command``),
+the real SGLang router (the ``sglang-router`` package, its Rust router on the CPU) in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from rlcore.advantages import sequence_advantages
+from runtime.cluster.engines import EngineGroup
+from runtime.cluster.placement import create_placement
+from runtime.cluster.trainers import TrainerGroup
+from runtime.cluster.weight_sync import DistributedSync, check_weights_equal, make_weight_sync
+from runtime.config import from_dict, validate
+from runtime.demo import task
+from runtime.demo.tiny_model import make_tiny_model
+from runtime.engines import SamplingParams
+from runtime.logger import METRICS_FILE, read_metrics
+from runtime.loop import run
+from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups
+from runtime.rollout.sample import Sample
+from runtime.train.algo import advantage_config, loss_config, model_roles
+from runtime.train.batch import build_batch
+
+pytest.importorskip("sglang_router", reason="the router tests need the sglang-router package (the dev extra)")
+
+FAKE_SERVER = f"{sys.executable} {Path(__file__).with_name('fake_sglang.py')}"
+PARAMS = SamplingParams(max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), alphabet=task.ALPHABET, seed=0))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def fleet_cfg(tmp_path, model_path, **overrides):
+    settings = {
+        "output_dir": str(tmp_path),
+        "hf_checkpoint": model_path,
+        "rollout_max_response_len": 2,
+        "rollout_engine": "sglang",
+        "rollout_num_gpus": 2,
+        "sglang_server_command": FAKE_SERVER,
+        "sglang_server_startup_timeout": 120.0,
+    }
+    return validate(from_dict(None, **{**settings, **overrides}))
+
+
+def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, model_path, tmp_path):
+    # First in the module: the shared fleet below holds the CPU slots a job needs.
+    cfg = fleet_cfg(
+        tmp_path,
+        model_path,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        rollout_max_response_len=5,
+        num_rollout=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        lr=1e-3,
+        use_tensorboard=False,
+        check_weight_update_equal=True,
+        # The servers release their memory while the trainer trains, and take it back in two stages.
+        offload_rollout=True,
+    )
+    result = run(cfg, progress=False)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    # The servers sample with the trainer's weights at every step (pushed over the gloo group, checked equal after
+    # the first push): their log-probs equal the trainer's recompute.
+    assert all(r["train/rollout_log_prob_abs_diff"] < 1e-4 for r in rows)
+    # The servers and the router the job launched are gone with it.
+    deadline = time.monotonic() + 30
+    while _launched_by(model_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _launched_by(model_path)
+
+
+def _launched_by(model_path: str) -> list[str]:
+    """Command lines of the running fake servers of ``model_path`` (this test's own: the folder is unique)."""
+    import psutil
+
+    running = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if "fake_sglang.py" in cmdline and model_path in cmdline:
+            running.append(cmdline)
+    return running
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session, model_path, tmp_path_factory):
+    cfg = fleet_cfg(
+        tmp_path_factory.mktemp("fleet"),
+        model_path,
+        sglang_args={"mem_fraction_static": 0.5, "enable_memory_saver": True},
+        # manual: the routing key picks the server (sticky per key); requests without one go to a random server.
+        router_args={"policy": "manual", "health_check_interval_secs": 1, "health_failure_threshold": 1},
+    )
+    placement = create_placement(cfg)
+    engines = EngineGroup(cfg, placement, model_path)
+    yield cfg, engines, placement
+    engines.shutdown()
+    ray.util.remove_placement_group(placement.group)
+
+
+def server_info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def generate_counts(urls: list[str]) -> list[int]:
+    return [server_info(u)["internal_states"][0]["requests"].get("/generate", 0) for u in urls]
+
+
+def test_servers_are_launched_with_the_passthrough_flags(fleet):
+    cfg, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    assert len(urls) == 2 and len(set(urls)) == 2 and engines.router_url not in urls
+    for i, url in enumerate(urls):
+        info = server_info(url)
+        assert info["mem_fraction_static"] == 0.5 and info["enable_memory_saver"] is True
+        assert info["random_seed"] == cfg.seed + 1000 * i and info["tp_size"] == 1
+        assert info["model_path"] == cfg.model.hf_checkpoint
+    assert engines.health() == [True, True]
+
+
+def test_requests_go_through_the_router_and_are_spread_over_the_servers(fleet):
+    _, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    before = generate_counts(urls)
+    prompts = [[1 + i % 5, 2, 3] for i in range(16)]
+    refs = engines.generate_async(prompts, PARAMS)
+    generations = ray.get(refs, timeout=120)
+    assert len(refs) == 16 and all(len(g) == 1 and len(g[0].token_ids) >= 1 for g in generations)
+    delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+    assert sum(delta) == 16 and min(delta) > 0, delta
+
+
+def test_a_session_sticks_to_one_server(fleet):
+    _, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    for session in ("session-a", "session-b", "session-c"):
+        before = generate_counts(urls)
+        for _ in range(4):
+            ray.get(engines.generate_async([[1, 2, 3]], PARAMS, session_ids=[session]), timeout=60)
+        delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+        assert sorted(delta) == [0, 4], (session, delta)
+
+
+def test_a_multi_turn_samples_turns_stay_on_one_server(fleet):
+    _, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    samples = expand_groups([Sample(tokens=[1, 2, 3])], 2, first_group=7)[0]
+    assert [s.session_id for s in samples] == ["7-0", "7-1"]
+
+    async def conversation(sample):
+        for _ in range(3):  # three turns, each continuing the conversation so far
+            generation = await engine_generate(sample.tokens, PARAMS.to_dict(), session_id=sample.session_id)
+            sample.tokens = sample.tokens + generation.token_ids + [4]
+
+    for sample in samples:
+        before = generate_counts(urls)
+        with _running(RolloutContext(engines=engines, tokenizer=None, args=None)):
+            asyncio.run(conversation(sample))
+        delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
+        assert sorted(delta) == [0, 3], (sample.session_id, delta)
+
+
+def _train_one_step(trainers, cfg, model_path, seed):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    samples = []
+    for i, rec in enumerate(task.make_records(8, seed=seed)):
+        prompt = tokenizer(rec["prompt"])["input_ids"]
+        samples.append(
+            Sample(index=i // 4, group_index=i // 4, tokens=prompt + [5, 6], response_length=2, reward=float(i % 2))
+        )
+    adv_cfg = advantage_config(cfg)
+    batch = sequence_advantages(build_batch(samples, pad_token_id=tokenizer.pad_token_id), adv_cfg)
+    trainers.train_rollout(batch, global_batch_size=8, adv_cfg=adv_cfg)
+
+
+def test_weights_reach_every_server_over_a_gloo_group_in_buckets(fleet, model_path):
+    cfg, engines, placement = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    trainers = TrainerGroup(
+        placement,
+        backend="torch",
+        model_path=model_path,
+        roles=model_roles(cfg),
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+    )
+    limit = 8192
+    sync = make_weight_sync(trainers, engines, bucket_bytes=limit)  # SGLang's default transport: nccl (gloo here)
+    try:
+        assert isinstance(sync, DistributedSync) and sync.backend == "gloo"
+        for version in (1, 2):
+            weights = trainers.get_weights()
+            before = [len(server_info(u)["internal_states"][0]["received_buckets"]) for u in urls]
+            sync.push(version)
+            # Every server holds the trainer's weights (all rows of every weight), with the version.
+            assert check_weights_equal(trainers, engines, truncate_size=1 << 20) == len(weights)
+            assert engines.weight_versions() == [version, version]
+            for url, start in zip(urls, before, strict=True):
+                assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == str(version)
+                received = server_info(url)["internal_states"][0]["received_buckets"][start:]
+                # One update_weights_from_distributed call per bucket; none over the limit unless one tensor is.
+                assert [b for b, _ in received] == sync.bucket_sizes and len(received) > 2
+                assert all(size <= limit or n == 1 for size, n in received)
+            assert sum(sync.bucket_sizes) == sum(v.nbytes for v in weights.values())
+            _train_one_step(trainers, cfg, model_path, seed=version)
+            assert any(not torch.equal(v, trainers.get_weights()[k]) for k, v in weights.items())
+    finally:
+        sync.close()
+        trainers.shutdown()
+
+
+def test_a_server_that_goes_away_is_dropped_and_nothing_hangs(fleet):
+    # Runs last in this module: it stops a server of the shared fleet.
+    _, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    ray.get(engines.launchers[1].stop.remote(), timeout=60)
+    start = time.monotonic()
+    generations = ray.get(engines.generate_async([[1, 2, 3]] * 8, PARAMS), timeout=120)
+    assert all(g[0].token_ids for g in generations)
+    assert engines.health() == [True, False]
+    deadline = time.monotonic() + 30
+    while True:
+        workers = httpx.get(engines.router_url + "/workers", timeout=10).json()["workers"]
+        healthy = [w["url"] for w in workers if w["is_healthy"]]
+        if healthy == [urls[0]] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert healthy == [urls[0]]
+    assert time.monotonic() - start < 120

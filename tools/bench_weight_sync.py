@@ -1,0 +1,221 @@
+"""Time one weight sync per transport for tensor sets of real model shapes, and print GB/s.
+
+    python tools/bench_weight_sync.py                                  # qwen3-0.6b and qwen3-4b, every CPU transport
+    python tools/bench_weight_sync.py --models qwen3-0.6b --transports gloo disk
+    python tools/bench_weight_sync.py --transports nccl                # two GPUs: NCCL broadcast between them
+
+The tensors are those of the ``runtime.demo.tiny_model`` presets (the models' real shapes, bf16, tied weights once),
+cut into buckets of ``--bucket-mb`` MiB as ``TrainBackend.weight_buckets`` cuts them. Each transport moves every
+bucket from a sender to one receiver the way the runtime does, and only the moving is timed (a bucket is built
+before its clock starts, and the receiver confirms it has each bucket before the clock stops):
+
+- ``disk``: safetensors written to a temporary folder and read back (``--update-weight-transport disk``);
+- ``object_store``: ``ray.put`` and a Ray actor that reads the bucket (the embedded engine's default);
+- ``gloo`` / ``nccl``: a ``torch.distributed`` broadcast from rank 0 to rank 1 in another process, over the group
+  ``runtime.engines.weight_transfer`` makes (``--update-weight-transport nccl``; gloo on the CPU).
+
+One bucket is in memory at a time on each side, so a 4B model needs about two buckets of memory, not 8 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from runtime.engines import weight_transfer
+from runtime.engines.launcher import free_port
+
+# Qwen3-4B's shape (Qwen/Qwen3-4B config.json); the other fields as Qwen3-0.6B's.
+QWEN3_4B = {
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+# For the table: the link each transport crosses.
+LINKS = {"disk": "page cache / disk", "object_store": "shared memory", "gloo": "TCP loopback", "nccl": "NVLink"}
+
+
+def model_fields(name: str) -> tuple[str, dict]:
+    """The transformers model type and config fields of ``name``: a ``runtime.demo.tiny_model`` preset, or Qwen3-4B
+    (its config.json's shape fields), which is not one."""
+    from runtime.demo.tiny_model import PRESETS
+
+    if name == "qwen3-4b":
+        return "qwen3", {**PRESETS["qwen3-0.6b"].fields, **QWEN3_4B}
+    if name not in PRESETS:
+        raise SystemExit(f"unknown model {name!r}: qwen3-4b or one of {sorted(PRESETS)}")
+    return PRESETS[name].model_type, dict(PRESETS[name].fields)
+
+
+def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The weight names and shapes of ``name`` (tied weights once), from a ``meta``-device model: no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = model_fields(name)
+    config = AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen, out = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tuple(tensor.shape)))
+    return out
+
+
+def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], bucket_bytes: int, dtype: torch.dtype) -> list[list]:
+    """The names and shapes of each bucket, cut as ``weight_buckets`` cuts them (a larger tensor goes alone)."""
+    size_of = torch.empty((), dtype=dtype).element_size()
+    buckets, current, size = [], [], 0
+    for name, shape in shapes:
+        nbytes = size_of * int(torch.Size(shape).numel())
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, shape))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def materialise(plan: list, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {name: torch.ones(shape, dtype=dtype, device=device) for name, shape in plan}
+
+
+def buckets_of(plans: list, dtype: torch.dtype, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    for plan in plans:
+        yield materialise(plan, dtype, device)
+
+
+# ---------------------------------------------------------------- transports
+
+
+def time_disk(plans: list, dtype: torch.dtype) -> float:
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-weights-"))
+    total = 0.0
+    try:
+        for i, bucket in enumerate(buckets_of(plans, dtype)):
+            path = folder / f"model-{i:05d}.safetensors"
+            start = time.perf_counter()
+            save_file(bucket, str(path))
+            loaded = load_file(str(path))
+            sum(t.nbytes for t in loaded.values())
+            total += time.perf_counter() - start
+            path.unlink()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return total
+
+
+def time_object_store(plans: list, dtype: torch.dtype) -> float:
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def load(self, bucket: dict[str, torch.Tensor]) -> int:
+            return sum(t.clone().nbytes for t in bucket.values())
+
+    receiver = Receiver.remote()
+    ray.get(receiver.load.remote({}))
+    total = 0.0
+    for bucket in buckets_of(plans, dtype):
+        start = time.perf_counter()
+        ray.get(receiver.load.remote(ray.put(bucket)))
+        total += time.perf_counter() - start
+    if started:
+        ray.shutdown()
+    return total
+
+
+def _receive(port: int, plans: list, dtype: torch.dtype, backend: str) -> None:
+    device = "cuda:1" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(1)
+    group = weight_transfer.init_weights_update_group(
+        master_address="127.0.0.1", master_port=port, rank=1, world_size=2, backend=backend
+    )
+    ack = torch.zeros(1, device=device)
+    for plan in plans:
+        names = [n for n, _ in plan]
+        dtypes = [weight_transfer.dtype_name(dtype)] * len(plan)
+        weight_transfer.receive_bucket(group, names, dtypes, [list(s) for _, s in plan], device=device)
+        torch.distributed.broadcast(ack, src=1, group=group)
+    weight_transfer.destroy_group(group)
+
+
+def time_broadcast(plans: list, dtype: torch.dtype, backend: str) -> float:
+    device = "cuda:0" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    port = free_port()
+    receiver = multiprocessing.get_context("spawn").Process(target=_receive, args=(port, plans, dtype, backend))
+    receiver.start()
+    group = weight_transfer.init_weights_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, backend=backend
+    )
+    ack = torch.zeros(1, device=device)
+    total = 0.0
+    for bucket in buckets_of(plans, dtype, device):
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        weight_transfer.send_bucket(group, bucket, device=device)
+        torch.distributed.broadcast(ack, src=1, group=group)  # the receiver has the whole bucket
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        total += time.perf_counter() - start
+    weight_transfer.destroy_group(group)
+    receiver.join()
+    return total
+
+
+TRANSPORTS = {
+    "disk": time_disk,
+    "object_store": time_object_store,
+    "gloo": lambda plans, dtype: time_broadcast(plans, dtype, "gloo"),
+    "nccl": lambda plans, dtype: time_broadcast(plans, dtype, "nccl"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-4b"])
+    parser.add_argument("--transports", nargs="+", default=["disk", "object_store", "gloo"], choices=list(TRANSPORTS))
+    parser.add_argument("--bucket-mb", type=int, default=512, help="bucket size (--update-weight-buffer-size)")
+    args = parser.parse_args()
+    if "nccl" in args.transports and torch.cuda.device_count() < 2:
+        raise SystemExit("nccl needs two GPUs")
+    dtype = torch.bfloat16
+    print("| model | transport | link | GB | buckets | seconds | GB/s |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for model in args.models:
+        plans = bucket_plan(model_shapes(model), args.bucket_mb * 1024**2, dtype)
+        gb = sum(torch.Size(s).numel() for p in plans for _, s in p) * dtype.itemsize / 1e9
+        for transport in args.transports:
+            seconds = TRANSPORTS[transport](plans, dtype)
+            print(
+                f"| {model} | {transport} | {LINKS[transport]} | {gb:.2f} | {len(plans)} | {seconds:.2f} "
+                f"| {gb / seconds:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
