@@ -770,6 +770,10 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         put(_normalise_key(key), value, "top level")
     if problems:
         raise ConfigError(problems)
+    fleet = ("sglang_args", "router_args", "rollout_num_gpus_per_engine", "sglang_router_ip")
+    if any(flat.get(key) for key in fleet) and "rollout_engine" not in flat:
+        # These configure SGLang servers: as in slime (whose only engine SGLang is), they select it.
+        flat["rollout_engine"] = "sglang"
     if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
@@ -780,6 +784,10 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
             # One version behind, the built-in job learns clearly slower uncorrected and level with sync with
             # TIS on its off-policy tokens (5 seeds, docs/runtime.md); in sync TIS would change nothing it needs.
             flat.setdefault("use_tis", True)
+    if flat.get("colocate") and "rollout_num_gpus" not in flat:
+        # slime's rule: colocated engines run on the trainers' GPUs.
+        per_node = flat.get("actor_num_gpus_per_node", _SPECS["actor_num_gpus_per_node"][1].default)
+        flat["rollout_num_gpus"] = flat.get("actor_num_nodes", 1) * per_node
     _resolve_global_batch_size(flat)
     # slime's defaults from --rollout-max-context-len: room for one generated token, and the evaluation's context.
     if flat.get("rollout_max_context_len") is not None and "rollout_max_prompt_len" not in flat:

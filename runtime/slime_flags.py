@@ -121,17 +121,23 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--actor-num-nodes", "cluster", 1, DIFFERS, "above 1 refused: the torch backend's trainers run on one node"),
     _f("--actor-num-gpus-per-node", "cluster", 8, YES, "built-in job: 1 (on a CPU a GPU is a process)"),
     _f("--rollout-num-gpus", "cluster", None, DIFFERS, "default 1, not derived from the trainer GPUs (issue 12)"),
-    _f("--rollout-num-gpus-per-engine", "cluster", 1, ELSEWHERE, SGLANG),
+    _f("--rollout-num-gpus-per-engine", "cluster", 1, YES),
     _f("--num-gpus-per-node", "cluster", 8, ELSEWHERE, SGLANG),
     _true("--colocate", "cluster", DIFFERS, "offloads by moving the model to the CPU; no --offload-* flags yet"),
     _true("--offload", "cluster", ELSEWHERE, SGLANG),
-    _f("--offload-train", "cluster", None, ELSEWHERE, SGLANG, kind="true"),
-    _f("--offload-rollout", "cluster", None, ELSEWHERE, SGLANG, kind="true"),
+    _f("--offload-train", "cluster", None, YES, kind="true"),
+    _f("--offload-rollout", "cluster", None, YES, kind="true"),
     # train
     _f("--qwen-gdn-backend", "train", "fla", REFUSED, "selects a Qwen gated-delta-net kernel, a path rlcore lacks"),
     _f("--train-env-vars", "train", {}, REFUSED, LATER, type=_json),
     _f("--update-weight-mode", "train", "full", ELSEWHERE, SGLANG),
-    _f("--update-weight-transport", "train", "nccl", ELSEWHERE, SGLANG),
+    _f(
+        "--update-weight-transport",
+        "train",
+        "nccl",
+        DIFFERS,
+        "unset: nccl for SGLang engines, the object store for the embedded engine",
+    ),
     _true("--release-train", "train", REFUSED, MEGATRON),
     _f("--update-weight-disk-dir", "train", None, ELSEWHERE, SGLANG),
     _true("--update-weight-disk-keep-files", "train", ELSEWHERE, SGLANG),
@@ -192,7 +198,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         REFUSED,
         "nixl is a hardware transport rlcore lacks; batches go through Ray's object store",
     ),
-    _f("--rollout-external-engine-addrs", "rollout", None, ELSEWHERE, SGLANG, **_LIST),
+    _f("--rollout-external-engine-addrs", "rollout", None, YES, **_LIST),
     # fault tolerance
     _true("--use-fault-tolerance", "fault_tolerance", ELSEWHERE, FAULTS),
     _f("--rollout-health-check-interval", "fault_tolerance", 30.0, ELSEWHERE, FAULTS),
@@ -342,7 +348,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--memory-snapshot-num-steps", "debug", None, REFUSED, LATER + " (CUDA memory snapshots)", **_OPT_INT),
     _f("--profile-target", "debug", ["train_overall"], REFUSED, LATER + " (torch profiler)", **_LIST),
     _f("--memory-recorder", "debug", "torch", REFUSED, LATER),
-    _true("--check-weight-update-equal", "debug", ELSEWHERE, SGLANG),
+    _true("--check-weight-update-equal", "debug", YES),
     # network
     _f("--http-proxy", "network", None, DIFFERS, "used by --rm-type remote_rm's requests (not the engines')"),
     _true("--use-distributed-post", "network", REFUSED, LATER),
@@ -401,9 +407,9 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--debug-train-only", "mode", DIFFERS, "needs --load-debug-rollout-data"),
     _f("--load-debug-rollout-data", "mode", None, YES),
     # SGLang (slime/backends/sglang_utils/arguments.py)
-    _f("--sglang-router-ip", "sglang", None, ELSEWHERE, SGLANG),
-    _f("--sglang-router-port", "sglang", None, ELSEWHERE, SGLANG),
-    _f("--sglang-router-request-timeout-secs", "sglang", 14400, ELSEWHERE, SGLANG),
+    _f("--sglang-router-ip", "sglang", None, YES),
+    _f("--sglang-router-port", "sglang", None, YES),
+    _f("--sglang-router-request-timeout-secs", "sglang", 14400, YES),
     _f("--sglang-server-concurrency", "sglang", 512, ELSEWHERE, SGLANG),
     _f("--prefill-num-servers", "sglang", None, ELSEWHERE, SGLANG),
     _f("--sglang-config", "sglang", None, ELSEWHERE, SGLANG),
@@ -441,7 +447,10 @@ PARSED_REFUSED = tuple(f for f in SLIME_FLAGS if f.status == REFUSED)
 REFUSED_BY_DEST: dict[str, SlimeFlag] = {f.dest: f for f in PARSED_REFUSED}
 
 # Flags slime generates or takes from Megatron, by prefix or name: refused with the issue that brings them.
-_OWNED_PREFIXES = (("--sglang-", SGLANG), ("--router-", SGLANG))
+_OWNED_PREFIXES = (
+    ("--sglang-", "not a flag of SGLang 0.5.23's ServerArgs (runtime/engines/sglang_flags.json)"),
+    ("--router-", "not a flag of sglang-router's RouterArgs (runtime/engines/sglang_flags.json)"),
+)
 # Megatron's own flags that slime's run scripts use (parallelism, recompute, optimizer, LR schedule, model shape);
 # --weight-decay and --bf16 are rlcore's own too (the torch backend's), so they are parsed, not refused.
 MEGATRON_FLAGS = frozenset(
