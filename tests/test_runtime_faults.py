@@ -60,6 +60,8 @@ def _prompts(tmp_path, lines: list[bytes]) -> Path:
 
 def _data_job(tmp_path, prompts, *extra):
     return ["--prompt-data", str(prompts), "--rm-type", "exact_match", "--rollout-max-response-len", "4",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--input-key", "prompt", "--label-key", "label",
             "--output-dir", str(tmp_path / "out"), *extra]  # fmt: skip
 
 
@@ -76,7 +78,9 @@ def test_undecodable_bytes_are_a_bad_row_with_file_and_line(tmp_path, capsys):
         "such rows)"
     ]
     # --on-bad-row skip applies: the row is skipped and counted, the byte-order mark of line 1 is no bad byte.
-    dataset = PromptDataset(prompts, None, DataConfig(on_bad_row="skip"), seed=0)
+    dataset = PromptDataset(
+        prompts, None, DataConfig(on_bad_row="skip", input_key="prompt", label_key="label"), seed=0
+    )
     assert len(dataset) == 2 and [line for line, _ in dataset.bad_rows] == [2]
     assert [s.prompt for s in dataset.next_batch(2)] == ["c12=", "c12="]
 
@@ -94,14 +98,32 @@ def test_a_prompt_longer_than_the_model_context_is_refused_or_dropped(tmp_path, 
         def __call__(self, texts, add_special_tokens=True):
             return {"input_ids": [list(range(len(t))) for t in texts]}
 
-    skip = PromptDataset(prompts, CharTokenizer(), DataConfig(on_bad_row="skip"), seed=0, max_context=64)
+    skip = PromptDataset(
+        prompts,
+        CharTokenizer(),
+        DataConfig(on_bad_row="skip", input_key="prompt", label_key="label"),
+        seed=0,
+        max_context=64,
+    )
     assert len(skip) == 2 and skip.num_dropped_long == 1 and skip.num_bad_rows == 0
     assert "or the model's context of 64 tokens" in skip.report()[0]
     # A prompt one token shorter than the context leaves room for one response token: kept.
-    fits = PromptDataset(prompts, CharTokenizer(), DataConfig(), seed=0, max_context=len(long_prompt) + 1)
+    fits = PromptDataset(
+        prompts,
+        CharTokenizer(),
+        DataConfig(input_key="prompt", label_key="label"),
+        seed=0,
+        max_context=len(long_prompt) + 1,
+    )
     assert len(fits) == 3
     with pytest.raises(DataError, match="line 2: a prompt of 72 tokens"):
-        PromptDataset(prompts, CharTokenizer(), DataConfig(), seed=0, max_context=len(long_prompt))
+        PromptDataset(
+            prompts,
+            CharTokenizer(),
+            DataConfig(input_key="prompt", label_key="label"),
+            seed=0,
+            max_context=len(long_prompt),
+        )
 
 
 # ---------------------------------------------------------------- hook errors at validation (exit 2, nothing starts)
@@ -270,7 +292,7 @@ class _FakeTrainers:
     def __init__(self, fail: bool):
         self.fail = fail
 
-    def save(self, path):
+    def save(self, path, *, with_optimizer=True):
         Path(path).mkdir(parents=True)
         (Path(path) / "shard.distcp").write_bytes(b"x" * 1000)
         if self.fail:
