@@ -5,7 +5,8 @@
     python3 tools/bench_async.py --parallel --cpus-per-run 3   # all 9 runs at once on a many-core host
 
 Each run is ``rlcore-run`` in this process (its own Ray session), with the schedule and seed set and any flags after
-``--`` passed through (e.g. ``--hf-checkpoint`` of ``tools/make_tiny_model.py --preset qwen3-0.6b`` on a GPU host).
+``--`` passed through (e.g. ``--hf-checkpoint`` of ``tools/make_tiny_model.py --preset qwen3-0.6b`` on a GPU host;
+a job with ``--hf-checkpoint`` takes slime's defaults, so add ``--actor-num-gpus-per-node 1`` there).
 Steps per minute count the training loop only (from the first step's start to the last step's end: Ray start and the
 model build are left out); the table's last column is async's last-10 reward minus sync's for the same seed.
 """
