@@ -456,8 +456,11 @@ class TestActors:
             _rollout(ctx, cfg, filter_fn=drop_all)
 
 
-def test_two_fsdp_trainers_give_the_single_trainer_gradient(ray_session, model_path, tokenizer, tmp_path):
-    cfg = small_cfg(tmp_path, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, micro_batch_size=2)
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_two_fsdp_trainers_give_the_single_trainer_gradient(ray_session, model_path, tokenizer, tmp_path, lora_rank):
+    cfg = small_cfg(
+        tmp_path, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, micro_batch_size=2, lora_rank=lora_rank
+    )
     kwargs = dict(train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, roles=model_roles(cfg), seed=0)
     td = build_batch(random_samples(tokenizer, 4, 4, seed=5), pad_token_id=tokenizer.pad_token_id)
     single = TorchTrainer(model_path, **kwargs)

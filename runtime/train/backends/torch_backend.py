@@ -122,6 +122,7 @@ class TorchTrainer:
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path
         self.device = pick_device(device)
+        self.seed = seed
         torch.manual_seed(seed + rank)
         self.group = None
         if world_size > 1:
@@ -166,17 +167,21 @@ class TorchTrainer:
 
     def _load(self, auto_cls: Any, *, trainable: bool, path: str | None = None) -> torch.nn.Module:
         model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32)
-        model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
         elif self.cfg.lora_rank > 0:
-            model = lora.wrap_lora(
-                model,
-                rank=self.cfg.lora_rank,
-                alpha=self.cfg.lora_alpha,
-                dropout=self.cfg.lora_dropout,
-                target_modules=self.cfg.lora_target_modules,
-            )
+            # The adapters' random init must be the same on every rank (FSDP2 keeps each rank's own part of its own
+            # tensor): drawn on the CPU from the job's seed, not the rank's stream.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = lora.wrap_lora(
+                    model,
+                    rank=self.cfg.lora_rank,
+                    alpha=self.cfg.lora_alpha,
+                    dropout=self.cfg.lora_dropout,
+                    target_modules=self.cfg.lora_target_modules,
+                )
+        model.to(self.device)
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
