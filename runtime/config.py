@@ -29,7 +29,7 @@ from runtime import slime_flags
 from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.hooks import HookError, resolve_hook
-from runtime.train.backends import TRAIN_BACKENDS
+from runtime.train.backends import TRAIN_BACKENDS, lora
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
@@ -1204,8 +1204,10 @@ def _check_lora(problems: list[str], cfg: Config) -> None:
         problems.append(f"--lora-alpha must be > 0, got {t.lora_alpha!r}")
     if not 0 <= t.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {t.lora_dropout!r}")
-    if t.lora_target_modules.strip() != "all-linear" and not any(n.strip() for n in t.lora_target_modules.split(",")):
-        problems.append("--lora-target-modules: give all-linear or comma-separated module names (q_proj,v_proj)")
+    try:
+        lora.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
+    except ValueError as err:
+        problems.append(str(err))
     if importlib.util.find_spec("peft") is None:
         problems.append("--lora-rank needs the peft package (pip install peft)")
 

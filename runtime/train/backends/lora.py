@@ -28,7 +28,7 @@ def parse_target_modules(value: str) -> str | list[str]:
         return value
     names = [name.strip() for name in value.split(",") if name.strip()]
     if not names:
-        raise ValueError("--lora-target-modules: give all-linear or comma-separated module names")
+        raise ValueError("--lora-target-modules: give all-linear or comma-separated module names (q_proj,v_proj)")
     return names
 
 
