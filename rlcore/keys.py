@@ -19,3 +19,9 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 # [B] float32, the group-baseline part of the advantage over a whole batch (rlcore.advantages.sequence_advantages).
 SEQUENCE_ADVANTAGES = "sequence_advantages"
+# [B] int64, optional: the valid-token count a sample's token sum is divided by under ``seq_mean_token_mean`` when
+# one rollout was split into several samples (the whole rollout's count, slime's ``rollout_mask_sums``).
+SEQ_TOKEN_COUNTS = "seq_token_counts"
+# [B] int64, optional: how many sequences a row counts as in the ``seq_mean_*`` denominators (1 for the first row
+# of a rollout, 0 for the other pieces of a split rollout).
+SEQ_COUNTS = "seq_counts"

@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,7 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk")
+WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -79,6 +80,31 @@ class ModelConfig:
         default=None,
         metadata=_help("HF model directory (config, weights, tokenizer); unset: build the tiny default model"),
     )
+    # Megatron's model-shape flags, as slime's run scripts pass them. The model is built from --hf-checkpoint's
+    # config.json; a flag that is given must agree with it (slime's _hf_validate_args), any backend.
+    num_layers: int | None = field(default=None, metadata=_help("Megatron: decoder layers (config.json's)"))
+    hidden_size: int | None = field(default=None, metadata=_help("Megatron: hidden size (config.json's)"))
+    ffn_hidden_size: int | None = field(default=None, metadata=_help("Megatron: MLP width (intermediate_size)"))
+    num_attention_heads: int | None = field(default=None, metadata=_help("Megatron: query heads"))
+    num_query_groups: int | None = field(default=None, metadata=_help("Megatron: key/value heads"))
+    group_query_attention: bool | None = field(
+        default=None, metadata=_help("Megatron: fewer key/value heads than query heads")
+    )
+    kv_channels: int | None = field(default=None, metadata=_help("Megatron: head dimension (head_dim)"))
+    vocab_size: int | None = field(default=None, metadata=_help("Megatron: vocabulary before padding"))
+    max_position_embeddings: int | None = field(default=None, metadata=_help("Megatron: longest position"))
+    rotary_base: float | None = field(default=None, metadata=_help("Megatron: rope_theta"))
+    rotary_percent: float | None = field(default=None, metadata=_help("Megatron: rotated part of a head (1.0)"))
+    norm_epsilon: float | None = field(default=None, metadata=_help("Megatron: RMSNorm epsilon (rms_norm_eps)"))
+    qk_layernorm: bool | None = field(default=None, metadata=_help("Megatron: per-head QK RMSNorm (Qwen3)"))
+    add_qkv_bias: bool | None = field(default=None, metadata=_help("Megatron: bias on q/k/v (Qwen2)"))
+    untie_embeddings_and_output_weights: bool | None = field(
+        default=None, metadata=_help("Megatron: LM head apart from the embedding (not tie_word_embeddings)")
+    )
+    normalization: str | None = field(default=None, metadata=_help("Megatron: RMSNorm (the families built)"))
+    swiglu: bool | None = field(default=None, metadata=_help("Megatron: SwiGLU MLP (hidden_act silu)"))
+    disable_bias_linear: bool | None = field(default=None, metadata=_help("Megatron: no bias on linear layers"))
+    position_embedding_type: str | None = field(default=None, metadata=_help("Megatron: rope"))
 
 
 @dataclass(frozen=True)
@@ -115,6 +141,13 @@ class DataConfig:
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
     )
+    data_source_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "class cls(args) with get_samples(n) -> list[list[Sample]], add_samples, save(rollout_id), "
+            "load(rollout_id), __len__; unset: the prompt data with a buffer (slime's RolloutDataSourceWithBuffer)"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -130,6 +163,10 @@ class RolloutConfig:
     rollout_skip_special_tokens: bool = field(
         default=False, metadata=_help("leave special tokens (e.g. <|im_end|>) out of the response text")
     )
+    rollout_stop: list[str] | None = field(
+        default=None,
+        metadata=_help("stop strings: a response ends at the first token after which its text holds one (kept)"),
+    )
     rollout_stop_token_ids: list[int] | None = field(
         default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
     )
@@ -142,7 +179,55 @@ class RolloutConfig:
     )
     custom_generate_function_path: str | None = field(
         default=None,
-        metadata=_hook_help("async def generate(args, sample, sampling_params) -> Sample, as module:function"),
+        metadata=_hook_help(
+            "async def generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample], as "
+            "module:function"
+        ),
+    )
+    rollout_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "the whole rollout, generate_rollout(args, rollout_id, data_source, evaluation=False) -> "
+            "RolloutFnTrainOutput | list[list[Sample]]; unset: the built-in rollout"
+        ),
+    )
+    eval_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "evaluation rollout, called with evaluation=True -> RolloutFnEvalOutput; unset: --rollout-function-path "
+            "when set, else the built-in evaluation"
+        ),
+    )
+    rollout_sample_hook_path: list[str] = field(
+        default_factory=list,
+        metadata={
+            **_hook_help("(repeatable) [async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None"),
+            "append": True,
+        },
+    )
+    buffer_filter_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]: groups taken back"),
+    )
+    rollout_sample_filter_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, data: list[list[Sample]]) -> None; sets sample.remove_sample"),
+    )
+    rollout_all_samples_process_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, all_samples: list[list[Sample]], data_source) -> None, filtered groups too"),
+    )
+    rollout_data_postprocess_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, rollout_id, rollout_data: dict) -> None, after log-probs and advantages"),
+    )
+    custom_rollout_log_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(rollout_id, args, samples, extra_metrics, rollout_time) -> bool (True: skip ours)"),
+    )
+    custom_eval_rollout_log_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(rollout_id, args, data, extra_metrics) -> bool (True: skip ours)"),
     )
     dynamic_sampling_filter_path: str | None = field(
         default=None,
@@ -156,6 +241,14 @@ class RolloutConfig:
     )
     sglang_url: str | None = field(
         default=None, metadata=_help("alias of --rollout-external-engine-addrs (comma-separated base URLs)")
+    )
+    engine_compile: bool = field(
+        default=False,
+        metadata=_help(
+            "ours: the embedded engine (--rollout-engine hf) on a GPU runs its decode step through torch.compile "
+            "before capturing it as a CUDA graph: faster decoding (Qwen3-0.6B, 64x512 on an H100: 2.3 s instead of "
+            "3.9 s) for a compile of about a minute per batch size and 128-token cache-length bucket"
+        ),
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
         default="sync",
@@ -198,6 +291,9 @@ class AlgoConfig:
     eps_clip_high: float | None = field(default=None, metadata=_help("PPO upper clip range (clip-higher)"))
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
     value_clip: float = field(default=0.2, metadata=_help("clip of the critic's values around the old values (ppo)"))
+    num_critic_only_steps: int = field(
+        default=0, metadata=_help("ppo: the first N rollouts train the critic only (the actor waits)")
+    )
     kl_coef: float = field(
         default=0.0,
         metadata=_help(
@@ -279,6 +375,34 @@ class AlgoConfig:
             "(token_mean on, seq_mean_token_mean off)"
         ),
     )
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = field(
+        default="policy_loss",
+        metadata=_help(
+            "policy_loss (RL), sft_loss (NLL of the loss-masked tokens) or custom_loss (--custom-loss-...)"
+        ),
+    )
+    custom_loss_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "with --loss-type custom_loss: fn(args, batch, logits, sum_of_sample_mean) -> (loss, dict)"
+        ),
+    )
+    custom_advantage_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, rollout_data) -> None, setting rollout_data['advantages'] and ['returns']"),
+    )
+    custom_pg_loss_reducer_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the pg term"
+        ),
+    )
+    disable_compute_advantages_and_returns: bool = field(
+        default=False, metadata=_help("no advantages (SFT, custom losses): needs --loss-type sft_loss or custom_loss")
+    )
+    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] = field(
+        default="qwen", metadata=_help("multi-turn SFT loss masks by chat template (sft_rollout)")
+    )
     gamma: float = field(default=1.0, metadata=_help("discount (ppo / reinforce++)"))
     lambd: float = field(default=1.0, metadata=_help("GAE lambda (ppo)"))
 
@@ -314,14 +438,91 @@ class TrainConfig:
     )
     micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
     max_tokens_per_gpu: int | None = field(
-        default=None, metadata=_help("token budget per micro-batch; set: micro-batches are packed by tokens")
+        default=None,
+        metadata=_help(
+            "token budget per micro-batch: real tokens with --use-dynamic-batch-size, else rows x longest row"
+        ),
+    )
+    log_probs_max_tokens_per_gpu: int | None = field(
+        default=None,
+        metadata=_help("token budget of a log-prob pass's micro-batch (torch backend); unset: --max-tokens-per-gpu"),
+    )
+    use_dynamic_batch_size: bool = field(
+        default=False,
+        metadata=_help(
+            "pack micro-batches by --max-tokens-per-gpu real tokens, sequences concatenated without padding "
+            "(torch backend)"
+        ),
     )
     lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
+    keep_old_actor: bool = field(
+        default=False,
+        metadata=_help(
+            "one-step async: old log-probs from a CPU copy of the weights that sampled the rollout (needs --async)"
+        ),
+    )
+    use_stateless_adam: bool = field(
+        default=False,
+        metadata=_help("AdamW with its moments reset at every step and stored nowhere (needs --no-save-optim)"),
+    )
+    train_env_vars: dict = field(
+        default_factory=dict,
+        metadata=_help("JSON object of environment variables for the trainer processes, e.g. PyTorch allocator ones"),
+    )
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
     sft_warmup_steps: int = field(default=0, metadata=_help("SFT steps before RL (built-in task)"))
     bf16: Literal["auto", "true", "false"] = field(
-        default="auto", metadata=_help("bf16 training: auto uses it where the device supports it")
+        default="auto",
+        metadata=_help(
+            "bf16 training; bare --bf16 is Megatron's switch (true); absent is auto: bf16 where the device supports it"
+        ),
+    )
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = field(
+        default="auto",
+        metadata=_help(
+            "torch backend: the trainer's attention (transformers' attn_implementation); auto: transformers' default "
+            "(flex_attention skips the blocks between packed sequences but was not close enough in bf16 yet)"
+        ),
+    )
+    # --train-backend megatron: Megatron's flags under slime's names and Megatron's meanings (the torch backend
+    # refuses them away from their defaults, naming the flag).
+    tensor_model_parallel_size: int = field(default=1, metadata=_help("Megatron: tensor-parallel ranks per model"))
+    pipeline_model_parallel_size: int = field(default=1, metadata=_help("Megatron: pipeline stages"))
+    context_parallel_size: int = field(default=1, metadata=_help("Megatron: context-parallel ranks (needs TE)"))
+    sequence_parallel: bool = field(default=False, metadata=_help("Megatron: sequence parallelism within TP"))
+    recompute_granularity: Literal["full", "selective"] | None = field(
+        default=None,
+        metadata=_help(
+            "activation recompute: Megatron's full layers or selective core attention; the torch backend: full "
+            "(every decoder layer checkpointed)"
+        ),
+    )
+    recompute_method: Literal["uniform", "block"] | None = field(
+        default=None, metadata=_help("Megatron: which layers --recompute-granularity full recomputes")
+    )
+    recompute_num_layers: int | None = field(default=None, metadata=_help("Megatron: layers per recompute unit"))
+    optimizer: Literal["adam"] = field(default="adam", metadata=_help("Megatron: adam (AdamW; sgd is not built)"))
+    adam_beta1: float = field(default=0.9, metadata=_help("Megatron: Adam beta1"))
+    adam_beta2: float = field(default=0.999, metadata=_help("Megatron: Adam beta2"))
+    adam_eps: float = field(default=1e-8, metadata=_help("Megatron: Adam epsilon"))
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = field(
+        default="constant",
+        metadata=_help("Megatron: learning-rate decay (ours: default constant, as slime's scripts; Megatron linear)"),
+    )
+    lr_decay_iters: int | None = field(
+        default=None, metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps")
+    )
+    lr_warmup_iters: int = field(default=0, metadata=_help("Megatron: linear warm-up steps"))
+    lr_warmup_fraction: float | None = field(
+        default=None, metadata=_help("Megatron: warm-up as a fraction of --lr-decay-iters (instead of iters)")
+    )
+    min_lr: float = field(default=0.0, metadata=_help("Megatron: the decay's floor"))
+    accumulate_allreduce_grads_in_fp32: bool = field(
+        default=False, metadata=_help("Megatron: keep and all-reduce gradients in float32 under --bf16")
+    )
+    use_distributed_optimizer: bool = field(
+        default=True, metadata=_help("Megatron: shard optimizer state over data-parallel ranks (slime forces it on)")
     )
     # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
     lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
@@ -330,6 +531,24 @@ class TrainConfig:
     lora_target_modules: str = field(
         default="all-linear",
         metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
+    )
+    only_train_params_name_list: list[str] | None = field(
+        default=None, metadata=_help("regexes (re.search) of the parameters to train; all others are frozen")
+    )
+    freeze_params_name_list: list[str] | None = field(
+        default=None, metadata=_help("regexes (re.search) of the parameters to freeze")
+    )
+    custom_megatron_init_path: str | None = field(
+        default=None, metadata=_hook_help("fn(args) -> None, once on every trainer rank after the model is built")
+    )
+    custom_megatron_before_log_prob_hook_path: str | None = field(
+        default=None, metadata=_hook_help("fn(args, model, store_prefix) -> None, before each log-prob forward")
+    )
+    custom_megatron_before_train_step_hook_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None, before each optimizer step"
+        ),
     )
     lora_export: Literal["merged", "adapter"] = field(
         default="merged",
@@ -389,6 +608,14 @@ class RewardConfig:
     group_rm: bool = field(
         default=False, metadata=_help("--custom-rm-path is batched and called once per prompt's group")
     )
+    custom_reward_post_process_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, samples) -> (raw_rewards, rewards), in place of the group normalisation"),
+    )
+    custom_convert_samples_to_train_data_path: str | None = field(
+        default=None,
+        metadata=_hook_help("fn(args, samples) -> dict of slime's train data (tokens, response_lengths, ...)"),
+    )
 
 
 @dataclass(frozen=True)
@@ -426,6 +653,9 @@ class EvalConfig:
     eval_max_prompt_len: int | None = field(
         default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
     )
+    eval_min_new_tokens: int | None = field(
+        default=None, metadata=_help("evaluation responses get at least this many tokens (eos and stop ids held off)")
+    )
 
 
 @dataclass(frozen=True)
@@ -442,6 +672,10 @@ class CheckpointConfig:
     load: str | None = field(default=None, metadata=_help("checkpoint directory to resume from"))
     ref_load: str | None = field(
         default=None, metadata=_help("the reference model's HF folder (unset: --hf-checkpoint's weights)")
+    )
+    ref_ckpt_step: int | None = field(
+        default=None,
+        metadata=_help("--train-backend megatron: the step of a Megatron --ref-load save root to load (iter_NNNNNNN)"),
     )
     no_save_optim: bool = field(
         default=False, metadata=_help("checkpoints leave the optimizer's state out (a resume starts it afresh)")
@@ -475,6 +709,15 @@ class LogConfig:
     log_passrate: bool = field(
         default=False, metadata=_help("log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation")
     )
+    log_multi_turn: bool = field(
+        default=False, metadata=_help("log response lengths with and without tool output, and round counts")
+    )
+    wandb_always_use_train_step: bool = field(
+        default=False,
+        metadata=_help(
+            "W&B and TensorBoard x axis: optimizer steps so far (rollout x steps per rollout), not rollouts"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -502,6 +745,23 @@ class DebugConfig:
         ),
     )
     debug_rollout_only: bool = field(default=False, metadata=_help("generate and score rollouts only: no trainers"))
+    record_memory_history: bool = field(
+        default=False,
+        metadata=_help(
+            "record the trainers' CUDA allocator history; dump it at a step and on OOM (memory_viz pickles)"
+        ),
+    )
+    memory_snapshot_dir: str = field(default=".", metadata=_help("folder of the memory snapshots"))
+    memory_snapshot_num_steps: int | None = field(
+        default=None, metadata=_help("dump the snapshot after this many rollouts trained (unset: on OOM only)")
+    )
+    memory_recorder: Literal["torch", "memray"] = field(
+        default="torch", metadata=_help("torch: the CUDA allocator's history (memray is not built)")
+    )
+    profile_target: list[str] = field(
+        default_factory=lambda: ["train_overall"],
+        metadata=_help("what is profiled: train_overall (the memory history; the others need Megatron's profiler)"),
+    )
     debug_train_only: bool = field(
         default=False, metadata=_help("train only, on --load-debug-rollout-data: no engines, no evaluation")
     )
@@ -558,8 +818,11 @@ class SGLangConfig:
     update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
         default=None,
         metadata=_help(
-            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU) or disk "
-            "(safetensors); unset: nccl for SGLang, Ray's object store for the embedded engine"
+            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
+            "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
+            "shared memory on the CPU); unset: ipc under --colocate (disk where ipc is not built: SGLang engines of "
+            "several GPUs, several Megatron processes), else nccl for SGLang and Ray's object store for the "
+            "embedded engine"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -567,13 +830,49 @@ class SGLangConfig:
     )
     offload_rollout: bool | None = field(
         default=None,
-        metadata=_help("release the engines' memory while training (weights back before a sync); unset: --colocate"),
+        metadata=_help(
+            "release the engines' memory while training (weights back before a sync); unset: auto under --colocate "
+            "(offload in the first step, then only if trainer and engine do not fit their device together; SGLang "
+            "engines always), off otherwise"
+        ),
     )
     offload_train: bool | None = field(
-        default=None, metadata=_help("offload the trainers while the engines generate; unset: --colocate")
+        default=None,
+        metadata=_help(
+            "offload the trainers while the engines generate; unset: auto under --colocate (as --offload-rollout)"
+        ),
     )
     sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
     router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """What a job survives: a dead or unhealthy rollout engine (slime's fault-tolerance group, on by default here)
+    and a dead trainer process (ours)."""
+
+    use_fault_tolerance: bool = field(
+        default=True,
+        metadata=_help(
+            "check the rollout engines' health, re-dispatch a dead engine's requests to live ones, restart it and "
+            "re-push the weights (on by default, unlike slime; --no-use-fault-tolerance: a dead engine stops the job)"
+        ),
+    )
+    rollout_health_check_interval: float = field(
+        default=30.0, metadata=_help("seconds between two health checks of every engine")
+    )
+    rollout_health_check_timeout: float = field(
+        default=30.0, metadata=_help("seconds an engine may take to answer a health check before it is restarted")
+    )
+    rollout_health_check_first_wait: float = field(
+        default=0.0, metadata=_help("seconds of grace after the engines are (re)started or resumed before checking")
+    )
+    max_trainer_restarts: int = field(
+        default=2,
+        metadata=_help(
+            "ours: times a dead trainer process is survived by rebuilding the job from the latest --save checkpoint"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -601,11 +900,15 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __getattr__(self, name: str) -> Any:
         # slime's hooks read a flat namespace (args.n_samples_per_prompt); leaf names are unique across sections,
         # so a flat read resolves to exactly one field. Only called when normal lookup fails.
         spec = _SPECS.get(name) if not name.startswith("_") else None
+        if name in _SLIME_POSITIVE:
+            # slime stores its --disable-* flags under the positive name (args.rewards_normalization).
+            return _SLIME_POSITIVE[name](self)
         if spec is None or spec[0] is None:
             # A hook's own setting from --custom-config-path (slime sets any key of that YAML on args).
             extra = object.__getattribute__(self, "custom_args")
@@ -619,6 +922,14 @@ class Config:
         """Whether this is the built-in demo job: no ``--hf-checkpoint`` and no ``--prompt-data``."""
         return self.model.hf_checkpoint is None and self.data.prompt_data is None
 
+
+# slime's args that its --disable-* flags store into, as hooks read them.
+_SLIME_POSITIVE: dict[str, Any] = {
+    "rollout_global_dataset": lambda c: True,
+    "compute_advantages_and_returns": lambda c: not c.algo.disable_compute_advantages_and_returns,
+    "rewards_normalization": lambda c: not c.algo.disable_rewards_normalization,
+    "grpo_std_normalization": lambda c: not c.algo.disable_grpo_std_normalization,
+}
 
 _CONFIG_HINTS = typing.get_type_hints(Config)
 SECTIONS: dict[str, type] = {name: tp for name, tp in _CONFIG_HINTS.items() if dataclasses.is_dataclass(tp)}
@@ -774,7 +1085,9 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
     if any(flat.get(key) for key in fleet) and "rollout_engine" not in flat:
         # These configure SGLang servers: as in slime (whose only engine SGLang is), they select it.
         flat["rollout_engine"] = "sglang"
+    builtin_on_one_gpu = False
     if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
+        builtin_on_one_gpu = _local_gpus() == 1 and "micro_batch_size" not in flat
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
         if flat.get("rollout_schedule", "sync") == "sync" and _local_gpus() == 1:
@@ -789,6 +1102,11 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         per_node = flat.get("actor_num_gpus_per_node", _SPECS["actor_num_gpus_per_node"][1].default)
         flat["rollout_num_gpus"] = flat.get("actor_num_nodes", 1) * per_node
     _resolve_global_batch_size(flat)
+    if builtin_on_one_gpu and isinstance(flat.get("global_batch_size"), int):
+        # A GPU takes the tiny model's whole batch at once: 32 micro-batches of 8 rows made the GPU slower than
+        # the CPU (each a few kernels too small to fill it).
+        flat["micro_batch_size"] = flat["global_batch_size"]
+    _resolve_lr_decay_iters(flat)
     # slime's defaults from --rollout-max-context-len: room for one generated token, and the evaluation's context.
     if flat.get("rollout_max_context_len") is not None and "rollout_max_prompt_len" not in flat:
         if isinstance(flat["rollout_max_context_len"], int):
@@ -811,6 +1129,16 @@ def _resolve_global_batch_size(flat: dict[str, Any]) -> None:
             flat["global_batch_size"] = rollout * n // steps
 
 
+def _resolve_lr_decay_iters(flat: dict[str, Any]) -> None:
+    """Megatron's default: the decay spans the job's optimizer steps (``--num-rollout`` x steps per rollout)."""
+    if "lr_decay_iters" in flat:
+        return
+    rollouts, rollout, n = flat.get("num_rollout"), flat.get("rollout_batch_size"), flat.get("n_samples_per_prompt", 1)
+    gbs = flat.get("global_batch_size")
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rollouts, rollout, n, gbs)):
+        flat["lr_decay_iters"] = max(1, rollouts * (rollout * n // gbs))
+
+
 @dataclass(frozen=True)
 class EvalDataset:
     """One evaluation dataset with its settings resolved: the dataset's own (``--eval-config``), else the config's
@@ -824,6 +1152,8 @@ class EvalDataset:
     top_k: int
     max_response_len: int | None
     stop_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+    min_new_tokens: int | None
     input_key: str
     label_key: str | None
     tool_key: str
@@ -844,6 +1174,8 @@ _EVAL_KEY_FALLBACKS: dict[str, tuple[str, ...]] = {
     "top_k": ("eval_top_k", "rollout_top_k"),
     "max_response_len": ("eval_max_response_len", "rollout_max_response_len"),
     "stop_token_ids": ("rollout_stop_token_ids",),
+    "stop": ("rollout_stop",),
+    "min_new_tokens": ("eval_min_new_tokens",),
     "input_key": ("eval_input_key", "input_key"),
     "label_key": ("eval_label_key", "label_key"),
     "tool_key": ("eval_tool_key", "tool_key"),
@@ -927,6 +1259,9 @@ def resolve_eval_dataset(
         else:
             resolved[key] = next((v for v in (getattr(cfg, f) for f in fallbacks) if v is not None), None)
     resolved["stop_token_ids"] = tuple(resolved["stop_token_ids"] or ())
+    # slime takes one stop string or a list of them.
+    stop = resolved["stop"]
+    resolved["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
     resolved["apply_chat_template_kwargs"] = dict(resolved["apply_chat_template_kwargs"] or {})
     own = {key: entry.get(key, defaults.get(key)) for key in ("rm_type", "custom_rm_path")}
     overrides = dict(defaults.get("metadata_overrides") or {}) | dict(entry.get("metadata_overrides") or {})
@@ -1050,9 +1385,16 @@ def build_parser() -> argparse.ArgumentParser:
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
             group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(inner) is list and f.metadata.get("append"):
+            group.add_argument(flag(name), dest=name, action="append", help=help_text)
         elif typing.get_origin(inner) is list:
             (item,) = typing.get_args(inner)
             group.add_argument(flag(name), dest=name, nargs="+", type=_arg_type(name, item, False), help=help_text)
+        elif name == "bf16":
+            # Megatron's --bf16 is a bare switch; rlcore's takes auto|true|false too.
+            group.add_argument(
+                flag(name), dest=name, nargs="?", const="true", choices=typing.get_args(inner), help=help_text
+            )
         elif typing.get_origin(inner) is Literal:
             group.add_argument(flag(name), dest=name, choices=typing.get_args(inner), help=help_text)
         else:
@@ -1146,6 +1488,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "update_weights_interval": r.update_weights_interval,
         "update_weight_buffer_size": r.update_weight_buffer_size,
         "max_reward_error_steps": cfg.reward.max_reward_error_steps,
+        "rollout_health_check_interval": cfg.fault.rollout_health_check_interval,
+        "rollout_health_check_timeout": cfg.fault.rollout_health_check_timeout,
     }
     for name, value in positive.items():
         if value is not None and value <= 0:
@@ -1160,6 +1504,10 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "tis_clip_low": a.tis_clip_low,
         "opsm_delta": a.opsm_delta,
         "value_clip": a.value_clip,
+        "rollout_health_check_first_wait": cfg.fault.rollout_health_check_first_wait,
+        "max_trainer_restarts": cfg.fault.max_trainer_restarts,
+        "num_critic_only_steps": a.num_critic_only_steps,
+        "eval_min_new_tokens": e.eval_min_new_tokens,
     }
     for name, value in non_negative.items():
         if value is not None and value < 0:
@@ -1176,6 +1524,14 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             f"--rollout-max-prompt-len {prompt} must be below --rollout-max-context-len {context}: a response needs "
             "at least one token"
         )
+    bad_env = {k: v for k, v in t.train_env_vars.items() if not isinstance(v, str) or not k or "=" in k}
+    if bad_env:
+        problems.append(
+            f"--train-env-vars {json.dumps(bad_env)}: names must be non-empty without '=', and values strings "
+            '(write {"NAME": "1"}, not {"NAME": 1})'
+        )
+    if any(not stop for stop in r.rollout_stop or ()):
+        problems.append("--rollout-stop: stop strings must not be empty")
     if a.tis_clip_low >= a.tis_clip:
         problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
@@ -1255,6 +1611,9 @@ def _eval_dataset_problems(d: EvalDataset) -> list[str]:
         "max_response_len": d.max_response_len is None
         or (isinstance(d.max_response_len, int) and d.max_response_len > 0),
         "rm_type": d.rm_type is None or d.rm_type in RM_TYPES or d.rm_type.removeprefix("boxed_") in RM_TYPES[1:],
+        "min_new_tokens": d.min_new_tokens is None
+        or (isinstance(d.min_new_tokens, int) and not isinstance(d.min_new_tokens, bool) and d.min_new_tokens >= 0),
+        "stop": all(isinstance(x, str) and x for x in d.stop),
     }
     return [f"{where}: {key} {getattr(d, key)!r} is out of range" for key, ok in checks.items() if not ok]
 
@@ -1283,6 +1642,8 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
         )
     # A group of one has no baseline for the estimators whose baseline is the rest of the prompt's group.
     no_baseline = cfg.algo.disable_rewards_normalization and cfg.algo.advantage_estimator != "rloo"
+    # SFT and custom losses without advantages need no baseline.
+    no_baseline = no_baseline or cfg.algo.disable_compute_advantages_and_returns or cfg.algo.loss_type == "sft_loss"
     if r.n_samples_per_prompt == 1 and cfg.algo.core_estimator in GROUP_BASELINE_ESTIMATORS and not no_baseline:
         problems.append(
             f"--n-samples-per-prompt 1 leaves --advantage-estimator {cfg.algo.advantage_estimator} without a group "
@@ -1296,6 +1657,14 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
     prompt_len = cfg.data.rollout_max_prompt_len
     # Without --rollout-max-prompt-len the bound is the data's longest prompt: checked once the data is tokenized
     # (runtime.loop.prepare_model_and_data, still before Ray starts).
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        problems.append("--use-dynamic-batch-size packs micro-batches by --max-tokens-per-gpu: set it")
+    if t.log_probs_max_tokens_per_gpu is not None and t.max_tokens_per_gpu is None:
+        problems.append("--log-probs-max-tokens-per-gpu needs --max-tokens-per-gpu (the training passes' budget)")
+    for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+        value = getattr(t, name)
+        if value is not None and value < 1:
+            problems.append(f"{flag(name)} must be >= 1, got {value}")
     if t.max_tokens_per_gpu is not None and prompt_len is not None and r.rollout_max_response_len is not None:
         longest = r.rollout_max_response_len + prompt_len
         if t.max_tokens_per_gpu < longest:
@@ -1331,8 +1700,10 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
     _check_checkpoints(problems, cfg)
     # Every hook flag is resolved (imported) now, before Ray or the model start.
     for name, (_, f, _) in _SPECS.items():
-        path = getattr(cfg, name)
-        if f.metadata.get("hook") and path is not None:
+        value = getattr(cfg, name)
+        if not f.metadata.get("hook") or value is None:
+            continue
+        for path in value if isinstance(value, list) else [value]:
             try:
                 resolve_hook(flag(name), path)
             except HookError as err:
@@ -1340,11 +1711,22 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
 
 
 def _check_checkpoints(problems: list[str], cfg: Config) -> None:
-    """``--load`` is a complete checkpoint whose files match its manifest and that has steps left to run; ``--save``
-    is a directory that exists or can be created."""
-    from runtime.cluster.checkpoint import CheckpointError, resolve, verify
+    """``--load`` is a complete checkpoint whose files match its manifest and that has steps left to run (or, with
+    --train-backend megatron, where the actor's weights start: :func:`runtime.cluster.checkpoint.actor_start`);
+    ``--save`` is a directory that exists or can be created."""
+    from runtime.cluster.checkpoint import CheckpointError, actor_start, resolve, verify
 
-    if cfg.ckpt.load is not None:
+    try:
+        start = actor_start(
+            backend=cfg.train.train_backend,
+            load=cfg.ckpt.load,
+            ref_load=cfg.ckpt.ref_load,
+            ref_ckpt_step=cfg.ckpt.ref_ckpt_step,
+        )
+    except ValueError as err:
+        problems.append(str(err))
+        return
+    if cfg.ckpt.load is not None and start is None:
         try:
             step = verify(resolve(cfg.ckpt.load))
         except (FileNotFoundError, CheckpointError) as err:
@@ -1357,6 +1739,20 @@ def _check_checkpoints(problems: list[str], cfg: Config) -> None:
                 )
     if cfg.ckpt.save is not None and (problem := _not_creatable_dir(cfg.ckpt.save)):
         problems.append(f"--save {cfg.ckpt.save}: {problem}")
+
+
+def _is_megatron_checkpoint(path: str, flag_name: str, problems: list[str]) -> bool:
+    """Whether ``path`` is a Megatron torch_dist checkpoint (folder or save root); a save root naming a missing folder
+    is a problem of its own."""
+    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+
+    if not os.path.isdir(path):
+        return False
+    try:
+        return find_checkpoint(path, flag=flag_name) is not None
+    except ValueError as err:
+        problems.append(str(err))
+        return True
 
 
 def _not_creatable_dir(path: str) -> str | None:
@@ -1382,6 +1778,16 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
             "longest response to sample, e.g. --rollout-max-response-len 1024"
         )
+    if cfg.train.keep_old_actor and (
+        cfg.rollout.rollout_schedule != "one_step" or cfg.rollout.update_weights_interval != 1
+    ):
+        problems.append(
+            "--keep-old-actor keeps the weights that sampled a one-step-async rollout (slime's train_async.py): it "
+            "needs --async (--rollout-schedule one_step) and --update-weights-interval 1; under the sync schedule the "
+            "actor's own weights sampled the rollout, and under fully_async a batch mixes weight versions"
+        )
+    if cfg.train.use_stateless_adam and not cfg.ckpt.no_save_optim:
+        problems.append("--use-stateless-adam keeps no optimizer state to save: add --no-save-optim (as slime asks)")
     if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None and cfg.ckpt.save_hf is None:
         problems.append("--save-interval needs --save (the checkpoint directory) or --save-hf")
     if cfg.ckpt.save_hf is not None:
@@ -1389,12 +1795,31 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             cfg.ckpt.save_hf.format(rollout_id=0)
         except (KeyError, IndexError, ValueError) as err:
             problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
-    ref_load = cfg.ckpt.ref_load
+    ref_load, ref_step = cfg.ckpt.ref_load, cfg.ckpt.ref_ckpt_step
+    if ref_step is not None:
+        if ref_load is None or cfg.train.train_backend != "megatron":
+            problems.append(
+                "--ref-ckpt-step picks a step of a Megatron --ref-load: it needs both --ref-load and "
+                "--train-backend megatron"
+            )
+        else:
+            from runtime.train.backends.megatron_checkpoint import find_checkpoint
+
+            try:
+                find_checkpoint(ref_load, step=ref_step, flag="--ref-load")
+            except ValueError as err:
+                problems.append(f"{err} (--ref-ckpt-step {ref_step})")
     if ref_load is not None and not os.path.isfile(os.path.join(ref_load, "config.json")):
-        problems.append(
-            f"--ref-load {ref_load!r}: rlcore-run loads the reference from an HF folder (config.json and weights); "
-            "slime's Megatron torch_dist checkpoints need --train-backend megatron (issue 11)"
-        )
+        if cfg.train.train_backend != "megatron":
+            problems.append(
+                f"--ref-load {ref_load!r}: the {cfg.train.train_backend} backend loads the reference from an HF "
+                "folder (config.json and weights); Megatron torch_dist checkpoints need --train-backend megatron"
+            )
+        elif not _is_megatron_checkpoint(ref_load, "--ref-load", problems):
+            problems.append(
+                f"--ref-load {ref_load!r} is neither an HF folder (config.json) nor a Megatron torch_dist checkpoint "
+                "(metadata.json, or a save root with latest_checkpointed_iteration.txt)"
+            )
     start, total = cfg.ckpt.start_rollout_id, cfg.rollout.num_rollout
     if start is not None and (start < 0 or (total is not None and start >= total)):
         problems.append(f"--start-rollout-id {start} must be in [0, --num-rollout {total})")
@@ -1413,7 +1838,8 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             )
     if rm_type.removeprefix("boxed_") == "remote_rm" and not cfg.reward.rm_url and cfg.reward.custom_rm_path is None:
         problems.append("--rm-type remote_rm needs --rm-url (the reward server's URL)")
-    if cfg.data.prompt_data is not None and rm_type == "builtin" and cfg.reward.custom_rm_path is None:
+    sft = cfg.algo.loss_type == "sft_loss"  # (SFT samples carry reward 0: nothing is scored)
+    if cfg.data.prompt_data is not None and rm_type == "builtin" and cfg.reward.custom_rm_path is None and not sft:
         problems.append(
             "--rm-type builtin scores the built-in task only; with --prompt-data choose --rm-type math or "
             "exact_match, or --custom-rm-path"
@@ -1449,6 +1875,11 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             problems.append(f"--opd-teacher-load: {a.opd_teacher_load!r} is not an HF model folder (no config.json)")
     elif a.opd_type is not None or a.opd_teacher_load is not None:
         problems.append("--opd-type and --opd-teacher-load take effect with --use-opd only")
+    if a.num_critic_only_steps and a.advantage_estimator != "ppo":
+        problems.append(
+            f"--num-critic-only-steps {a.num_critic_only_steps} trains the critic, which only --advantage-estimator "
+            "ppo has"
+        )
     if a.use_rollout_logprobs and a.use_tis:
         problems.append(
             "--use-rollout-logprobs makes the engine's log-probs the old ones, leaving nothing for --use-tis to "
@@ -1459,6 +1890,8 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             f"--kl-coef {a.kl_coef} (KL in the reward) and --kl-loss-coef {a.kl_loss_coef} (KL loss) cannot both be "
             "set, as in slime"
         )
+    _check_megatron(problems, cfg)
+    _check_hook_combinations(problems, cfg)
     _check_sglang(problems, cfg)
     _check_schedule(problems, cfg)
     _check_debug(problems, cfg)
@@ -1466,8 +1899,169 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
 
 
+# TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
+MEGATRON_TRAIN_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "recompute_method",
+    "recompute_num_layers",
+    "optimizer",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "lr_decay_style",
+    "lr_warmup_iters",
+    "lr_warmup_fraction",
+    "min_lr",
+    "accumulate_allreduce_grads_in_fp32",
+    "use_distributed_optimizer",
+)
+MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
+
+
+def _read_config_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            value = json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _check_megatron(problems: list[str], cfg: Config) -> None:
+    """--train-backend megatron's flags: used only there, consistent, and (with the model shape flags, any backend)
+    in agreement with --hf-checkpoint's config.json."""
+    from runtime.train.backends import megatron_config
+
+    t = cfg.train
+    defaults = TrainConfig()
+    hf = _read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
+    shape = None
+    if hf is not None:
+        source = f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json"
+        try:
+            shape = megatron_config.shape_from_hf(hf, source=source)
+        except ValueError as err:
+            if t.train_backend == "megatron":
+                problems.append(str(err))
+        if shape is not None:
+            given = {name: getattr(cfg.model, name) for name in MODEL_SHAPE_FIELDS}
+            problems.extend(megatron_config.shape_flag_problems(given, shape, source=source))
+    if t.train_backend != "megatron":
+        if t.recompute_granularity == "selective":
+            problems.append(
+                "--recompute-granularity selective (Megatron's core-attention recompute): the torch backend "
+                "recomputes whole decoder layers only (full)"
+            )
+        for name in MEGATRON_TRAIN_FIELDS:
+            if getattr(t, name) != getattr(defaults, name):
+                problems.append(f"{flag(name)}: a Megatron flag, used by --train-backend megatron only")
+        return
+    if t.use_dynamic_batch_size:
+        problems.append(
+            "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "
+            "torch backend does"
+        )
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if value < 1:
+            problems.append(f"{flag(name)} must be >= 1, got {value}")
+    if cp != 1:
+        problems.append(
+            f"--context-parallel-size {cp}: context parallelism needs Transformer Engine's attention, which "
+            "rlcore's Megatron backend (the local layer spec) does not use yet"
+        )
+    procs = cfg.resources.num_trainer_procs
+    if tp >= 1 and pp >= 1 and procs % (tp * pp):
+        problems.append(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide the trainer "
+            f"processes ({procs}: --actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if t.sequence_parallel and tp == 1:
+        problems.append(
+            "--sequence-parallel splits sequences within tensor parallelism: it needs --tensor-model-parallel-size > 1"
+        )
+    if t.recompute_granularity == "full" and (t.recompute_method is None or t.recompute_num_layers is None):
+        problems.append(
+            "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers"
+        )
+    if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
+        problems.append("--recompute-method and --recompute-num-layers apply with --recompute-granularity full only")
+    if t.lr_warmup_fraction is not None and t.lr_warmup_iters:
+        problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one (as Megatron)")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        problems.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
+    if t.min_lr > t.lr:
+        problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    if t.lr_decay_style != "constant" and t.lr_decay_iters is None:
+        problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout to derive it)")
+    if t.lora_rank > 0:
+        problems.append("--lora-rank: LoRA is built for --train-backend torch only")
+    if cfg.algo.advantage_estimator == "ppo":
+        problems.append("--advantage-estimator ppo: its critic is built for --train-backend torch only")
+    if t.keep_old_actor:
+        problems.append("--keep-old-actor is built for --train-backend torch only")
+    if shape is not None:
+        problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
+
+
+def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
+    """slime's hook flags that need one another, or cannot run together here."""
+    a, r, t = cfg.algo, cfg.rollout, cfg.train
+    if a.loss_type == "custom_loss" and a.custom_loss_function_path is None:
+        problems.append("--loss-type custom_loss needs --custom-loss-function-path")
+    if a.custom_loss_function_path is not None and a.loss_type != "custom_loss":
+        problems.append("--custom-loss-function-path takes effect with --loss-type custom_loss only")
+    if a.disable_compute_advantages_and_returns and a.loss_type == "policy_loss":
+        problems.append(
+            "--disable-compute-advantages-and-returns leaves --loss-type policy_loss without advantages: use "
+            "--loss-type sft_loss or custom_loss"
+        )
+    if t.only_train_params_name_list and t.freeze_params_name_list:
+        problems.append("--only-train-params-name-list and --freeze-params-name-list: give one of them (as slime)")
+    for name in ("only_train_params_name_list", "freeze_params_name_list"):
+        for pattern in getattr(t, name) or []:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                problems.append(f"{flag(name)} {pattern!r}: not a regular expression ({err})")
+    if (t.only_train_params_name_list or t.freeze_params_name_list) and t.lora_rank > 0:
+        problems.append("--only-train-params-name-list / --freeze-params-name-list cannot go with --lora-rank")
+    custom_rollout = r.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
+    if r.rollout_schedule == "fully_async":
+        if custom_rollout:
+            problems.append("--rollout-function-path runs whole rollouts: use --rollout-schedule sync or one_step")
+        if r.rollout_all_samples_process_path is not None:
+            problems.append(
+                "--rollout-all-samples-process-path runs at the end of a rollout, which --fully-async has not"
+            )
+
+
 def _check_debug(problems: list[str], cfg: Config) -> None:
     d = cfg.debug
+    unknown_targets = sorted(set(d.profile_target) - {"train_overall", "train_actor", "train_log_probs"})
+    if unknown_targets:
+        problems.append(
+            f"--profile-target {' '.join(unknown_targets)}: choose from train_overall, train_actor, train_log_probs"
+        )
+    if set(d.profile_target) - {"train_overall"}:
+        problems.append(
+            "--profile-target train_actor / train_log_probs select what --use-pytorch-profiler (a Megatron flag, "
+            "issue 11) traces; rlcore-run's profiling is the memory history of train_overall"
+        )
+    if d.memory_recorder == "memray":
+        problems.append("--memory-recorder memray: memray is not a dependency of rlcore; use torch (the default)")
+    if d.memory_snapshot_num_steps is not None and d.memory_snapshot_num_steps <= 0:
+        problems.append(f"--memory-snapshot-num-steps must be > 0, got {d.memory_snapshot_num_steps}")
+    if d.record_memory_history:
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("--record-memory-history records the CUDA allocator: this machine has no CUDA device")
     for name, path in (
         ("save_debug_rollout_data", d.save_debug_rollout_data),
         ("load_debug_rollout_data", d.load_debug_rollout_data),
@@ -1502,6 +2096,23 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
     uses_sglang = cfg.rollout.rollout_engine == "sglang"
     if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
         problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
+    if s.update_weight_transport == "ipc" and not res.colocate:
+        problems.append(
+            "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
+            "--colocate"
+        )
+    if s.update_weight_transport == "ipc" and cfg.train.train_backend == "megatron" and res.num_trainer_procs > 1:
+        problems.append(
+            "--update-weight-transport ipc reaches one engine from the Megatron backend: with more than one trainer "
+            "process give nccl or disk (unset under --colocate: disk)"
+        )
+    if s.update_weight_transport == "ipc" and uses_sglang and s.rollout_num_gpus_per_engine > 1:
+        problems.append(
+            "--update-weight-transport ipc is built for one GPU per SGLang engine: with --rollout-num-gpus-per-engine "
+            "> 1 give nccl or disk (unset under --colocate: disk)"
+        )
+    if cfg.rollout.engine_compile and uses_sglang:
+        problems.append("--engine-compile is for the embedded engine (--rollout-engine hf); SGLang compiles its own")
     for name in ("sglang_url", "rollout_external_engine_addrs"):
         if getattr(cfg, name) and not uses_sglang:
             problems.append(f"{flag(name)} is used only with --rollout-engine sglang")
@@ -1530,8 +2141,11 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
     if not s.sglang_server_command.split():
         problems.append("--sglang-server-command must not be empty")
     for name in ("offload_rollout", "offload_train"):
-        if res.colocate and getattr(s, name) is False:
-            problems.append(f"--colocate shares devices between trainers and engines: it needs {flag(name)}")
+        if res.colocate and uses_sglang and getattr(s, name) is False:
+            problems.append(
+                f"--colocate shares devices between trainers and SGLang servers, which hold a fixed fraction of "
+                f"their GPU: it needs {flag(name)}"
+            )
         if getattr(s, name) and cfg.rollout.rollout_schedule != "sync":
             problems.append(
                 f"{flag(name)} takes turns between rollout and training: it needs --rollout-schedule sync, not "

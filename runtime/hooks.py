@@ -222,6 +222,17 @@ def _module_file(target: str) -> str | None:
     return os.path.abspath(spec.origin) if spec is not None and spec.origin else None
 
 
+# slime's own module paths that have a counterpart here: a slime script that names them runs unchanged.
+SLIME_COUNTERPARTS = {
+    "slime.rollout.sft_rollout.generate_rollout": "runtime.rollout.sft:generate_rollout",
+    "slime.rollout.sglang_rollout.generate_rollout": "runtime.rollout.plugins:builtin_rollout",
+    "slime.rollout.data_source.RolloutDataSourceWithBuffer": "runtime.rollout.plugins:BufferedPromptSource",
+    "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
+        "runtime.rollout.filters:check_reward_nonzero_std"
+    ),
+}
+
+
 def load_function(path: str) -> Callable[..., Any]:
     """Import and return the callable that ``path`` names (the working directory is on the import path).
 
@@ -229,6 +240,7 @@ def load_function(path: str) -> Callable[..., Any]:
     error, its own import error, anything its body raises: named with the hook's file and line), a missing attribute
     or a non-callable one.
     """
+    path = SLIME_COUNTERPARTS.get(path.strip() if isinstance(path, str) else path, path)
     target, attr, is_file = split_function_path(path)
     module = _import_file(target, path) if is_file else _import_module(target, path)
     where = getattr(module, "__file__", None) or module.__name__

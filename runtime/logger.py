@@ -22,6 +22,7 @@ CONSOLE_FIELDS = (
     ("train/kl", "kl", "{:.4f}"),
     ("train/entropy", "entropy", "{:.3f}"),
     ("train/clipfrac", "clipfrac", "{:.3f}"),
+    ("train/critic/value_loss", "value_loss", "{:.4f}"),
     ("perf/step_time", "", "{:.2f}s/step"),
 )
 
@@ -114,17 +115,20 @@ class MetricsLogger:
             options = wandb_options or WandbOptions(project=wandb_project)
             self._wandb = options.init(config=dict(config or {}), default_dir=str(self.dir))
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, Any], *, axis_step: int | None = None) -> None:
+        """One row of rollout ``step`` in ``metrics.jsonl``; TensorBoard and W&B plot it at ``axis_step`` (default
+        ``step``; slime's ``--wandb-always-use-train-step`` plots at the optimizer step)."""
+        axis = step if axis_step is None else axis_step
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps({k: _json_value(v) for k, v in row.items()}, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(key, value, axis)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=step)
+            self._wandb.log(dict(metrics), step=axis)
 
     def __enter__(self) -> MetricsLogger:
         return self

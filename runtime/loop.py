@@ -19,13 +19,14 @@ from typing import Any
 import ray
 import torch
 
+from rlcore import keys
 from rlcore.advantages import sequence_advantages
 from runtime import demo
 from runtime.cluster import checkpoint
 from runtime.cluster.engines import EngineGroup
-from runtime.cluster.loopback import confine_ray
+from runtime.cluster.loopback import RAY_ADDRESS_ENV, confine_ray
 from runtime.cluster.placement import create_placement
-from runtime.cluster.trainers import TrainerGroup
+from runtime.cluster.trainers import TrainerDied, TrainerGroup
 from runtime.cluster.weight_sync import check_weights_equal, make_weight_sync
 from runtime.config import (
     Config,
@@ -34,13 +35,11 @@ from runtime.config import (
     EvalDataset,
     dump_yaml,
     eval_datasets,
-    flag,
     resolve_eval_dataset,
     to_dict,
 )
 from runtime.engines.base import SamplingParams
 from runtime.errors import JobError
-from runtime.hooks import resolve_hook
 from runtime.logger import (
     LEDGER_FILE,
     METRICS_FILE,
@@ -53,10 +52,26 @@ from runtime.logger import (
     repair_rows,
     tensorboard_dir,
 )
-from runtime.rollout import RolloutContext, expand_groups, generate_groups, reward_category_metrics, sample_metrics
+from runtime.rollout import (
+    RolloutContext,
+    expand_groups,
+    generate_groups,
+    multi_turn_metrics,
+    reward_category_metrics,
+    sample_metrics,
+)
 from runtime.rollout.data import PromptDataset
-from runtime.rollout.filters import load_filter
+from runtime.rollout.filters import load_filter, reward_value
 from runtime.rollout.passrate import passrate_metrics
+from runtime.rollout.plugins import (
+    BufferedPromptSource,
+    DataSourceFeed,
+    HookSource,
+    JobData,
+    RolloutHooks,
+    evaluate_with,
+    load_rollout_hooks,
+)
 from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub, reward_error_rate
 from runtime.rollout.sample import Sample
@@ -69,7 +84,8 @@ from runtime.train.algo import (
     needs_rollout_log_probs,
     role_paths,
 )
-from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, balanced_order, build_batch
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROLLOUT_INDEX, balanced_order, build_batch
+from runtime.train.hooks import train_hooks
 
 # Skipped data rows printed at start (the rest are counted).
 MAX_REPORTED_ROWS = 10
@@ -83,6 +99,64 @@ class RunResult:
 
 
 def run(cfg: Config, *, progress: bool = True) -> RunResult:
+    """Run the job; a trainer process that dies is survived as the module docstring of ``runtime.cluster.trainers``
+    says: the job is rebuilt (Ray kept) from the latest ``--save`` checkpoint, as ``--load`` would, up to
+    ``--max-trainer-restarts`` times."""
+    had_ray = ray.is_initialized()
+    restarts, history = 0, []
+    try:
+        while True:
+            try:
+                return _run(cfg, progress=progress, history=history)
+            except TrainerDied as err:
+                cfg, resumed_at = restart_config(cfg, err, restarts=restarts)
+                restarts += 1
+                history[:] = [row for row in history if row["step"] < resumed_at]
+    finally:
+        if not had_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def restart_config(cfg: Config, err: TrainerDied, *, restarts: int) -> tuple[Config, int]:
+    """The config that rebuilds the job after ``err`` (restart number ``restarts + 1``) and the step it resumes at; a
+    ``JobError`` when there is nothing to restart from or the restarts are used up."""
+    limit, save = cfg.fault.max_trainer_restarts, cfg.ckpt.save
+    if save is None:
+        raise JobError(f"{err}: the job stops (with --save, up to --max-trainer-restarts {limit} restarts resume it)")
+    if restarts >= limit:
+        raise JobError(
+            f"{err}: the job stops, --max-trainer-restarts {limit} restarts used (resume with --load {save})"
+        )
+    try:
+        folder = checkpoint.resolve(save)
+    except FileNotFoundError:
+        folder = None  # died before the first save: from where the job started
+    load = save if folder is not None else cfg.ckpt.load
+    try:
+        # A --load that is no rlcore checkpoint (a Megatron one the actor starts from) restarts at step 0.
+        fresh = load is None or (
+            folder is None
+            and checkpoint.actor_start(
+                backend=cfg.train.train_backend,
+                load=load,
+                ref_load=cfg.ckpt.ref_load,
+                ref_ckpt_step=cfg.ckpt.ref_ckpt_step,
+            )
+            is not None
+        )
+        step = 0 if fresh else checkpoint.verify(folder if folder is not None else checkpoint.resolve(load))
+    except (checkpoint.CheckpointError, FileNotFoundError) as bad:
+        raise JobError(f"{err}: the job stops, its checkpoint cannot be restored ({bad})") from None
+    print(
+        f"rlcore-run: {err}; restart {restarts + 1} of --max-trainer-restarts {limit}: the job is rebuilt from "
+        + (f"{folder} (step {step})" if folder is not None else f"step {step}"),
+        flush=True,
+    )
+    return dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load=load)), step
+
+
+def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunResult:
+    """One attempt at the job; each step's metrics are appended to ``history`` as it is logged."""
     # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
     check_supported(cfg)
     out = Path(cfg.output_dir)
@@ -97,11 +171,8 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     evals = [] if cfg.debug.train_only else [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
-    custom_generate = (
-        resolve_hook(flag("custom_generate_function_path"), r.custom_generate_function_path)
-        if r.custom_generate_function_path
-        else None
-    )
+    hooks = load_rollout_hooks(cfg)
+    custom_generate = hooks.custom_generate
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
@@ -118,20 +189,22 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(hub.close)
         for e in evals:
             cleanup.callback(e.hub.close)
-        if _init_ray(cfg):
-            cleanup.callback(ray.shutdown)
+        _init_ray(cfg)  # kept across trainer restarts; run() shuts it down
         placement = create_placement(cfg)
         cleanup.callback(ray.util.remove_placement_group, placement.group)
         trainers = TrainerGroup(
             placement,
             backend=cfg.train.train_backend,
             model_path=model_path,
+            env_vars=cfg.train.train_env_vars,
+            debug=cfg.debug,
             roles=model_roles(cfg),
             role_paths=role_paths(cfg),
             train_cfg=cfg.train,
             loss_cfg=loss_config(cfg),
             temperature=r.rollout_temperature,
             seed=cfg.seed,
+            hooks=train_hooks(cfg),
         )
         cleanup.callback(trainers.shutdown)
         engines = EngineGroup(cfg, placement, model_path)
@@ -140,27 +213,69 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(weights.close)
         runner = EventLoopThread()
         cleanup.callback(runner.close)
-        ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg)
-        feed = PromptFeed(dataset)
+        ctx = RolloutContext(
+            engines=engines,
+            tokenizer=tokenizer,
+            args=cfg,
+            sample_hooks=hooks.sample_hooks,
+            custom_generate=custom_generate,
+            rewards=hub,
+        )
+        feed, data_source = job_data_source(cfg, dataset, hooks)
+        job_data = JobData(feed, data_source)
         if cfg.debug.load_debug_rollout_data is not None:
             d = cfg.debug
             source = ReplaySource(
                 d.load_debug_rollout_data, subsample=d.load_debug_rollout_data_subsample, reward_key=hub.reward_key
             )
+        elif hooks.rollout_fn is not None:
+            source = HookSource(
+                runner,
+                ctx,
+                hooks.rollout_fn,
+                data_source,
+                num_rollout=r.num_rollout,
+                lookahead=1 if r.rollout_schedule == "one_step" else 0,
+            )
         else:
             source = SCHEDULES[r.rollout_schedule](
-                runner, feed, ctx, hub, settings, filter_fn=filter_fn, custom_generate=custom_generate
+                runner,
+                feed,
+                ctx,
+                hub,
+                settings,
+                filter_fn=filter_fn,
+                custom_generate=custom_generate,
+                sample_filter=hooks.sample_filter,
+                all_samples_process=(hooks.all_samples_process, data_source) if hooks.all_samples_process else None,
             )
         cleanup.callback(source.close)
 
+        def run_evaluation(step: int) -> dict[str, float]:
+            """Evaluation after ``step`` steps: the --eval-function-path function (slime's default: the rollout
+            function) or the built-in evaluation; --custom-eval-rollout-log-function-path may replace its metrics."""
+            if hooks.eval_fn is not None:
+                data, metrics = evaluate_with(runner, ctx, hooks.eval_fn, data_source, step)
+            else:
+                metrics, data = runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate))
+            if hooks.eval_log is not None and hooks.eval_log(step, cfg, data, dict(metrics)):
+                return {}
+            return metrics
+
+        evaluating = cfg.eval.eval_interval is not None and not cfg.debug.train_only and bool(evals or hooks.eval_fn)
+
         start = 0
-        if cfg.ckpt.load is not None:
-            start = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, feed=feed)
+        if cfg.ckpt.load is not None and checkpoint.is_job_checkpoint(cfg.ckpt.load):
+            start = checkpoint.load(cfg.ckpt.load, trainers=trainers, engines=engines, feed=job_data)
+            job_data.on_load(start)
         elif cfg.train.sft_warmup_steps:
             sft_warmup(cfg, trainers, tokenizer)
         if cfg.ckpt.start_rollout_id is not None:
             start = cfg.ckpt.start_rollout_id  # slime's --start-rollout-id wins over the checkpoint's step
+        trainers.version = start
         weights.push(start)
+        if cfg.train.keep_old_actor:
+            trainers.call("advance_old_actor")
         if cfg.sglang.check_weight_update_equal:
             check_weights_equal(trainers, engines)
         if start == 0:
@@ -191,14 +306,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
         cleanup.callback(logger.close)
         if logger.repaired and logger.repaired["dropped_unreadable"]:
             print(f"{out / METRICS_FILE}: dropped {logger.repaired['dropped_unreadable']} unreadable (torn) lines")
-        history: list[dict[str, Any]] = []
         bar = ProgressBar(r.num_rollout, start, enabled=progress)
         cleanup.callback(bar.close)
         # --offload-rollout / --offload-train (both on with --colocate): engines release their memory after each
         # rollout and take back their weights before a sync, their caches before the next rollout; the trainers
         # are offloaded while the engines generate.
-        offload_rollout = cfg.resources.colocate if cfg.sglang.offload_rollout is None else cfg.sglang.offload_rollout
-        offload_train = cfg.resources.colocate if cfg.sglang.offload_train is None else cfg.sglang.offload_train
+        offload = Offload(cfg, trainers, engines)
         engine_memory = EngineMemory(engines)
         source.start(start)
         # On a JobError (a hook, a reward, a filter the user must fix) the last completed step is saved first.
@@ -207,8 +320,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             start,
             trainers=trainers,
             engines=engines,
-            feed=feed,
+            feed=job_data,
             with_optimizer=not cfg.ckpt.no_save_optim,
+            on_save=job_data.on_save,
         )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
@@ -216,30 +330,42 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
             metrics: dict[str, float] = dataset.stats() if step == start else {}
-            if step == 0 and evals and not cfg.eval.skip_eval_before_train:
+            if step == 0 and evaluating and not cfg.eval.skip_eval_before_train:
                 # As slime: the starting model is evaluated too (logged with the first step's metrics, as "before").
-                before = runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate))
+                before = run_evaluation(step)
                 metrics.update({f"{name}_before_train": value for name, value in before.items()})
 
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
-            if offload_train:
+            moved = time.perf_counter()
+            if offload.train:
                 trainers.release_memory()
             engine_memory.resume()
+            moved = time.perf_counter() - moved
             rollout = source.get(step)
-            metrics.update(rollout.metrics)
+            rollout_time = time.perf_counter() - step_start
+            log_default = hooks.rollout_log is None or not hooks.rollout_log(
+                step, cfg, rollout.samples, dict(rollout.metrics), rollout_time
+            )
+            if log_default:  # --custom-rollout-log-function-path returning True replaces the rollout's metrics
+                metrics.update(rollout.metrics)
             if cfg.debug.rollout_data_path is not None:
                 save_rollout_data(cfg.debug.rollout_data_path, step, rollout.samples)
             if cfg.log.log_passrate:
                 metrics.update(passrate_metrics(rollout.samples, prefix="rollout", reward_key=hub.reward_key))
+            if cfg.log.log_multi_turn:
+                metrics.update(multi_turn_metrics(rollout.samples, max_response_len=r.rollout_max_response_len))
             if cfg.log.log_reward_category is not None:
                 metrics.update(reward_category_metrics(rollout.samples, cfg.log.log_reward_category))
-            metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
+            metrics["perf/rollout_wait_time"] = rollout_time
             reward_error_rates.append(reward_error_rate(rollout.metrics))
             check_reward_errors(reward_error_rates, cfg, reward=hub.name)
-            if offload_rollout:
+            t = time.perf_counter()
+            if offload.rollout:
                 engine_memory.release()
-            if offload_train:
+            if offload.train:
                 trainers.resume_memory()
+            metrics["perf/offload_time"] = moved + time.perf_counter() - t
+            metrics["perf/offloaded"] = float(offload.train or offload.rollout)
 
             # 2. Train: the batch goes to the trainers once, with the group baselines computed over all of it; the
             # trainers recompute old/reference log-probs, add the per-token advantage terms and step the optimizer.
@@ -247,7 +373,9 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
             if not cfg.debug.debug_rollout_only:
                 t = time.perf_counter()
                 last.training()
-                metrics.update(train_step(cfg, trainers, rollout, tokenizer, adv_cfg))
+                with trainers.weights_lock:  # a restarted engine takes the weights before or after, never between
+                    metrics.update(train_step(cfg, trainers, rollout, tokenizer, adv_cfg, hooks=hooks))
+                    trainers.version = done
                 metrics["perf/train_time"] = time.perf_counter() - t
 
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
@@ -256,19 +384,23 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
                 source.pause()
                 engine_memory.resume(["weights"])
                 weights.push(done)
+                if cfg.train.keep_old_actor:
+                    trainers.call("advance_old_actor")
                 source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
             # the job once this step (trained) is logged and committed.
             eval_failure = None
-            if evals and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
+            if evaluating and (done % cfg.eval.eval_interval == 0 or done == r.num_rollout):
                 try:
-                    metrics.update(runner.run(evaluate(ctx, evals, cfg, custom_generate=custom_generate)))
+                    metrics.update(run_evaluation(done))
                 except JobError as err:
                     eval_failure = err
+            metrics.update(engines.pop_metrics())
+            offload.after_step(step == start)
             metrics["perf/step_time"] = time.perf_counter() - step_start
-            logger.log(step, metrics)
+            logger.log(step, metrics, axis_step=axis_step(cfg, step))
             source.commit(rollout)
             append_ledger(out, step, {"trained": rollout.trained_indices, **rollout.outcomes})
             history.append({"step": step, **metrics})
@@ -299,9 +431,17 @@ class LastStep:
     """
 
     def __init__(
-        self, root: str | None, start: int, *, trainers: Any, engines: Any, feed: Any, with_optimizer: bool = True
+        self,
+        root: str | None,
+        start: int,
+        *,
+        trainers: Any,
+        engines: Any,
+        feed: Any,
+        with_optimizer: bool = True,
+        on_save: Any = None,
     ):
-        self.root, self.start, self.with_optimizer = root, start, with_optimizer
+        self.root, self.start, self.with_optimizer, self.on_save = root, start, with_optimizer, on_save
         self.completed = self.saved = start
         self.trained_ahead = False
         self._state = {"trainers": trainers, "engines": engines, "feed": feed}
@@ -314,18 +454,30 @@ class LastStep:
 
     def save(self) -> Path:
         folder = checkpoint.save(self.root, self.completed, with_optimizer=self.with_optimizer, **self._state)
+        if self.on_save is not None:
+            self.on_save(self.completed)
         self.saved = self.completed
         return folder
 
     def on_exit(self, exc_type: Any, err: BaseException | None, tb: Any) -> bool:
         keep = self.root is not None and self.completed not in (self.start, self.saved) and not self.trained_ahead
-        if keep and isinstance(err, JobError) and not isinstance(err, checkpoint.SaveError):
+        # Not after a trainer died: the trainers cannot save, and the restart resumes from the last checkpoint.
+        if keep and isinstance(err, JobError) and not isinstance(err, (checkpoint.SaveError, TrainerDied)):
             try:
                 folder = self.save()
                 print(f"rlcore-run: saved step {self.completed} to {folder}; resume with --load {self.root}")
             except checkpoint.SaveError as save_err:
                 print(f"rlcore-run: {save_err}", file=sys.stderr)
         return False
+
+
+def axis_step(cfg: Config, step: int) -> int:
+    """The x-axis value of rollout ``step`` in W&B and TensorBoard: the step itself, or with slime's
+    ``--wandb-always-use-train-step`` the optimizer steps before it (``step x samples per rollout / global batch``)."""
+    if not cfg.log.wandb_always_use_train_step:
+        return step
+    r = cfg.rollout
+    return step * r.rollout_batch_size * r.n_samples_per_prompt // cfg.train.global_batch_size
 
 
 def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None:
@@ -342,17 +494,97 @@ def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None
         )
 
 
-def train_step(cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any, adv_cfg: Any) -> dict[str, float]:
+def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any, Any]:
+    """``(feed, data_source)``: the built-in rollout's prompt feed and the data source that rollout functions and
+    slime's hooks are handed: ``--data-source-path``'s class built as ``cls(args)`` (the feed draws from it), or the
+    prompt data with a buffer over the feed."""
+    if hooks.data_source_cls is not None:
+        if cfg.ckpt.load is not None:
+            # slime's data sources read their state from args.load/rollout/...: the checkpoint root, also when
+            # --load names one step's folder.
+            root = checkpoint.resolve(cfg.ckpt.load).parent
+            cfg = dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load=str(root)))
+        data_source = hooks.data_source_cls(cfg)
+        for method in ("get_samples", "add_samples", "save", "load", "__len__"):
+            if not callable(getattr(data_source, method, None)):
+                raise hooks.data_source_cls.bad_result(f"built an object without {method}() (slime's DataSource)")
+        return DataSourceFeed(data_source, dataset), data_source
+    feed = PromptFeed(dataset)
+    source = BufferedPromptSource(
+        feed, cfg, n_samples=cfg.rollout.n_samples_per_prompt, buffer_filter=hooks.buffer_filter
+    )
+    return feed, source
+
+
+def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: Any, hooks: RolloutHooks | None) -> Any:
+    """The train batch of ``samples`` with its sequence advantages. slime's hooks: ``--custom-convert-samples-to-
+    train-data-path`` builds the train data itself (its ``rewards`` are final: no group normalisation follows);
+    ``--custom-reward-post-process-path`` gives ``(raw_rewards, rewards)`` in place of the group normalisation."""
+    pad = tokenizer.pad_token_id
+    need_lps = needs_rollout_log_probs(cfg)
+    if cfg.algo.disable_compute_advantages_and_returns or cfg.algo.loss_type == "sft_loss":
+        adv_cfg = None  # (SFT, custom losses: no advantages)
+    if hooks is not None and hooks.convert_samples is not None:
+        data = hooks.convert_samples(cfg, samples)
+        batch = build_batch(
+            samples_from_train_data(hooks.convert_samples, data, samples),
+            pad_token_id=pad,
+            require_rollout_log_probs=need_lps,
+        )
+        return (
+            batch
+            if adv_cfg is None
+            else sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
+        )
+    batch = build_batch(
+        samples, pad_token_id=pad, require_rollout_log_probs=need_lps, reward_key=cfg.reward.reward_key
+    )
+    if adv_cfg is None:
+        return batch
+    if hooks is not None and hooks.reward_post_process is not None:
+        out = hooks.reward_post_process(cfg, samples)
+        if not (isinstance(out, tuple | list) and len(out) == 2 and len(out[1]) == len(samples)):
+            raise hooks.reward_post_process.wrong_type(out, f"(raw_rewards, rewards) with {len(samples)} rewards each")
+        batch.set(keys.REWARDS, torch.tensor([float(x) for x in out[1]], dtype=torch.float32))
+        return sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
+    return sequence_advantages(batch, adv_cfg)
+
+
+def samples_from_train_data(hook: Any, data: Any, samples: list[Sample]) -> list[Sample]:
+    """Samples holding what a slime train-data dict says (``tokens``, ``response_lengths``, ``rewards``, and when
+    given ``loss_masks``, ``rollout_log_probs``, ``rollout_ids``); rows keep their sample's group when they are as
+    many as the samples."""
+    required = ("tokens", "response_lengths", "rewards")
+    if not isinstance(data, dict) or any(k not in data for k in required):
+        raise hook.wrong_type(data, f"a dict with {', '.join(required)} (slime's train data)")
+    n = len(data["tokens"])
+    out = []
+    for i in range(n):
+        s = Sample(
+            tokens=[int(t) for t in data["tokens"][i]],
+            response_length=int(data["response_lengths"][i]),
+            reward=float(data["rewards"][i]),
+            group_index=samples[i].group_index if n == len(samples) else i,
+            index=samples[i].index if n == len(samples) else i,
+        )
+        if "loss_masks" in data:
+            s.loss_mask = [int(m) for m in data["loss_masks"][i]]
+        if "rollout_log_probs" in data:
+            s.rollout_log_probs = [float(x) for x in data["rollout_log_probs"][i]]
+        if "rollout_ids" in data:
+            s.rollout_id = int(data["rollout_ids"][i])
+        out.append(s)
+    return out
+
+
+def train_step(
+    cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any, adv_cfg: Any, hooks: RolloutHooks | None = None
+) -> dict[str, float]:
     """One step's training on ``rollout``: its batch, the trainers' optimizer steps, then slime's per-step extras
     (optimizer reset, reference refresh, the batch saved for debugging); returns the metrics."""
-    batch = build_batch(
-        rollout.samples,
-        pad_token_id=tokenizer.pad_token_id,
-        require_rollout_log_probs=needs_rollout_log_probs(cfg),
-        reward_key=cfg.reward.reward_key,
-    )
-    batch = sequence_advantages(batch, adv_cfg)
-    if cfg.data.balance_data:
+    batch = rollout_batch(cfg, rollout.samples, tokenizer, adv_cfg, hooks)
+    if cfg.data.balance_data and int(batch[ROLLOUT_INDEX].max()) + 1 == batch.batch_size[0]:
+        # (Rows of rollouts split by a custom generate function keep their order: steps are cut by rollout.)
         lengths = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
         dp_size = cfg.resources.num_trainer_procs
         batch = batch[balanced_order(lengths, global_batch_size=cfg.train.global_batch_size, dp_size=dp_size)]
@@ -360,18 +592,22 @@ def train_step(cfg: Config, trainers: TrainerGroup, rollout: Any, tokenizer: Any
         path = Path(cfg.debug.train_data_path.format(rollout_id=rollout.step))
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"rollout_id": rollout.step, "batch": batch.to_dict()}, path)
+    # slime's --num-critic-only-steps: the first rollouts train the critic alone (ppo).
+    train_actor = rollout.step >= cfg.algo.num_critic_only_steps
     metrics = train_metrics(
         trainers.train_rollout(
             batch,
             global_batch_size=cfg.train.global_batch_size,
             adv_cfg=adv_cfg,
             use_rollout_log_probs=cfg.algo.use_rollout_logprobs,
+            train_actor=train_actor,
+            rollout_id=rollout.step,
         )
     )
     done = rollout.step + 1
     if cfg.algo.reset_optimizer_states:
         trainers.call("reset_optimizer")
-    if cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
+    if train_actor and cfg.algo.ref_update_interval is not None and done % cfg.algo.ref_update_interval == 0:
         trainers.call("update_reference")
     return metrics
 
@@ -384,6 +620,7 @@ def sampling_params(cfg: Config) -> SamplingParams:
         top_p=r.rollout_top_p,
         top_k=r.rollout_top_k,
         stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
+        stop=tuple(r.rollout_stop or ()),
     )
 
 
@@ -404,6 +641,8 @@ class EvalSet:
             top_p=d.top_p,
             top_k=d.top_k,
             stop_token_ids=d.stop_token_ids,
+            stop=d.stop,
+            min_new_tokens=d.min_new_tokens or 0,
         )
 
 
@@ -473,7 +712,12 @@ def prepare_model_and_data(
             eval_sets.append((resolve_eval_dataset(cfg, {"name": "builtin", "path": ""}), demo_eval))
     else:
         dataset = PromptDataset(
-            cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.data.rollout_seed, max_context=context
+            cfg.data.prompt_data,
+            tokenizer,
+            cfg.data,
+            seed=cfg.data.rollout_seed,
+            max_context=context,
+            messages=cfg.algo.loss_type == "sft_loss",
         )
     if cfg.eval.eval_interval is not None and has_eval_data:
         for d in eval_datasets(cfg):
@@ -525,11 +769,15 @@ def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[floa
 
 
 def train_metrics(raw: dict[str, float]) -> dict[str, float]:
-    """The trainers' ``rl_loss`` metrics under ``train/``; ``train/kl`` is the KL to the reference model when one is
-    kept, else the KL between the sampling and the updated policy (slime's ppo_kl)."""
+    """The trainers' ``rl_loss`` metrics under ``train/`` (the critic's under ``train/critic/``); ``train/kl`` is the
+    KL to the reference model when one is kept, else the KL between the sampling and the updated policy (slime's
+    ppo_kl); absent on a step that trains the critic only."""
     out = {f"train/{name}": value for name, value in raw.items() if name != "advantage_abs_mean"}
-    out["train/kl"] = raw.get("approx_kl_ref", raw["approx_kl_old"])
-    out["rollout/advantage_abs_mean"] = raw["advantage_abs_mean"]
+    kl = raw.get("approx_kl_ref", raw.get("approx_kl_old"))
+    if kl is not None:  # (SFT and custom losses have none)
+        out["train/kl"] = kl
+    if "advantage_abs_mean" in raw:
+        out["rollout/advantage_abs_mean"] = raw["advantage_abs_mean"]
     return out
 
 
@@ -539,9 +787,14 @@ def usable_cpus() -> int:
 
 
 def _init_ray(cfg: Config) -> bool:
-    """Start a local Ray if none is running; returns whether this call started it."""
+    """Start a local Ray (or join the cluster ``RAY_ADDRESS`` names) if none is running; returns whether this call
+    started it."""
     if ray.is_initialized():
         return False
+    if os.environ.get(RAY_ADDRESS_ENV):
+        # A Ray cluster of several nodes, started by the user: joined as it is (its listeners are its own).
+        ray.init(address=os.environ[RAY_ADDRESS_ENV], log_to_driver=False)
+        return True
     res = cfg.resources
     slots = res.num_trainer_procs + (0 if res.colocate else res.rollout_num_gpus)
     # A single-node job: every Ray listener on 127.0.0.1 (runtime.cluster.loopback; token authentication, Ray's
@@ -550,6 +803,53 @@ def _init_ray(cfg: Config) -> bool:
     # On a CPU-only machine a slot is a logical CPU: the job's actors take turns, so slots may exceed cores.
     ray.init(num_cpus=max(usable_cpus(), slots), include_dashboard=False, log_to_driver=False)
     return True
+
+
+def fit_together(
+    trainers: list[dict[str, int] | None], engines: list[dict[str, int] | None], *, fraction: float
+) -> bool:
+    """Whether each trainer rank's and its colocated engine's (same index) peaks of reserved GPU memory fit within
+    ``fraction`` of their device together; False when any side does not report (None) or the counts differ."""
+    if len(trainers) != len(engines) or not trainers or None in trainers or None in engines:
+        return False
+    return all(t["peak"] + e["peak"] <= fraction * t["total"] for t, e in zip(trainers, engines, strict=True))
+
+
+class Offload:
+    """Whether colocated trainers and engines take turns on their devices this step (``--offload-train`` /
+    ``--offload-rollout``).
+
+    Given, each flag holds for the whole job. Unset under ``--colocate`` it is ``auto`` (a difference from slime,
+    which always offloads when colocated): the first step offloads both sides, then each side's peak of reserved
+    GPU memory is read, and if a trainer's and its engine's peaks fit their device together (within
+    ``FIT_FRACTION`` of it) nothing moves again. Engines that do not report their memory (SGLang servers, which hold
+    a fixed fraction of their GPU) and CPU jobs keep offloading as slime does.
+    """
+
+    FIT_FRACTION = 0.9
+
+    def __init__(self, cfg: Config, trainers: Any, engines: Any):
+        s, colocate = cfg.sglang, cfg.resources.colocate
+        self.train = colocate if s.offload_train is None else s.offload_train
+        self.rollout = colocate if s.offload_rollout is None else s.offload_rollout
+        self.auto = colocate and s.offload_train is None and s.offload_rollout is None
+        self.trainers, self.engines = trainers, engines
+
+    def after_step(self, first: bool) -> None:
+        """After the job's first step: decide ``auto`` (see the class docstring)."""
+        if not (self.auto and first and self.trainers.actors and self.engines.actors):
+            return
+        self.auto = False
+        trainers, engines = self.trainers.device_memory(), self.engines.device_memory()
+        if fit_together(trainers, engines, fraction=self.FIT_FRACTION):
+            self.train = self.rollout = False
+            t, e = trainers[0], engines[0]
+            print(
+                f"colocated trainer ({t['peak'] / 2**30:.1f} GiB at its peak) and engine ({e['peak'] / 2**30:.1f} "
+                f"GiB) fit their device ({t['total'] / 2**30:.0f} GiB) together: nothing is offloaded from now on "
+                "(--offload-train / --offload-rollout force it)",
+                flush=True,
+            )
 
 
 class EngineMemory:
@@ -575,14 +875,16 @@ class EngineMemory:
 
 async def evaluate(
     ctx: RolloutContext, evals: list[EvalSet], cfg: Config, *, custom_generate: Any = None
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """Reward statistics over the evaluation prompts (each dataset's samples per prompt, sampling settings and
-    reward), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them.
+    reward), no filter, no training: ``eval/{name}/*`` per dataset and ``eval/*`` over all of them; and slime's eval
+    data, ``{name: {"rewards", "truncated", "samples"}}`` (for ``--custom-eval-rollout-log-function-path``).
 
     Responses come from the same generation path as training rollouts: ``custom_generate`` (the
     ``--custom-generate-function-path`` hook) when given, the engines' batched generate otherwise.
     """
     metrics: dict[str, float] = {}
+    data: dict[str, dict[str, Any]] = {}
     every: list[Sample] = []
     aborted_groups = errors = 0
     for e in evals:
@@ -593,6 +895,11 @@ async def evaluate(
         samples = [s for g in whole for s in g]
         await e.hub.score(samples)
         errors += e.hub.pop_metrics()["reward/errors"]
+        data[name] = {
+            "rewards": [reward_value(x, key) for x in samples],
+            "truncated": [x.status == Sample.Status.TRUNCATED for x in samples],
+            "samples": samples,
+        }
         if samples:
             metrics.update(sample_metrics(samples, prefix=f"eval/{name}", reward_key=key))
             if cfg.log.log_passrate:
@@ -604,7 +911,7 @@ async def evaluate(
         metrics.update(sample_metrics(every, prefix="eval", reward_key=evals[0].hub.reward_key))
     metrics["eval/reward_errors"] = errors
     metrics["eval/groups_aborted"] = aborted_groups
-    return metrics
+    return metrics, data
 
 
 class ProgressBar:

@@ -34,11 +34,11 @@ STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
 MEGATRON = "needs --train-backend megatron (issue 11: the Megatron backend)"
 HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 SGLANG = "belongs to the managed SGLang fleet (issue 12)"
-FAULTS = "belongs to fault tolerance (issue 10)"
-PACKING = "needs packed (THD) micro-batches (issue 11: --use-dynamic-batch-size)"
+PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 LATER = "not built yet in rlcore-run (issue 13, still open)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
 DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
+TORCH_HOOKS = "torch backend: model is the torch module, optimizer AdamW, opt_param_scheduler None"
 ROLLOUT_BUFFER = (
     "drives slime's rollout-buffer plugin server (slime_plugins/rollout_buffer), which rlcore does not have"
 )
@@ -118,18 +118,36 @@ _LIST = {"kind": "list"}
 
 SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     # cluster
-    _f("--actor-num-nodes", "cluster", 1, DIFFERS, "above 1 refused: the torch backend's trainers run on one node"),
+    _f(
+        "--actor-num-nodes",
+        "cluster",
+        1,
+        DIFFERS,
+        "above 1 only when rlcore-run joins a Ray cluster (RAY_ADDRESS); its own Ray is one node on 127.0.0.1",
+    ),
     _f("--actor-num-gpus-per-node", "cluster", 8, YES, "built-in job: 1 (on a CPU a GPU is a process)"),
     _f("--rollout-num-gpus", "cluster", None, DIFFERS, "default 1, not derived from the trainer GPUs (issue 12)"),
     _f("--rollout-num-gpus-per-engine", "cluster", 1, YES),
     _f("--num-gpus-per-node", "cluster", 8, ELSEWHERE, SGLANG),
-    _true("--colocate", "cluster", DIFFERS, "offloads by moving the model to the CPU; no --offload-* flags yet"),
+    _true(
+        "--colocate",
+        "cluster",
+        DIFFERS,
+        "the embedded engine offloads only when trainer and engine do not fit their GPU together (auto)",
+    ),
     _true("--offload", "cluster", ELSEWHERE, SGLANG),
-    _f("--offload-train", "cluster", None, YES, kind="true"),
-    _f("--offload-rollout", "cluster", None, YES, kind="true"),
+    _f(
+        "--offload-train",
+        "cluster",
+        None,
+        DIFFERS,
+        "unset under --colocate: auto (offload in the first step, then only if needed; SGLang engines always)",
+        kind="true",
+    ),
+    _f("--offload-rollout", "cluster", None, DIFFERS, "unset under --colocate: auto, as --offload-train", kind="true"),
     # train
     _f("--qwen-gdn-backend", "train", "fla", REFUSED, "selects a Qwen gated-delta-net kernel, a path rlcore lacks"),
-    _f("--train-env-vars", "train", {}, REFUSED, LATER, type=_json),
+    _f("--train-env-vars", "train", {}, YES, type=_json),
     _f("--update-weight-mode", "train", "full", ELSEWHERE, SGLANG),
     _f(
         "--update-weight-transport",
@@ -154,13 +172,19 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         REFUSED,
         "rlcore's fused log-prob kernel never materialises float32 logits and picks its own chunks",
     ),
-    _f("--only-train-params-name-list", "train", None, REFUSED, HOOKS, **_LIST),
-    _f("--freeze-params-name-list", "train", None, REFUSED, HOOKS, **_LIST),
+    _f("--only-train-params-name-list", "train", None, YES, "regexes (re.search) over the torch module's names"),
+    _f("--freeze-params-name-list", "train", None, YES, "regexes (re.search) over the torch module's names"),
     _true("--allgather-cp", "train", REFUSED, MEGATRON),
     # rollout
     _f("--hf-checkpoint", "rollout", None, YES, "unset: the built-in tiny model"),
     _f("--model-name", "rollout", None, REFUSED, MEGATRON + " (Megatron-to-HF weight names)"),
-    _f("--rollout-function-path", "rollout", "slime.rollout.sglang_rollout.generate_rollout", REFUSED, HOOKS),
+    _f(
+        "--rollout-function-path",
+        "rollout",
+        "slime.rollout.sglang_rollout.generate_rollout",
+        DIFFERS,
+        "unset: the built-in rollout (slime's default path is accepted and means it); --fully-async refused",
+    ),
     _f("--rollout-temperature", "rollout", 1.0, YES),
     _f("--rollout-top-p", "rollout", 1.0, DIFFERS, "below 1: no nucleus replay in the training log-probs yet"),
     _f("--rollout-top-k", "rollout", -1, YES),
@@ -174,7 +198,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--rollout-max-prompt-len", "rollout", None, YES),
     _f("--rollout-max-response-len", "rollout", None, YES, "built-in job: 8"),
     _true("--rollout-skip-special-tokens", "rollout", YES, "built-in job: on"),
-    _f("--rollout-stop", "rollout", None, REFUSED, LATER + " (stop strings; --rollout-stop-token-ids works)", **_LIST),
+    _f("--rollout-stop", "rollout", None, YES, "", **_LIST),
     _f("--rollout-stop-token-ids", "rollout", None, YES),
     _true("--rollout-shuffle", "rollout", YES, "built-in job: on"),
     _f("--rollout-seed", "rollout", 42, YES, "the built-in task's prompts are drawn and shuffled from --seed"),
@@ -182,15 +206,20 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--dynamic-sampling-filter-path", "rollout", None, YES),
     _true("--partial-rollout", "rollout", DIFFERS, "needs --fully-async (ours), where generations cross syncs"),
     _true("--mask-offpolicy-in-partial-rollout", "rollout", YES),
-    _f("--custom-generate-function-path", "rollout", None, DIFFERS, "must return one Sample (issue 14: lists)"),
-    _f("--rollout-sample-hook-path", "rollout", [], REFUSED, HOOKS, kind="append"),
-    _f("--custom-rollout-log-function-path", "rollout", None, REFUSED, HOOKS),
-    _f("--custom-eval-rollout-log-function-path", "rollout", None, REFUSED, HOOKS),
-    _f("--buffer-filter-path", "rollout", None, REFUSED, HOOKS),
+    _f("--custom-generate-function-path", "rollout", None, YES, "engines through runtime.rollout.engine_generate"),
+    _f("--rollout-sample-hook-path", "rollout", [], YES, kind="append"),
+    _f("--custom-rollout-log-function-path", "rollout", None, YES),
+    _f("--custom-eval-rollout-log-function-path", "rollout", None, YES),
+    _f("--buffer-filter-path", "rollout", None, YES, "the default data source's buffer (rollout functions)"),
     _f("--update-weight-buffer-size", "rollout", 512 * 1024**2, YES),
     _f("--update-weights-interval", "rollout", 1, YES),
-    _true("--keep-old-actor", "rollout", REFUSED, LATER),
-    _f("--rollout-data-postprocess-path", "rollout", None, REFUSED, HOOKS),
+    _true(
+        "--keep-old-actor",
+        "rollout",
+        DIFFERS,
+        "needs --async and --update-weights-interval 1 (where slime's queue holds the sampling weights)",
+    ),
+    _f("--rollout-data-postprocess-path", "rollout", None, YES, "on every trainer rank, over its shard"),
     _f(
         "--rollout-data-transport",
         "rollout",
@@ -200,15 +229,27 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     ),
     _f("--rollout-external-engine-addrs", "rollout", None, YES, **_LIST),
     # fault tolerance
-    _true("--use-fault-tolerance", "fault_tolerance", ELSEWHERE, FAULTS),
-    _f("--rollout-health-check-interval", "fault_tolerance", 30.0, ELSEWHERE, FAULTS),
-    _f("--rollout-health-check-timeout", "fault_tolerance", 30.0, ELSEWHERE, FAULTS),
-    _f("--rollout-health-check-first-wait", "fault_tolerance", 0.0, ELSEWHERE, FAULTS),
+    _true(
+        "--use-fault-tolerance",
+        "fault_tolerance",
+        DIFFERS,
+        "on by default (--no-use-fault-tolerance is slime's default); a dead engine's requests go to live engines at "
+        "once and it is restarted at once, not at the next weight update",
+    ),
+    _f("--rollout-health-check-interval", "fault_tolerance", 30.0, YES),
+    _f("--rollout-health-check-timeout", "fault_tolerance", 30.0, YES),
+    _f("--rollout-health-check-first-wait", "fault_tolerance", 0.0, YES),
     # data
     _f("--num-rollout", "data", None, YES, "built-in job: 250; unset: from --num-epoch"),
     _f("--num-epoch", "data", None, YES),
     _disable("--disable-rollout-global-dataset", "data", REFUSED, HOOKS),
-    _f("--data-source-path", "data", "slime.rollout.data_source.RolloutDataSourceWithBuffer", REFUSED, HOOKS),
+    _f(
+        "--data-source-path",
+        "data",
+        "slime.rollout.data_source.RolloutDataSourceWithBuffer",
+        DIFFERS,
+        "unset: the prompt data with a buffer (slime's default path is accepted and means it)",
+    ),
     _f("--prompt-data", "data", None, YES, "unset: the built-in task"),
     _true("--apply-chat-template", "data", YES),
     _f("--apply-chat-template-kwargs", "data", {}, YES),
@@ -223,11 +264,29 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--num-steps-per-rollout", "data", None, YES),
     _true("--balance-data", "data", DIFFERS, "greedy within each optimizer step (slime: Karmarkar-Karp)"),
     _true("--balance-by-flops", "data", REFUSED, PACKING),
-    _true("--use-dynamic-batch-size", "data", REFUSED, PACKING),
-    _f("--max-tokens-per-gpu", "data", None, DIFFERS, "counts rows x longest row, and applies whenever set"),
-    _f("--log-probs-max-tokens-per-gpu", "data", None, REFUSED, PACKING, **_OPT_INT),
+    _true(
+        "--use-dynamic-batch-size",
+        "data",
+        DIFFERS,
+        "torch backend: a packed row per micro-batch (attention split by position ids); megatron refuses it (#11)",
+    ),
+    _f(
+        "--max-tokens-per-gpu",
+        "data",
+        None,
+        DIFFERS,
+        "real tokens with --use-dynamic-batch-size; without it, rows x longest row, applied whenever set",
+    ),
+    _f(
+        "--log-probs-max-tokens-per-gpu",
+        "data",
+        None,
+        DIFFERS,
+        "torch backend; counted as --max-tokens-per-gpu is (real tokens with --use-dynamic-batch-size)",
+        **_OPT_INT,
+    ),
     # eval
-    _f("--eval-function-path", "eval", None, REFUSED, HOOKS),
+    _f("--eval-function-path", "eval", None, YES, "unset: the rollout function when one is given"),
     _f("--eval-prompt-data", "eval", None, YES, "name/path pairs; one bare path is named aime, as in slime"),
     _f(
         "--eval-config",
@@ -246,7 +305,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--eval-top-k", "eval", None, YES),
     _f("--eval-max-response-len", "eval", None, YES),
     _f("--eval-max-prompt-len", "eval", None, YES),
-    _f("--eval-min-new-tokens", "eval", None, REFUSED, LATER, **_OPT_INT),
+    _f("--eval-min-new-tokens", "eval", None, YES, **_OPT_INT),
     _f("--eval-max-context-len", "eval", None, YES, "as in slime: recorded, defaulting to --rollout-max-context-len"),
     # algo
     _f(
@@ -254,29 +313,37 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "algo",
         None,
         DIFFERS,
-        "an HF folder for the reference only (slime: a Megatron checkpoint, also the actor's start without --load)",
+        "an HF folder (any backend) or, with --train-backend megatron, a torch_dist checkpoint, which is also the "
+        "actor's start when --load holds no checkpoint (slime's rule); the torch backend takes HF folders only",
     ),
-    _f("--ref-ckpt-step", "algo", None, REFUSED, MEGATRON, **_OPT_INT),
+    _f(
+        "--ref-ckpt-step",
+        "algo",
+        None,
+        YES,
+        "with --train-backend megatron: iter_NNNNNNN of a --ref-load save root (also the actor's start from it)",
+        **_OPT_INT,
+    ),
     _f("--save-hf", "algo", None, YES),
-    _f("--num-critic-only-steps", "algo", 0, REFUSED, LATER + " (a critic model group for ppo)"),
+    _f("--num-critic-only-steps", "algo", 0, YES),
     _f("--megatron-config-path", "algo", None, REFUSED, MEGATRON),
     _f("--eps-clip", "algo", 0.2, YES),
     _f("--eps-clip-high", "algo", None, YES),
     _f("--eps-clip-c", "algo", None, YES),
-    _f("--value-clip", "algo", 0.2, YES, "used by the value loss of ppo, which still needs a critic"),
+    _f("--value-clip", "algo", 0.2, YES, "the critic's value loss (ppo)"),
     _f("--kl-coef", "algo", 0.0, YES, "ignored by grpo/gspo/cispo/dr_grpo, as slime ignores it"),
-    _f("--loss-type", "algo", "policy_loss", REFUSED, HOOKS),
-    _f("--custom-loss-function-path", "algo", None, REFUSED, HOOKS),
+    _f("--loss-type", "algo", "policy_loss", YES),
+    _f("--custom-loss-function-path", "algo", None, DIFFERS, "logits [1, T, V] over the padded rows, one by one"),
     _f("--kl-loss-type", "algo", "k1", YES),
     _f(
         "--advantage-estimator",
         "algo",
         "grpo",
         DIFFERS,
-        "adds dr_grpo, rloo, on_policy_distillation; ppo needs a critic",
+        "adds dr_grpo, rloo, on_policy_distillation; ppo's critic is a value-head copy of the model in the trainers",
     ),
-    _disable("--disable-compute-advantages-and-returns", "algo", REFUSED, HOOKS + " (SFT mode)"),
-    _f("--custom-advantage-function-path", "algo", None, REFUSED, HOOKS),
+    _disable("--disable-compute-advantages-and-returns", "algo", YES, "with --loss-type sft_loss or custom_loss"),
+    _f("--custom-advantage-function-path", "algo", None, YES, "on every trainer rank, over its shard"),
     _true("--use-kl-loss", "algo", YES, "built-in job: on"),
     _f("--kl-loss-coef", "algo", 0.0, YES),
     _true("--use-unbiased-kl", "algo", YES),
@@ -290,13 +357,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--use-rollout-entropy", "algo", REFUSED, HOOKS + " (custom masks)"),
     _true("--get-mismatch-metrics", "algo", YES),
     _true("--reset-optimizer-states", "algo", YES),
-    _true("--use-stateless-adam", "algo", REFUSED, LATER),
+    _true("--use-stateless-adam", "algo", YES),
     _true("--use-rollout-logprobs", "algo", YES),
     _true("--use-tis", "algo", YES),
     _f("--tis-clip", "algo", 2.0, YES),
     _f("--tis-clip-low", "algo", 0.0, YES),
     _f("--custom-tis-function-path", "algo", None, REFUSED, HOOKS),
-    _f("--custom-pg-loss-reducer-function-path", "algo", None, REFUSED, HOOKS + " (--loss-agg-mode is ours)"),
+    _f("--custom-pg-loss-reducer-function-path", "algo", None, YES, "the pg term's reducer (--loss-agg-mode is ours)"),
     _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     _true("--use-opsm", "algo", YES),
@@ -322,8 +389,8 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--wandb-team", "wandb", None, YES),
     _f("--wandb-group", "wandb", None, YES),
     _disable("--disable-wandb-random-suffix", "wandb", YES),
-    _true("--wandb-always-use-train-step", "wandb", REFUSED, LATER),
-    _true("--log-multi-turn", "wandb", REFUSED, LATER),
+    _true("--wandb-always-use-train-step", "wandb", YES, "TensorBoard's axis too; metrics.jsonl keeps the rollout"),
+    _true("--log-multi-turn", "wandb", YES),
     _true("--log-passrate", "wandb", YES),
     _f("--log-reward-category", "wandb", None, YES),
     _true("--log-correct-samples", "wandb", REFUSED, LATER),
@@ -344,14 +411,27 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--load-debug-rollout-data-subsample", "debug", None, YES),
     _f("--save-debug-train-data", "debug", None, DIFFERS, "one file per step: the whole batch, from the driver"),
     _f("--dump-details", "debug", None, YES),
-    _f("--memory-snapshot-dir", "debug", ".", REFUSED, LATER + " (CUDA memory snapshots)"),
-    _f("--memory-snapshot-num-steps", "debug", None, REFUSED, LATER + " (CUDA memory snapshots)", **_OPT_INT),
-    _f("--profile-target", "debug", ["train_overall"], REFUSED, LATER + " (torch profiler)", **_LIST),
-    _f("--memory-recorder", "debug", "torch", REFUSED, LATER),
+    _f("--memory-snapshot-dir", "debug", ".", YES),
+    _f("--memory-snapshot-num-steps", "debug", None, YES, **_OPT_INT),
+    _f(
+        "--profile-target",
+        "debug",
+        ["train_overall"],
+        DIFFERS,
+        "train_overall only (train_actor / train_log_probs are Megatron's --use-pytorch-profiler targets)",
+        **_LIST,
+    ),
+    _f("--memory-recorder", "debug", "torch", DIFFERS, "torch only (memray is not a dependency)"),
     _true("--check-weight-update-equal", "debug", YES),
     # network
     _f("--http-proxy", "network", None, DIFFERS, "used by --rm-type remote_rm's requests (not the engines')"),
-    _true("--use-distributed-post", "network", REFUSED, LATER),
+    _true(
+        "--use-distributed-post",
+        "network",
+        REFUSED,
+        "spreads SGLang HTTP posts over per-node Ray actors of a multi-node fleet; rlcore-run runs on one node and "
+        "posts from the driver's event loop",
+    ),
     # reward model
     _f(
         "--rm-type",
@@ -372,21 +452,21 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         DIFFERS,
         "without --group-rm a batched function (told by its signature) is called once per sampling round",
     ),
-    _f("--custom-reward-post-process-path", "reward_model", None, REFUSED, HOOKS),
-    _f("--custom-convert-samples-to-train-data-path", "reward_model", None, REFUSED, HOOKS),
+    _f("--custom-reward-post-process-path", "reward_model", None, YES),
+    _f("--custom-convert-samples-to-train-data-path", "reward_model", None, YES, "its rewards are final"),
     # rollout buffer
     _f("--rollout-buffer-url", "rollout_buffer", None, REFUSED, ROLLOUT_BUFFER),
     _f("--fetch-trajectory-retry-times", "rollout_buffer", -1, REFUSED, ROLLOUT_BUFFER),
     _f("--min-batch-collection-ratio", "rollout_buffer", 1.0, REFUSED, ROLLOUT_BUFFER),
     _f("--rollout-task-type", "rollout_buffer", "math", REFUSED, ROLLOUT_BUFFER),
-    _f("--loss-mask-type", "rollout_buffer", "qwen", REFUSED, HOOKS + " (SFT loss masks)"),
+    _f("--loss-mask-type", "rollout_buffer", "qwen", YES, "sft_rollout's loss masks by chat template"),
     _f("--data-pad-size-multiplier", "rollout_buffer", 128, REFUSED, PACKING),
-    _f("--rollout-sample-filter-path", "rollout_buffer", None, REFUSED, HOOKS),
-    _f("--rollout-all-samples-process-path", "rollout_buffer", None, REFUSED, HOOKS),
+    _f("--rollout-sample-filter-path", "rollout_buffer", None, YES),
+    _f("--rollout-all-samples-process-path", "rollout_buffer", None, YES, "built-in rollout; not with --fully-async"),
     # custom Megatron plugins
-    _f("--custom-megatron-init-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
-    _f("--custom-megatron-before-log-prob-hook-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
-    _f("--custom-megatron-before-train-step-hook-path", "custom_megatron_plugins", None, REFUSED, MEGATRON),
+    _f("--custom-megatron-init-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
+    _f("--custom-megatron-before-log-prob-hook-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
+    _f("--custom-megatron-before-train-step-hook-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
     _f("--megatron-deepgemm-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
     _f("--megatron-deepgemm-forward-modules", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
     _f("--megatron-deepgemm-moe-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
@@ -402,7 +482,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--ci-save-grad-norm", "ci", None, REFUSED, CI_ONLY),
     _f("--ci-load-grad-norm", "ci", None, REFUSED, CI_ONLY),
     # _pre_parse_mode
-    _f("--train-backend", "mode", "megatron", DIFFERS, "default torch (by design); megatron is issue 11"),
+    _f(
+        "--train-backend",
+        "mode",
+        "megatron",
+        DIFFERS,
+        "default torch (by design); megatron: megatron-core, local spec",
+    ),
     _true("--debug-rollout-only", "mode", YES),
     _true("--debug-train-only", "mode", DIFFERS, "needs --load-debug-rollout-data"),
     _f("--load-debug-rollout-data", "mode", None, YES),
@@ -420,7 +506,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--global-batch-size", "megatron (reset by slime)", None, YES, "unset: rollout x n / steps per rollout"),
     _f("--micro-batch-size", "megatron (reset by slime)", 1, YES, "built-in job: 8"),
     _f("--eval-interval", "megatron (reset by slime)", None, YES),
-    _f("--load", "megatron (reset by slime)", None, DIFFERS, "rlcore's own checkpoint folders (step_NNNNNN)"),
+    _f(
+        "--load",
+        "megatron (reset by slime)",
+        None,
+        DIFFERS,
+        "rlcore's own checkpoint folders (step_NNNNNN) to resume; with --train-backend megatron also a torch_dist "
+        "checkpoint, whose weights the actor starts from (optimizer, RNG and step afresh)",
+    ),
     _f("--save", "megatron (reset by slime)", None, YES),
     _f("--save-interval", "megatron (reset by slime)", None, YES),
     _true("--async-save", "megatron (reset by slime)", REFUSED, MEGATRON),
@@ -430,7 +523,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--calculate-per-token-loss", "megatron (reset by slime)", YES, "built-in job: on"),
     _f("--lr", "megatron (reset by slime)", 1e-6, YES, "built-in job: 1e-3"),
     _f("--wandb-project", "megatron (reset by slime)", None, YES),
-    _true("--record-memory-history", "megatron (reset by slime)", REFUSED, LATER + " (CUDA memory snapshots)"),
+    _true("--record-memory-history", "megatron (reset by slime)", YES, "the trainers' CUDA allocator; needs CUDA"),
     _f(
         "--custom-config-path",
         "megatron (reset by slime)",
@@ -451,31 +544,38 @@ _OWNED_PREFIXES = (
     ("--sglang-", "not a flag of SGLang 0.5.23's ServerArgs (runtime/engines/sglang_flags.json)"),
     ("--router-", "not a flag of sglang-router's RouterArgs (runtime/engines/sglang_flags.json)"),
 )
-# Megatron's own flags that slime's run scripts use (parallelism, recompute, optimizer, LR schedule, model shape);
+# Megatron's own flags that rlcore-run parses (``runtime/config.py``: the train section's for --train-backend
+# megatron, the model section's shape flags checked against config.json), under Megatron's names and meanings.
+MEGATRON_PARSED = frozenset(
+    """
+    --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
+    --recompute-granularity --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2
+    --adam-eps --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction
+    --lr-warmup-iters --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads
+    --group-query-attention --num-query-groups --kv-channels --qk-layernorm --swiglu --rotary-base --rotary-percent
+    --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
+    --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
+    --use-distributed-optimizer
+    """.split()
+)
+# Megatron's other flags that slime's run scripts use (expert parallelism, MoE, FP8, MLA, ...): refused, naming them.
 # --weight-decay and --bf16 are rlcore's own too (the torch backend's), so they are parsed, not refused.
 MEGATRON_FLAGS = frozenset(
     """
-    --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
     --expert-model-parallel-size --expert-tensor-parallel-size --decoder-first-pipeline-num-layers
-    --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --recompute-granularity
-    --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2 --adam-eps
-    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
-    --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction --lr-warmup-iters
-    --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention
-    --num-query-groups --kv-channels --qk-layernorm --swiglu --use-rotary-position-embeddings --rotary-base
-    --rotary-percent --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
-    --untie-embeddings-and-output-weights --position-embedding-type --attention-backend --attention-softmax-in-fp32
-    --attention-dropout --hidden-dropout --moe-ffn-hidden-size --moe-shared-expert-intermediate-size
-    --moe-router-topk --num-experts --moe-grouped-gemm --moe-token-dispatcher-type --moe-router-score-function
-    --moe-router-dtype --moe-aux-loss-coeff --moe-router-load-balancing-type --moe-layer-freq
-    --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-topk-scaling-factor
-    --moe-enable-deepep --moe-permute-fusion --spec --fp16 --fp8-format --fp8-recipe --fp8-param-gather
-    --deterministic-mode --use-distributed-optimizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion
-    --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --use-flash-attn --transformer-impl
-    --make-vocab-size-divisible-by --seq-length --max-position-embeddings --init-method-std --log-interval
-    --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --multi-latent-attention
-    --no-load-optim --no-load-rng --finetune --ckpt-format --use-checkpoint-opt_param-scheduler
-    --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
+    --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --optimizer-cpu-offload
+    --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer --use-rotary-position-embeddings
+    --attention-backend --attention-softmax-in-fp32 --attention-dropout --hidden-dropout --moe-ffn-hidden-size
+    --moe-shared-expert-intermediate-size --moe-router-topk --num-experts --moe-grouped-gemm
+    --moe-token-dispatcher-type --moe-router-score-function --moe-router-dtype --moe-aux-loss-coeff
+    --moe-router-load-balancing-type --moe-layer-freq --moe-router-enable-expert-bias --moe-router-bias-update-rate
+    --moe-router-topk-scaling-factor --moe-enable-deepep --moe-permute-fusion --spec --fp16 --fp8-format
+    --fp8-recipe --fp8-param-gather --deterministic-mode --no-gradient-accumulation-fusion
+    --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --use-flash-attn
+    --transformer-impl --make-vocab-size-divisible-by --seq-length --init-method-std --log-interval --q-lora-rank
+    --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --multi-latent-attention --no-load-optim
+    --no-load-rng --finetune --ckpt-format --use-checkpoint-opt_param-scheduler --post-self-attn-layernorm
+    --post-mlp-layernorm --rotary-interleaved
     """.split()
 )
 

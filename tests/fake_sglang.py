@@ -10,8 +10,10 @@ What it reproduces, because the adapter depends on it:
   (top-k/top-p truncate and renormalise the tempered distribution) and reports SGLang's default log-probs:
   ``log_softmax(logits / temperature)`` over the whole vocabulary, taken before the truncation (plain
   ``log_softmax(logits)`` for greedy, temperature 0). A response ends at the model's eos (unless ``ignore_eos``) or any
-  of ``stop_token_ids``; the stop token is trimmed from ``output_ids`` and ``text`` unless ``no_stop_trim``, but always
-  kept in ``output_token_logprobs``, as in SGLang.
+  of ``stop_token_ids``, or after the token that puts one of the ``stop`` strings into the decoded tail of its output
+  (a window of the longest stop string's token count plus one); the stop token is trimmed from ``output_ids`` and
+  ``text`` unless ``no_stop_trim``, but always kept in ``output_token_logprobs``, and a stop string from ``text``
+  only, as in SGLang.
 - Unknown request fields (top level or in ``sampling_params``) and wrongly typed ones are refused with HTTP 400 and
   SGLang's error body, the way its dataclass/pydantic parsing refuses them, so adapter mistakes fail loudly.
 - ``/update_weights_from_disk`` loads the safetensors of an HF folder into the live model as SGLang's model classes
@@ -80,6 +82,10 @@ UPDATE_FROM_DISTRIBUTED_FIELDS = BASE_REQ_FIELDS | {
     "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format",
     "selector", "torch_empty_cache",
 }  # fmt: skip
+UPDATE_FROM_TENSOR_FIELDS = BASE_REQ_FIELDS | {
+    "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version", "selector",
+    "torch_empty_cache",
+}  # fmt: skip
 DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
 GET_WEIGHTS_FIELDS = BASE_REQ_FIELDS | {"name", "truncate_size"}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
@@ -92,7 +98,7 @@ ABORT_QUEUED = {"type": "abort", "message": "Abort in waiting queue"}
 # Values of these sampling fields change sampling in ways the fake does not implement: refused unless neutral.
 NEUTRAL_SAMPLING = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
+    "min_new_tokens": 0, "n": 1, "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "logit_bias": None, "custom_params": None,
 }  # fmt: skip
 _SAMPLING_EPS = 1e-6
@@ -178,6 +184,12 @@ class _Sampling:
         self.skip_special_tokens = raw.get("skip_special_tokens", True)
         self.sampling_seed = raw.get("sampling_seed")
         stop = raw.get("stop_token_ids") or []
+        # SGLang's SamplingParams takes one stop string or a list of them.
+        stop_strs = raw.get("stop")
+        stop_strs = [] if stop_strs is None else [stop_strs] if isinstance(stop_strs, str) else stop_strs
+        if not isinstance(stop_strs, list) or not all(isinstance(x, str) for x in stop_strs):
+            raise BadRequest(f"stop must be a string or a list of strings, got {raw.get('stop')!r}")
+        self.stop_strs = stop_strs
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens!r}.")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -295,6 +307,7 @@ class FakeSGLangServer:
                 web.post("/abort_request", self._abort),
                 web.post("/init_weights_update_group", self._init_weights_update_group),
                 web.post("/update_weights_from_distributed", self._update_weights_from_distributed),
+                web.post("/update_weights_from_tensor", self._update_weights_from_tensor),
                 web.post("/destroy_weights_update_group", self._destroy_weights_update_group),
                 web.get("/get_weights_by_name", self._get_weights_by_name),
                 web.post("/get_weights_by_name", self._get_weights_by_name),
@@ -503,6 +516,33 @@ class FakeSGLangServer:
             self.weight_version = version
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
+    async def _update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, UPDATE_FROM_TENSOR_FIELDS, "UpdateWeightsFromTensorReqInput")
+            payloads = body.get("serialized_named_tensors")
+            if not (isinstance(payloads, list) and payloads and all(isinstance(p, str) for p in payloads)):
+                raise BadRequest("serialized_named_tensors must be a non-empty list of base64 strings")
+            if body.get("load_format") is not None:
+                raise BadRequest(f"this fake loads load_format None only, got {body['load_format']!r}")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest(f"weight_version must be a string or null, got {version!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        tp_size = int(self.launch_args.get("tp_size", 1))
+        if len(payloads) != tp_size:
+            return _failure(f"Failed to update weights: {len(payloads)} payloads for tp_size {tp_size}.")
+        try:
+            # Rank 0's payload (with tp_size 1, the only one): handles to the trainer's memory, copied here.
+            bucket = {name: t.clone() for name, t in weight_transfer.deserialize_named_tensors(payloads[0])}
+            self._load_state(bucket)
+        except ValueError as e:
+            return _failure(f"Failed to update weights: {e}")
+        self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
+        if version is not None:
+            self.weight_version = version
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
     async def _destroy_weights_update_group(self, request: web.Request) -> web.Response:
         try:
             body = await self._json_body(request, DESTROY_GROUP_FIELDS, "DestroyWeightsUpdateGroupReqInput")
@@ -644,13 +684,23 @@ class FakeSGLangServer:
                     break
                 if len(tokens) == s.max_new_tokens:
                     break
+                # SGLang's Req._check_str_based_finish: a stop string in the decoded tail of the output ends the
+                # request after the token that completed it (the tokens stay in output_ids).
+                if s.stop_strs:
+                    window = max(len(self.tokenizer.encode(x, add_special_tokens=False)) for x in s.stop_strs) + 1
+                    tail = self.tokenizer.decode(tokens[-window:])
+                    matched = next((x for x in s.stop_strs if x in tail), None)
+                    if matched is not None:
+                        finish = {"type": "stop", "matched": matched}
+                        break
                 if self.token_delay:
                     time.sleep(self.token_delay)
                 out = self.model(
                     input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
                 )
         trim = finish["type"] == "stop" and not s.no_stop_trim
-        output_ids = tokens[:-1] if trim else tokens
+        # A matched stop string is trimmed from the text only; a matched stop token from the ids and the text.
+        output_ids = tokens[:-1] if trim and not isinstance(finish["matched"], str) else tokens
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": finish,
@@ -667,6 +717,8 @@ class FakeSGLangServer:
             texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in tokens]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
         text = self.tokenizer.decode(output_ids, skip_special_tokens=s.skip_special_tokens)
+        if trim and isinstance(finish["matched"], str) and finish["matched"] in text:
+            text = text[: text.index(finish["matched"])]
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
     def _queued_abort_output(self, job: dict[str, Any], start: float) -> dict[str, Any]:

@@ -199,6 +199,21 @@ def test_load_weights_in_buckets_switches_to_the_new_weights(rig, other_weights)
     assert_weights_equal(rig.model, other_weights)
 
 
+@covers("update_weights_from_tensor", "weight_version", "generate")
+def test_weights_shared_as_handles_switch_to_the_new_weights(rig, other_weights):
+    from runtime.engines import weight_transfer
+
+    names = sorted(other_weights)
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+    for part, version in zip(parts, (None, 6), strict=True):
+        payload = weight_transfer.serialize_named_tensors([(n, other_weights[n]) for n in part])
+        rig.engine.update_weights_from_tensor(payload, weight_version=version)
+    assert rig.engine.weight_version() == 6
+    assert_weights_equal(rig.model, other_weights)
+    gens = rig.engine.generate(rig.prompts, SamplingParams(max_new_tokens=4, temperature=1.1))
+    check_generations(rig, gens, 1.1, max_new_tokens=4, version=6)
+
+
 @covers("load_weights", "weight_version")
 def test_load_weights_refuses_buckets_that_do_not_fit_and_partial_updates(rig, other_weights):
     with pytest.raises(ValueError, match="does not have: model.extra.weight"):

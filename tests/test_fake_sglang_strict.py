@@ -12,6 +12,7 @@ from fake_sglang import (
     MEMORY_FIELDS,
     SAMPLING_FIELDS,
     UPDATE_FROM_DISK_FIELDS,
+    UPDATE_FROM_TENSOR_FIELDS,
     FakeSGLangServer,
 )
 
@@ -42,6 +43,7 @@ def _fields(cls):
     [
         (GENERATE_FIELDS, "GenerateReqInput"),
         (UPDATE_FROM_DISK_FIELDS, "UpdateWeightFromDiskReqInput"),
+        (UPDATE_FROM_TENSOR_FIELDS, "UpdateWeightsFromTensorReqInput"),
         (MEMORY_FIELDS, "ReleaseMemoryOccupationReqInput"),
         (MEMORY_FIELDS, "ResumeMemoryOccupationReqInput"),
         (ABORT_FIELDS, "AbortReq"),

@@ -103,6 +103,24 @@ SMALL_CHUNK = 3 * 300 * 4
 ONE_CHUNK = 10**9
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_rows_of_split_rollouts(mode):
+    """Rows 0-1 and 2-3 are pieces of two rollouts (slime's fan-out): their token sums share one denominator."""
+    hidden, weight, targets, td = make_case(4, batch=5, seq_len=4, hidden_size=16, vocab=300)
+    row_tokens = td[keys.MASK].sum(-1)
+    td = td.clone()
+    td.set(
+        keys.SEQ_TOKEN_COUNTS, torch.stack([row_tokens[:2].sum()] * 2 + [row_tokens[2:4].sum()] * 2 + [row_tokens[4]])
+    )
+    td.set(keys.SEQ_COUNTS, torch.tensor([1, 0, 1, 0, 1]))
+    cfg = LossConfig(policy_loss="ppo", loss_agg_mode=mode, entropy_coef=0.01)
+    fused, ref = fused_and_reference((hidden, weight, targets, td), cfg, chunk_bytes=SMALL_CHUNK)
+    assert_close_to_reference(fused, ref)
+    plain = fused_and_reference((hidden, weight, targets, td.exclude(keys.SEQ_TOKEN_COUNTS, keys.SEQ_COUNTS)), cfg)
+    if mode == "seq_mean_token_mean":
+        assert not torch.isclose(fused[0], plain[0][0])
+
+
 @pytest.mark.parametrize(("policy_loss", "mode"), list(itertools.product(("ppo", "gspo", "cispo"), AGG_MODES)))
 def test_every_policy_loss_and_aggregation_mode(policy_loss, mode):
     case = make_case(1, batch=3, seq_len=5, hidden_size=16, vocab=300)

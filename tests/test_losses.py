@@ -590,6 +590,70 @@ def test_normalizer_counts_and_combination():
     assert float(aggregate(x, torch.zeros_like(mask))) == 0.0
 
 
+@st.composite
+def split_rollouts(draw):
+    """A batch whose rows are pieces of rollouts (consecutive rows of one rollout share an id), cut anywhere."""
+    sizes = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
+    T = draw(st.integers(1, 5))
+    ids = [r for r, k in enumerate(sizes) for _ in range(k)]
+    B = len(ids)
+    cuts = sorted(draw(st.sets(st.integers(1, B - 1), max_size=B - 1))) if B > 1 else []
+    return ids, T, [0, *cuts, B], draw(seeds), draw(st.floats(0.0, 1.0))
+
+
+def rollout_counts(ids: list[int], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_token_counts, seq_counts) of rows grouped by rollout ``ids``: slime's rollout_mask_sums, and 1 on each
+    rollout's first row."""
+    totals: dict[int, int] = {}
+    for rid, row in zip(ids, mask.sum(-1).tolist(), strict=True):
+        totals[rid] = totals.get(rid, 0) + row
+    first = [1 if i == 0 or ids[i - 1] != rid else 0 for i, rid in enumerate(ids)]
+    return torch.tensor([totals[r] for r in ids]), torch.tensor(first)
+
+
+@given(split=split_rollouts())
+def test_seq_mean_token_mean_of_split_rollouts_is_each_rollouts_token_mean(split):
+    """slime's default reducer with fan-out: a row's token sum over its rollout's total mask, over the number of
+    rollouts (a float64 loop reference), split-invariant over micro-batches."""
+    ids, T, bounds, seed, density = split
+    x, _, _, mask = make(seed, len(ids), T, density=density)
+    counts, firsts = rollout_counts(ids, mask)
+    rollouts: dict[int, list[float]] = {}
+    for rid, row, m in zip(ids, x.tolist(), mask.tolist(), strict=True):
+        rollouts.setdefault(rid, []).extend(v for v, keep in zip(row, m, strict=True) if keep)
+    want = sum(sum(v) / len(v) if v else 0.0 for v in rollouts.values()) / len(rollouts)
+    norm = Normalizer.of(mask, seq_counts=firsts)
+    assert int(norm.num_seqs) == len(rollouts)
+    full = aggregate(x, mask, mode="seq_mean_token_mean", norm=norm, seq_token_counts=counts)
+    assert math.isclose(float(full), want, rel_tol=1e-12, abs_tol=1e-12)
+    parts = list(zip(bounds[:-1], bounds[1:], strict=True))
+    summed = sum(Normalizer.of(mask[lo:hi], seq_counts=firsts[lo:hi]) for lo, hi in parts)
+    total = sum(
+        aggregate(x[lo:hi], mask[lo:hi], mode="seq_mean_token_mean", norm=summed, seq_token_counts=counts[lo:hi])
+        for lo, hi in parts
+    )
+    assert math.isclose(float(total), want, rel_tol=1e-12, abs_tol=1e-12)
+
+
+@given(shape=shapes, seed=seeds, density=st.floats(0.0, 1.0))
+def test_seq_token_counts_of_own_masks_change_nothing(shape, seed, density):
+    x, _, _, mask = make(seed, *shape, density=density)
+    for mode in AGG_MODES:
+        own = aggregate(x, mask, mode=mode, seq_token_counts=mask.sum(-1))
+        torch.testing.assert_close(own, aggregate(x, mask, mode=mode))
+
+
+def test_row_counts_are_checked():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="seq_token_counts must be an integer tensor"):
+        aggregate(x, mask, seq_token_counts=torch.ones(2))
+    with pytest.raises(ValueError, match="seq_counts must be an integer tensor"):
+        Normalizer.of(mask, seq_counts=torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="seq_counts must be >= 0"):
+        Normalizer.of(mask, seq_counts=torch.tensor([1, -1]))
+
+
 # ---------------------------------------------------------------- dtypes
 
 TENSOR_LOSSES = {

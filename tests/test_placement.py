@@ -38,8 +38,28 @@ def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert parse_args([]).resources.colocate is True
+    # The whole global batch in one micro-batch on the GPU, unless asked otherwise.
+    assert parse_args([]).train.micro_batch_size == parse_args([]).train.global_batch_size == 256
+    assert parse_args(["--micro-batch-size", "16"]).train.micro_batch_size == 16
     assert parse_args(["--no-colocate"]).resources.colocate is False
     assert parse_args(["--async"]).resources.colocate is False  # async keeps trainer and engine apart
     assert from_dict(None, hf_checkpoint=str(tmp_path)).resources.colocate is False  # other jobs: as given
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert parse_args([]).resources.colocate is False
+
+
+def test_colocated_offload_stops_only_when_every_trainer_and_its_engine_fit_their_device():
+    from runtime.loop import fit_together
+
+    gib = 2**30
+    t = {"peak": 30 * gib, "total": 80 * gib}
+    assert fit_together([t], [{"peak": 40 * gib, "total": 80 * gib}], fraction=0.9)
+    assert not fit_together([t], [{"peak": 43 * gib, "total": 80 * gib}], fraction=0.9)  # 73 > 72
+    # Two ranks: one pair that does not fit keeps offloading on.
+    small, big = {"peak": 10 * gib, "total": 80 * gib}, {"peak": 50 * gib, "total": 80 * gib}
+    assert not fit_together([t, t], [small, big], fraction=0.9)
+    # Engines that do not report (SGLang servers, CPU jobs) and mismatched counts keep offloading.
+    assert not fit_together([t], [None], fraction=0.9)
+    assert not fit_together([None], [None], fraction=0.9)
+    assert not fit_together([t, t], [small], fraction=0.9)
+    assert not fit_together([], [], fraction=0.9)

@@ -101,8 +101,9 @@ def test_defaults_parse_and_validate():
     assert BUILTIN_JOB_DEFAULTS == BUILTIN_TUNED
     assert {name: _leaf(cfg, name) for name in BUILTIN_TUNED} == BUILTIN_TUNED
     # Apart from the tuned values, the built-in job is the flag defaults.
-    # (and the global batch slime derives from them: one optimizer step per rollout).
-    assert cfg == _with(Config(), {**BUILTIN_TUNED, "global_batch_size": 32 * 8})
+    # (and the global batch slime derives from them: one optimizer step per rollout; and Megatron's LR decay over
+    # the job's optimizer steps).
+    assert cfg == _with(Config(), {**BUILTIN_TUNED, "global_batch_size": 32 * 8, "lr_decay_iters": 250})
     assert validate(cfg) is cfg
     # The default batch arithmetic must be whole optimizer steps.
     per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
@@ -164,10 +165,14 @@ def test_slime_hooks_read_leaf_fields_flat():
     assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
 
 
-def test_trainers_on_several_nodes_are_rejected_before_start():
-    with pytest.raises(ConfigError, match="--actor-num-nodes 2: this runtime runs trainers on one node only"):
-        check_supported(parse_args(["--actor-num-nodes", "2", "--global-batch-size", "16"]))
+def test_trainers_on_several_nodes_are_rejected_before_start_unless_a_ray_cluster_is_joined(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    two_nodes = ["--actor-num-nodes", "2", "--global-batch-size", "16"]
+    with pytest.raises(ConfigError, match="--actor-num-nodes 2: this runtime runs trainers on one node only, unless"):
+        check_supported(parse_args(two_nodes))
     check_supported(parse_args([]))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    check_supported(parse_args(two_nodes))
 
 
 def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):

@@ -226,7 +226,9 @@ def test_a_generate_hook_that_raises_or_returns_the_wrong_type_is_a_hook_failure
     assert [s.response for s in samples] == ["1"] * 4
     with pytest.raises(HookFailure) as info:
         _rollout(resolve_hook(flag, f"{path}:returns_none"))
-    assert str(info.value) == f"{flag} {path}:returns_none: returned NoneType None, expected a Sample ({path}:9)"
+    assert str(info.value) == (
+        f"{flag} {path}:returns_none: returned NoneType None, expected a Sample or a list of Samples ({path}:9)"
+    )
     with pytest.raises(HookFailure) as info:
         _rollout(resolve_hook(flag, f"{path}:raises"))
     assert str(info.value) == f"{flag} {path}:raises: raised KeyError: 'search' ({path}:14)"

@@ -731,9 +731,10 @@ def test_cli_reports_inconsistent_config(capsys):
 
 
 def test_cli_reports_settings_the_runtime_cannot_run(tmp_path, capsys):
-    assert main(["--advantage-estimator", "ppo", "--output-dir", str(tmp_path / "ppo")]) == EXIT_BAD_INPUT
-    assert "--advantage-estimator ppo needs a critic" in capsys.readouterr().err
-    assert not (tmp_path / "ppo").exists()  # nothing written for a job that cannot run
+    out = tmp_path / "distill"
+    assert main(["--advantage-estimator", "on_policy_distillation", "--output-dir", str(out)]) == EXIT_BAD_INPUT
+    assert "--advantage-estimator on_policy_distillation needs a teacher model" in capsys.readouterr().err
+    assert not out.exists()  # nothing written for a job that cannot run
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "c12=", "label": "12"}) + "\n")
     args = ["--prompt-data", str(data), "--rm-type", "exact_match", "--sft-warmup-steps", "2"]

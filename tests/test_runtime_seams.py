@@ -1,6 +1,8 @@
 """The runtime's seams: every TrainBackend and WeightSync method on every implementation, the registries the flags
 read, one trip per step, and lossless resume after a SIGKILL in every rollout schedule (real Ray, real tiny models)."""
 
+import dataclasses
+import importlib
 import inspect
 import json
 import os
@@ -23,7 +25,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import WEIGHT_SYNCS, WeightSync, make_weight_sync
-from runtime.config import SECTIONS, from_dict, validate
+from runtime.config import SECTIONS, ConfigError, from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines.registry import ROLLOUT_ENGINES, engine_kind
@@ -35,6 +37,7 @@ from runtime.train.backends import TRAIN_BACKENDS, backend_class
 from runtime.train.backends.base import TrainBackend
 from runtime.train.batch import build_batch
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER
+from runtime.train.step import critic_targets
 
 SMALL = {
     "rollout_batch_size": 2,
@@ -93,8 +96,8 @@ def test_flag_choices_are_the_registries():
         assert isinstance(backend_class(name), type)
     for name, kind in ROLLOUT_ENGINES.items():
         assert kind.weight_sync(from_dict(None, rollout_engine=name)) in WEIGHT_SYNCS and engine_kind(name) is kind
-    with pytest.raises(ValueError, match="--train-backend 'megatron' is not one of torch"):
-        backend_class("megatron")
+    with pytest.raises(ValueError, match="--train-backend 'fsdp' is not one of torch, megatron"):
+        backend_class("fsdp")
     with pytest.raises(ValueError, match="--rollout-engine 'vllm' is not one of hf, sglang"):
         engine_kind("vllm")
 
@@ -117,10 +120,19 @@ def test_model_roles_follow_the_algorithm(tmp_path):
 
 @pytest.mark.parametrize("backend", list(TRAIN_BACKENDS))
 def test_every_train_backend_method(backend, model_path, tmp_path):
-    cfg = validate(from_dict(None, output_dir=str(tmp_path), use_kl_loss=True, **SMALL))
+    # ppo with a KL loss: the actor, the reference and the critic (where the backend has one: else grpo, and ppo is
+    # refused at validation).
     cls = backend_class(backend)
-    with pytest.raises(ValueError, match="critic"):
-        cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(ACTOR, CRITIC))
+    critic = CRITIC in importlib.import_module(cls.__module__).SUPPORTED_ROLES
+    if not critic:
+        with pytest.raises(ConfigError, match="ppo"):
+            validate(
+                from_dict(None, output_dir=str(tmp_path), train_backend=backend, advantage_estimator="ppo", **SMALL)
+            )
+    estimator = "ppo" if critic else "grpo"
+    cfg = validate(from_dict(None, output_dir=str(tmp_path), use_kl_loss=True, advantage_estimator=estimator, **SMALL))
+    with pytest.raises(ValueError, match="the actor always"):
+        cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(CRITIC,))
     # --ref-load: the reference from another folder (same tokenizer), so its log-probs differ from the actor's.
     ref_model = make_tiny_model(tmp_path / "ref", alphabet=task.ALPHABET, seed=5)
     with_ref = cls(
@@ -159,9 +171,20 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     assert call("dp_info") == (0, 1) and call("dp_group") is None
     td = _batch(model_path)
     logps = call("compute_log_probs", td)
-    assert set(logps.keys()) == {keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS}
+    with_critic = CRITIC in model_roles(cfg)
+    assert set(logps.keys()) == {keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS} | ({keys.VALUES} if with_critic else set())
     torch.testing.assert_close(logps[keys.OLD_LOG_PROBS], logps[keys.REF_LOG_PROBS])  # nothing trained yet
     td.update(logps)
+    if with_critic:
+        critic = call(
+            "train_critic", critic_targets(compute(td, advantage_config(cfg)), advantage_config(cfg)), per_step_rows=8
+        )
+        assert critic["critic/num_steps"] == 1 and critic["critic/grad_norm"] > 0
+        assert not torch.equal(trainer.compute_log_probs(td)[keys.VALUES], logps[keys.VALUES])
+    else:
+        # A backend without a critic: ppo is refused at validation, naming the backend (checked below).
+        with pytest.raises(RuntimeError):
+            call("train_critic", td, per_step_rows=8)
     before = {
         k: v.clone()
         for bucket in call("weight_buckets", dtype=torch.float32, bucket_bytes=1)
@@ -208,6 +231,26 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
         trainer.compute_log_probs(td)
     call("resume_memory")
     call("shutdown")
+    # --keep-old-actor: the old log-probs come from the old actor's copy, which each sync moves one step on.
+    keeper = cls(
+        model_path,
+        train_cfg=dataclasses.replace(cfg.train, keep_old_actor=True),
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+    )
+    trainer = keeper
+    start = keeper.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+    keeper.train(compute(td, advantage_config(cfg)), per_step_rows=8)
+    if not critic:  # (a backend without the torch backend's extras refuses them; validation refuses the flags)
+        with pytest.raises(RuntimeError):
+            call("advance_old_actor")
+    else:
+        call("advance_old_actor")  # old <- the engines' weights (the start), engines' <- the trained ones
+        assert torch.equal(keeper.compute_log_probs(td)[keys.OLD_LOG_PROBS], start)
+        keeper.advance_old_actor()
+        assert not torch.equal(keeper.compute_log_probs(td)[keys.OLD_LOG_PROBS], start)
+    keeper.shutdown()
     assert called == _protocol_methods(TrainBackend)
 
 
@@ -231,7 +274,7 @@ def test_every_weight_sync_moves_the_trained_weights_into_the_engines(kind, ray_
     engines = EngineGroup(cfg, placement, model_path)
     sync = make_weight_sync(trainers, engines, bucket_bytes=4096, kind=kind)
     try:
-        assert isinstance(sync, WeightSync) and _protocol_methods(WeightSync) == {"push", "close"}
+        assert isinstance(sync, WeightSync) and _protocol_methods(WeightSync) == {"push", "rejoin", "close"}
         adv_cfg = advantage_config(cfg)
         trainers.train_rollout(sequence_advantages(_batch(model_path), adv_cfg), global_batch_size=8, adv_cfg=adv_cfg)
         weights = trainers.get_weights()
@@ -241,6 +284,13 @@ def test_every_weight_sync_moves_the_trained_weights_into_the_engines(kind, ray_
         got = engines.get_weights()
         for name, value in weights.items():
             assert torch.equal(got[name], value), name
+        # A killed engine is restarted by the next group call and rejoins with the trainers' weights and version.
+        ray.kill(engines.actors[0])
+        trainers.version = 7
+        assert engines.weight_versions() == [7]
+        got = engines.get_weights()
+        assert all(torch.equal(got[name], value) for name, value in weights.items())
+        assert engines.pop_metrics() == {"engines/restarts": 1, "engines/redispatched_requests": 0}
     finally:
         sync.close()
         trainers.shutdown()

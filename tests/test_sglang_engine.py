@@ -165,6 +165,32 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     assert current not in first and (current / WEIGHTS_FILE).is_file() and (current / "config.json").is_file()
 
 
+def test_weight_update_from_tensor_handles_switches_the_server_to_the_new_weights(engine, server, models, model_dirs):
+    from runtime.engines import weight_transfer
+
+    prompt, temperature = PROMPTS[1], 1.0
+    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    # Tied weights once, under the name SGLang reads; two buckets, the version with the last.
+    names = [n for n in state if n != "lm_head.weight"]
+    half = len(names) // 2
+    received = len(server.received_buckets)
+    for part, version in ((names[:half], None), (names[half:], 11)):
+        payload = weight_transfer.serialize_named_tensors([(n, state[n]) for n in part])
+        assert len(payload) < 64 * len(part) + 4096  # handles to the memory, not the tensors' bytes
+        engine.update_weights_from_tensor(payload, weight_version=version)
+    assert server.weight_version == "11" and engine.weight_version() == 11
+    assert [n for _, n in server.received_buckets[received:]] == [half, len(names) - half]
+    g = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=temperature))[0]
+    torch.testing.assert_close(
+        torch.tensor(g.log_probs, dtype=torch.float64),
+        reference_log_probs(models[1], prompt, g.token_ids, temperature),
+        atol=1e-5,
+        rtol=0,
+    )
+    # Back to the first weights, so that the tests after this one see the model they expect.
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), weight_version=12)
+
+
 def test_weight_update_refused_by_the_server_raises_with_its_message(engine, server, tmp_path):
     # A folder the adapter cannot see is the server's to check; SGLang answers 400 with its message.
     server_version = server.weight_version
@@ -432,3 +458,18 @@ def test_sampling_seeds_differ_across_prompts_and_calls():
     seeds = {sampling_seed(3, call, i) for call in range(20) for i in range(64)}
     assert len(seeds) == 20 * 64 and all(0 <= s < 2**31 for s in seeds)
     assert sampling_seed(3, 0, 0) != sampling_seed(4, 0, 0)
+
+
+def test_an_http_error_survives_pickling_as_ray_sends_it():
+    import pickle
+
+    from runtime.engines.sglang_engine import SGLangHTTPError
+
+    err = pickle.loads(pickle.dumps(SGLangHTTPError("POST", "http://h:1/generate", 503, "No available workers")))
+    assert (err.method, err.url, err.status_code, err.message) == (
+        "POST",
+        "http://h:1/generate",
+        503,
+        "No available workers",
+    )
+    assert str(err) == "SGLang POST http://h:1/generate failed with HTTP 503: No available workers"

@@ -72,7 +72,7 @@ def test_eval_config_problems_are_named(tmp_path):
     (a,) = _files(tmp_path, "a")
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"eval:\n  datasets:\n    - {{name: aime, path: {a}, min_eval_samples: 3, stop: ['x']}}\n")
-    with pytest.raises(ConfigError, match="dataset 'aime' sets min_eval_samples, stop, which rlcore-run does not"):
+    with pytest.raises(ConfigError, match="dataset 'aime' sets min_eval_samples, which rlcore-run does not"):
         parse_args(["--eval-config", str(bad)])
     bad.write_text(f"eval:\n  datasets:\n    - {{name: aime, path: {a}, rm_type: magic, top_p: 2}}\n")
     with pytest.raises(ConfigError) as info:

@@ -21,6 +21,7 @@ OURS = {
     "on_bad_row",
     "rollout_engine",
     "sglang_url",
+    "engine_compile",
     "rollout_schedule",
     "max_staleness",
     "loss_agg_mode",
@@ -40,6 +41,8 @@ OURS = {
     "router_args",
     "sglang_server_command",
     "sglang_server_startup_timeout",
+    "max_trainer_restarts",
+    "attn_implementation",
 }
 
 
@@ -60,8 +63,10 @@ def test_the_table_lists_slimes_own_flags_once_each():
 
 def test_every_config_field_is_a_slime_flag_or_one_of_ours():
     supported = {f.dest for f in SLIME_FLAGS if f.status in (YES, DIFFERS)}
-    assert set(_SPECS) == supported | OURS
-    assert not supported & OURS
+    megatron = {name[2:].replace("-", "_") for name in slime_flags.MEGATRON_PARSED}
+    assert set(_SPECS) == supported | OURS | megatron
+    assert not supported & OURS and not megatron & (supported | OURS)
+    assert not slime_flags.MEGATRON_PARSED & slime_flags.MEGATRON_FLAGS
     # Refused flags are parsed beside the config's, never as one of its fields.
     assert not set(slime_flags.REFUSED_BY_DEST) & set(_SPECS)
 
@@ -100,9 +105,9 @@ def test_refused_flags_are_accepted_at_slimes_default_and_refused_otherwise(entr
 
 def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("keep_old_actor: true\nrollout_task_type: code\nref_load: null\n")
+    path.write_text("use_routing_replay: true\nrollout_task_type: code\nref_load: null\n")
     problems = _problems(["--config", str(path)])
-    assert any(p.startswith("--keep-old-actor") for p in problems)
+    assert any(p.startswith("--use-routing-replay") for p in problems)
     assert any(p.startswith("--rollout-task-type code") for p in problems)
     assert not any("--ref-load" in p for p in problems)  # at slime's default
 
@@ -110,7 +115,7 @@ def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--use-fault-tolerance"], "issue 10"),
+        (["--offload"], "issue 12"),
         (["--tensor-model-parallel-size", "2"], "--train-backend megatron"),
         (["--no-such-flag"], "neither rlcore's nor slime's"),
     ],
@@ -122,9 +127,9 @@ def test_flags_of_other_issues_and_megatron_are_named_with_the_issue(argv, named
 
 def test_every_problem_is_reported_at_once():
     problems = _problems(
-        ["--keep-old-actor", "--sglang-x", "1", "--global-batch-size", "7", "--micro-batch-size", "2"]
+        ["--use-routing-replay", "--sglang-x", "1", "--global-batch-size", "7", "--micro-batch-size", "2"]
     )
-    assert [p.split(":")[0].split()[0] for p in problems[:2]] == ["--sglang-x", "--keep-old-actor"]
+    assert [p.split(":")[0].split()[0] for p in problems[:2]] == ["--sglang-x", "--use-routing-replay"]
     assert any("--global-batch-size 7" in p for p in problems)
 
 
@@ -135,8 +140,8 @@ def test_custom_config_path_overrides_the_command_line_and_carries_hook_settings
     assert (cfg.train.lr, cfg.algo.eps_clip_high) == (2.0e-5, 0.3)  # the file wins, as in slime
     assert (cfg.tis_mode, cfg.rs_upper_bound) == ("mask", 2.0)  # what slime's mis.py reads from args
     assert cfg.custom_args == {"tis_mode": "mask", "rs_upper_bound": 2.0}
-    path.write_text("keep_old_actor: true\n")
-    assert any(p.startswith("--keep-old-actor") for p in _problems(["--custom-config-path", str(path)]))
+    path.write_text("use_routing_replay: true\n")
+    assert any(p.startswith("--use-routing-replay") for p in _problems(["--custom-config-path", str(path)]))
     assert "--custom-config-path: file" in _problems(["--custom-config-path", str(tmp_path / "nope.yaml")])[0]
 
 
@@ -148,7 +153,7 @@ def test_docs_table_is_the_generated_one():
 
 def test_help_lists_refused_flags_with_their_reason():
     text = " ".join(build_parser().format_help().split())
-    assert "--keep-old-actor" in text and "refused: not built yet in rlcore-run" in text
+    assert "--use-routing-replay" in text and "refused: needs --train-backend megatron" in text
 
 
 # ---------------------------------------------------------------- slime's run scripts
@@ -218,8 +223,11 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
         elif name in VALUE_REFUSALS:
             assert VALUE_REFUSALS[name] in problem
         else:
-            # A Megatron flag with the issue that brings it, or an SGLang flag its pinned version does not have.
-            assert "issue 1" in problem or "not a flag of SGLang" in problem, problem
+            # A Megatron flag with the issue that brings it or the backend that takes it, or an SGLang flag its
+            # pinned version does not have.
+            assert any(why in problem for why in ("issue 1", "not a flag of SGLang", "--train-backend megatron")), (
+                problem
+            )
     # Nothing is refused silently: every flag of the script that rlcore-run cannot take is among those named.
     for arg in args:
         entry = slime_flags.BY_NAME.get(arg)
@@ -254,8 +262,10 @@ def test_dry_run_of_the_builtin_job_prints_the_resolved_config_and_plan(capsys, 
     assert "loss aggregation       token_mean" in out
     assert "trainer bundles        [0]" in out and "engine bundles         [1]" in out
     assert not (tmp_path / "out").exists()  # nothing written, no model built
-    assert main(["--dry-run", "--advantage-estimator", "ppo"]) == EXIT_BAD_INPUT
-    assert "needs a critic" in capsys.readouterr().err
+    assert main(["--dry-run", "--advantage-estimator", "on_policy_distillation"]) == EXIT_BAD_INPUT
+    assert "needs a teacher model of its own" in capsys.readouterr().err
+    assert main(["--dry-run", "--advantage-estimator", "ppo", "--num-critic-only-steps", "2"]) == 0
+    assert "model roles            actor, reference, critic" in capsys.readouterr().out  # the built-in KL loss
 
 
 def test_flag_spelling_round_trip():

@@ -254,7 +254,7 @@ class _RecordingBackend:
     def compute_log_probs(self, td):
         return TensorDict({keys.OLD_LOG_PROBS: self.recompute.clone()}, batch_size=td.batch_size)
 
-    def train(self, td, *, per_step_rows):
+    def train(self, td, *, per_step_rows, rollout_id=None):
         self.trained = td
         return {}
 

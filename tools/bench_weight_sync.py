@@ -3,6 +3,7 @@
     python tools/bench_weight_sync.py                                  # qwen3-0.6b and qwen3-4b, every CPU transport
     python tools/bench_weight_sync.py --models qwen3-0.6b --transports gloo disk
     python tools/bench_weight_sync.py --transports nccl                # two GPUs: NCCL broadcast between them
+    python tools/bench_weight_sync.py --transports ipc                 # one GPU: CUDA IPC to a colocated process
 
 The tensors are those of the ``runtime.demo.tiny_model`` presets (the models' real shapes, bf16, tied weights once),
 cut into buckets of ``--bucket-mb`` MiB as ``TrainBackend.weight_buckets`` cuts them. Each transport moves every
@@ -11,6 +12,8 @@ before its clock starts, and the receiver confirms it has each bucket before the
 
 - ``disk``: safetensors written to a temporary folder and read back (``--update-weight-transport disk``);
 - ``object_store``: ``ray.put`` and a Ray actor that reads the bucket (the embedded engine's default);
+- ``ipc``: handles to the sender's memory (CUDA IPC on GPU 0, shared memory on the CPU) sent to another process,
+  which copies each bucket before it answers (``--update-weight-transport ipc``, colocated engines);
 - ``gloo`` / ``nccl``: a ``torch.distributed`` broadcast from rank 0 to rank 1 in another process, over the group
   ``runtime.engines.weight_transfer`` makes (``--update-weight-transport nccl``; gloo on the CPU).
 
@@ -43,7 +46,13 @@ QWEN3_4B = {
     "tie_word_embeddings": True,
 }
 # For the table: the link each transport crosses.
-LINKS = {"disk": "page cache / disk", "object_store": "shared memory", "gloo": "TCP loopback", "nccl": "NVLink"}
+LINKS = {
+    "disk": "page cache / disk",
+    "object_store": "shared memory",
+    "gloo": "TCP loopback",
+    "nccl": "NVLink",
+    "ipc": "CUDA IPC (GPU) or shared memory (CPU), one device",
+}
 
 
 def model_fields(name: str) -> tuple[str, dict]:
@@ -153,6 +162,7 @@ def _receive(port: int, plans: list, dtype: torch.dtype, backend: str) -> None:
         master_address="127.0.0.1", master_port=port, rank=1, world_size=2, backend=backend
     )
     ack = torch.zeros(1, device=device)
+    torch.distributed.broadcast(ack, src=1, group=group)  # the sender's untimed warm-up
     for plan in plans:
         names = [n for n, _ in plan]
         dtypes = [weight_transfer.dtype_name(dtype)] * len(plan)
@@ -172,6 +182,8 @@ def time_broadcast(plans: list, dtype: torch.dtype, backend: str) -> float:
         master_address="127.0.0.1", master_port=port, rank=0, world_size=2, backend=backend
     )
     ack = torch.zeros(1, device=device)
+    # One untimed broadcast first: NCCL builds its communicator on the first collective.
+    torch.distributed.broadcast(ack, src=1, group=group)
     total = 0.0
     for bucket in buckets_of(plans, dtype, device):
         if backend == "nccl":
@@ -187,7 +199,47 @@ def time_broadcast(plans: list, dtype: torch.dtype, backend: str) -> float:
     return total
 
 
+def _take_handles(conn, dtype: torch.dtype) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda")  # the CUDA context, as a running engine has it
+    conn.send(True)
+    while (payload := conn.recv()) is not None:
+        named = weight_transfer.deserialize_named_tensors(payload)
+        # As the engine loads a bucket: a copy into its own weights, finished before it answers.
+        copies = [t.clone() for _, t in named]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        del named, copies
+        conn.send(True)
+
+
+def time_ipc(plans: list, dtype: torch.dtype) -> float:
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    receiver = ctx.Process(target=_take_handles, args=(theirs, dtype))
+    receiver.start()
+    mine.recv()
+    # One untimed bucket first: an engine has taken weights before (the first handle opened costs extra).
+    warm = materialise(plans[0][:1], dtype, device)
+    mine.send(weight_transfer.serialize_named_tensors(list(warm.items())))
+    mine.recv()
+    total = 0.0
+    for bucket in buckets_of(plans, dtype, device):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        mine.send(weight_transfer.serialize_named_tensors(list(bucket.items())))
+        mine.recv()
+        total += time.perf_counter() - start
+    mine.send(None)
+    receiver.join()
+    return total
+
+
 TRANSPORTS = {
+    "ipc": time_ipc,
     "disk": time_disk,
     "object_store": time_object_store,
     "gloo": lambda plans, dtype: time_broadcast(plans, dtype, "gloo"),

@@ -96,8 +96,11 @@ class PolicyTerm(NamedTuple):
     cispo_eps_low: float | None
 
 
-def aggregation_weights(mask: Tensor, mode: str, norm: Normalizer) -> Tensor:
-    """[B, T] float32 weight of each valid token's value in ``aggregate(per_token, mask, mode=mode, norm=norm)``."""
+def aggregation_weights(
+    mask: Tensor, mode: str, norm: Normalizer, *, seq_token_counts: Tensor | None = None
+) -> Tensor:
+    """[B, T] float32 weight of each valid token's value in ``aggregate(per_token, mask, mode=mode, norm=norm,
+    seq_token_counts=seq_token_counts)``."""
     device = mask.device
 
     def count(value) -> Tensor:
@@ -106,7 +109,8 @@ def aggregation_weights(mask: Tensor, mode: str, norm: Normalizer) -> Tensor:
     if mode == "token_mean":
         per_row = count(norm.num_tokens).clamp_min(1).reciprocal().expand(mask.shape[0])
     elif mode == "seq_mean_token_mean":
-        per_row = 1.0 / (mask.sum(-1).clamp_min(1).float() * count(norm.num_seqs).clamp_min(1))
+        counts = mask.sum(-1) if seq_token_counts is None else seq_token_counts.to(device)
+        per_row = 1.0 / (counts.clamp_min(1).float() * count(norm.num_seqs).clamp_min(1))
     elif mode == "seq_mean_token_sum":
         per_row = count(norm.num_seqs).clamp_min(1).reciprocal().expand(mask.shape[0])
     else:
@@ -317,7 +321,7 @@ def token_inputs(
     ([n] int64: the valid tokens of ``mask``, row-major), and the metrics that depend on nothing else (the mismatch
     weights', given as ``tis`` by :func:`mismatch`). Batch tensors are checked finite at valid positions through
     ``finite``."""
-    weight = aggregation_weights(mask, cfg.loss_agg_mode, norm)
+    weight = aggregation_weights(mask, cfg.loss_agg_mode, norm, seq_token_counts=td.get(keys.SEQ_TOKEN_COUNTS, None))
     advantages = _read(td, keys.ADVANTAGES, mask, finite, needed_by="the policy loss")
     old = rollout = ref = None
     if keys.OLD_LOG_PROBS in td.keys():
@@ -652,7 +656,7 @@ def linear_rl_loss(
         device=hidden.device,
     )
     if norm is None:
-        norm = Normalizer.of(mask)
+        norm = Normalizer.of(mask, seq_counts=td.get(keys.SEQ_COUNTS, None))
     batch, seq_len = mask.shape
 
     if loss_fn is not None or not fusable(cfg, td):

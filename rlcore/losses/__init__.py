@@ -7,7 +7,7 @@ from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_wei
 from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip
 from rlcore.losses.rl_loss import POLICY_LOSSES, LossConfig, rl_loss
 from rlcore.losses.sft import sft_loss
-from rlcore.losses.value import value_loss
+from rlcore.losses.value import critic_loss, value_loss
 
 __all__ = [
     "AGG_MODES",
@@ -20,6 +20,7 @@ __all__ = [
     "aggregate",
     "approx_kl",
     "cispo",
+    "critic_loss",
     "opsm_keep",
     "entropy_bonus",
     "gspo",

@@ -59,15 +59,20 @@ class Normalizer:
             _check_count(name, getattr(self, name))
 
     @classmethod
-    def of(cls, mask: Tensor) -> "Normalizer":
-        """The counts of one batch. ``mask``: [B, T] bool."""
+    def of(cls, mask: Tensor, *, seq_counts: Tensor | None = None) -> "Normalizer":
+        """The counts of one batch. ``mask``: [B, T] bool.
+
+        ``seq_counts``: [B] integer, how many sequences each row counts as in ``num_seqs`` (a rollout split into
+        several rows counts once: 1 on one of its rows, 0 on the others); ``None``: every row counts as one.
+        """
         check_mask(mask)
         check_tensor("mask", mask, ndim=2)
-        return cls(
-            num_tokens=mask.sum(),
-            num_seqs=torch.tensor(mask.shape[0], device=mask.device),
-            max_len=torch.tensor(mask.shape[-1], device=mask.device),
-        )
+        if seq_counts is None:
+            num_seqs = torch.tensor(mask.shape[0], device=mask.device)
+        else:
+            _check_row_counts("seq_counts", seq_counts, mask)
+            num_seqs = seq_counts.sum().to(mask.device)
+        return cls(num_tokens=mask.sum(), num_seqs=num_seqs, max_len=torch.tensor(mask.shape[-1], device=mask.device))
 
     def __add__(self, other: "Normalizer") -> "Normalizer":
         if not isinstance(other, Normalizer):
@@ -101,14 +106,35 @@ class Normalizer:
         return Normalizer(counts[0], counts[1], max_len)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, *, mode: str = "token_mean", norm: Normalizer | None = None) -> Tensor:
+def _check_row_counts(name: str, counts: Tensor, mask: Tensor) -> None:
+    check_tensor(name, counts, ndim=1)
+    if counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"{name} must be an integer tensor [B] with B = {mask.shape[0]} (mask {tuple(mask.shape)}), got "
+            f"{counts.dtype} {tuple(counts.shape)}"
+        )
+    if bool((counts < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got min {int(counts.min())}")
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "token_mean",
+    norm: Normalizer | None = None,
+    seq_token_counts: Tensor | None = None,
+) -> Tensor:
     """Reduce a per-token loss over the valid tokens of a batch to a scalar.
 
     Modes (``N`` = ``norm``'s counts, those of this batch when ``norm`` is None):
 
     - ``token_mean``: sum over valid tokens / ``num_tokens``.
     - ``seq_mean_token_mean``: sum over samples of each sample's mean over its valid tokens / ``num_seqs``
-      (a sample with no valid token counts as 0).
+      (a sample with no valid token counts as 0). With ``seq_token_counts`` a sample's token sum is divided by
+      its entry instead of its own count: slime's ``rollout_mask_sums``, the valid tokens of every sample of its
+      rollout, so that a rollout split into several samples is one token mean (and, with ``Normalizer.of``'s
+      ``seq_counts``, one sequence).
     - ``seq_mean_token_sum``: sum over samples of each sample's sum over its valid tokens / ``num_seqs``.
     - ``seq_mean_token_sum_norm``: sum over valid tokens / (``num_seqs`` x ``max_len``), Dr. GRPO's constant
       normaliser.
@@ -123,6 +149,8 @@ def aggregate(per_token: Tensor, mask: Tensor, *, mode: str = "token_mean", norm
         mask: [B, T] bool, valid tokens.
         mode: one of the four above.
         norm: denominators of the global batch; ``None`` uses this batch's own.
+        seq_token_counts: [B] integer, ``seq_mean_token_mean``'s per-sample denominators (clamped to >= 1);
+            ``None``: each sample's own valid-token count. The other modes ignore it.
 
     Returns:
         0-dim tensor (float32, float64 for float64 input); 0 for a batch with no valid token.
@@ -138,8 +166,11 @@ def aggregate(per_token: Tensor, mask: Tensor, *, mode: str = "token_mean", norm
 
     values = masked_fill_zero(upcast(per_token), mask)
     device = values.device
+    if seq_token_counts is not None:
+        _check_row_counts("seq_token_counts", seq_token_counts, mask)
     if mode == "seq_mean_token_mean":
-        per_seq = values.sum(-1) / mask.sum(-1).clamp_min(1)
+        counts = mask.sum(-1) if seq_token_counts is None else seq_token_counts.to(device)
+        per_seq = values.sum(-1) / counts.clamp_min(1)
         return per_seq.sum() / torch.as_tensor(norm.num_seqs, device=device).clamp_min(1)
     if mode == "token_mean":
         denominator = torch.as_tensor(norm.num_tokens, device=device)

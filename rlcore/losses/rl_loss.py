@@ -1,6 +1,7 @@
 """The composed RL loss over a batch TensorDict: policy loss, mismatch correction, KL, entropy and value terms."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,13 @@ def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tens
     return masked_fill_zero(x, mask)
 
 
-def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = None) -> tuple[Tensor, TensorDict]:
+def rl_loss(
+    td: TensorDictBase,
+    cfg: LossConfig,
+    *,
+    norm: Normalizer | None = None,
+    pg_reduce: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, TensorDict]:
     """The training loss of a (micro-)batch and its metrics.
 
     ``loss = pg + kl_loss_coef * kl - entropy_coef * entropy + value_coef * value``, each ``aggregate``d with
@@ -142,7 +149,8 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     - ``entropy``: the policy's entropy, when ``cfg.entropy_coef`` is not 0.
     - ``value``: the clipped value loss, when ``cfg.value_coef`` is not 0 (the critic sees every valid token).
 
-    Reads (batch contract, ``keys``): ``mask``, ``log_probs``, ``advantages``; ``old_log_probs`` (absent:
+    Reads (batch contract, ``keys``): ``mask``, ``log_probs``, ``advantages``; ``seq_token_counts`` and
+    ``seq_counts`` when a rollout was split into several rows (see ``aggregate``); ``old_log_probs`` (absent:
     ``log_probs`` detached, i.e. one on-policy step, as slime does); ``rollout_log_probs``, ``ref_log_probs``,
     ``entropy``, ``values``/``old_values``/``returns`` as the config asks. Every token tensor is [B, T];
     masked positions may hold anything, NaN included. Only ``log_probs``, ``entropy`` and ``values`` carry
@@ -162,6 +170,8 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
         td: the batch, ``batch_size=[B]``.
         cfg: a ``LossConfig``.
         norm: denominators of the global batch (``Normalizer.of`` its mask, summed); ``None`` uses this batch's.
+        pg_reduce: replaces ``aggregate`` for the policy term only (slime's custom pg-loss reducer): called with the
+            per-token policy loss [B, T], 0 outside the valid (and mismatch-kept) tokens; returns a 0-dim tensor.
 
     Returns:
         ``(loss, metrics)``: a 0-dim differentiable loss and the metrics.
@@ -175,10 +185,11 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     mask = check_mask(td.get(keys.MASK))
     check_tensor(keys.MASK, mask, ndim=2)
     if norm is None:
-        norm = Normalizer.of(mask)
+        norm = Normalizer.of(mask, seq_counts=td.get(keys.SEQ_COUNTS, None))
+    seq_token_counts = td.get(keys.SEQ_TOKEN_COUNTS, None)
 
     def agg(per_token: Tensor) -> Tensor:
-        return aggregate(per_token, mask, mode=cfg.loss_agg_mode, norm=norm)
+        return aggregate(per_token, mask, mode=cfg.loss_agg_mode, norm=norm, seq_token_counts=seq_token_counts)
 
     def token_mean(per_token: Tensor) -> Tensor:
         return aggregate(per_token.detach(), mask, mode="token_mean", norm=norm)
@@ -245,7 +256,7 @@ def rl_loss(td: TensorDictBase, cfg: LossConfig, *, norm: Normalizer | None = No
     def kept(per_token: Tensor) -> Tensor:
         return masked_fill_zero(per_token, keep)
 
-    pg_loss = agg(kept(pg))
+    pg_loss = agg(kept(pg)) if pg_reduce is None else pg_reduce(kept(pg))
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
     metrics["clipfrac"] = token_mean(clipped.to(pg.dtype))

@@ -163,6 +163,48 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"--load: {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
 
 
+def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a complete rlcore checkpoint (a step folder, or a ``--save`` root with ``latest``)."""
+    try:
+        resolve(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def actor_start(
+    *, backend: str, load: str | None, ref_load: str | None, ref_ckpt_step: int | None = None
+) -> str | None:
+    """The Megatron ``torch_dist`` checkpoint that the actor's weights start from, by slime's rule; None when they
+    start from ``--hf-checkpoint`` (and a ``--load`` job checkpoint, if any, is restored over them).
+
+    With ``--train-backend megatron``: ``load`` when it is a torch_dist checkpoint (its weights only: the optimizer,
+    RNG and step start afresh, as slime's finetune); otherwise, when ``load`` holds no rlcore checkpoint (unset, or
+    the ``--save`` folder of a first run), ``ref_load`` when it is one, at ``ref_ckpt_step`` when given (slime's
+    ``--ref-ckpt-step``: then the step's folder is returned). ``ValueError`` naming the flag for a Megatron save root
+    whose ``latest_checkpointed_iteration.txt`` (or step) names a missing folder."""
+    if backend != "megatron" or (load is not None and is_job_checkpoint(load)):
+        return None
+    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+
+    if load is not None and os.path.isdir(load) and find_checkpoint(load, flag="--load") is not None:
+        return load
+    if ref_load is not None and os.path.isdir(ref_load):
+        folder = find_checkpoint(ref_load, step=ref_ckpt_step, flag="--ref-load")
+        if folder is not None:
+            return ref_load if ref_ckpt_step is None else str(folder)
+    return None
+
+
+def reference_path(*, ref_load: str, ref_ckpt_step: int | None) -> str:
+    """The folder the reference loads: ``ref_load``, or its Megatron ``iter_{ref_ckpt_step:07d}`` when given."""
+    if ref_ckpt_step is None:
+        return ref_load
+    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+
+    return str(find_checkpoint(ref_load, step=ref_ckpt_step, flag="--ref-load"))
+
+
 def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, feed: Any) -> int:
     """Restore everything :func:`save` wrote; returns the number of completed steps (the step to run next)."""
     import numpy as np

@@ -13,6 +13,16 @@ When the entry ``launches`` servers, the group first starts one per engine, each
 front of them (unless ``--sglang-router-ip`` names a running one, to which the servers are added). Everything it
 started stops in :meth:`EngineGroup.shutdown`.
 
+**Fault tolerance** (``--use-fault-tolerance``, on by default; slime's flags and meanings, see
+``runtime.cluster.health``): an engine whose process dies, or that fails a health check (and is then killed), is
+restarted at once from its registry entry, takes the trainers' current weights (``rejoin``, wired by the weight sync)
+and only then takes requests again. Meanwhile its requests go to the live engines, or, when none is live, wait for
+the restart: no request is dropped. A group call (weights, memory, RNG) that meets a dead engine waits for its
+restart and runs again on it. ``pop_metrics`` counts restarts and re-dispatched requests. Without it a dead engine
+stops the job with one line (:class:`EngineDied`). An engine with a server (SGLang) leaves the router, its server is
+launched again by its launcher (an external server: waited for until it answers), and it joins the router again
+once it holds the weights; a request the router gives up on is sent again once a server is live.
+
 Engine calls run one at a time, except the control calls (``abort``, ``health``, ``weight_version``), which have a
 concurrency group of their own so that :meth:`EngineGroup.abort` reaches an engine while it generates; the router
 client runs up to :data:`ROUTER_CLIENT_CONCURRENCY` requests at once.
@@ -20,21 +30,55 @@ client runs up to :data:`ROUTER_CLIENT_CONCURRENCY` requests at once.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import ray
 
+from runtime.cluster.health import HealthMonitor, first_line
 from runtime.cluster.placement import Placement
 from runtime.config import Config
 from runtime.engines import launcher
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.registry import EngineKind, engine_kind
+from runtime.errors import JobError
+
+T = TypeVar("T")
 
 CONTROL_METHODS = ("abort", "health", "weight_version")
 # Requests the router client has in flight at once (each a thread of the actor waiting on HTTP).
 ROUTER_CLIENT_CONCURRENCY = 256
+# Times a group call is run again after an engine died under it (each time on the restarted engines).
+MAX_GROUP_CALL_TRIES = 3
+# Times a request through the router is sent again after the router gave up on it (each time once a server is live).
+MAX_ROUTED_TRIES = 4
+# Seconds a relaunched server's leftover process gets to end after SIGTERM before SIGKILL.
+SERVER_STOP_GRACE_S = 5.0
+# How often a dead external server is asked whether it answers again.
+EXTERNAL_POLL_S = 1.0
+FT_FLAG = "--use-fault-tolerance"
+
+
+class EngineDied(JobError):
+    """A rollout engine died and the job cannot go on without it (fault tolerance off, or its restart failed)."""
+
+
+def _server_side(err: ray.exceptions.RayTaskError) -> bool:
+    """Whether a failed request through the router failed on the servers' side (an HTTP 5xx answer, or no
+    connection), not because of the request itself."""
+    cause = getattr(err, "cause", None)
+    return isinstance(cause, ConnectionError) or getattr(cause, "status_code", 0) >= 500
+
+
+def engine_died(err: BaseException) -> bool:
+    """Whether ``err`` (from a call on an engine actor) says the actor's process is gone, not that the call raised."""
+    return isinstance(err, ray.exceptions.RayActorError) and not isinstance(err, ray.exceptions.RayTaskError)
 
 
 def engine_actor_class(cls: type[Any]) -> Any:
@@ -92,18 +136,38 @@ class EngineGroup:
         n = 0 if cfg.debug.train_only else self.kind.count(cfg)  # --debug-train-only runs no engine
         per = self.kind.bundles_per_engine(cfg)
         self.launchers: list[Any] = []
+        # Per launched server: its launcher's actor options and command line (a restart launches it again).
+        self._server_specs: list[tuple[dict[str, Any], dict[str, str], list[str]]] = []
         self.router_launcher: Any = None
         self.router: Any = None
         self.router_url: str | None = None
         self.actors = []
+        self._specs: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (actor options, constructor kwargs)
+        self._remote_cls = remote_cls
+        f = cfg.fault
+        launches = self.kind.launches(cfg)
+        self.fault_tolerant = f.use_fault_tolerance and self.kind.restartable
+        self.check_timeout = f.rollout_health_check_timeout
+        self.startup_timeout = cfg.sglang.sglang_server_startup_timeout
+        # The servers' base URLs (engines that drive a server over HTTP; None for an embedded engine).
+        self.server_urls: list[str | None] = []
+        # Set by the weight sync: loads the trainers' current weights into restarted engines ({index: new actor}).
+        self.rejoin: Callable[[dict[int, Any]], None] | None = None
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._restarts: dict[int, concurrent.futures.Future] = {}
+        self._released_tags: list[str] | None = None
+        self.monitor: HealthMonitor | None = None
         try:
-            urls = self._launch_servers(cfg, placement, model_path, n, per) if self.kind.launches(cfg) else None
+            urls = self._launch_servers(cfg, placement, model_path, n, per) if launches else None
             for i in range(n):
                 kwargs = self.kind.kwargs(cfg, model_path, i)
                 if urls is not None:
                     kwargs["base_url"] = urls[i]
+                self.server_urls.append(kwargs.get("base_url"))
                 # An engine that drives a server over HTTP needs no device of its own: the server holds it.
                 opts = placement.options(placement.engine_bundles[i]) if per and urls is None else {"num_cpus": 0}
+                self._specs.append((opts, kwargs))
                 self.actors.append(remote_cls.options(**opts).remote(**kwargs))
             if cfg.rollout.rollout_engine == "sglang":
                 self._start_router(cfg, remote_cls, model_path, [ray.get(a.url.remote()) for a in self.actors])
@@ -111,6 +175,246 @@ class EngineGroup:
             self.shutdown()
             raise
         self._next_engine = 0
+        if self.fault_tolerant and self.actors:
+            # Health checks start once every engine is built: a check waits behind the constructor (the model load).
+            ray.get([a.weight_version.remote() for a in self.actors])
+            self.monitor = HealthMonitor(
+                self.live_engines,
+                self._engine_failed,
+                interval=f.rollout_health_check_interval,
+                timeout=f.rollout_health_check_timeout,
+                first_wait=f.rollout_health_check_first_wait,
+            )
+            self.monitor.resume()
+
+    # ------------------------------------------------------------------ fault tolerance
+
+    def live_engines(self) -> dict[int, Any]:
+        """The engines that take requests now (index -> actor): all but those being restarted."""
+        with self._lock:
+            return {i: a for i, a in enumerate(self.actors) if i not in self._restarts}
+
+    def _engine_failed(self, index: int, actor: Any, reason: str) -> None:
+        """Engine ``index`` (``actor``) died or is unhealthy: kill it and restart it (stop the job without fault
+        tolerance). A second report of the same death does nothing."""
+        if not self.fault_tolerant:
+            hint = (
+                f"{FT_FLAG} restarts dead engines and re-dispatches their requests"
+                if self.kind.restartable
+                else "restarting this kind of engine is not built yet"
+            )
+            raise EngineDied(
+                f"rollout engine {index} ({self.kind.cls.rpartition(':')[2]}) {reason}: the job stops ({hint})"
+            )
+        with self._lock:
+            if self.actors[index] is not actor or index in self._restarts:
+                return
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._restarts[index] = future
+        print(f"rlcore-run: rollout engine {index} {reason}; restarting it", flush=True)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(actor, no_restart=True)
+        threading.Thread(
+            target=self._restart, args=(index, future), name=f"rlcore-restart-{index}", daemon=True
+        ).start()
+
+    def _restart(self, index: int, future: concurrent.futures.Future) -> None:
+        """Build engine ``index`` again, load the trainers' weights into it, then let it take requests.
+
+        An engine with a server: the server leaves the router first; a server launched here is launched again (a
+        new port) by its launcher, an external one is waited for until it answers again (up to
+        ``--sglang-server-startup-timeout``); the new server joins the router once it holds the weights.
+        """
+        try:
+            opts, kwargs = self._specs[index]
+            url = self.server_urls[index]
+            if url is not None and self.router_url is not None:
+                with contextlib.suppress(Exception):  # best effort: a router drops a dead worker by itself too
+                    launcher.remove_router_worker(self.router_url, url, timeout=self.check_timeout)
+            if index < len(self._server_specs):
+                url = self._relaunch(index)
+                kwargs = {**kwargs, "base_url": url}
+                self._specs[index] = (opts, kwargs)
+            elif url is not None:
+                self._wait_external(index, url)
+            actor = self._remote_cls.options(**opts).remote(**kwargs)
+            ray.get(actor.weight_version.remote())  # built
+            if self.rejoin is not None:
+                self.rejoin({index: actor})
+            if self._released_tags is not None:
+                ray.get(actor.release_memory.remote(self._released_tags))
+            if url is not None and self.router_url is not None:
+                launcher.add_router_workers(self.router_url, [url])
+        except BaseException as err:
+            future.set_exception(err)
+            return
+        with self._lock:
+            self.actors[index] = actor
+            self.server_urls[index] = url
+            del self._restarts[index]
+            self.counts["restarts"] += 1
+        print(f"rlcore-run: rollout engine {index} restarted" + (f" (server {url})" if url else ""), flush=True)
+        future.set_result(actor)
+
+    def _relaunch(self, index: int) -> str:
+        """Stop what is left of engine ``index``'s server and launch it again (a new launcher on the same bundle if
+        the old one died too); its new base URL."""
+        launcher_opts, env, argv = self._server_specs[index]
+        la = self.launchers[index]
+        try:
+            ray.get(la.stop.remote(grace=SERVER_STOP_GRACE_S))
+        except ray.exceptions.RayActorError:
+            la = ray.remote(launcher.ProcessLauncher).options(**launcher_opts).remote(env=env)
+            self.launchers[index] = la
+        return ray.get(la.start.remote(argv, health_path="/health_generate", timeout=self.startup_timeout))
+
+    def _wait_external(self, index: int, url: str) -> None:
+        """Wait until the external server of engine ``index`` answers again; :class:`EngineDied` after
+        ``--sglang-server-startup-timeout`` seconds (it is not ours to relaunch)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while not launcher.server_alive(url, timeout=self.check_timeout):
+            if time.monotonic() >= deadline:
+                raise EngineDied(
+                    f"rollout engine {index}'s server {url} (--rollout-external-engine-addrs) did not answer again "
+                    f"within --sglang-server-startup-timeout {self.startup_timeout:g} s: the job stops"
+                )
+            time.sleep(EXTERNAL_POLL_S)
+
+    def _restarted(self, index: int, future: concurrent.futures.Future, timeout: float | None = None) -> Any:
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise
+        except EngineDied:
+            raise
+        except Exception as err:
+            raise EngineDied(f"rollout engine {index} died and could not be restarted ({first_line(err)})") from err
+
+    def wait_restarts(self) -> list[Any]:
+        """Wait until no engine is being restarted; every engine's actor, in index order."""
+        while True:
+            with self._lock:
+                pending = dict(self._restarts)
+            if not pending:
+                with self._lock:
+                    return list(self.actors)
+            for index, future in pending.items():
+                self._restarted(index, future)
+
+    def find_dead(self, actors: Sequence[Any]) -> dict[int, str]:
+        """Which of ``actors`` (all the engines, in index order) do not answer a control call, or whose server does
+        not answer at all: index -> why."""
+        refs = [a.weight_version.remote() for a in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=self.check_timeout)
+        dead = {}
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                dead[index] = f"did not answer in --rollout-health-check-timeout {self.check_timeout:g} s"
+            except ray.exceptions.RayError as err:
+                if engine_died(err):
+                    dead[index] = f"died ({first_line(err)})"
+        return {**dead, **self._dead_servers(exclude=set(dead))}
+
+    def _dead_servers(self, exclude: set[int] = frozenset()) -> dict[int, str]:
+        """Engines whose server (``server_urls``) does not answer at all: index -> why."""
+        dead = {}
+        for index, url in enumerate(list(self.server_urls)):
+            if url is not None and index not in exclude and not launcher.server_alive(url, timeout=self.check_timeout):
+                dead[index] = f"its server {url} does not answer"
+        return dead
+
+    def on_all(self, fn: Callable[[list[Any]], T], *, what: str) -> T:
+        """``fn(actors)`` with every engine's actor; when it fails because an engine died (restarted meanwhile),
+        once more with the restarted engines, up to :data:`MAX_GROUP_CALL_TRIES` times."""
+        for _ in range(MAX_GROUP_CALL_TRIES):
+            actors = self.wait_restarts()
+            try:
+                return fn(actors)
+            except ray.exceptions.RayError:
+                dead = self.find_dead(actors)
+                if not dead:
+                    raise
+                for index, reason in dead.items():
+                    self._engine_failed(index, actors[index], f"{reason} during {what}")
+        raise EngineDied(f"rollout engines kept dying during {what} ({MAX_GROUP_CALL_TRIES} tries)")
+
+    async def _live_actor(self, preferred: int) -> tuple[int, Any]:
+        """Engine ``preferred`` when it is live, else the next live one, else (none live) ``preferred`` once it is
+        restarted."""
+        with self._lock:
+            n = len(self.actors)
+            for k in range(n):
+                index = (preferred + k) % n
+                if index not in self._restarts:
+                    return index, self.actors[index]
+            future = self._restarts[preferred]
+        return preferred, await asyncio.wrap_future(future)
+
+    async def _generate_on(self, preferred: int, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """``generate`` on engine ``preferred``; when the engine dies under it, again on a live engine."""
+        while True:
+            index, actor = await self._live_actor(preferred)
+            try:
+                return await actor.generate.remote(prompts, params)
+            except ray.exceptions.RayActorError as err:
+                if not engine_died(err):
+                    raise
+                self._engine_failed(index, actor, f"died during generate ({first_line(err)})")
+                with self._lock:
+                    self.counts["redispatched_requests"] += len(prompts)
+
+    async def _generate_routed(self, prompt: list[int], params: SamplingParams, key: str | None) -> list[Generation]:
+        """One prompt through the router. The router retries a request on another server itself; when it gives up
+        (a server error: every server it tried is gone), the servers are checked at once, the dead ones restarted
+        (or, without fault tolerance, the job stops), and the request is sent again once a server is live."""
+        for _ in range(MAX_ROUTED_TRIES):
+            try:
+                return await self.router.generate.remote([prompt], params, routing_key=key)
+            except ray.exceptions.RayTaskError as err:
+                if not _server_side(err):
+                    raise
+                failure = err
+            why = first_line(getattr(failure, "cause", None) or failure)
+            dead = await asyncio.to_thread(self._fail_dead_servers, f"failed a request ({why})")
+            if not dead and not self._restarts:
+                raise failure  # no server is dead: the error is the request's own
+            await self._until_one_live()
+            with self._lock:
+                self.counts["redispatched_requests"] += 1
+        raise EngineDied(f"rollout engines kept dying under a request ({MAX_ROUTED_TRIES} tries)")
+
+    def _fail_dead_servers(self, what: str) -> dict[int, str]:
+        """Report every live engine whose server does not answer (see :meth:`_engine_failed`); those found."""
+        live = self.live_engines()
+        dead = self._dead_servers(exclude=set(range(len(self.actors))) - set(live))
+        for index, reason in dead.items():
+            self._engine_failed(index, live[index], f"{reason}: the router {what}")
+        return dead
+
+    async def _until_one_live(self) -> None:
+        """Return once some engine takes requests (waiting for a restart while none does)."""
+        while True:
+            with self._lock:
+                if len(self._restarts) < len(self.actors):
+                    return
+                index, future = next(iter(self._restarts.items()))
+            try:
+                await asyncio.wrap_future(future)
+            except Exception:
+                self._restarted(index, future)  # raises EngineDied
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Restarts and re-dispatched requests since the last call (``engines/*``)."""
+        with self._lock:
+            counts, self.counts = self.counts, Counter()
+        return {
+            "engines/restarts": counts["restarts"],
+            "engines/redispatched_requests": counts["redispatched_requests"],
+        }
+
+    # ------------------------------------------------------------------ requests
 
     def _launch_servers(self, cfg: Config, placement: Placement, model_path: str, n: int, per: int) -> list[str]:
         """Start one server per engine, each by a launcher on the engine's first bundle; their base URLs."""
@@ -119,7 +423,8 @@ class EngineGroup:
         for i in range(n):
             bundles = placement.engine_bundles[i * per : (i + 1) * per]
             env = {"CUDA_VISIBLE_DEVICES": ",".join(_gpu_ids(placement, bundles))} if placement.use_gpu else {}
-            actor = ray.remote(launcher.ProcessLauncher).options(**placement.options(bundles[0])).remote(env=env)
+            launcher_opts = placement.options(bundles[0])
+            actor = ray.remote(launcher.ProcessLauncher).options(**launcher_opts).remote(env=env)
             self.launchers.append(actor)
             argv = launcher.server_argv(
                 s.sglang_server_command,
@@ -130,6 +435,7 @@ class EngineGroup:
                 seed=cfg.seed + 1000 * i,
                 server_args=s.sglang_args,
             )
+            self._server_specs.append((launcher_opts, env, argv))
             pending.append(
                 actor.start.remote(argv, health_path="/health_generate", timeout=s.sglang_server_startup_timeout)
             )
@@ -148,7 +454,8 @@ class EngineGroup:
                 host="{host}",
                 port="{port}",
                 request_timeout_secs=s.sglang_router_request_timeout_secs,
-                router_args=s.router_args,
+                # A free metrics port unless given: the router's fixed default collides with a second job's router.
+                router_args={"prometheus_port": launcher.free_port(), **(s.router_args or {})},
             )
             self.router_url = ray.get(
                 self.router_launcher.start.remote(argv, health_path="/health", timeout=s.sglang_server_startup_timeout)
@@ -184,22 +491,43 @@ class EngineGroup:
                 self.router.generate.remote([list(p)], params, routing_key=k)
                 for p, k in zip(prompts, keys, strict=True)
             ]
+        return [
+            self.actors[e].generate.remote(list(prompts[lo:hi]), params) for e, lo, hi in self._chunks(len(prompts))
+        ]
+
+    def _chunks(self, n_prompts: int) -> list[tuple[int, int, int]]:
+        """``assign_chunks`` over the engines: from engine 0 for a batch, round-robin for calls of fewer prompts."""
         n = len(self.actors)
-        if len(prompts) >= n:
-            chunks = assign_chunks(len(prompts), n)
-        else:
-            chunks = assign_chunks(len(prompts), n, start=self._next_engine)
-            self._next_engine = (self._next_engine + len(chunks)) % n
-        return [self.actors[e].generate.remote(list(prompts[lo:hi]), params) for e, lo, hi in chunks]
+        if n_prompts >= n:
+            return assign_chunks(n_prompts, n)
+        chunks = assign_chunks(n_prompts, n, start=self._next_engine)
+        self._next_engine = (self._next_engine + len(chunks)) % n
+        return chunks
 
     async def generate(
         self, prompts: Sequence[list[int]], params: SamplingParams, *, session_ids: Sequence[str | None] | None = None
     ) -> list[Generation]:
-        outs = [await ref for ref in self.generate_async(prompts, params, session_ids=session_ids)]
+        """``generate_async``'s calls, awaited; an engine that dies under a call is handled as the module docstring
+        says (its requests go to a live engine, or wait for its restart)."""
+        if self.router is not None:
+            if session_ids is not None and len(session_ids) != len(prompts):
+                raise ValueError(f"session_ids has {len(session_ids)} entries for {len(prompts)} prompts")
+            keys = session_ids or [None] * len(prompts)
+            outs = await asyncio.gather(
+                *(self._generate_routed(list(p), params, k) for p, k in zip(prompts, keys, strict=True))
+            )
+        elif not self.actors:
+            outs = [await ref for ref in self.generate_async(prompts, params, session_ids=session_ids)]
+        else:
+            outs = await asyncio.gather(
+                *(self._generate_on(e, list(prompts[lo:hi]), params) for e, lo, hi in self._chunks(len(prompts)))
+            )
         return [g for out in outs for g in out]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self.on_all(
+            lambda actors: ray.get([getattr(a, method).remote(*args, **kwargs) for a in actors]), what=method
+        )
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self._all("update_weights_from_disk", path, weight_version=weight_version)
@@ -213,7 +541,7 @@ class EngineGroup:
 
     def weight_dtype(self) -> str:
         """The dtype the engines hold their weights in (they are built alike, so engine 0 answers for all)."""
-        return ray.get(self.actors[0].weight_dtype.remote())
+        return self.on_all(lambda actors: ray.get(actors[0].weight_dtype.remote()), what="weight_dtype")
 
     def abort(self) -> None:
         """Cut every running generation short (each returns its partial response, ``finish_reason="abort"``)."""
@@ -227,20 +555,45 @@ class EngineGroup:
         return self._all("get_rng_state")
 
     def set_rng_state(self, states: list[Any]) -> None:
-        ray.get([a.set_rng_state.remote(s) for a, s in zip(self.actors, states, strict=True)])
+        self.on_all(
+            lambda actors: ray.get([a.set_rng_state.remote(s) for a, s in zip(actors, states, strict=True)]),
+            what="set_rng_state",
+        )
 
     def release_memory(self, tags: list[str] | None = None) -> None:
+        # A released engine cannot generate, so it reports itself unhealthy: no checks until the resume.
+        if self.monitor is not None:
+            self.monitor.pause()
         self._all("release_memory", tags)
+        self._released_tags = sorted(
+            set(self._released_tags or []) | set(tags or ["weights", "kv_cache", "cuda_graph"])
+        )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._all("resume_memory", tags)
+        left = sorted(set(self._released_tags or []) - set(tags or ["weights", "kv_cache", "cuda_graph"]))
+        self._released_tags = left or None
+        if self.monitor is not None and self._released_tags is None:
+            self.monitor.resume()
 
     def health(self) -> list[bool]:
         return self._all("health")
 
+    def device_memory(self) -> list[dict[str, int] | None]:
+        """Each engine's peak reserved GPU memory and device total (``HFEngine.device_memory``); None for an engine
+        that does not report it (an SGLang server holds a fixed fraction of its GPU) or runs on the CPU."""
+        if not hasattr(self.kind.load(), "device_memory"):
+            return [None] * len(self.actors)
+        return self._all("device_memory")
+
     def shutdown(self) -> None:
         """Close the engines, stop the router and the servers this group launched (best effort: this also runs while
         a failed job unwinds)."""
+        if self.monitor is not None:
+            self.monitor.stop()
+        for future in list(self._restarts.values()):
+            with contextlib.suppress(Exception):
+                ray.kill(future.result(timeout=self.check_timeout))
         clients = self.actors + ([self.router] if self.router is not None else [])
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get([a.close.remote() for a in clients])

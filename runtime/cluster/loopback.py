@@ -8,6 +8,8 @@
 - torch's ``TCPStore`` (the ``init_process_group`` rendezvous) listens on every interface whatever host it is given;
   :func:`rendezvous_store` hands rank 0's store a socket bound to 127.0.0.1 instead, and :func:`confine_collectives`
   binds gloo's and NCCL's own sockets to the loopback interface.
+- A job that joins a Ray cluster (``RAY_ADDRESS``, nodes started with ``ray start``) listens where that cluster
+  does; trainer ranks on several nodes meet at rank 0's node IP (``runtime.cluster.placement.rendezvous_address``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import socket
 from typing import Any
 
 RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Set (Ray's own variable): rlcore-run joins that Ray cluster instead of starting a confined one-node Ray.
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK = "127.0.0.1"
 
 

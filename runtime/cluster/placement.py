@@ -13,6 +13,7 @@ source of truth that the engine group reads too. The groups of actors live in ``
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from runtime.cluster.loopback import LOOPBACK, is_loopback
 from runtime.config import Config, ConfigError
 from runtime.engines.registry import engine_kind
 from runtime.errors import JobError
@@ -111,7 +113,52 @@ def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
     return Placement(group, use_gpu, plan.trainer_bundles, plan.engine_bundles, plan.share, threads)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` of this machine now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def rendezvous_address(trainer_nodes: Sequence[str], node_ips: Mapping[str, str]) -> str:
+    """Where the trainer ranks' ``torch.distributed`` group meets: 127.0.0.1 when every trainer bundle lies on one
+    node (the loopback rules, ``runtime.cluster.loopback``), else the IP of the node of rank 0's bundle.
+
+    ``trainer_nodes`` are the Ray node ids of the trainer bundles in rank order, ``node_ips`` each node's IP.
+    ``JobError`` when the ranks span nodes and rank 0's node has no address the others can reach."""
+    if not trainer_nodes:
+        raise ValueError("trainer_nodes is empty: a trainer group has at least one rank")
+    if len(set(trainer_nodes)) == 1:
+        return LOOPBACK
+    missing = sorted(set(trainer_nodes) - set(node_ips))
+    if missing:
+        raise ValueError(f"no IP for the Ray nodes {missing} of the trainer bundles")
+    address = node_ips[trainer_nodes[0]]
+    if is_loopback(address):
+        raise JobError(
+            f"the trainer ranks span {len(set(trainer_nodes))} nodes, but rank 0's node has the loopback address "
+            f"{address}: the other nodes cannot reach it (start the Ray cluster with each node's routable IP)"
+        )
+    return address
+
+
+def _port_on_this_node() -> int:
+    return free_port("0.0.0.0")
+
+
+def trainer_rendezvous(placement: Placement) -> tuple[str, int]:
+    """``(address, port)`` of the trainers' rendezvous: :func:`rendezvous_address` of the nodes Ray placed the
+    trainer bundles on; on several nodes the port is picked free on rank 0's node (by a task in its bundle)."""
+    table = ray.util.placement_group_table(placement.group)
+    by_bundle = table.get("bundles_to_node_id", {})
+    nodes = [by_bundle.get(bundle, "") for bundle in placement.trainer_bundles]
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
+    address = rendezvous_address(nodes, ips)
+    if address == LOOPBACK:
+        return address, free_port()
+    probe = ray.remote(num_cpus=0)(_port_on_this_node).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement.group, placement_group_bundle_index=placement.trainer_bundles[0]
+        )
+    )
+    return address, ray.get(probe.remote())

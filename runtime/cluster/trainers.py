@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +21,65 @@ import torch
 from tensordict import TensorDict
 
 from rlcore.advantages import AdvantageConfig
-from runtime.cluster.placement import Placement, free_port
+from runtime.cluster.health import first_line
+from runtime.cluster.placement import Placement, trainer_rendezvous
 from runtime.engines import launcher, weight_transfer
 from runtime.engines.sglang_engine import copy_model_files
+from runtime.errors import JobError
 from runtime.train.backends import backend_class
 from runtime.train.batch import shard_rows
+from runtime.train.hooks import TrainHooks
+from runtime.train.memory import memory_history
 from runtime.train.step import train_rollout
+
+# Seconds the group waits for its other ranks once one call failed, to tell a dead rank from a failing call, and for
+# live ranks to shut down (a rank whose peer died inside a collective may never answer).
+SETTLE_TIMEOUT_S = 30
+
+
+class TrainerDied(JobError):
+    """A trainer rank's process died (killed, out of memory, its node lost)."""
+
+    def __init__(self, rank: int, err: BaseException):
+        lines = str(err).strip().splitlines()
+        super().__init__(f"trainer rank {rank} died ({type(err).__name__}: {lines[0] if lines else ''})")
+        self.rank = rank
+
+
+def _actor_died(err: BaseException) -> bool:
+    return isinstance(err, ray.exceptions.RayActorError) and not isinstance(err, ray.exceptions.RayTaskError)
+
+
+def device_memory() -> dict[str, int] | None:
+    """``{"peak": max reserved bytes of this process, "total": its device's bytes}``, None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    return {
+        "peak": torch.cuda.max_memory_reserved(device),
+        "total": torch.cuda.get_device_properties(device).total_memory,
+    }
 
 
 class TrainerWorker:
     """One trainer rank: a backend plus the steps that run next to it (see the module docstring)."""
 
-    def __init__(self, backend: str, model_path: str, **backend_kwargs: Any):
+    def __init__(self, backend: str, model_path: str, *, debug: Any = None, **backend_kwargs: Any):
         self.model_path = model_path
+        # slime's --record-memory-history: started before the model is built, so its allocations are in it.
+        self.memory = memory_history(debug, rank=backend_kwargs.get("rank", 0)) if debug is not None else None
         self.backend = backend_class(backend)(model_path, **backend_kwargs)
+        # slime's trainer-side hooks (runtime.train.hooks): the backend has its own; the rollout-level ones run here.
+        self.hooks = backend_kwargs.get("hooks") or TrainHooks()
+        self.resolved = self.hooks.resolve()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A :class:`runtime.train.backends.base.TrainBackend` method by name."""
         return getattr(self.backend, method)(*args, **kwargs)
+
+    def device_memory(self) -> dict[str, int] | None:
+        """This process's peak of reserved GPU memory and its device's total (bytes); None without a GPU."""
+        return device_memory()
 
     def train_rollout(
         self,
@@ -45,14 +88,25 @@ class TrainerWorker:
         global_batch_size: int,
         adv_cfg: AdvantageConfig,
         use_rollout_log_probs: bool = False,
+        train_actor: bool = True,
+        rollout_id: int | None = None,
     ) -> dict[str, float]:
-        return train_rollout(
+        metrics = train_rollout(
             self.backend,
             batch,
             global_batch_size=global_batch_size,
             adv_cfg=adv_cfg,
             use_rollout_log_probs=use_rollout_log_probs,
+            train_actor=train_actor,
+            rollout_id=rollout_id,
+            hooks=self.hooks,
+            resolved=self.resolved,
         )
+        if self.memory is not None and rollout_id is not None:
+            path = self.memory.step(rollout_id)
+            if path is not None:
+                print(f"rlcore-run: CUDA memory snapshot of rollout {rollout_id} written to {path}", flush=True)
+        return metrics
 
     def sft_train(self, batch: TensorDict) -> dict[str, float]:
         dp_rank, dp_size = self.backend.dp_info()
@@ -77,6 +131,28 @@ class TrainerWorker:
     def _send(engines: list[Any], bucket: dict[str, torch.Tensor], *, version: int | None) -> int:
         ref = ray.put(bucket)
         ray.get([e.load_weights.remote(ref, weight_version=version) for e in engines])
+        return sum(t.nbytes for t in bucket.values())
+
+    def share_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
+        """Send the weights to colocated ``engines`` as handles to this process's memory (CUDA IPC on a GPU, shared
+        memory on the CPU; ``update_weights_from_tensor``), bucket by bucket, each kept alive until every engine has
+        copied it; the last bucket carries ``version``. Every rank joins the gather; returns the bytes shared."""
+        sent = 0
+        previous = None
+        for bucket in self.backend.weight_buckets(
+            dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes, device="model"
+        ):
+            if previous is not None:
+                sent += self._share(engines, previous, version=None)
+            previous = bucket
+        if previous is not None:
+            sent += self._share(engines, previous, version=version)
+        return sent
+
+    @staticmethod
+    def _share(engines: list[Any], bucket: dict[str, torch.Tensor], *, version: int | None) -> int:
+        payload = weight_transfer.serialize_named_tensors(list(bucket.items()))
+        ray.get([e.update_weights_from_tensor.remote(payload, weight_version=version) for e in engines])
         return sum(t.nbytes for t in bucket.values())
 
     def weight_group_address(self) -> tuple[str, int, str]:
@@ -123,7 +199,16 @@ class TrainerWorker:
             )
             for e in engines
         ]
-        sent = weight_transfer.send_bucket(self._weight_group, bucket, device=self._weight_device)
+        try:
+            sent = weight_transfer.send_bucket(
+                self._weight_group, bucket, device=self._weight_device, failed=lambda: _first_failure(refs)
+            )
+        except BaseException:
+            # Aborted: the weight sync forms a new group under a new name. This one is kept, not destroyed: an
+            # operation may still wait in it (gloo's abort does not end one stuck on a hung peer).
+            self._abandoned_groups = [*getattr(self, "_abandoned_groups", []), self._weight_group]
+            self._weight_group = None
+            raise
         ray.get(refs)
         return sent
 
@@ -157,29 +242,66 @@ class TrainerWorker:
         return str(out)
 
 
+def _with_env(options: dict[str, Any], env_vars: Mapping[str, str]) -> dict[str, Any]:
+    """Ray actor ``options`` with ``env_vars`` added to (and overriding) those of its ``runtime_env``."""
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env_vars}
+    return {**options, "runtime_env": runtime_env}
+
+
 class TrainerGroup:
     """The trainer ranks of one model role group, driven as one (every method runs on every rank at once)."""
 
-    def __init__(self, placement: Placement, *, backend: str, model_path: str, **backend_kwargs: Any):
+    def __init__(
+        self,
+        placement: Placement,
+        *,
+        backend: str,
+        model_path: str,
+        env_vars: Mapping[str, str] | None = None,
+        **backend_kwargs: Any,
+    ):
+        """``env_vars`` (slime's ``--train-env-vars``) are set in every trainer process, over the placement's own."""
         world_size = len(placement.trainer_bundles)
-        port = free_port()
+        # 127.0.0.1 on one node; rank 0's node IP when the trainer bundles span nodes.
+        address, port = trainer_rendezvous(placement)
         remote_cls = ray.remote(TrainerWorker)
         self.actors = [
-            remote_cls.options(**placement.options(bundle)).remote(
+            remote_cls.options(**_with_env(placement.options(bundle), env_vars or {})).remote(
                 backend,
                 model_path,
                 rank=rank,
                 world_size=world_size,
-                master_addr="127.0.0.1",
+                master_addr=address,
                 master_port=port,
                 **backend_kwargs,
             )
             for rank, bundle in enumerate(placement.trainer_bundles)
         ]
+        # The step whose weights the trainers hold (the loop sets it after a load and after every training step): a
+        # restarted rollout engine takes the weights under this version.
+        self.version = 0
+        # Held while the weights and ``version`` change (a training step) and while a restarted engine takes them.
+        self.weights_lock = threading.RLock()
+
+    def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """``ray.get(refs)`` (one ref per rank, in rank order), raising :class:`TrainerDied` when a rank's process
+        died, also when another rank's error (a collective whose peer vanished) came first."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as err:
+            if _actor_died(err):
+                rank = next((r for r, ref in enumerate(refs) if _failed_by_death(ref)), 0)
+                raise TrainerDied(rank, err) from None
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=SETTLE_TIMEOUT_S)
+            for rank, ref in enumerate(refs):
+                if ref in ready and _failed_by_death(ref):
+                    raise TrainerDied(rank, err) from None
+            raise
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """A backend method on every rank; each rank's result, in rank order."""
-        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+        return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors])
 
     def train_rollout(
         self,
@@ -188,25 +310,51 @@ class TrainerGroup:
         global_batch_size: int,
         adv_cfg: AdvantageConfig,
         use_rollout_log_probs: bool = False,
+        train_actor: bool = True,
+        rollout_id: int | None = None,
     ) -> dict[str, float]:
-        """Train every rank on its shard of ``batch``, which goes out once, as one object ref."""
+        """Train every rank on its shard of ``batch``, which goes out once, as one object ref (``train_actor`` False:
+        the critic only, slime's ``--num-critic-only-steps``; ``rollout_id`` for the memory snapshots)."""
         ref = ray.put(batch)
-        kwargs = {"global_batch_size": global_batch_size, "adv_cfg": adv_cfg}
-        outs = ray.get(
+        kwargs = {
+            "global_batch_size": global_batch_size,
+            "adv_cfg": adv_cfg,
+            "train_actor": train_actor,
+            "rollout_id": rollout_id,
+        }
+        outs = self._get(
             [a.train_rollout.remote(ref, use_rollout_log_probs=use_rollout_log_probs, **kwargs) for a in self.actors]
         )
         return outs[0]
 
     def sft_train(self, batch: TensorDict) -> dict[str, float]:
         ref = ray.put(batch)
-        return ray.get([a.sft_train.remote(ref) for a in self.actors])[0]
+        return self._get([a.sft_train.remote(ref) for a in self.actors])[0]
 
     def push_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
         # Only rank 0 holds gathered weights; handing the engines to the others would make them send nothing anyway.
-        outs = ray.get(
+        outs = self._get(
             [
                 a.push_buckets.remote(
                     engines if rank == 0 else [], version=version, dtype=dtype, bucket_bytes=bucket_bytes
+                )
+                for rank, a in enumerate(self.actors)
+            ]
+        )
+        return outs[0]
+
+    def share_buckets(self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int) -> int:
+        """Every rank gathers the weights onto its device and shares them with the engine colocated there (engine
+        ``r`` shares rank ``r``'s bundle); with one engine per trainer rank, or all engines from rank 0 otherwise
+        (the CPU, where shared memory reaches every process). Returns the bytes rank 0 shared."""
+        per_rank = len(engines) == len(self.actors)
+        outs = ray.get(
+            [
+                a.share_buckets.remote(
+                    [engines[rank]] if per_rank else (engines if rank == 0 else []),
+                    version=version,
+                    dtype=dtype,
+                    bucket_bytes=bucket_bytes,
                 )
                 for rank, a in enumerate(self.actors)
             ]
@@ -224,7 +372,7 @@ class TrainerGroup:
         self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int, group_name: str
     ) -> list[int]:
         # Every rank gathers; only rank 0 holds the weights, joins the group and talks to the engines.
-        outs = ray.get(
+        outs = self._get(
             [
                 a.broadcast_buckets.remote(
                     engines if rank == 0 else [],
@@ -242,9 +390,9 @@ class TrainerGroup:
         ray.get(self.actors[0].destroy_weight_group.remote())
 
     def write_weights(self, folder: str, *, dtype: str, bucket_bytes: int) -> str:
-        return ray.get([a.write_weights.remote(folder, dtype=dtype, bucket_bytes=bucket_bytes) for a in self.actors])[
-            0
-        ]
+        return self._get(
+            [a.write_weights.remote(folder, dtype=dtype, bucket_bytes=bucket_bytes) for a in self.actors]
+        )[0]
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full float32 weights (rank 0's gather; tied weights once), for tests and exports."""
@@ -262,12 +410,40 @@ class TrainerGroup:
     def release_memory(self) -> None:
         self.call("release_memory")
 
+    def device_memory(self) -> list[dict[str, int] | None]:
+        """Each rank's :func:`device_memory`."""
+        return ray.get([a.device_memory.remote() for a in self.actors])
+
     def resume_memory(self) -> None:
         self.call("resume_memory")
 
     def shutdown(self) -> None:
-        # Best effort: this runs while a failed job unwinds, when an actor may already be dead.
+        # Best effort: this runs while a failed job unwinds, when an actor may already be dead, or stuck in a
+        # collective with a dead one.
         with contextlib.suppress(ray.exceptions.RayError):
-            self.call("shutdown")
+            ray.get([a.call.remote("shutdown") for a in self.actors], timeout=SETTLE_TIMEOUT_S)
         for a in self.actors:
             ray.kill(a)
+
+
+def _first_failure(refs: list[ray.ObjectRef]) -> str | None:
+    """Why the first of the finished calls ``refs`` (one per engine) failed, None while none has: an engine whose
+    receive failed, or whose process died, leaves a broadcast that cannot complete."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayError as err:
+            return f"engine {refs.index(ref)}'s receive failed ({first_line(err)})"
+    return None
+
+
+def _failed_by_death(ref: ray.ObjectRef) -> bool:
+    """Whether the finished call ``ref`` failed because its actor's process died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return False
+    except ray.exceptions.RayError as err:
+        return _actor_died(err)
+    return False

@@ -15,7 +15,17 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   while rank 0 broadcasts its tensors (``runtime.engines.weight_transfer``); NCCL when the trainer has a GPU, gloo on
   the CPU. SGLang servers and the embedded engine both receive this way.
 
-CUDA IPC (SGLang's ``update_weights_from_tensor``, for colocated engines) would plug in here as one more entry.
+- ``ipc``: for engines colocated with trainer rank 0 (the default under ``--colocate``). Each bucket stays where
+  the trainer computes, in the engines' dtype, and crosses as handles to its memory (CUDA IPC on a GPU, shared-memory
+  files on the CPU; SGLang's ``update_weights_from_tensor``), so no weight passes through host memory or a socket;
+  the trainer keeps a bucket alive until every engine has copied it.
+
+An engine that dies during a push is restarted by the engine group and the push runs again (``EngineGroup.on_all``);
+over NCCL/gloo the trainer aborts the broadcast as soon as a receiver fails (``weight_transfer.send_bucket``) rather
+than waiting for the collective's timeout.
+A restarted engine takes the trainers' weights before it serves (``rejoin``, labelled with the trainers' version
+``TrainerGroup.version``): one engine by the object store or the disk; over NCCL the group is formed again with the new
+engine and every engine receives the weights.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +46,10 @@ from runtime.engines import weight_transfer
 class WeightSync(Protocol):
     def push(self, version: int) -> None:
         """Load the trainers' current weights into every engine; afterwards every engine samples with ``version``."""
+        ...
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        """Load the trainers' current weights into restarted engines (``{index: new actor}``), before they serve."""
         ...
 
     def close(self) -> None:
@@ -51,9 +66,13 @@ class ObjectStoreSync:
         self.bytes_sent = 0
 
     def push(self, version: int) -> None:
-        self.bytes_sent = self.trainers.push_buckets(
-            self.engines.actors, version=version, dtype=self.dtype, bucket_bytes=self.bucket_bytes
-        )
+        self.bytes_sent = self.engines.on_all(lambda actors: self._push(actors, version), what="the weight sync")
+
+    def _push(self, actors: list[Any], version: int) -> int:
+        return self.trainers.push_buckets(actors, version=version, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        self._push(list(replacements.values()), self.trainers.version)
 
     def close(self) -> None:
         pass
@@ -72,14 +91,43 @@ class DiskSync:
         self.root = Path(folder or tempfile.mkdtemp(prefix="rlcore-weights-"))
 
     def push(self, version: int) -> None:
-        path = self.trainers.write_weights(
+        path = self._write()
+        self.engines.update_weights_from_disk(path, weight_version=version)
+
+    def _write(self) -> str:
+        return self.trainers.write_weights(
             str(self.root / "weights"), dtype=self.dtype, bucket_bytes=self.bucket_bytes
         )
-        self.engines.update_weights_from_disk(path, weight_version=version)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        path = self._write()
+        version = self.trainers.version
+        ray.get([a.update_weights_from_disk.remote(path, weight_version=version) for a in replacements.values()])
 
     def close(self) -> None:
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+class IpcSync:
+    """Buckets as handles to the trainer's memory, for colocated engines (see the module docstring)."""
+
+    def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int):
+        self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
+        self.dtype = engines.weight_dtype()
+        self.bytes_sent = 0
+
+    def push(self, version: int) -> None:
+        self.bytes_sent = self.engines.on_all(lambda actors: self._push(actors, version), what="the weight sync")
+
+    def _push(self, actors: list[Any], version: int) -> int:
+        return self.trainers.share_buckets(actors, version=version, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        self._push(list(replacements.values()), self.trainers.version)
+
+    def close(self) -> None:
+        pass
 
 
 class NoSync:
@@ -89,6 +137,9 @@ class NoSync:
         pass
 
     def push(self, version: int) -> None:
+        pass
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
         pass
 
     def close(self) -> None:
@@ -103,43 +154,87 @@ class DistributedSync:
         self, trainers: Any, engines: Any, *, bucket_bytes: int, group_name: str = weight_transfer.DEFAULT_GROUP
     ):
         self.trainers, self.engines, self.bucket_bytes, self.group_name = trainers, engines, bucket_bytes, group_name
+        self._base_name, self._formed = group_name, 0
         self.dtype = engines.weight_dtype()
         self.bucket_sizes: list[int] = []
         self.bytes_sent = 0
-        host, port, self.backend = trainers.weight_group_address()
-        ranks = engines.tp_sizes()
+        # One broadcast at a time: a restarted engine's rejoin runs in the engine group's restart thread.
+        self._lock = threading.RLock()
+        self._broken = False  # a broadcast failed: the group must be formed again
+        self._join(list(engines.actors))
+
+    def _join(self, actors: list[Any]) -> None:
+        """Form the weight-update group of trainer rank 0 and ``actors``. A group formed again gets a new name: an
+        aborted one may not have left (a gloo operation stuck on a hung peer keeps it), and names must be unique."""
+        self._formed += 1
+        self.group_name = self._base_name if self._formed == 1 else f"{self._base_name}-{self._formed}"
+        host, port, self.backend = self.trainers.weight_group_address()
+        ranks = ray.get([a.tp_size.remote() for a in actors])
         world_size = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         joins = [
             a.init_weights_update_group.remote(
-                host, port, offset, world_size, group_name=group_name, backend=self.backend
+                host, port, offset, world_size, group_name=self.group_name, backend=self.backend
             )
-            for a, offset in zip(engines.actors, offsets, strict=True)
+            for a, offset in zip(actors, offsets, strict=True)
         ]
-        trainer = trainers.init_weight_group(
-            master_address=host, master_port=port, world_size=world_size, group_name=group_name, backend=self.backend
+        trainer = self.trainers.init_weight_group(
+            master_address=host,
+            master_port=port,
+            world_size=world_size,
+            group_name=self.group_name,
+            backend=self.backend,
         )
         ray.get([trainer, *joins])
+        self.members = actors
+        self._pushed: int | None = None
 
     def push(self, version: int) -> None:
-        self.bucket_sizes = self.trainers.broadcast_buckets(
-            self.engines.actors,
-            version=version,
-            dtype=self.dtype,
-            bucket_bytes=self.bucket_bytes,
-            group_name=self.group_name,
-        )
-        self.bytes_sent = sum(self.bucket_sizes)
+        # An engine that dies mid-broadcast fails it at once (the trainer aborts the group, see
+        # ``weight_transfer.send_bucket``); it is restarted, rejoins, and the push runs again.
+        self.engines.on_all(lambda actors: self._broadcast(actors, version), what="the weight sync")
 
-    def close(self) -> None:
-        # Best effort: this also runs while a failed job unwinds.
+    def _broadcast(self, actors: list[Any], version: int) -> None:
+        with self._lock:
+            if actors == self.members and self._pushed == version and not self._broken:
+                return  # a restart's rejoin already sent this version to every engine
+            if actors != self.members or self._broken:  # a restarted engine, or an aborted broadcast
+                self._leave()
+                self._join(actors)
+            self._broken, self._pushed = True, None
+            self.bucket_sizes = self.trainers.broadcast_buckets(
+                actors, version=version, dtype=self.dtype, bucket_bytes=self.bucket_bytes, group_name=self.group_name
+            )
+            self._broken, self._pushed = False, version
+            self.bytes_sent = sum(self.bucket_sizes)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        # A group has a fixed world: it is formed again with the new engines, and all take the weights.
+        with self._lock:
+            actors = [replacements.get(i, a) for i, a in enumerate(self.members)]
+            self._broadcast(actors, self.trainers.version)
+
+    def _leave(self) -> None:
+        # Best effort: a dead member cannot leave, and this also runs while a failed job unwinds.
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get([a.destroy_weights_update_group.remote(self.group_name) for a in self.engines.actors])
+            ray.wait(
+                [a.destroy_weights_update_group.remote(self.group_name) for a in self.members],
+                num_returns=len(self.members),
+                timeout=30,
+            )
         with contextlib.suppress(ray.exceptions.RayError):
             self.trainers.destroy_weight_group()
 
+    def close(self) -> None:
+        self._leave()
 
-WEIGHT_SYNCS: dict[str, type[Any]] = {"object_store": ObjectStoreSync, "disk": DiskSync, "nccl": DistributedSync}
+
+WEIGHT_SYNCS: dict[str, type[Any]] = {
+    "object_store": ObjectStoreSync,
+    "disk": DiskSync,
+    "nccl": DistributedSync,
+    "ipc": IpcSync,
+}
 
 
 def check_weights_equal(trainers: Any, engines: Any, *, truncate_size: int = 4) -> int:
@@ -172,4 +267,14 @@ def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: st
     kind = kind or engines.weight_sync_kind
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")
-    return WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)
+    sync = WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)
+    lock = getattr(trainers, "weights_lock", None)
+
+    def rejoin(replacements: dict[int, Any]) -> None:
+        # Under the trainers' weights lock: the weights and ``trainers.version`` change together (the loop trains
+        # under it), so a restart while the trainers train (--async) labels the weights it loads honestly.
+        with lock if lock is not None else contextlib.nullcontext():
+            sync.rejoin(replacements)
+
+    engines.rejoin = rejoin
+    return sync

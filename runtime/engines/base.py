@@ -11,6 +11,7 @@ behind the same methods.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,7 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 class SamplingParams:
     """Sampling settings of one generate call (slime's names: ``--rollout-temperature`` and friends).
 
-    ``top_k=-1`` is off; ``stop_token_ids`` end a response in addition to the model's eos ids.
+    ``top_k=-1`` is off; ``stop_token_ids`` end a response in addition to the model's eos ids; ``stop`` strings end it
+    at the first token whose decoded response contains one (slime's ``--rollout-stop``; the tokens are kept, as SGLang
+    keeps them with ``no_stop_trim``); ``min_new_tokens`` keeps the eos and stop ids from being sampled before that
+    many tokens (slime's ``--eval-min-new-tokens``; the log-probs are then those of the constrained distribution).
     """
 
     max_new_tokens: int
@@ -27,6 +31,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -39,11 +45,21 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if (
+            isinstance(self.min_new_tokens, bool)
+            or not isinstance(self.min_new_tokens, int)
+            or self.min_new_tokens < 0
+        ):
+            raise ValueError(f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
-        """The inverse of :meth:`to_dict` (``stop_token_ids`` may be any sequence, as the list it writes)."""
-        return cls(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids", ()))})
+        """The inverse of :meth:`to_dict` (``stop_token_ids`` and ``stop`` may be any sequence, as the lists it
+        writes)."""
+        sequences = {key: tuple(params.get(key, ())) for key in ("stop_token_ids", "stop")}
+        return cls(**{**params, **sequences})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,7 +68,25 @@ class SamplingParams:
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stop_token_ids": list(self.stop_token_ids),
+            "stop": list(self.stop),
+            "min_new_tokens": self.min_new_tokens,
         }
+
+
+def stop_string_end(token_ids: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> int | None:
+    """The length of the shortest prefix of ``token_ids`` whose decoded text (``decode``) contains one of ``stops``,
+    None when the whole does not: where a response with stop strings ends (SGLang ends a request at the first token
+    after which a stop string appears in its text). Containment grows with the prefix, so a bisection finds it."""
+    if not stops or not any(stop in decode(token_ids) for stop in stops):
+        return None
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(stop in decode(token_ids[:mid]) for stop in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass
@@ -105,6 +139,12 @@ class RolloutEngine(Protocol):
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         """Load a whole HF folder of safetensors written by the trainer and take ``weight_version``."""
+        ...
+
+    def update_weights_from_tensor(self, payload: bytes, *, weight_version: int | None = None) -> None:
+        """Load one bucket a colocated trainer shares as handles to its memory
+        (``runtime.engines.weight_transfer.serialize_named_tensors``; SGLang's ``/update_weights_from_tensor``),
+        copying it before returning; ``weight_version`` as in :meth:`load_weights`."""
         ...
 
     def init_weights_update_group(

@@ -1,23 +1,21 @@
-"""The embedded rollout engine: transformers generation with a KV cache, batched with left padding.
+"""The embedded rollout engine: a HF causal LM decoding a left-padded batch over a static KV cache.
 
-Why not transformers' continuous batching (``generate_batch``, which can return log-probs)? On the CPU it cannot
-start: its paged KV cache sizes itself from free device memory, which it reads as 0 there (transformers 5.17:
-"Memory footprint ... is more than available memory 0", even with ``num_blocks`` and ``max_batch_tokens`` given).
-The batched ``generate`` works on every device, and at the sizes this engine is for (CPU runs, tests, single-GPU
-debugging) the padding it wastes is small; SGLang is the engine for throughput.
+Decoding is :func:`runtime.engines.decode.decode`: prefill once, then one token per step for every row, the step's
+forward replayed as a CUDA graph on the GPU, sampling as it goes. transformers' ``generate`` cost about 100 ms of
+Python and launches per step at a Qwen3-0.6B shape; its continuous batching (``generate_batch``) cannot start on the
+CPU (its paged cache sizes itself from free device memory, which it reads as 0 there). SGLang is the engine for
+throughput; this one serves CPU runs, tests and one-GPU jobs.
 
 Per-token rollout log-probs are ``log_softmax(logits / temperature)`` of the sampled token over the whole vocabulary,
-taken from the raw logits (a logits processor that runs before temperature, top-k and top-p and holds one step's
-logits at a time) *before* top-k and top-p truncation: what SGLang reports and what the
-trainer recomputes, so that ``--use-tis`` compares like with like. Sampling itself still draws from the truncated
-distribution. The model's own ``generation_config.json`` is set aside at load: transformers fills every field a call
-leaves unset from it (``min_p``, ``top_h``, repetition penalties, minimum lengths, ...), which would sample from a
-distribution the job never asked for; every such processor is forced off here. The model's eos ids (tokenizer and
+*before* top-k and top-p truncation, taken at the step the token is drawn (one step's ``[B, V]`` logits at a time):
+what SGLang reports and what the trainer recomputes, so that ``--use-tis`` compares like with like. Sampling itself
+draws from the truncated distribution. The model's own ``generation_config.json`` plays no part: only temperature,
+top-k, top-p, the stop ids and the length limit shape a draw. The model's eos ids (tokenizer and
 ``generation_config.json``, which may list several, as Llama-3 and Qwen do) always end a response.
 
 Partial rollout needs :meth:`HFEngine.abort` to cut a running ``generate`` short from another thread (the engine
-actor runs ``abort`` in a concurrency group of its own, ``runtime.cluster.engines``): a stopping criterion reads an
-abort counter after every decoding step, and the cut call returns the tokens sampled so far with their log-probs and
+actor runs ``abort`` in a concurrency group of its own, ``runtime.cluster.engines``): the decode loop reads an abort
+counter after every step, and the cut call returns the tokens sampled so far with their log-probs and
 ``finish_reason="abort"``.
 
 Weights arrive in buckets of HF-named tensors (:meth:`HFEngine.load_weights`) or as a HF folder
@@ -30,14 +28,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from runtime.engines import weight_transfer
-from runtime.engines.base import Generation, SamplingParams, check_generate_args
+from runtime.engines.base import Generation, SamplingParams, check_generate_args, stop_string_end
+from runtime.engines.decode import ATTENTION, decode, register_attention
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -67,7 +66,10 @@ def pick_device(device: str = "auto") -> torch.device:
     """``auto``: the CUDA device Ray (or the user) made visible, else the CPU."""
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
+    chosen = torch.device(device)
+    if chosen.type == "cuda" and chosen.index is None:
+        return torch.device("cuda", torch.cuda.current_device())  # an index: torch.cuda.set_device needs one
+    return chosen
 
 
 class WeightUpdate:
@@ -152,54 +154,6 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def _abort_criteria(is_aborted: Callable[[], bool]):
-    """A ``StoppingCriteriaList`` that ends every row once ``is_aborted()`` (checked after each decoding step)."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class AbortRequested(StoppingCriteria):
-        def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-            return torch.full((input_ids.shape[0],), is_aborted(), dtype=torch.bool, device=input_ids.device)
-
-    return StoppingCriteriaList([AbortRequested()])
-
-
-class _LogProbRecorder:
-    """A logits processor that records ``log_softmax(logits / T)`` of each sampled token, one step late.
-
-    Called with the raw logits of step t (transformers applies custom processors before temperature, top-k and
-    top-p), it keeps them until step t + 1, whose ``input_ids`` end with the token sampled at t; :meth:`finish` takes
-    the last step's from the final sequences. Only one step's ``[B, V]`` logits are held, where ``output_logits``
-    kept every step's (``B x T x V`` float32, copied again to stack them).
-    """
-
-    def __init__(self, temperature: float):
-        self.scale = 1.0 / temperature
-        self.pending: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        # The same float32 arithmetic as the trainer's log-probs (rlcore.kernels: logits.float() * (1 / T)).
-        log_probs = torch.log_softmax(self.pending.float() * self.scale, dim=-1)
-        self.steps.append(log_probs.gather(-1, tokens[:, None]).squeeze(-1))
-        self.pending = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.pending is not None:
-            self._take(input_ids[:, -1])
-        self.pending = scores.clone()
-        return scores
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, steps]`` log-probs of ``new_tokens`` (the generated columns)."""
-        if self.pending is not None:
-            self._take(new_tokens[:, -1])
-        if len(self.steps) != new_tokens.shape[1]:
-            raise RuntimeError(f"recorded {len(self.steps)} decoding steps for {new_tokens.shape[1]} new tokens")
-        if not self.steps:
-            return torch.zeros(new_tokens.shape, dtype=torch.float32, device=new_tokens.device)
-        return torch.stack(self.steps, dim=1)
-
-
 def eos_token_ids(tokenizer_eos: int | None, generation_config_eos: int | list[int] | None) -> list[int]:
     """The union of the tokenizer's eos and the model's ``generation_config.eos_token_id`` (an int or a list)."""
     ids = [] if tokenizer_eos is None else [tokenizer_eos]
@@ -215,42 +169,6 @@ def bare_generation_config(*, eos: list[int], pad: int):
     from transformers import GenerationConfig
 
     return GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-
-
-def _neutral_generation_config(params: SamplingParams, *, eos: list[int], pad: int):
-    from transformers import GenerationConfig
-
-    # Every field that switches on a logits processor is given its "off" value, not left None: transformers fills
-    # None fields from the model's generation config, and a user's checkpoint may set any of them.
-    return GenerationConfig(
-        do_sample=True,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=0 if params.top_k == -1 else params.top_k,
-        max_new_tokens=params.max_new_tokens,
-        # min_length stays unset (transformers warns when both are set): min_new_tokens takes precedence over it.
-        min_new_tokens=0,
-        min_p=0.0,
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        encoder_no_repeat_ngram_size=0,
-        encoder_repetition_penalty=1.0,
-        length_penalty=1.0,
-        guidance_scale=1.0,
-        num_beams=1,
-        num_return_sequences=1,
-        renormalize_logits=False,
-        remove_invalid_values=False,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        return_dict_in_generate=True,
-        output_logits=False,
-        output_scores=False,
-        use_cache=True,
-    )
 
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -271,7 +189,16 @@ class HFEngine:
     saved/restored with :meth:`get_rng_state` / :meth:`set_rng_state` so that a resumed job samples alike.
     """
 
-    def __init__(self, model_path: str, *, seed: int, device: str = "auto", dtype: str = "auto"):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int,
+        device: str = "auto",
+        dtype: str = "auto",
+        cuda_graph: bool = True,
+        compile: bool = False,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = pick_device(device)
@@ -280,7 +207,12 @@ class HFEngine:
             dtype = "bfloat16" if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION)
+        self.cuda_graph = self.device.type == "cuda" and cuda_graph
+        self.compile = self.device.type == "cuda" and compile
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
         if not self.eos_token_ids:
             raise ValueError(
@@ -305,7 +237,9 @@ class HFEngine:
         """One response per prompt; ``prompts`` is a list of non-empty token-id lists.
 
         A response ends at the model's eos ids or any of ``params.stop_token_ids`` (they add to the eos, as in
-        SGLang); its log-probs are the untruncated ``log_softmax(logits / temperature)`` of each sampled token.
+        SGLang), or at the first token after which its text holds one of ``params.stop`` (kept, as SGLang keeps it
+        with ``no_stop_trim``; :func:`runtime.engines.base.stop_string_end`); its log-probs are the untruncated
+        ``log_softmax(logits / temperature)`` of each sampled token.
         :meth:`abort` ends the call after the decoding step it lands in: the rows still running return the tokens
         sampled so far with ``finish_reason="abort"``, the finished ones keep ``"stop"`` or ``"length"``.
         """
@@ -318,19 +252,26 @@ class HFEngine:
         for i, ids in enumerate(prompts):
             input_ids[i, width - len(ids) :] = torch.tensor(ids)
             attention_mask[i, width - len(ids) :] = 1
-        recorder = _LogProbRecorder(params.temperature)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=_neutral_generation_config(params, eos=stop, pad=self.pad_token_id),
-            logits_processor=[recorder],
-            stopping_criteria=_abort_criteria(lambda: self._abort_epoch != epoch),
+        decoded = decode(
+            self.model,
+            input_ids.to(self.device),
+            attention_mask.to(self.device),
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop_ids=stop,
+            pad_id=self.pad_token_id,
+            is_aborted=lambda: self._abort_epoch != epoch,
+            cuda_graph=self.cuda_graph,
+            compile=self.compile,
+            min_new_tokens=params.min_new_tokens,
+            stopped=self._stop_string_check(params.stop) if params.stop else None,
         )
         # One column per decoding step; rows that finished early are padded after their stop.
-        new_tokens = out.sequences[:, width:]
+        new_tokens, log_probs = decoded.tokens.cpu(), decoded.log_probs.cpu()
         steps = new_tokens.shape[1]
-        log_probs = recorder.finish(new_tokens)
-        is_stop = torch.isin(new_tokens, torch.tensor(stop, device=new_tokens.device))
+        is_stop = torch.isin(new_tokens, torch.tensor(stop))
         # A response ends at its first stop token (kept); what follows is the padding of finished rows.
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), steps)
         # Rows without a stop token ran every step: to max_new_tokens, or cut short by an abort.
@@ -339,6 +280,9 @@ class HFEngine:
         for end, tokens, lps in zip(first_stop.tolist(), new_tokens, log_probs, strict=True):
             finished = end < steps
             n = end + 1 if finished else end
+            at_string = stop_string_end(tokens[:n].tolist(), params.stop, self._decode)
+            if at_string is not None:
+                finished, n = True, at_string
             results.append(
                 Generation(
                     token_ids=tokens[:n].tolist(),
@@ -348,6 +292,20 @@ class HFEngine:
                 )
             )
         return results
+
+    def _stop_string_check(self, stops: tuple[str, ...]):
+        """For :func:`decode`: which rows' responses so far (``[B, steps]``) hold one of ``stops`` in their text.
+        It only lets those rows stop early; where each response ends is found after decoding."""
+
+        def stopped(tokens: torch.Tensor) -> torch.Tensor:
+            rows = tokens.cpu().tolist()
+            return torch.tensor([any(stop in self._decode(row) for stop in stops) for row in rows])
+
+        return stopped
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A response's text as SGLang matches stop strings against it (special tokens kept)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def abort(self) -> None:
         """End every running :meth:`generate` call after its current decoding step (safe from another thread); a
@@ -374,6 +332,17 @@ class HFEngine:
         if weight_version is not None:
             self.weight_update.finish()
             self._weight_version = weight_version
+
+    @torch.no_grad()
+    def update_weights_from_tensor(self, payload: bytes, *, weight_version: int | None = None) -> None:
+        """Load one bucket that a colocated trainer shares as handles to its memory
+        (:func:`weight_transfer.serialize_named_tensors`): copied into the model before this returns, as
+        :meth:`load_weights` copies a bucket."""
+        bucket = dict(weight_transfer.deserialize_named_tensors(payload))
+        try:
+            self.load_weights(bucket, weight_version=weight_version)
+        finally:
+            del bucket  # the trainer's memory: let its handles go at once
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         """Load every weight of the HF folder ``path`` (safetensors, sharded or not) and take ``weight_version``."""
@@ -464,6 +433,16 @@ class HFEngine:
             self.model.to(self.device)
         self._released_tags -= tags
         self.released = bool(self._released_tags)
+
+    def device_memory(self) -> dict[str, int] | None:
+        """The peak of reserved GPU memory of this engine's process and its device's total (bytes); None on the
+        CPU. The colocated job reads it to decide whether offloading is needed (``runtime.loop.Offload``)."""
+        if self.device.type != "cuda":
+            return None
+        return {
+            "peak": torch.cuda.max_memory_reserved(self.device),
+            "total": torch.cuda.get_device_properties(self.device).total_memory,
+        }
 
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)

@@ -108,6 +108,33 @@ def add_router_workers(router_url: str, worker_urls: Sequence[str], *, timeout: 
                 )
 
 
+def remove_router_worker(router_url: str, worker_url: str, *, timeout: float = 30.0) -> bool:
+    """Take ``worker_url`` out of a running SGLang router (``GET /workers`` for its id, then ``DELETE
+    /workers/{id}``, sglang-router 0.3.2; the router removes it in the background). False when it was not there."""
+    with httpx.Client(base_url=router_url, timeout=timeout) as client:
+        response = client.get("/workers")
+        if response.is_error:
+            raise RuntimeError(f"router {router_url} did not list its workers: HTTP {response.status_code}")
+        ids = [w["id"] for w in response.json().get("workers", []) if w.get("url") == worker_url]
+        for worker_id in ids:
+            response = client.delete(f"/workers/{worker_id}")
+            if response.is_error and response.status_code != 404:
+                raise RuntimeError(
+                    f"router {router_url} did not remove worker {worker_url}: HTTP {response.status_code} "
+                    f"{response.text}"
+                )
+    return bool(ids)
+
+
+def server_alive(url: str, *, timeout: float) -> bool:
+    """Whether the SGLang server at ``url`` answers at all (``GET /model_info``: no generation, so a server whose
+    memory is released answers too)."""
+    try:
+        return httpx.get(url.rstrip("/") + "/model_info", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _node_address() -> str:
     """This node's address as other nodes reach it (Ray's view; loopback outside Ray)."""
     try:

@@ -23,6 +23,9 @@ class EngineKind:
     (``runtime.cluster.engines``) and hands its URL to the constructor as ``base_url``.
     ``weight_sync``: the :data:`runtime.cluster.weight_sync.WEIGHT_SYNCS` entry that reaches it.
     ``count``: how many engines the config asks for. ``kwargs``: the constructor's arguments for engine ``index``.
+    ``restartable``: whether a dead engine is restarted (``--use-fault-tolerance``): an embedded engine by building its
+    actor again; an SGLang engine by launching its server again through its launcher (an external server: once it
+    answers again), then building its actor (``runtime.cluster.engines``).
     """
 
     cls: str
@@ -31,6 +34,7 @@ class EngineKind:
     weight_sync: Callable[[Any], str]
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
+    restartable: bool = False
 
     def load(self) -> type[Any]:
         module, _, attr = self.cls.partition(":")
@@ -50,26 +54,42 @@ def _sglang_engines(cfg: Any) -> int:
     return len(external) if external else cfg.resources.rollout_num_gpus // cfg.sglang.rollout_num_gpus_per_engine
 
 
+def _colocated_sync(cfg: Any) -> str | None:
+    """Under ``--colocate``: ``ipc``, or ``disk`` where ipc is not built (an SGLang engine of several GPUs, whose
+    ranks each need their own trainer's handles; several Megatron processes, of which rank 0 alone sends)."""
+    if not cfg.resources.colocate:
+        return None
+    several_gpus = cfg.rollout.rollout_engine == "sglang" and cfg.sglang.rollout_num_gpus_per_engine > 1
+    several_megatron = cfg.train.train_backend == "megatron" and cfg.resources.num_trainer_procs > 1
+    return "disk" if several_gpus or several_megatron else "ipc"
+
+
 ROLLOUT_ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
         cls="runtime.engines.hf_engine:HFEngine",
         bundles_per_engine=lambda cfg: 1,
         launches=lambda cfg: False,
-        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "object_store",
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "object_store",
         count=lambda cfg: cfg.resources.rollout_num_gpus,
-        kwargs=lambda cfg, model_path, i: {"model_path": model_path, "seed": cfg.seed + 1000 * i},
+        kwargs=lambda cfg, model_path, i: {
+            "model_path": model_path,
+            "seed": cfg.seed + 1000 * i,
+            "compile": cfg.rollout.engine_compile,
+        },
+        restartable=True,
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",
         bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
         launches=lambda cfg: not sglang_urls(cfg),
-        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or "nccl",
+        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "nccl",
         count=_sglang_engines,
         kwargs=lambda cfg, model_path, i: {
             **({"base_url": sglang_urls(cfg)[i]} if sglang_urls(cfg) else {}),
             "seed": cfg.seed + 1000 * i,
             "hf_checkpoint": model_path,
         },
+        restartable=True,
     ),
 }
 

@@ -38,8 +38,9 @@ tokenizer files copied beside it) that the server must be able to read, then cal
 whatever names a folder holds and silently keeps the old values of the others, and for tied embeddings it reads the
 input embeddings and skips ``lm_head.weight``; so the adapter checks names, shapes and completeness against the
 checkpoint's architecture (a ``meta``-device transformers model, no weights) and writes tied weights under each of
-their names. SGLang's third path, ``/update_weights_from_tensor`` (CUDA IPC handles, for a colocated server), is
-not implemented here.
+their names. SGLang's third path, ``/update_weights_from_tensor``, serves a colocated server:
+:meth:`SGLangEngine.update_weights_from_tensor` posts a bucket shared as handles to the trainer's memory (CUDA IPC
+on a GPU; ``runtime.engines.weight_transfer.serialize_named_tensors``), base64-coded, one copy per TP rank.
 
 Reproducible sampling: with ``seed`` set, every prompt carries its own ``sampling_seed`` derived from the seed, the
 number of ``generate`` calls so far and its index in the batch; :meth:`SGLangEngine.get_rng_state` /
@@ -53,6 +54,7 @@ reached the server is never sent twice, because generation and weight loads are 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import shutil
@@ -97,6 +99,10 @@ class SGLangHTTPError(RuntimeError):
         self.method, self.url, self.status_code, self.message = method, url, status_code, message
         super().__init__(f"SGLang {method} {url} failed with HTTP {status_code}: {message}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its four fields (Ray pickles an actor's errors; the default would pass the text alone).
+        return type(self), (self.method, self.url, self.status_code, self.message)
+
 
 class SGLangConnectionError(ConnectionError):
     """The server could not be reached, retries included."""
@@ -120,6 +126,10 @@ def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.min_new_tokens:
+        out["min_new_tokens"] = params.min_new_tokens
     return out
 
 
@@ -497,6 +507,19 @@ class SGLangEngine:
             check_weight_version(weight_version)
             payload["weight_version"] = str(weight_version)
         self._post("/update_weights_from_distributed", payload)
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def update_weights_from_tensor(self, payload: bytes, *, weight_version: int | None = None) -> None:
+        """Have a colocated server load one bucket shared as handles (``/update_weights_from_tensor``): SGLang takes
+        one payload per tensor-parallel rank, base64-coded over HTTP; every rank gets the whole bucket and takes its
+        shard. Returns once the server has loaded it."""
+        coded = base64.b64encode(payload).decode("ascii")
+        body: dict[str, Any] = {"serialized_named_tensors": [coded] * self.tp_size(), "flush_cache": True}
+        if weight_version is not None:
+            check_weight_version(weight_version)
+            body["weight_version"] = str(weight_version)
+        self._post("/update_weights_from_tensor", body)
         if weight_version is not None:
             self._weight_version = weight_version
 

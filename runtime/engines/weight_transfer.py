@@ -14,7 +14,8 @@ The embedded engine (``runtime.engines.hf_engine.HFEngine``) and the test's fake
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -74,16 +75,53 @@ def bucket_meta(bucket: dict[str, torch.Tensor]) -> tuple[list[str], list[str], 
     return names, [dtype_name(bucket[n].dtype) for n in names], [list(bucket[n].shape) for n in names]
 
 
-def send_bucket(group: Any, bucket: dict[str, torch.Tensor], *, device: torch.device | str = "cpu") -> int:
-    """Broadcast every tensor of ``bucket`` from rank 0 (the caller), in order; returns the bytes sent."""
+class SendAborted(RuntimeError):
+    """A broadcast was given up because a receiver failed (see :func:`send_bucket`); its group is unusable."""
+
+
+def abort_group(group: Any) -> None:
+    """Abort ``group``'s communicators, best effort (NCCL unblocks its pending operations this way; gloo's abort does
+    not, so a gloo operation that waits on a hung peer is left behind until the group's timeout)."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001  (a group already broken may refuse; nothing more can be done with it)
+        pass
+
+
+def send_bucket(
+    group: Any,
+    bucket: dict[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    failed: Callable[[], str | None] | None = None,
+    poll_s: float = 0.01,
+) -> int:
+    """Broadcast every tensor of ``bucket`` from rank 0 (the caller), in order; returns the bytes sent.
+
+    ``failed`` (polled every ``poll_s`` seconds while the broadcast runs) says why it cannot complete, e.g. that a
+    receiver's call failed or its process died: the group is then aborted and :class:`SendAborted` raised at once,
+    instead of waiting for the group's timeout (a collective with a dead peer never completes under NCCL). A
+    broadcast that fails by itself aborts the group too, so that no live receiver waits on it. Either way the group
+    must not be used again.
+    """
     sent = 0
     handles = []
-    for tensor in bucket.values():
-        t = tensor.to(device).contiguous()
-        handles.append(torch.distributed.broadcast(t, src=0, group=group, async_op=True))
-        sent += t.nbytes
-    for handle in handles:
-        handle.wait()
+    try:
+        for tensor in bucket.values():
+            t = tensor.to(device).contiguous()
+            handles.append(torch.distributed.broadcast(t, src=0, group=group, async_op=True))
+            sent += t.nbytes
+        if failed is not None:
+            while not all(h.is_completed() for h in handles):
+                reason = failed()
+                if reason is not None:
+                    raise SendAborted(f"the weight broadcast was aborted: {reason}")
+                time.sleep(poll_s)
+        for handle in handles:
+            handle.wait()
+    except BaseException:
+        abort_group(group)
+        raise
     return sent
 
 
@@ -107,3 +145,46 @@ def receive_bucket(
     for handle in handles:
         handle.wait()
     return out
+
+
+# ---- Tensors by handle: SGLang's ``update_weights_from_tensor`` -------------------------------------------------
+#
+# A colocated engine shares the trainer's device, so a bucket crosses as handles to the trainer's own memory, not as
+# bytes: CUDA IPC handles for GPU tensors, shared-memory files for CPU ones (torch's ``ForkingPickler`` reductions,
+# as SGLang's ``MultiprocessingSerializer`` uses them). The receiver copies the tensors into its model before it
+# answers, and the sender keeps the bucket alive until then. Over HTTP SGLang takes each rank's payload base64-coded.
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """``[(name, tensor), ...]`` -> bytes holding handles to the tensors' memory (not their data).
+
+    CPU tensors are shared through named shared-memory files (torch's ``file_system`` strategy, set for this
+    process), which any process of the machine can open; GPU tensors through CUDA IPC handles.
+    """
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([(name, t.detach()) for name, t in named])
+    return buffer.getvalue()
+
+
+def deserialize_named_tensors(payload: bytes | str) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of :func:`serialize_named_tensors` (``str``: its base64 form, as SGLang's HTTP route takes it)."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (registers the reductions' rebuild functions)
+
+    if isinstance(payload, str):
+        payload = base64.b64decode(payload)
+    named = pickle.loads(payload)
+    if not isinstance(named, list) or not all(
+        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
+        for item in named
+    ):
+        raise ValueError("a serialized weight bucket must be a list of (name, tensor) pairs")
+    return named

@@ -127,6 +127,7 @@ class PromptDataset:
         *,
         seed: int,
         max_context: int | None = None,
+        messages: bool = False,
     ):
         path = os.fspath(path)
         if not os.path.isfile(path):
@@ -139,16 +140,24 @@ class PromptDataset:
             where = "row"
         else:
             raise DataError(f"prompt file {path!r} must end in .jsonl or .parquet")
-        self._init(rows, tokenizer, cfg, seed=seed, source=path, where=where, max_context=max_context)
+        self._init(
+            rows, tokenizer, cfg, seed=seed, source=path, where=where, max_context=max_context, messages=messages
+        )
 
     @classmethod
     def from_records(
-        cls, records: Iterable[Mapping[str, Any]], tokenizer: Any, cfg: DataConfig, seed: int
+        cls,
+        records: Iterable[Mapping[str, Any]],
+        tokenizer: Any,
+        cfg: DataConfig,
+        seed: int,
+        *,
+        messages: bool = False,
     ) -> PromptDataset:
         """A dataset of in-memory rows (dicts keyed as the flags say); rows are numbered from 1 in errors."""
         self = cls.__new__(cls)
         rows = ((i, record, None) for i, record in enumerate(records, start=1))
-        self._init(rows, tokenizer, cfg, seed=seed, source="<records>", where="record")
+        self._init(rows, tokenizer, cfg, seed=seed, source="<records>", where="record", messages=messages)
         return self
 
     def _init(
@@ -161,6 +170,7 @@ class PromptDataset:
         source: str,
         where: str,
         max_context: int | None = None,
+        messages: bool = False,
     ) -> None:
         if not isinstance(cfg, DataConfig):
             raise TypeError(f"cfg must be a runtime.config.DataConfig, got {type(cfg).__name__}")
@@ -172,6 +182,9 @@ class PromptDataset:
         if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"--apply-chat-template: the tokenizer of {source!r} prompts has no chat_template")
         self.cfg = cfg
+        # SFT data (--loss-type sft_loss): a chat-message prompt is kept as the conversation itself (the SFT rollout
+        # tokenizes it with its loss masks), with no prompt tokens, and its row's tools go to metadata["tools"].
+        self.messages = messages
         self.seed = seed
         self.source = source
         self.where = where
@@ -231,6 +244,11 @@ class PromptDataset:
         metadata, error = _parse_metadata(row.get(cfg.metadata_key), cfg.metadata_key)
         if error is not None:
             return None, None, None, error
+        if self.messages and isinstance(prompt, list):
+            label = None if cfg.label_key is None else copy.deepcopy(row[cfg.label_key])
+            if row.get(cfg.tool_key) is not None:
+                metadata = {**(metadata or {}), "tools": copy.deepcopy(row[cfg.tool_key])}
+            return copy.deepcopy(prompt), label, metadata, None
         if cfg.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             # slime passes the row's tools (--tool-key) and --apply-chat-template-kwargs to the template.
@@ -249,11 +267,13 @@ class PromptDataset:
         return text, label, metadata, None
 
     def _tokenize(self, tokenizer: Any, texts: list[str]) -> list[list[int]]:
-        if tokenizer is None or not texts:
+        strings = [t for t in texts if isinstance(t, str)]
+        if tokenizer is None or not strings:
             return [[] for _ in texts]
         # A rendered chat template already holds the special tokens the model expects.
-        encoded = tokenizer(texts, add_special_tokens=not self.cfg.apply_chat_template)
-        return [list(ids) for ids in encoded["input_ids"]]
+        encoded = iter(tokenizer(strings, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"])
+        # (SFT conversations, kept as messages, have no prompt tokens.)
+        return [list(next(encoded)) if isinstance(t, str) else [] for t in texts]
 
     def _refuse(self, line_no: int, reason: str) -> None:
         """Under ``--on-bad-row fail``, raise ``DataError`` naming the file, line and reason."""

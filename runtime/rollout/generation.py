@@ -1,9 +1,11 @@
 """Rollout: prompts in, scored groups of samples out, with over-sampling and a dynamic-sampling filter.
 
 The default path sends every sample of a round to the engines in one batched call. A custom generate function
-(``--custom-generate-function-path``, slime's ``async def generate(args, sample, sampling_params) -> Sample``)
-is called once per sample instead; inside it, :func:`generate` (one turn, the default behaviour) and
-:func:`engine_generate` (raw token ids in, a :class:`Generation` out) reach the job's engines, the way slime's
+(``--custom-generate-function-path``, slime's ``async def generate(args, sample, sampling_params[, evaluation]) ->
+Sample | list[Sample]``) is called once per sample instead (with ``evaluation`` when its signature names it; a list
+is one prompt's generation split into several training samples that share the group and a ``rollout_id``); inside
+it, :func:`generate` (one turn, the default behaviour) and :func:`engine_generate` (raw token ids in, a
+:class:`Generation` out) reach the job's engines, the way slime's
 custom functions post to its SGLang router. A multi-turn function appends tool output itself and sets
 ``loss_mask`` 0 on those tokens.
 """
@@ -15,6 +17,7 @@ import contextlib
 import contextvars
 import copy
 import inspect
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,7 +42,8 @@ _STATUS_OF_FINISH = {
 
 @dataclass
 class RolloutContext:
-    """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, and the job's args.
+    """What generate functions need: the engines (an ``EngineGroup``), the tokenizer, the job's args, and the
+    ``--rollout-sample-hook-path`` hooks that run on every generated sample.
 
     ``engines`` needs ``async generate(prompts, params, *, session_ids=None) -> list[Generation]`` and ``rewind()``
     (see ``runtime.cluster.engines.EngineGroup``).
@@ -48,6 +52,13 @@ class RolloutContext:
     engines: Any
     tokenizer: Any
     args: Any
+    # --rollout-sample-hook-path hooks, run on every generated sample before it is scored.
+    sample_hooks: Sequence[Callable[..., Any]] = ()
+    # For a --rollout-function-path function's generate_and_rm: the custom generate hook, the reward hub and the
+    # rollout id it generates for.
+    custom_generate: Callable[..., Any] | None = None
+    rewards: Any = None
+    rollout_id: int | None = None
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -126,49 +137,137 @@ def expand_groups(prompts: Sequence[Sample], n_samples: int, *, first_group: int
     return groups
 
 
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``fn`` (a ``Hook``'s function, or any callable) takes by name; all of them when
+    it takes ``**kwargs`` (how slime passes optional keywords such as ``evaluation`` and ``rollout_id``)."""
+    target = getattr(fn, "fn", fn)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+async def apply_sample_hooks(
+    hooks: Sequence[Callable[..., Any]], args: Any, value: Sample | list[Sample], **kwargs: Any
+) -> Sample | list[Sample]:
+    """slime's ``--rollout-sample-hook-path`` hooks, in order, on every sample of ``value`` (a generated ``Sample`` or
+    a fan-out list of them): ``[async] hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None``,
+    each given only the keywords its signature names. A returned ``Sample`` replaces the sample; None keeps it."""
+    if isinstance(value, list):
+        return [await apply_sample_hooks(hooks, args, item, **kwargs) for item in value]
+    for hook in hooks:
+        out = hook(args, value, **accepted_kwargs(hook, kwargs))
+        if inspect.isawaitable(out):
+            out = await out
+        if out is not None:
+            if not isinstance(out, Sample):
+                raise _bad_result(hook, f"returned {type(out).__name__} {out!r:.60}, expected a Sample or None")
+            value = out
+    return value
+
+
+# Fan-out siblings that a custom generate function left without a rollout id get one of these: negative, so they
+# never meet the ids a function sets itself (slime's are sample indices, >= 0).
+_AUTO_ROLLOUT_IDS = itertools.count(-1, -1)
+
+
+def _fan_out(custom_generate: Callable[..., Any], out: list[Any], sample: Sample) -> list[Sample]:
+    """The samples of a list result: each a ``Sample``, all sharing one ``rollout_id`` (given, or a fresh one)."""
+    if not out:
+        raise _bad_result(custom_generate, f"returned an empty list for sample {sample.index}")
+    for item in out:
+        if not isinstance(item, Sample):
+            raise _bad_result(
+                custom_generate,
+                f"returned a list holding {type(item).__name__} {item!r:.60}, expected Samples",
+                kind=TypeError,
+            )
+    ids = {item.rollout_id for item in out}
+    if len(ids) > 1:
+        raise _bad_result(
+            custom_generate,
+            f"returned {len(out)} samples for sample {sample.index} with different rollout_ids "
+            f"{sorted(ids, key=str)}: the samples of one rollout share one (the loss averages over the rollout's "
+            "tokens once)",
+        )
+    if ids == {None}:
+        shared = next(_AUTO_ROLLOUT_IDS)
+        for item in out:
+            item.rollout_id = shared
+    return out
+
+
 async def _generate_groups(
     ctx: RolloutContext,
     groups: list[list[Sample]],
     params: SamplingParams,
     custom_generate: Callable[..., Any] | None,
+    *,
+    evaluation: bool = False,
+    rollout_id: int | None = None,
 ) -> None:
+    """Generate every sample of ``groups`` in place. A custom generate function may return a list of samples (one
+    prompt's generation split into several training samples, e.g. one per agent turn): they take the place of the
+    sample in its group and share a ``rollout_id``. ``ctx.sample_hooks`` run on every result."""
     samples = [s for g in groups for s in g]
     if custom_generate is None:
         generations = await ctx.engines.generate([s.tokens for s in samples], params)
         for s, g in zip(samples, generations, strict=True):
             apply_generation(s, g, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
+        results: list[Any] = list(samples)
+    else:
+        extra = accepted_kwargs(custom_generate, {"evaluation": evaluation})
+
+        async def one(sample: Sample) -> Any:
+            out = custom_generate(ctx.args, sample, params.to_dict(), **extra)
+            # slime's hook is an async def; a plain def that returns the sample works as well.
+            return await out if inspect.isawaitable(out) else out
+
+        results = list(await asyncio.gather(*(one(s) for s in samples)))
+    if ctx.sample_hooks:
+        results = [
+            await apply_sample_hooks(ctx.sample_hooks, ctx.args, out, rollout_id=rollout_id, evaluation=evaluation)
+            for out in results
+        ]
+    if custom_generate is None and not ctx.sample_hooks:
         return
-
-    async def one(sample: Sample) -> Any:
-        out = custom_generate(ctx.args, sample, params.to_dict())
-        # slime's hook is an async def; a plain def that returns the sample works as well.
-        return await out if inspect.isawaitable(out) else out
-
-    results = await asyncio.gather(*(one(s) for s in samples))
     use_tis = _uses_tis(ctx.args)
-    for s, out in zip(samples, results, strict=True):
-        if not isinstance(out, Sample):
-            raise _bad_result(
-                custom_generate, f"returned {type(out).__name__} {out!r:.60}, expected a Sample", kind=TypeError
-            )
-        out.group_index = s.group_index
-        if out.status == Sample.Status.ABORTED:
-            continue  # dropped with its group below, whatever it holds
-        if out.response_length < 1:
-            raise _bad_result(custom_generate, f"returned sample {s.index} with an empty response")
-        if use_tis and out.rollout_log_probs is None:
-            raise _bad_result(
-                custom_generate,
-                f"returned sample {s.index} with rollout_log_probs None, which --use-tis needs: set "
-                "sample.rollout_log_probs (one per response token; runtime.rollout.engine_generate returns them) or "
-                "run without --use-tis",
-            )
-    # Custom functions may return new Sample objects; put them where the inputs were.
+    check = custom_generate if custom_generate is not None else ctx.sample_hooks[-1]
     k = 0
     for g in groups:
-        for j in range(len(g)):
-            g[j] = results[k]
+        expanded: list[Sample] = []
+        for s in list(g):
+            out = results[k]
             k += 1
+            if isinstance(out, list):
+                pieces = _fan_out(check, out, s)
+            elif isinstance(out, Sample):
+                pieces = [out]
+            else:
+                raise _bad_result(
+                    check,
+                    f"returned {type(out).__name__} {out!r:.60}, expected a Sample or a list of Samples",
+                    kind=TypeError,
+                )
+            for piece in pieces:
+                piece.group_index = s.group_index
+                if piece.status == Sample.Status.ABORTED:
+                    continue  # dropped with its group below, whatever it holds
+                if piece.response_length < 1:
+                    raise _bad_result(check, f"returned sample {s.index} with an empty response")
+                if use_tis and piece.rollout_log_probs is None:
+                    raise _bad_result(
+                        check,
+                        f"returned sample {s.index} with rollout_log_probs None, which --use-tis needs: set "
+                        "sample.rollout_log_probs (one per response token; runtime.rollout.engine_generate returns "
+                        "them) or run without --use-tis",
+                    )
+            expanded.extend(pieces)
+        # Custom functions may return new Sample objects, or several: put them where the inputs were.
+        g[:] = expanded
 
 
 async def generate_groups(
@@ -178,9 +277,10 @@ async def generate_groups(
     custom_generate: Callable[..., Any] | None = None,
 ) -> tuple[list[list[Sample]], list[list[Sample]]]:
     """Generate every sample of ``groups`` (in place) the way a rollout does, custom hook included, inside ``ctx``;
-    return :func:`split_aborted` of them: ``(whole, aborted)``. For evaluation, which neither filters nor trains."""
+    return :func:`split_aborted` of them: ``(whole, aborted)``. For evaluation, which neither filters nor trains: the
+    hooks are called with ``evaluation=True``."""
     with _running(ctx):
-        await _generate_groups(ctx, groups, params, custom_generate)
+        await _generate_groups(ctx, groups, params, custom_generate, evaluation=True)
     return split_aborted(groups)
 
 
@@ -221,6 +321,9 @@ async def collect_rollout(
     over_sampling_batch_size: int | None = None,
     filter_fn: FilterFn | None = None,
     custom_generate: Callable[..., Any] | None = None,
+    rollout_id: int | None = None,
+    sample_filter: Callable[..., Any] | None = None,
+    all_samples_process: tuple[Callable[..., Any], Any] | None = None,
 ) -> tuple[list[Sample], dict[str, float], dict[str, list[int]]]:
     """Generate, score and filter groups until ``rollout_batch_size`` of them pass.
 
@@ -234,6 +337,10 @@ async def collect_rollout(
     beyond the batch are discarded. Metrics: rounds, groups generated, aborted (and their aborted samples),
     dropped (by the filter's reason) and discarded (passed, but the batch was full), the mean reward of every scored
     sample before the filter, reward errors and timeouts.
+
+    slime's hooks at the end of a rollout: ``sample_filter(args, kept_groups)`` (``--rollout-sample-filter-path``,
+    sets ``remove_sample``), then ``process(args, every_scored_group, data_source)`` for ``all_samples_process =
+    (process, data_source)`` (``--rollout-all-samples-process-path``: filtered and discarded groups too).
     """
     with _running(ctx):
         ctx.engines.rewind()
@@ -242,6 +349,7 @@ async def collect_rollout(
         rounds = generated = groups_aborted = samples_aborted = 0
         scored_rewards: list[float] = []
         outcomes: dict[str, list[int]] = {"filtered": [], "discarded": [], "aborted": []}
+        every: list[list[Sample]] = []
         while len(kept) < rollout_batch_size:
             if rounds == MAX_SAMPLING_ROUNDS:
                 raise JobError(
@@ -255,19 +363,27 @@ async def collect_rollout(
                 next_prompts(over_sampling_batch_size or rollout_batch_size), n_samples, first_group=generated
             )
             generated += len(groups)
-            await _generate_groups(ctx, groups, params, custom_generate)
+            await _generate_groups(ctx, groups, params, custom_generate, rollout_id=rollout_id)
             groups, aborted = split_aborted(groups)
             outcomes["aborted"].extend(g[0].index for g in aborted)
             groups_aborted += len(aborted)
             samples_aborted += sum(s.status == Sample.Status.ABORTED for g in aborted for s in g)
-            if groups:
-                await hub.score([s for g in groups for s in g])
-                scored_rewards.extend(reward_value(s, hub.reward_key) for g in groups for s in g)
+            unscored = [s for g in groups for s in g if s.reward is None]
+            if unscored:
+                # A custom generate function may have filled a reward already (as slime allows).
+                await hub.score(unscored)
+            scored_rewards.extend(reward_value(s, hub.reward_key) for g in groups for s in g)
             passed, reasons = filter_groups(filter_fn, ctx.args, groups)
             passed_ids = {id(g[0]) for g in passed}
             outcomes["filtered"].extend(g[0].index for g in groups if id(g[0]) not in passed_ids)
             kept.extend(passed)
             dropped.update(reasons)
+            every.extend(groups)
+    if sample_filter is not None:
+        sample_filter(ctx.args, kept[:rollout_batch_size])
+    if all_samples_process is not None:
+        process, data_source = all_samples_process
+        process(ctx.args, every, data_source)
     samples = [s for g in kept[:rollout_batch_size] for s in g]
     outcomes["discarded"] = [g[0].index for g in kept[rollout_batch_size:]]
     metrics: dict[str, float] = {
@@ -314,6 +430,31 @@ def reward_category_metrics(samples: Sequence[Sample], key: str, prefix: str = "
         value = str(reward.get(key, "none"))
         counts[value] = counts.get(value, 0) + 1
     return {f"{prefix}/error_cat/{value}": n / len(samples) for value, n in counts.items()} if samples else {}
+
+
+def multi_turn_metrics(samples: Sequence[Sample], *, max_response_len: int) -> dict[str, float]:
+    """slime's ``--log-multi-turn``: response lengths with the tool output (``raw_response_length/*``: mean, max, min
+    and the fraction at ``max_response_len``) and without it (``wo_obs_response_length/*``: the loss-mask sums), and
+    ``multi_turn_metric/round_number_*`` when every sample's metadata has a ``round_number``."""
+    if not samples:
+        return {}
+    raw = [s.response_length for s in samples]
+    wo_obs = [sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples]
+    out = {
+        "raw_response_length/response_length_mean": sum(raw) / len(raw),
+        "raw_response_length/response_length_max": max(raw),
+        "raw_response_length/response_length_min": min(raw),
+        "raw_response_length/response_length_clip_ratio": sum(n >= max_response_len for n in raw) / len(raw),
+        "wo_obs_response_length/response_length_mean": sum(wo_obs) / len(wo_obs),
+        "wo_obs_response_length/response_length_max": max(wo_obs),
+        "wo_obs_response_length/response_length_min": min(wo_obs),
+    }
+    rounds = [s.metadata.get("round_number") for s in samples]
+    if all(isinstance(r, int | float) and not isinstance(r, bool) for r in rounds):
+        out["multi_turn_metric/round_number_mean"] = sum(rounds) / len(rounds)
+        out["multi_turn_metric/round_number_max"] = max(rounds)
+        out["multi_turn_metric/round_number_min"] = min(rounds)
+    return out
 
 
 def sample_metrics(

@@ -8,7 +8,6 @@ as slime writes it.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,11 @@ from runtime.rollout.source import Rollout
 
 
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
-    return {**dataclasses.asdict(sample), "status": sample.status.value}
+    return sample.to_dict()
 
 
 def sample_from_dict(data: dict[str, Any]) -> Sample:
-    known = {f.name for f in dataclasses.fields(Sample)}
-    fields = {k: v for k, v in data.items() if k in known}
-    return Sample(**{**fields, "status": Sample.Status(data.get("status", Sample.Status.COMPLETED.value))})
+    return Sample.from_dict({"status": Sample.Status.COMPLETED.value, **data})
 
 
 def save_rollout_data(path_template: str, step: int, samples: list[Sample]) -> Path:

@@ -223,9 +223,13 @@ class _Source:
         *,
         filter_fn: FilterFn | None = None,
         custom_generate: Callable[..., Any] | None = None,
+        sample_filter: Callable[..., Any] | None = None,
+        all_samples_process: tuple[Callable[..., Any], Any] | None = None,
     ):
         self.runner, self.feed, self.ctx, self.hub, self.settings = runner, feed, ctx, hub, settings
         self.filter_fn, self.custom_generate = filter_fn, custom_generate
+        # slime's end-of-rollout hooks (--rollout-sample-filter-path, --rollout-all-samples-process-path).
+        self.sample_filter, self.all_samples_process = sample_filter, all_samples_process
 
     def commit(self, rollout: Rollout) -> None:
         self.feed.commit(rollout.handouts)
@@ -263,6 +267,9 @@ class BatchSource(_Source):
                 over_sampling_batch_size=s.over_sampling_batch_size,
                 filter_fn=self.filter_fn,
                 custom_generate=self.custom_generate,
+                rollout_id=step,
+                sample_filter=self.sample_filter,
+                all_samples_process=self.all_samples_process,
             )
             return Rollout(step, samples, metrics, handouts=taken, outcomes=outcomes)
 
@@ -377,7 +384,9 @@ class StreamingSource(_Source):
         try:
             groups = [slot.group for slot in slots]
             with _running(self.ctx):
-                await _generate_groups(self.ctx, groups, s.params, self.custom_generate)
+                await _generate_groups(
+                    self.ctx, groups, s.params, self.custom_generate, rollout_id=slots[0].version if slots else None
+                )
                 while s.partial_rollout and any(x.status == Sample.Status.ABORTED for g in groups for x in g):
                     # Cut off by a weight update: park until the new weights are in, then go on from where it stopped.
                     self._busy -= 1
@@ -387,8 +396,9 @@ class StreamingSource(_Source):
                         self._busy += 1
                     await self._continue(groups)
             whole, aborted = split_aborted(groups)
-            if whole:
-                await self.hub.score([x for g in whole for x in g])
+            unscored = [x for g in whole for x in g if x.reward is None]
+            if unscored:
+                await self.hub.score(unscored)
             passed, _ = filter_groups(self.filter_fn, self.ctx.args, whole)
             passed_ids = {id(g[0]) for g in passed}
             aborted_ids = {id(g) for g in aborted}
@@ -469,6 +479,8 @@ class StreamingSource(_Source):
                             )
                         )
             self._changed.notify_all()
+        if self.sample_filter is not None:
+            self.sample_filter(self.ctx.args, kept)
         samples = [x for g in kept for x in g]
         metrics: dict[str, float] = {
             "rollout/groups_dropped": len(outcomes["filtered"]),

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from rlcore.advantages import AdvantageConfig
 from rlcore.losses import LossConfig
+from runtime.cluster.checkpoint import actor_start, reference_path
+from runtime.cluster.loopback import RAY_ADDRESS_ENV
 from runtime.config import KL_COEF_IGNORED, Config, ConfigError
-from runtime.train.roles import REFERENCE, TEACHER, ModelRole, roles_for
+from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole, roles_for
 
-# Estimators that need a model the torch backend does not run yet: a critic (slime's ppo) or a teacher.
+# Estimators that need a model the torch backend does not run yet: a teacher of its own.
 _UNSUPPORTED_ESTIMATORS = {
-    "gae": "a critic (value model)",
     "distillation": "a teacher model of its own (slime's form is additive: --use-opd --opd-type megatron)",
 }
 # slime's policy loss by estimator (PPO's clipped surrogate for the rest).
@@ -29,18 +32,19 @@ def check_supported(cfg: Config) -> None:
     if a.core_estimator in _UNSUPPORTED_ESTIMATORS:
         problems.append(
             f"--advantage-estimator {a.advantage_estimator} needs {_UNSUPPORTED_ESTIMATORS[a.core_estimator]}, "
-            "which the torch backend lacks; use grpo, dr_grpo, gspo, rloo or reinforce_plus_plus[_baseline]"
+            "which the torch backend lacks; use grpo, dr_grpo, gspo, cispo, ppo, rloo or "
+            "reinforce_plus_plus[_baseline]"
         )
     if cfg.train.sft_warmup_steps and cfg.data.prompt_data is not None:
         problems.append(
             "--sft-warmup-steps trains on the built-in task's format examples; it cannot go with --prompt-data"
         )
-    if cfg.resources.actor_num_nodes > 1:
-        # The trainers rendezvous at the driver's 127.0.0.1 with a port picked there: ranks on other nodes
-        # could never reach it.
+    if cfg.resources.actor_num_nodes > 1 and not os.environ.get(RAY_ADDRESS_ENV):
+        # rlcore-run's own Ray is one node, listening on 127.0.0.1 (runtime.cluster.loopback).
         problems.append(
-            f"--actor-num-nodes {cfg.resources.actor_num_nodes}: this runtime runs trainers on one node only; use "
-            "--actor-num-nodes 1 with --actor-num-gpus-per-node N"
+            f"--actor-num-nodes {cfg.resources.actor_num_nodes}: this runtime runs trainers on one node only, unless "
+            f"it joins a Ray cluster of several (`ray start` on each node, then {RAY_ADDRESS_ENV} set for "
+            "rlcore-run); or use --actor-num-nodes 1 with --actor-num-gpus-per-node N"
         )
     if problems:
         raise ConfigError(problems)
@@ -96,11 +100,18 @@ def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
 
 def role_paths(cfg: Config) -> dict[str, str]:
     """The models of roles that are not ``--hf-checkpoint``: the reference's ``--ref-load``, the OPD teacher's
-    ``--opd-teacher-load``."""
+    ``--opd-teacher-load``, and the actor's Megatron checkpoint when it starts from one
+    (:func:`runtime.cluster.checkpoint.actor_start`)."""
     a = cfg.algo
     paths = {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
-    if cfg.ckpt.ref_load is not None:
-        paths[REFERENCE.name] = cfg.ckpt.ref_load
+    c = cfg.ckpt
+    if c.ref_load is not None:
+        paths[REFERENCE.name] = reference_path(ref_load=c.ref_load, ref_ckpt_step=c.ref_ckpt_step)
+    start = actor_start(
+        backend=cfg.train.train_backend, load=c.load, ref_load=c.ref_load, ref_ckpt_step=c.ref_ckpt_step
+    )
+    if start is not None:
+        paths[ACTOR.name] = start
     return paths
 
 

@@ -8,6 +8,7 @@ The batch holds the contract's response-aligned keys (``rlcore.keys``: ``mask``,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -20,6 +21,9 @@ TOKENS = "tokens"
 PROMPT_LENGTHS = "prompt_lengths"
 RESPONSE_LENGTHS = "response_lengths"
 RESPONSE_TOKENS = "response_tokens"
+# [B] int64: the rollout each row belongs to, numbered 0, 1, ... in order of first appearance; the rows of one rollout
+# (a custom generate function's fan-out) are consecutive. Optimizer steps and data-parallel shards are cut by rollout.
+ROLLOUT_INDEX = "rollout_index"
 
 
 def build_batch(
@@ -34,7 +38,13 @@ def build_batch(
     Shapes: ``TOKENS`` [B, L] int64 (prompt then response, right-padded with ``pad_token_id``), ``PROMPT_LENGTHS``
     and ``RESPONSE_LENGTHS`` [B] int64, ``RESPONSE_TOKENS`` [B, T] int64, ``mask`` [B, T] bool (the sample's
     ``loss_mask`` over its response, False on padding), ``rollout_log_probs`` [B, T] float32 (0 where unknown),
-    ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``).
+    ``rewards`` [B] float32, ``group_ids`` [B] int64 (``Sample.group_index``), ``ROLLOUT_INDEX`` [B] int64, and
+    ``seq_token_counts`` / ``seq_counts`` [B] int64 (``rlcore.keys``): the valid tokens of each row's whole rollout
+    (slime's ``rollout_mask_sums``) and 1 on the first row of each rollout.
+
+    Rows sharing a ``Sample.rollout_id`` (not None) are one rollout (a custom generate function's fan-out); a sample
+    without one is a rollout of its own. A sample with ``remove_sample`` set (``--rollout-sample-filter-path``) has an
+    all-False ``mask``: it leaves the loss and still counts as a sequence in the denominators, as in slime.
 
     ``require_rollout_log_probs`` (set it when ``--use-tis`` is on): a sample without ``rollout_log_probs`` raises
     instead of getting zeros, which the importance weights would silently read as probability 1.
@@ -62,7 +72,8 @@ def build_batch(
         loss_mask = s.loss_mask if s.loss_mask is not None else [1] * r
         if len(loss_mask) != r:
             raise ValueError(f"sample {i} (index {s.index}): loss_mask has {len(loss_mask)} entries, response {r}")
-        mask[i, :r] = torch.tensor(loss_mask, dtype=torch.bool)
+        if not s.remove_sample:
+            mask[i, :r] = torch.tensor(loss_mask, dtype=torch.bool)
         if s.rollout_log_probs is None and require_rollout_log_probs:
             raise ValueError(
                 f"sample {i} (index {s.index}) has no rollout_log_probs, which --use-tis needs: a custom generate "
@@ -75,9 +86,19 @@ def build_batch(
                     f"response {r}"
                 )
             rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    rollout_index = rollout_indices(samples)
+    row_tokens = mask.sum(-1)
+    rollout_tokens = torch.zeros(int(rollout_index.max()) + 1, dtype=torch.long).index_add_(
+        0, rollout_index, row_tokens
+    )
+    first = torch.ones(n, dtype=torch.long)
+    first[1:] = (rollout_index[1:] != rollout_index[:-1]).long()
     return TensorDict(
         {
             TOKENS: tokens,
+            ROLLOUT_INDEX: rollout_index,
+            keys.SEQ_TOKEN_COUNTS: rollout_tokens[rollout_index],
+            keys.SEQ_COUNTS: first,
             PROMPT_LENGTHS: torch.tensor([s.prompt_length for s in samples]),
             RESPONSE_LENGTHS: torch.tensor([s.response_length for s in samples]),
             RESPONSE_TOKENS: response_tokens,
@@ -88,6 +109,39 @@ def build_batch(
         },
         batch_size=[n],
     )
+
+
+def rollout_indices(samples: Sequence[Sample]) -> torch.Tensor:
+    """[B] int64: each sample's rollout, numbered in order of first appearance (see :func:`build_batch`). Raises when
+    the samples of one rollout are not consecutive."""
+    numbers: dict[Any, int] = {}
+    out = []
+    for i, s in enumerate(samples):
+        key = ("own", i) if s.rollout_id is None else ("id", s.rollout_id)
+        if key in numbers and numbers[key] != len(numbers) - 1:
+            raise ValueError(
+                f"sample {i} (index {s.index}) has rollout_id {s.rollout_id}, whose other samples are not next to it: "
+                "the samples of one rollout must be consecutive"
+            )
+        out.append(numbers.setdefault(key, len(numbers)))
+    return torch.tensor(out, dtype=torch.long)
+
+
+def shard_rollouts(
+    rollout_index: torch.Tensor, *, global_batch_size: int, dp_rank: int, dp_size: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Rank ``dp_rank``'s rows of a batch whose rows belong to rollouts (``ROLLOUT_INDEX``), and its rows per optimizer
+    step: as slime, each step holds ``global_batch_size`` rollouts (with all their rows) and each rank
+    ``global_batch_size / dp_size`` of them; with one row per rollout this is :func:`shard_rows`."""
+    rollouts = int(rollout_index.max()) + 1 if rollout_index.numel() else 0
+    chosen = shard_rows(rollouts, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    per_rank = global_batch_size // dp_size
+    rows, step_rows = [], []
+    for step in range(len(chosen) // per_rank):
+        mine = torch.isin(rollout_index, chosen[step * per_rank : (step + 1) * per_rank]).nonzero().squeeze(1)
+        rows.append(mine)
+        step_rows.append(len(mine))
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)), step_rows
 
 
 def shard_rows(n: int, *, global_batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The loop asks for models by role (:func:`roles_for` of the job's config), never with flags like ``need_ref``. A role
 says whether its weights train and which batch-contract key its forward pass fills on a rollout batch; a backend
 builds one model per role it is given and refuses the roles it cannot run, naming them. The torch backend runs the
-actor, the reference and the on-policy-distillation teacher in the same processes (as slime keeps its reference in
-the actor's); the critic fits the same shape and is refused until a backend runs it.
+actor, the reference, the on-policy-distillation teacher and the critic (a value-head copy of the model, trained
+with its own optimizer) in the same processes, as slime keeps its reference in the actor's and places its critic on
+the actor's GPUs.
 """
 
 from __future__ import annotations

@@ -9,14 +9,29 @@ the driver but metrics.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlcore import keys
-from rlcore.advantages import AdvantageConfig, compute
+from rlcore.advantages import AdvantageConfig, compute, whiten
+from runtime.hooks import Hook
 from runtime.train.backends.base import TrainBackend
-from runtime.train.batch import shard_rows
+from runtime.train.batch import (
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    RESPONSE_TOKENS,
+    ROLLOUT_INDEX,
+    TOKENS,
+    shard_rollouts,
+    shard_rows,
+)
+from runtime.train.hooks import TrainHooks, apply_rollout_data, kl_rows, rollout_data_view
+
+# What a model's forward reads from a batch: the sequences and where each response sits.
+_MODEL_INPUT_KEYS = (TOKENS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS)
 
 
 def _global_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
@@ -37,29 +52,89 @@ def train_rollout(
     global_batch_size: int,
     adv_cfg: AdvantageConfig,
     use_rollout_log_probs: bool = False,
+    train_actor: bool = True,
+    rollout_id: int | None = None,
+    hooks: TrainHooks | None = None,
+    resolved: dict[str, Hook] | None = None,
 ) -> dict[str, float]:
     """Train ``backend`` on its shard of the whole rollout ``batch``; return the step's metrics (every rank alike).
+
+    ``global_batch_size`` counts rollouts: when a custom generate function split rollouts into several rows
+    (``ROLLOUT_INDEX``), each optimizer step takes that many whole rollouts, whatever their rows.
 
     ``use_rollout_log_probs`` (slime's ``--use-rollout-logprobs``): the engine's log-probs stand for the old ones
     in the advantages and the policy ratio, instead of the trainer's recompute.
 
+    With a critic (the backend's forward writes ``values``; slime's ``ppo``) the critic trains first, as slime's
+    critic group does: its values before the update are the actor's GAE baseline and the old values of the value
+    loss, and its targets are the GAE returns of the rewards alone (slime's critic runs with ``--kl-coef`` 0 and
+    without distillation). ``train_actor`` False (slime's ``--num-critic-only-steps``) trains the critic only.
+
     ``batch`` holds the batch contract's rollout keys plus ``sequence_advantages`` for estimators with a group
     baseline. Metrics: the backend's training metrics plus ``advantage_abs_mean`` over the valid tokens of the
     whole batch.
+
+    slime's trainer-side hooks (``hooks``, imported as ``resolved``): ``--custom-advantage-function-path`` computes
+    the advantages in place of ``adv_cfg``'s estimator (whitened after it under ``--normalize-advantages``), and
+    ``--rollout-data-postprocess-path`` sees (and may rewrite) the shard's advantages and loss masks before the
+    optimizer steps; with ``--loss-type sft_loss`` or ``--disable-compute-advantages-and-returns`` no advantages
+    are computed (and for SFT no log-probs).
     """
+    hooks = hooks or TrainHooks()
+    resolved = resolved or {}
     dp_rank, dp_size = backend.dp_info()
     group = backend.dp_group()
-    shard = batch[
-        shard_rows(batch.batch_size[0], global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    ]
-    shard.update(backend.compute_log_probs(shard))
-    if use_rollout_log_probs:
-        shard.set(keys.OLD_LOG_PROBS, shard[keys.ROLLOUT_LOG_PROBS])
-    shard = compute(shard, adv_cfg, group=group)
-    metrics = backend.train(shard, per_step_rows=global_batch_size // dp_size)
-    metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
+    n = batch.batch_size[0]
+    if ROLLOUT_INDEX in batch.keys() and n and int(batch[ROLLOUT_INDEX].max()) + 1 != n:
+        # Rollouts split into several rows: steps and shards hold whole rollouts, so their row counts vary.
+        rows, per_step_rows = shard_rollouts(
+            batch[ROLLOUT_INDEX], global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
+    else:
+        rows = shard_rows(n, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        per_step_rows = global_batch_size // dp_size
+    shard = batch[rows]
+    if hooks.loss_type != "sft_loss":
+        shard.update(backend.compute_log_probs(shard))
+        if use_rollout_log_probs:
+            shard.set(keys.OLD_LOG_PROBS, shard[keys.ROLLOUT_LOG_PROBS])
+    custom_advantages = resolved.get("custom_advantage_function_path")
+    if custom_advantages is not None:
+        data = rollout_data_view(shard)
+        data["kl"] = kl_rows(shard, kl_coef=adv_cfg.kl_coef, kl_kind=adv_cfg.kl_kind)
+        custom_advantages(hooks.args, data)
+        shard = apply_rollout_data(custom_advantages, shard, data, names=("advantages", "returns"))
+        if adv_cfg.whiten:
+            shard.set(keys.ADVANTAGES, whiten(shard[keys.ADVANTAGES], shard[keys.MASK], group=group))
+    elif hooks.compute_advantages:
+        shard = compute(shard, adv_cfg, group=group)
+    postprocess = resolved.get("rollout_data_postprocess_path")
+    if postprocess is not None:
+        data = rollout_data_view(shard)
+        postprocess(hooks.args, rollout_id, data)
+        names = tuple(n for n in ("advantages", "returns") if n in data) + ("loss_masks",)
+        shard = apply_rollout_data(postprocess, shard, data, names=names)
+    metrics: dict[str, float] = {}
+    if keys.VALUES in shard.keys():
+        metrics.update(backend.train_critic(critic_targets(shard, adv_cfg), per_step_rows=per_step_rows))
+    if train_actor:
+        metrics.update(backend.train(shard, per_step_rows=per_step_rows, rollout_id=rollout_id))
+    if keys.ADVANTAGES in shard.keys():
+        metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
     if adv_cfg.opd_kl_coef > 0:
         # slime's opd_reverse_kl: the student's log-prob minus the teacher's, over the valid tokens (its mean).
         reverse_kl = shard[keys.OLD_LOG_PROBS] - shard[keys.TEACHER_LOG_PROBS]
         metrics["opd_reverse_kl"] = _global_mean(reverse_kl, shard[keys.MASK], group)
     return metrics
+
+
+def critic_targets(shard: TensorDict, adv_cfg: AdvantageConfig) -> TensorDict:
+    """What the critic trains on: ``mask``, ``old_values`` (the critic's ``values`` of ``shard``) and ``returns``,
+    the GAE returns of the rewards without the KL penalty or distillation (as slime's critic computes them)."""
+    reward_only = dataclasses.replace(adv_cfg, kl_coef=0.0, opd_kl_coef=0.0, whiten=False)
+    targets = compute(
+        shard.select(keys.MASK, keys.REWARDS, keys.VALUES, *_MODEL_INPUT_KEYS, strict=False), reward_only
+    )
+    targets.set(keys.OLD_VALUES, targets.pop(keys.VALUES))
+    targets.pop(keys.ADVANTAGES)
+    return targets

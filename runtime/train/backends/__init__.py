@@ -12,6 +12,7 @@ from typing import Any
 
 TRAIN_BACKENDS: dict[str, str] = {
     "torch": "runtime.train.backends.torch_backend:TorchTrainer",
+    "megatron": "runtime.train.backends.megatron_backend:MegatronTrainer",
 }
 
 

@@ -8,7 +8,7 @@ the shard by :meth:`TrainBackend.dp_info`). Backends are listed in :data:`runtim
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,19 +32,32 @@ class TrainBackend(Protocol):
         ``ref_log_probs``, ...), [B, T] float32 each, under the current weights."""
         ...
 
-    def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
-        """Optimizer steps over ``td``, ``per_step_rows`` rows each; metrics of the global batches (the same on every
-        rank)."""
+    def train(
+        self, td: TensorDict, *, per_step_rows: int | Sequence[int], rollout_id: int | None = None
+    ) -> dict[str, float]:
+        """Optimizer steps over ``td``, ``per_step_rows`` rows each (one count per step when they differ: rollouts
+        split into several rows); metrics of the global batches (the same on every rank). ``rollout_id`` (the job's
+        step) reaches slime's before-train-step hook."""
+        ...
+
+    def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
+        """Critic optimizer steps over ``td`` (``mask``, ``old_values``, ``returns``), ``per_step_rows`` rows each, on
+        the value loss; ``critic/`` metrics of the global batches (the same on every rank). Only for a backend built
+        with the critic role (slime's ``ppo``)."""
         ...
 
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step on the responses of ``td``."""
         ...
 
-    def weight_buckets(self, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """The actor's weights for the engines: HF names, ``dtype``, tied weights once, on the CPU, in buckets of about
-        ``bucket_bytes`` (a tensor larger than that is a bucket of its own). A collective: every rank iterates it to
-        the end; only the rank that holds the gathered weights (rank 0) yields buckets."""
+    def weight_buckets(
+        self, *, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The actor's weights for the engines: HF names, ``dtype``, tied weights once, in buckets of about
+        ``bucket_bytes`` (a tensor larger than that is a bucket of its own), on the CPU (``device="cpu"``) or where
+        the model computes (``device="model"``, for handles to GPU memory). A collective: every rank iterates it to
+        the end; on the CPU only rank 0 yields buckets, on the model's device every rank yields the whole weights
+        (each hands them to the engine colocated on its own device)."""
         ...
 
     def save(self, path: str, *, with_optimizer: bool = True) -> None:
@@ -62,6 +75,11 @@ class TrainBackend(Protocol):
 
     def update_reference(self) -> None:
         """Copy the actor's current weights into the reference role (slime's ``--ref-update-interval``)."""
+        ...
+
+    def advance_old_actor(self) -> None:
+        """After a weight sync, with ``--keep-old-actor``: the weights the old log-probs are computed with become
+        those the engines had until this sync, and the current ones are kept as the engines' (slime's queue)."""
         ...
 
     def reset_optimizer(self) -> None:

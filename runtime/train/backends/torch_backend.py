@@ -7,20 +7,27 @@ One :class:`TorchTrainer` runs per data-parallel rank (a Ray actor, see ``runtim
 The loss of an optimizer step is the loss of its whole global batch: every micro-batch is aggregated with a
 :class:`rlcore.losses.Normalizer` of the global batch (summed over micro-batches and reduced over ranks), so its
 gradients add up to the global batch's (FSDP averages over ranks, so each rank scales its loss by the world size).
-Log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature. On one
-process, with the LM head a plain linear layer, the LM head is never applied to all positions: the model body gives
-the final hidden states, the response positions are picked from them, and :func:`rlcore.kernels.linear_rl_loss`
-computes the loss inside the LM head (:func:`rlcore.kernels.linear_logprobs_entropy` for the old and reference
-recompute). Under FSDP2 (root-level parameters are unsharded only inside the root module's forward) and with a LoRA
-adapter on the LM head, the full logits of each micro-batch are still materialised.
+Log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` at the rollout temperature. With the LM head
+a plain linear layer, it is never applied to all positions: the model's root forward runs with the head as the
+identity (so FSDP2's root hooks gather the head's weight, as when the head runs inside), the response positions are
+picked from the final hidden states, and :func:`rlcore.kernels.linear_rl_loss` computes the loss inside the LM head
+(:func:`rlcore.kernels.linear_logprobs_entropy` for the old and reference recompute). With a LoRA adapter on the LM
+head, or a final logit soft-cap, the full logits of each micro-batch are materialised.
+
+Speed options (docs/runtime.md): packed micro-batches (``--use-dynamic-batch-size``, ``runtime.train.packing``),
+activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation, and
+one bf16 cast of the weights per optimizer step under autocast (:meth:`TorchTrainer._step_scope`).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -30,16 +37,57 @@ from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
 from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy
-from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
+from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_loss, sft_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
+from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
-from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
+from runtime.train.hooks import (
+    TrainHooks,
+    concat_rows,
+    freeze_parameters,
+    rollout_data_view,
+    sum_of_sample_mean,
+)
+from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, padded_inputs
+from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
-# The roles this backend builds a model for; others (the critic) are refused by name at construction.
-SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
+# slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
+_STORE_PREFIX = {keys.OLD_LOG_PROBS: "", keys.REF_LOG_PROBS: "ref_", keys.TEACHER_LOG_PROBS: "teacher_"}
+
+# The roles this backend builds a model for; others are refused by name at construction.
+SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
+# The critic's value head starts as slime's: weights drawn from N(0, 0.02^2) (Megatron's init_method_std), bias 0.
+VALUE_HEAD_INIT_STD = 0.02
+
+
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's forward while the loss runs inside the head (``TorchTrainer._response_hidden``)."""
+    return hidden
+
+
+def _checkpoint_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
+    """Activation checkpointing of every decoder block of ``model`` (``--recompute-granularity full``): a block keeps
+    its inputs only and runs its forward again in the backward (``torch.utils.checkpoint``, non-reentrant). The
+    block's ``forward`` is wrapped in place, so its module, its parameter names and FSDP2's hooks around its call stay
+    as they are (the recompute runs inside the block's backward, where FSDP2 has gathered its parameters). Works
+    whether the model is in train or eval mode (transformers' own checkpointing runs in train mode only, and the
+    trainer keeps dropout off). Returns the number of blocks wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            count += 1
+    if count == 0:
+        raise ValueError(
+            f"--recompute-granularity full: {type(model).__name__} names no decoder block class to checkpoint "
+            "(transformers' _no_split_modules)"
+        )
+    return count
 
 
 def _is_max_metric(name: str) -> bool:
@@ -68,6 +116,25 @@ def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | No
         longest = longest_with
     out.append(td[start:n])
     return out
+
+
+def _replace_lm_head_with_value_head(model: torch.nn.Module, *, seed: int) -> None:
+    """Turn a causal LM into a critic, as slime's ``LinearForLastLayer``: the LM head becomes ``Linear(hidden, 1)``
+    with weights from N(0, ``VALUE_HEAD_INIT_STD``^2) drawn from ``seed`` (the same on every rank) and bias 0, so the
+    model's ``logits`` [b, t, 1] are the values. The head is no longer tied to the embeddings, and a final logit
+    soft-cap (Gemma 2) is turned off: values are not logits."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    old = model.get_output_embeddings()
+    head = torch.nn.Linear(old.in_features, 1, bias=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
+        head.bias.zero_()
+    for cfg in {id(model.config): model.config, id(config): config}.values():
+        cfg.tie_word_embeddings = False
+        if getattr(cfg, "final_logit_softcapping", None) is not None:
+            cfg.final_logit_softcapping = None
+    model.set_output_embeddings(head)
 
 
 def _uses_bf16(setting: str, device: torch.device) -> bool:
@@ -107,6 +174,7 @@ class TorchTrainer:
         master_port: int = 0,
         device: str = "auto",
         role_paths: Mapping[str, str] | None = None,
+        hooks: TrainHooks | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -118,6 +186,9 @@ class TorchTrainer:
             )
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg
+        # slime's trainer-side hooks and loss type (runtime.train.hooks), imported in this process.
+        self.hooks = hooks or TrainHooks()
+        self._hook = self.hooks.resolve()
         self.temperature = temperature
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path
@@ -140,6 +211,7 @@ class TorchTrainer:
                 )
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
+        self._casts: dict[tuple[int, torch.dtype], torch.Tensor] | None = None
         self.model = self._load(AutoModelForCausalLM, trainable=True)
         self.lora = lora.is_lora(self.model)
         paths = dict(role_paths or {})
@@ -149,8 +221,15 @@ class TorchTrainer:
         self.frozen = {
             role.writes: self._load(AutoModelForCausalLM, trainable=False, path=paths.get(role.name))
             for role in roles
-            if role != ACTOR and not (self.base_is_reference and role == REFERENCE)
+            if role not in (ACTOR, CRITIC) and not (self.base_is_reference and role == REFERENCE)
         }
+        # slime's critic (--advantage-estimator ppo): the actor's model (or its own folder) with the LM head replaced
+        # by a fresh linear value head, all of it trained (never LoRA), with an optimizer of its own.
+        self.critic = None
+        if CRITIC in roles:
+            self.critic = self._load(
+                AutoModelForCausalLM, trainable=True, path=paths.get(CRITIC.name), value_head=True
+            )
         for role in roles:
             other = self.frozen.get(role.writes)
             if role != ACTOR and other is not None and other.config.vocab_size != self.model.config.vocab_size:
@@ -158,18 +237,65 @@ class TorchTrainer:
                     f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
                     f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
                 )
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=train_cfg.lr,
-            weight_decay=train_cfg.weight_decay,
-        )
+        self.optimizer = self._adamw(self.model)
+        self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False
+        # --keep-old-actor: CPU copies of the actor's trained weights, slime's "old_actor" (what the old log-probs
+        # are computed with) and "rollout_actor" (the weights the engines got last); see advance_old_actor.
+        self.old_actor: list[torch.Tensor] | None = None
+        self.rollout_actor: list[torch.Tensor] | None = None
+        if train_cfg.keep_old_actor:
+            self.old_actor, self.rollout_actor = self._actor_copy(), self._actor_copy()
+        init = self._hook.get("custom_megatron_init_path")
+        if init is not None:
+            init(self.hooks.args)
 
-    def _load(self, auto_cls: Any, *, trainable: bool, path: str | None = None) -> torch.nn.Module:
-        model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32)
+    def _call_hook(self, name: str, *args: Any) -> None:
+        hook = self._hook.get(name)
+        if hook is not None:
+            hook(self.hooks.args, *args)
+
+    def _trained_tensors(self) -> list[torch.Tensor]:
+        """The actor's trained parameters as plain tensors (this rank's shard under FSDP)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+    @torch.no_grad()
+    def _actor_copy(self) -> list[torch.Tensor]:
+        return [t.detach().to("cpu", copy=True) for t in self._trained_tensors()]
+
+    @torch.no_grad()
+    def _load_actor_copy(self, copy: list[torch.Tensor]) -> None:
+        for target, source in zip(self._trained_tensors(), copy, strict=True):
+            target.copy_(source)
+
+    def advance_old_actor(self) -> None:
+        """After a weight sync (slime's ``--keep-old-actor`` queue at ``--update-weights-interval 1``): the old actor
+        becomes the weights the engines had, and those become the actor's current ones. Under the one-step async
+        schedule the rollout trained next was sampled by the weights before the sync, so its old log-probs are the
+        sampling policy's."""
+        if self.old_actor is None or self.rollout_actor is None:
+            raise RuntimeError("advance_old_actor: this trainer keeps no old actor (--keep-old-actor)")
+        self.old_actor, self.rollout_actor = self.rollout_actor, self._actor_copy()
+
+    def _adamw(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """AdamW over ``model``'s trained parameters; with ``--use-stateless-adam`` one that keeps no moments."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.cfg.use_stateless_adam:
+            return StatelessAdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def _load(
+        self, auto_cls: Any, *, trainable: bool, path: str | None = None, value_head: bool = False
+    ) -> torch.nn.Module:
+        model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32, **self._attention())
+        if value_head:
+            _replace_lm_head_with_value_head(model, seed=self.seed)
         if not trainable:
             model.requires_grad_(False)
-        elif self.cfg.lora_rank > 0:
+        elif not value_head and (self.hooks.only_train or self.hooks.freeze):
+            freeze_parameters(model, only_train=self.hooks.only_train, freeze=self.hooks.freeze)
+        elif self.cfg.lora_rank > 0 and not value_head:
             # The adapters' random init must be the same on every rank (FSDP2 keeps each rank's own part of its own
             # tensor): drawn on the CPU from the job's seed, not the rank's stream.
             with torch.random.fork_rng(devices=[]):
@@ -182,12 +308,14 @@ class TorchTrainer:
                     target_modules=self.cfg.lora_target_modules,
                 )
         model.to(self.device)
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        if trainable and self.cfg.recompute_granularity == "full":
+            _checkpoint_blocks(model, block_names)
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
             kwargs = {"mp_policy": mp} if mp is not None else {}
-            block_names = set(getattr(model, "_no_split_modules", None) or ())
             for module in model.modules():
                 if type(module).__name__ in block_names:
                     fully_shard(module, **kwargs)
@@ -197,6 +325,15 @@ class TorchTrainer:
         model.eval()
         return model
 
+    def _attention(self) -> dict[str, str]:
+        """``from_pretrained``'s attention choice (``--attn-implementation``; nothing: transformers' default)."""
+        choice = self.cfg.attn_implementation
+        if choice == "auto":
+            # Not flex_attention: packed in bf16 on an H100 its log-probs were off the padded SDPA step's by more
+            # than 2e-2 on average (float32 agreed); see tests/test_torch_backend_perf_cuda.py.
+            return {}
+        return {"attn_implementation": choice}
+
     def _autocast(self):
         if self.bf16 and self.world_size == 1:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -205,61 +342,106 @@ class TorchTrainer:
     def _backward(self, loss: torch.Tensor, *, real: bool) -> None:
         # Each rank's loss is its share of the global batch's loss (a global Normalizer), so gradients must add up
         # over ranks; FSDP averages them (and gloo has no pre-scaled sum), hence the factor world_size.
-        (loss * (self.world_size if real else 0.0)).backward()
+        # Outside autocast: the backward runs in the forward's dtypes (recompute restores the forward's autocast).
+        with torch.autocast(self.device.type, enabled=False):
+            (loss * (self.world_size if real else 0.0)).backward()
+
+    def _inputs(self, mb: TensorDict) -> ModelInputs:
+        """Model inputs of micro-batch ``mb`` (on the device): one packed row with ``--use-dynamic-batch-size``,
+        right-padded rows otherwise."""
+        layout = packed_inputs if self.cfg.use_dynamic_batch_size else padded_inputs
+        lengths = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
+        return layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
 
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
-        """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``."""
+        """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
+        the model's full logits."""
         mb = mb.to(self.device)
-        seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
-        width = int(seq_lens.max())
-        tokens = mb[TOKENS][:, :width]
-        attention_mask = torch.arange(width, device=self.device)[None, :] < seq_lens[:, None]
+        inputs = self._inputs(mb)
         with self._autocast():
-            logits = model(input_ids=tokens, attention_mask=attention_mask.long(), use_cache=False).logits
+            logits = model(**inputs.model_kwargs(), use_cache=False).logits
         response = mb[RESPONSE_TOKENS]
-        horizon = response.shape[1]
-        # Response token t of a row sits at prompt_length + t and is predicted from the position before it.
-        positions = (mb[PROMPT_LENGTHS][:, None] - 1 + torch.arange(horizon, device=self.device)).clamp(max=width - 1)
-        picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+        # ``picked`` is a fresh copy nothing else reads (index_select's backward does not need its output), so the
+        # backward may write d(logits) into it instead of allocating another [b * T, V] buffer.
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.picks.reshape(-1))
         log_probs, entropy = logprobs_entropy(
-            picked.reshape(-1, logits.shape[-1]),
+            picked,
             response.reshape(-1),
             temperature=self.temperature,
             with_entropy=with_entropy,
-            # ``picked`` is a fresh copy nothing else reads (gather's backward does not need its output), so the
-            # backward may write d(logits) into it instead of allocating another [b * T, V] buffer.
             inplace_backward=True,
         )
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
+    def _values(self, mb: TensorDict) -> torch.Tensor:
+        """Response-aligned critic values [b, T] float32 on micro-batch ``mb`` (with gradient when enabled): the value
+        head's output at the position that predicts each response token, i.e. the value of the state before it."""
+        mb = mb.to(self.device)
+        inputs = self._inputs(mb)
+        with self._autocast():
+            out = self.critic(**inputs.model_kwargs(), use_cache=False)
+        return out.logits[..., 0].float().reshape(-1)[inputs.picks]
+
     def _fused_head(self, model: torch.nn.Module) -> bool:
-        """Whether the loss runs inside ``model``'s LM head: one process (the head's weight is a plain tensor here)
-        and a plain linear head (a LoRA-wrapped head's weight alone is not the layer)."""
-        return self.world_size == 1 and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+        """Whether the loss runs inside ``model``'s LM head: a plain linear head (a LoRA-wrapped head's weight alone
+        is not the layer) whose logits the model does not transform further (no final logit soft-cap)."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return isinstance(model.get_output_embeddings(), torch.nn.Linear) and softcap is None
 
     def _response_hidden(
         self, model: torch.nn.Module, mb: TensorDict
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(hidden [b * T, H], lm_head weight [V, H], targets [b * T])``: the final hidden states at the positions
-        that predict the response tokens, the LM head's weight in their dtype (under bf16 autocast a bf16 copy per
-        micro-batch, through which the gradient reaches the float32 weight), and the response tokens."""
+        that predict the response tokens, the LM head's weight in their dtype, and the response tokens.
+
+        The model runs through its own (root) forward with the LM head made the identity, so under FSDP2 the root's
+        hooks run: its parameters (embeddings, final norm, LM head) are unsharded for the forward and stay so until
+        the backward (FSDP2 does not reshard the root after its forward), and their gradients are reduce-scattered
+        after it as if the head had run inside. The weight read after the forward is that unsharded parameter (in the
+        mixed-precision policy's dtype under bf16). On one process under bf16 autocast it is cast once per step
+        (:meth:`_step_scope`); the gradient reaches the float32 weight through the cast."""
         mb = mb.to(self.device)
-        seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
-        width = int(seq_lens.max())
-        tokens = mb[TOKENS][:, :width]
-        attention_mask = torch.arange(width, device=self.device)[None, :] < seq_lens[:, None]
-        with self._autocast():
-            body = model.get_decoder()(input_ids=tokens, attention_mask=attention_mask.long(), use_cache=False)
-        hidden = body.last_hidden_state
-        response = mb[RESPONSE_TOKENS]
-        # Response token t of a row sits at prompt_length + t and is predicted from the position before it.
-        offsets = torch.arange(response.shape[1], device=self.device)
-        positions = (mb[PROMPT_LENGTHS][:, None] - 1 + offsets).clamp(max=width - 1)
-        picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        inputs = self._inputs(mb)
+        head = model.get_output_embeddings()
+        head.forward = _identity
+        try:
+            with self._autocast(), warnings.catch_warnings():
+                # FSDP2 warns that the root returns a view (the head's input); nothing writes into it in place.
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+                hidden = model(**inputs.model_kwargs(), use_cache=False).logits
+        finally:
+            del head.forward
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        weight = model.get_output_embeddings().weight
-        return picked.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), response.reshape(-1)
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.picks.reshape(-1))
+        return picked.to(dtype), self._cast(head.weight, dtype), mb[RESPONSE_TOKENS].reshape(-1)
+
+    def _cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` in ``dtype``, cast once per :meth:`_step_scope` (a cast's backward saves nothing, so every
+        micro-batch's backward may run through the same one)."""
+        if weight.dtype == dtype or self._casts is None:
+            return weight.to(dtype)
+        key = (id(weight), dtype)
+        if key not in self._casts:
+            self._casts[key] = weight.to(dtype)
+        return self._casts[key]
+
+    @contextmanager
+    def _step_scope(self) -> Iterator[None]:
+        """The micro-batches of one optimizer step (or one log-prob pass): under bf16 autocast on one process, one
+        autocast region around all of them, whose weight cache casts each float32 weight to bf16 once for the whole
+        step instead of once per micro-batch (the LM head's weight likewise, :meth:`_cast`). The cached copies are
+        dropped on exit, before the optimizer changes the weights."""
+        if not (self.bf16 and self.world_size == 1):
+            yield
+            return
+        self._casts = {}
+        try:
+            with self._autocast():
+                yield
+        finally:
+            self._casts = None
 
     def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
         """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
@@ -271,9 +453,33 @@ class TorchTrainer:
         for i in range(count):
             yield (parts[i], True) if i < len(parts) else (parts[-1], False)
 
-    def _micro_batches(self, td: TensorDict) -> list[TensorDict]:
-        per_rank = self.cfg.micro_batch_size
-        return micro_batches(td, micro_batch_size=per_rank, max_tokens=self.cfg.max_tokens_per_gpu)
+    def _micro_batches(self, td: TensorDict, *, log_probs: bool = False) -> list[TensorDict]:
+        """``td``'s rows in micro-batches: packed by real tokens with ``--use-dynamic-batch-size`` (rows regrouped:
+        see :meth:`_in_row_order`), else consecutive rows by ``--micro-batch-size`` or the token budget. The budget
+        is ``--max-tokens-per-gpu``, or for a log-prob pass (``log_probs``, no gradient) ``--log-probs-max-tokens-
+        per-gpu`` where set."""
+        budget = self._budget(log_probs)
+        if self.cfg.use_dynamic_batch_size:
+            return [td[torch.tensor(rows)] for rows in self._packed_rows(td, budget)]
+        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=budget)
+
+    def _budget(self, log_probs: bool) -> int | None:
+        if log_probs and self.cfg.log_probs_max_tokens_per_gpu is not None:
+            return self.cfg.log_probs_max_tokens_per_gpu
+        return self.cfg.max_tokens_per_gpu
+
+    def _packed_rows(self, td: TensorDict, budget: int) -> list[list[int]]:
+        lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
+        return pack_by_tokens(lengths, max_tokens=budget)
+
+    def _in_row_order(self, td: TensorDict, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (rows of a log-prob pass's :meth:`_micro_batches` concatenated) back in ``td``'s row order."""
+        if not self.cfg.use_dynamic_batch_size:
+            return values
+        order = torch.tensor([i for rows in self._packed_rows(td, self._budget(True)) for i in rows])
+        out = torch.empty_like(values)
+        out[order] = values
+        return out
 
     def dp_info(self) -> tuple[int, int]:
         """Every rank is a data-parallel shard (FSDP shards parameters, not data)."""
@@ -284,38 +490,84 @@ class TorchTrainer:
 
     @torch.no_grad()
     def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` (the actor's current weights) and what each frozen role writes (``ref_log_probs`` for the
-        reference), [B, T] float32 each, for this rank's shard ``td``."""
+        """``old_log_probs`` (the actor's current weights) and what each other role writes (``ref_log_probs`` for the
+        reference, ``teacher_log_probs`` for the teacher, ``values`` for the critic), [B, T] float32 each, for this
+        rank's shard ``td``."""
         self._check_resident()
         models = {ACTOR.writes: (self.model, nullcontext), **{k: (m, nullcontext) for k, m in self.frozen.items()}}
         if self.base_is_reference:
             models[REFERENCE.writes] = (self.model, lambda: lora.base_only(self.model))
         out: dict[str, list[torch.Tensor]] = {key: [] for key in models}
-        for mb, real in self._balanced(self._micro_batches(td)):
-            for key, (model, context) in models.items():
+        for key, (model, context) in models.items():
+            # slime's store prefixes: "" for the actor, "ref_" for the reference, "teacher_" for the teacher.
+            with context():
+                self._call_hook("custom_megatron_before_log_prob_hook_path", model, _STORE_PREFIX.get(key, ""))
+        if self.old_actor is not None:
+            # The old log-probs under the old actor's weights (slime's _switch_model("old_actor")): they are swapped
+            # in for this pass and the current ones put back after it.
+            current = self._actor_copy()
+            self._load_actor_copy(self.old_actor)
+            try:
+                old = self._log_probs_of(self.model, nullcontext, td)
+            finally:
+                self._load_actor_copy(current)
+            del models[ACTOR.writes], out[ACTOR.writes]
+        if self.critic is not None:
+            out[CRITIC.writes] = []
+        with self._step_scope():
+            for mb, real in self._balanced(self._micro_batches(td, log_probs=True)):
+                if self.critic is not None:
+                    values = self._values(mb)
+                    if real:
+                        out[CRITIC.writes].append(values.cpu())
+                for key, (model, context) in models.items():
+                    with context():
+                        log_probs = self._micro_log_probs(model, mb)
+                    if real:
+                        out[key].append(log_probs.float().cpu())
+        logs = {k: self._in_row_order(td, torch.cat(v)) for k, v in out.items()}
+        if self.old_actor is not None:
+            logs[ACTOR.writes] = old
+        return TensorDict(logs, batch_size=td.batch_size)
+
+    def _log_probs_of(self, model: torch.nn.Module, context: Any, td: TensorDict) -> torch.Tensor:
+        """[B, T] float32 log-probs of ``model`` (under ``context()``) on this rank's shard ``td``."""
+        parts = []
+        with self._step_scope():
+            for mb, real in self._balanced(self._micro_batches(td, log_probs=True)):
                 with context():
-                    if self._fused_head(model):
-                        hidden, weight, targets = self._response_hidden(model, mb)
-                        log_probs, _ = linear_logprobs_entropy(
-                            hidden, weight, targets, temperature=self.temperature, with_entropy=False
-                        )
-                        log_probs = log_probs.view(mb[RESPONSE_TOKENS].shape)
-                    else:
-                        log_probs, _ = self._forward(model, mb, with_entropy=False)
+                    log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    out[key].append(log_probs.float().cpu())
-        return TensorDict({k: torch.cat(v) for k, v in out.items()}, batch_size=td.batch_size)
+                    parts.append(log_probs.float().cpu())
+        return self._in_row_order(td, torch.cat(parts))
+
+    def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
+        if self._fused_head(model):
+            hidden, weight, targets = self._response_hidden(model, mb)
+            log_probs, _ = linear_logprobs_entropy(
+                hidden, weight, targets, temperature=self.temperature, with_entropy=False
+            )
+            return log_probs.view(mb[RESPONSE_TOKENS].shape)
+        return self._forward(model, mb, with_entropy=False)[0]
 
     def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
-        norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)
+        norm = sum(
+            Normalizer.of(
+                mb[keys.MASK].to(self.device),
+                seq_counts=mb[keys.SEQ_COUNTS].to(self.device) if keys.SEQ_COUNTS in mb.keys() else None,
+            )
+            for mb in parts
+        )
         return norm.reduce(self.group)
 
-    def _optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+    def _optimizer_step(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> float:
+        """Clip the gradients of ``model`` (the actor by default) and step ``optimizer`` (its own); the norm."""
+        model, optimizer = model or self.model, optimizer or self.optimizer
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.clip_grad)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
     def _reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
@@ -329,8 +581,11 @@ class TorchTrainer:
         dist.all_reduce(t, op=op, group=self.group)
         return dict(zip(names, t.tolist(), strict=True))
 
-    def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
-        """Optimizer steps over this rank's shard ``td``: ``per_step_rows`` consecutive rows per step.
+    def train(
+        self, td: TensorDict, *, per_step_rows: int | Sequence[int], rollout_id: int | None = None
+    ) -> dict[str, float]:
+        """Optimizer steps over this rank's shard ``td``: ``per_step_rows`` consecutive rows per step (or, a list,
+        each step's own count).
 
         ``td`` carries the contract's ``mask``, ``advantages``, ``old_log_probs``, ``rollout_log_probs`` and, with a
         reference model, ``ref_log_probs``. Returns metrics averaged over the steps (token means of the global
@@ -338,14 +593,22 @@ class TorchTrainer:
         """
         self._check_resident()
         n = td.batch_size[0]
-        if n % per_step_rows:
-            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+        if isinstance(per_step_rows, int):
+            if n % per_step_rows:
+                raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+            per_step_rows = [per_step_rows] * (n // per_step_rows)
+        if sum(per_step_rows) != n:
+            raise ValueError(f"steps of {list(per_step_rows)} rows do not add up to the shard's {n} rows")
         totals: dict[str, float] = {}
-        steps = n // per_step_rows
+        steps = len(per_step_rows)
+        bounds = [0, *itertools.accumulate(per_step_rows)]
         lora.set_dropout(self.model, active=True)
         try:
             for step in range(steps):
-                self._train_step(td[step * per_step_rows : (step + 1) * per_step_rows], steps, totals)
+                self._call_hook(
+                    "custom_megatron_before_train_step_hook_path", rollout_id, step, self.model, self.optimizer, None
+                )
+                self._train_step(td[bounds[step] : bounds[step + 1]], steps, totals)
         finally:
             lora.set_dropout(self.model, active=False)
         totals["num_steps"] = steps
@@ -357,30 +620,131 @@ class TorchTrainer:
         norm = self._global_normalizer(parts)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
-        for mb, real in self._balanced(parts):
-            batch = mb.to(self.device).clone(recurse=False)
-            if self._fused_head(self.model):
-                hidden, weight, targets = self._response_hidden(self.model, mb)
-                loss, metrics = linear_rl_loss(
-                    hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
-                )
-            else:
-                log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
-                batch.set(keys.LOG_PROBS, log_probs)
-                batch.set(keys.ENTROPY, entropy)
-                loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
-            self._backward(loss, real=real)
-            if real:
-                for name, value in metrics.items():
-                    value = float(value)
-                    if _is_max_metric(name):
-                        maxes[name] = max(maxes.get(name, -math.inf), value)
-                    else:
-                        sums[name] = sums.get(name, 0.0) + value
+        with self._step_scope():
+            for mb, real in self._balanced(parts):
+                batch = mb.to(self.device).clone(recurse=False)
+                loss_type = self.hooks.loss_type
+                reducer = self._hook.get("custom_pg_loss_reducer_function_path")
+                if loss_type == "sft_loss":
+                    loss = self._sft_loss(batch, norm, mode=self.loss_cfg.loss_agg_mode)
+                    metrics = {"loss": loss.detach()}
+                elif loss_type == "custom_loss":
+                    loss, metrics = self._custom_loss(batch, norm)
+                elif self._fused_head(self.model) and reducer is None:
+                    hidden, weight, targets = self._response_hidden(self.model, mb)
+                    loss, metrics = linear_rl_loss(
+                        hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
+                    )
+                else:
+                    log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
+                    batch.set(keys.LOG_PROBS, log_probs)
+                    batch.set(keys.ENTROPY, entropy)
+                    pg_reduce = None if reducer is None else self._pg_reduce(reducer, batch, norm)
+                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce)
+                self._backward(loss, real=real)
+                if real:
+                    for name, value in metrics.items():
+                        value = float(value)
+                        if _is_max_metric(name):
+                            maxes[name] = max(maxes.get(name, -math.inf), value)
+                        else:
+                            sums[name] = sums.get(name, 0.0) + value
         step_metrics = self._reduce_metrics(sums, maxes)
         step_metrics["grad_norm"] = self._optimizer_step()
         for name, value in step_metrics.items():
             totals[name] = totals.get(name, 0.0) + value / steps
+
+    def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
+        """Optimizer steps of the critic over this rank's shard ``td``, ``per_step_rows`` rows each, on slime's value
+        loss (:func:`rlcore.losses.critic_loss` with ``--value-clip`` and the job's aggregation).
+
+        ``td`` carries ``mask``, ``old_values`` (the critic's values before these steps) and ``returns`` (the
+        targets). Returns ``critic/``-prefixed metrics averaged over the steps (``value_loss``, ``value_clipfrac``,
+        ``values_mean``, ``grad_norm``, ``num_steps``), the same on every rank.
+        """
+        self._check_resident()
+        if self.critic is None:
+            raise RuntimeError("train_critic: this trainer runs no critic (--advantage-estimator ppo)")
+        n = td.batch_size[0]
+        if n % per_step_rows:
+            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+        steps = n // per_step_rows
+        totals: dict[str, float] = {}
+        for step in range(steps):
+            parts = self._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
+            norm = self._global_normalizer(parts)
+            sums: dict[str, float] = {}
+            with self._step_scope():
+                for mb, real in self._balanced(parts):
+                    batch = mb.to(self.device).clone(recurse=False)
+                    batch.set(keys.VALUES, self._values(mb))
+                    loss, metrics = critic_loss(
+                        batch, clip=self.loss_cfg.value_clip, loss_agg_mode=self.loss_cfg.loss_agg_mode, norm=norm
+                    )
+                    self._backward(loss, real=real)
+                    if real:
+                        for name, value in metrics.items():
+                            sums[name] = sums.get(name, 0.0) + float(value)
+            step_metrics = self._reduce_metrics(sums, {})
+            step_metrics["grad_norm"] = self._optimizer_step(self.critic, self.critic_optimizer)
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / steps
+        totals["num_steps"] = steps
+        return {f"critic/{name}": value for name, value in totals.items()}
+
+    def _sft_loss(self, batch: TensorDict, norm: Normalizer, *, mode: str) -> torch.Tensor:
+        """``--loss-type sft_loss`` on one micro-batch: the NLL of its loss-masked response tokens, aggregated with
+        ``mode`` over the global batch's ``norm``."""
+        log_probs, _ = self._forward(self.model, batch, with_entropy=False)
+        return aggregate(
+            sft_loss(log_probs, mask=batch[keys.MASK]),
+            batch[keys.MASK],
+            mode=mode,
+            norm=norm,
+            seq_token_counts=batch.get(keys.SEQ_TOKEN_COUNTS, None),
+        )
+
+    def _slime_count(self, norm: Normalizer) -> torch.Tensor:
+        """The global count slime's reducers are divided by: tokens (per-token loss) or samples."""
+        count = norm.num_tokens if self.hooks.per_token_loss else norm.num_seqs
+        return torch.as_tensor(count, device=self.device, dtype=torch.float32).clamp_min(1)
+
+    def _pg_reduce(self, reducer: Any, batch: TensorDict, norm: Normalizer) -> Any:
+        """slime's custom pg reducer over this micro-batch, as a ``pg_reduce`` of ``rl_loss``."""
+        response = batch[RESPONSE_LENGTHS].tolist()
+        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        masks = [batch[keys.MASK][i, :r].int() for i, r in enumerate(response)]
+        reduce = reducer(total, response, masks, self.hooks.per_token_loss)
+        if not callable(reduce):
+            raise reducer.wrong_type(reduce, "a reducer: a function of the concatenated per-token loss")
+        count = self._slime_count(norm)
+        return lambda pg: reduce(concat_rows(pg, response)) / count
+
+    def _custom_loss(self, batch: TensorDict, norm: Normalizer) -> tuple[torch.Tensor, dict[str, Any]]:
+        """slime's ``--custom-loss-function-path`` on one micro-batch: ``fn(args, batch, logits, sum_of_sample_mean)``
+        with the rows' logits packed as [1, sum(total_lengths), V] and slime's per-sample ``batch``."""
+        fn = self._hook["custom_loss_function_path"]
+        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        width = max(total)
+        attention = torch.arange(width, device=self.device)[None, :] < torch.tensor(total, device=self.device)[:, None]
+        with self._autocast():
+            logits = self.model(
+                input_ids=batch[TOKENS][:, :width], attention_mask=attention.long(), use_cache=False
+            ).logits
+        packed = torch.cat([logits[i, :n] for i, n in enumerate(total)])[None]
+        view = rollout_data_view(batch)
+        view["unconcat_tokens"] = view["tokens"]
+        reduce = sum_of_sample_mean(
+            view["loss_masks"],
+            view["rollout_mask_sums"],
+            per_token=self.hooks.per_token_loss,
+            global_count=self._slime_count(norm),
+        )
+        out = fn(self.hooks.args, view, packed, reduce)
+        if not (isinstance(out, tuple | list) and len(out) == 2 and torch.is_tensor(out[0]) and out[0].dim() == 0):
+            raise fn.wrong_type(out, "(loss: 0-dim tensor, metrics: dict)")
+        loss, metrics = out
+        return loss, {k: (v.detach() if torch.is_tensor(v) else v) for k, v in dict(metrics).items()}
 
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step on (prompt, response) rows: the negative log-likelihood of the response tokens."""
@@ -388,18 +752,21 @@ class TorchTrainer:
         parts = self._micro_batches(td)
         norm = self._global_normalizer(parts)
         total = 0.0
-        for mb, real in self._balanced(parts):
-            log_probs, _ = self._forward(self.model, mb, with_entropy=False)
-            mask = mb[keys.MASK].to(self.device)
-            loss = aggregate(sft_loss(log_probs), mask, mode="token_mean", norm=norm)
-            self._backward(loss, real=real)
-            total += float(loss) if real else 0.0
+        with self._step_scope():
+            for mb, real in self._balanced(parts):
+                # The same loss as --loss-type sft_loss (a token mean, as slime's SFT scripts aggregate).
+                loss = self._sft_loss(mb.to(self.device), norm, mode="token_mean")
+                self._backward(loss, real=real)
+                total += float(loss) if real else 0.0
         metrics = self._reduce_metrics({"sft_loss": total}, {})
         metrics["grad_norm"] = self._optimizer_step()
         return metrics
 
-    def weight_buckets(self, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """HF-named weights in ``dtype`` on the CPU, tied weights once, in buckets of about ``bucket_bytes``.
+    def weight_buckets(
+        self, *, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-named weights in ``dtype``, tied weights once, in buckets of about ``bucket_bytes``, on the CPU or (with
+        ``device="model"``) on the model's device, where every rank yields them (see ``TrainBackend``).
 
         Each FSDP-sharded tensor is gathered on its own (``full_tensor``, a collective every rank runs in the same
         order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields. Under
@@ -407,14 +774,16 @@ class TorchTrainer:
         """
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if device not in ("cpu", "model"):
+            raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
         self._check_resident()
         bucket: dict[str, torch.Tensor] = {}
         size = 0
         # Under LoRA the adapters go out merged into their base weights, under the base model's names.
         for name, value in lora.merged_weights(self.model):
-            if self.rank != 0:
+            if self.rank != 0 and device == "cpu":
                 continue
-            tensor = value.to("cpu", dtype=dtype, copy=True)
+            tensor = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
             if bucket and size + tensor.nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = {}, 0
@@ -440,6 +809,11 @@ class TorchTrainer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
         model_sd = self._trained_entries(model_sd)
         state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
+        if self.critic is not None:
+            critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
+            state["critic"] = critic_sd
+            if with_optimizer:
+                state["critic_optim"] = critic_optim_sd
         dcp.save(state, checkpoint_id=path)
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
@@ -464,9 +838,35 @@ class TorchTrainer:
             state = {"model": model_sd}
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(self.model, state["model"], options=_TRAINED_ONLY)
+        if self.critic is not None:
+            self._load_critic(path, saved)
+        if self.old_actor is not None:
+            # As slime loads its old actor from --load: the queue starts again from the loaded weights.
+            self.old_actor, self.rollout_actor = self._actor_copy(), self._actor_copy()
         rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
+
+    def _load_critic(self, path: str, saved: Mapping[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+        if not any(key.startswith("critic.") for key in saved):
+            raise RuntimeError(f"{path} holds no critic (saved by a job without --advantage-estimator ppo)")
+        critic_sd, optim_sd = get_state_dict(self.critic, self.critic_optimizer)
+        if any(key.startswith("critic_optim") for key in saved):
+            state = {"critic": critic_sd, "critic_optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                self.critic,
+                self.critic_optimizer,
+                model_state_dict=state["critic"],
+                optim_state_dict=state["critic_optim"],
+            )
+        else:
+            state = {"critic": critic_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.critic, state["critic"])
 
     def _trained_entries(self, model_sd: dict[str, Any]) -> dict[str, Any]:
         """Under LoRA, the adapters' entries only (a frozen weight tied to another, the LM head, would still be
@@ -519,12 +919,13 @@ class TorchTrainer:
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
-        for model in self.frozen.values():
+        for model in [*self.frozen.values(), *([self.critic] if self.critic is not None else [])]:
             model.to(device)
-        for state in self.optimizer.state.values():
-            for name, value in state.items():
-                if torch.is_tensor(value):
-                    state[name] = value.to(device)
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            for state in optimizer.state.values() if optimizer is not None else ():
+                for name, value in state.items():
+                    if torch.is_tensor(value):
+                        state[name] = value.to(device)
 
     def _check_resident(self) -> None:
         if self.released:
@@ -542,7 +943,10 @@ class TorchTrainer:
             target.copy_(source)
 
     def reset_optimizer(self) -> None:
+        """Drop the actor's optimizer state, and the critic's (slime resets each model's by the same flag)."""
         self.optimizer.state.clear()
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.state.clear()
 
     def get_rng_state(self) -> dict[str, Any]:
         return rng_state(self.device)

@@ -1,0 +1,920 @@
+"""The ``megatron`` training backend: a megatron-core ``GPTModel`` (local layer spec) with tensor, pipeline and data
+parallelism, built from the HF checkpoint's ``config.json`` and loaded from its weights.
+
+One :class:`MegatronTrainer` runs per rank (a Ray actor). Ranks form one ``torch.distributed`` group and
+megatron-core's ``parallel_state`` splits it into tensor-parallel (TP), pipeline (PP) and data-parallel (DP) groups;
+the TP and PP ranks of one model replica share one data shard (:meth:`MegatronTrainer.dp_info`).
+
+The math stays in rlcore: log-probs and entropies come from :func:`rlcore.kernels.logprobs_entropy` over the
+vocab-parallel logits (the TP group is its ``group``; the padded vocabulary columns are masked out), and the loss from
+:func:`rlcore.losses.rl_loss` with a :class:`rlcore.losses.Normalizer` of the whole global batch (summed over
+micro-batches and DP ranks), so that micro-batches, stages and DP ranks add up to the global batch's loss and
+gradient.
+
+On GPUs the model is wrapped in Megatron's ``DistributedDataParallel`` and trained by Megatron's optimizer (the
+distributed optimizer unless ``--no-use-distributed-optimizer``; mixed precision with float32 master weights under
+``--bf16``), with its LR schedule (``OptimizerParamScheduler``); pipelines run Megatron's 1F1B schedule. On the CPU
+(tests, gloo) megatron-core needs two shims (:func:`_cpu_shims`: it asks ``torch.cuda`` for the current device and
+for dropout RNG states, and there is no dropout here), gradients are all-reduced over DP by this module, the
+optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and clipping over the model-parallel group, and
+pipeline parallelism is refused (Megatron's schedules allocate on ``"cuda"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.constants import default_pg_timeout
+
+from rlcore import keys
+from rlcore.kernels import logprobs_entropy
+from rlcore.losses import LossConfig, Normalizer, aggregate, rl_loss, sft_loss
+from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
+from runtime.config import TrainConfig
+from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
+from runtime.train.backends import megatron_checkpoint as mck
+from runtime.train.backends import megatron_config as mc
+from runtime.train.backends import megatron_weights as mw
+from runtime.train.backends.torch_backend import micro_batches
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
+
+SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
+
+
+class _NoDropoutRNG:
+    """Stands in for megatron-core's CUDA RNG tracker on the CPU: it forks an RNG state only around dropout, which
+    this backend never applies (dropout is 0)."""
+
+    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _cpu_shims() -> Iterator[None]:
+    """megatron-core on the CPU: ``torch.cuda.current_device()`` reads as ``"cpu"`` (megatron-core allocates
+    buffers on it), ``torch.cuda.synchronize()`` does nothing (dist_checkpointing's writer calls it) and the dropout
+    RNG tracker is :class:`_NoDropoutRNG`, for the duration of the block."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    saved = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        mrandom._CUDA_RNG_STATE_TRACKER,
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None  # dist_checkpointing's writer waits for the device
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRNG()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved[0], saved[1]
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved[2], saved[3]
+
+
+class LazyHFState(Mapping[str, torch.Tensor]):
+    """An HF checkpoint's safetensors weights by name, each read from disk when asked for (one at a time)."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as fh:
+                self.files = {name: os.path.join(path, f) for name, f in json.load(fh)["weight_map"].items()}
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            from safetensors import safe_open
+
+            single = os.path.join(path, "model.safetensors")
+            with safe_open(single, framework="pt") as fh:
+                self.files = {name: single for name in fh.keys()}
+        else:
+            raise ValueError(
+                f"{path}: no model.safetensors (or its index): --train-backend megatron reads safetensors"
+            )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def _read_hf_config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as fh:
+        return json.load(fh)
+
+
+def _read_shape(path: str) -> mc.ModelShape:
+    return mc.shape_from_hf(_read_hf_config(path), source=os.path.join(path, "config.json"))
+
+
+def _uses_bf16(setting: str, device: torch.device) -> bool:
+    if setting in ("true", "false"):
+        return setting == "true"
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+class MegatronTrainer:
+    """One rank of the megatron backend. Every public method is called on all ranks at once."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        train_cfg: TrainConfig,
+        loss_cfg: LossConfig,
+        temperature: float,
+        seed: int,
+        roles: Sequence[ModelRole] = (ACTOR,),
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        device: str = "auto",
+        role_paths: Mapping[str, str] | None = None,
+    ):
+        unsupported = [role.name for role in roles if role not in SUPPORTED_ROLES]
+        if unsupported or ACTOR not in roles:
+            raise ValueError(
+                f"the megatron backend runs the roles {[r.name for r in SUPPORTED_ROLES]} (the actor always); "
+                f"asked for {[r.name for r in roles]}"
+            )
+        self.cfg, self.loss_cfg, self.temperature = train_cfg, loss_cfg, temperature
+        self.model_path, self.seed = model_path, seed
+        self.rank, self.world_size = rank, world_size
+        self.device = pick_device(device)
+        self.cpu = self.device.type == "cpu"
+        self.shape = _read_shape(model_path)
+        paths = dict(role_paths or {})
+        for role in roles:
+            if role != ACTOR and role.name in paths:
+                other = self._path_shape(paths[role.name])
+                if other.vocab_size != self.shape.vocab_size:
+                    raise ValueError(
+                        f"the {role.name} model {paths[role.name]!r} has a vocabulary of {other.vocab_size}, the "
+                        f"actor {self.shape.vocab_size}: they must share a tokenizer"
+                    )
+        self.tp, self.pp = train_cfg.tensor_model_parallel_size, train_cfg.pipeline_model_parallel_size
+        problems = mc.parallel_problems(self.shape, tp_size=self.tp, pp_size=self.pp)
+        if world_size % (self.tp * self.pp):
+            problems.append(f"{world_size} ranks are not a multiple of TP {self.tp} x PP {self.pp}")
+        if self.cpu and self.pp > 1:
+            problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
+        if self.cpu and train_cfg.sequence_parallel:
+            problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
+        if train_cfg.context_parallel_size != 1:
+            problems.append("--context-parallel-size > 1 needs Transformer Engine (not used by the local spec)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
+        self._own_group = False
+        self._init_distributed(master_addr, master_port)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        self.padded_vocab = mc.padded_vocab_size(self.shape.vocab_size, tp_size=self.tp)
+        with self._shims():
+            # The actor starts from a Megatron checkpoint when the job names one (runtime.cluster.checkpoint).
+            self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True)
+            self.frozen = {
+                role.writes: self._build(paths.get(role.name, model_path), trainable=False)
+                for role in roles
+                if role != ACTOR
+            }
+            self.optimizer, self.scheduler = self._build_optimizer()
+        self.released = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _path_shape(self, path: str) -> mc.ModelShape:
+        """The shape of the model at ``path``: an HF folder's ``config.json``; for a Megatron checkpoint the HF config
+        it keeps (rlcore's), else the actor's (``--hf-checkpoint``; a checkpoint of another shape then fails to load,
+        naming the tensor)."""
+        folder = mck.find_checkpoint(path)
+        if folder is None:
+            return _read_shape(path)
+        hf = mck.read_common(folder).get("hf_config")
+        return self.shape if hf is None else mc.shape_from_hf(hf, source=f"{folder}/common.pt")
+
+    def _shims(self) -> contextlib.AbstractContextManager[None]:
+        return _cpu_shims() if self.cpu else contextlib.nullcontext()
+
+    def _init_distributed(self, master_addr: str, master_port: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if is_loopback(master_addr):
+                confine_collectives()
+                store = rendezvous_store(
+                    master_port, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout
+                )
+                dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
+            else:
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{master_addr}:{master_port}",
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+            self._own_group = True
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            create_gloo_process_groups=self.device.type == "cuda",
+        )
+        torch.manual_seed(self.seed)
+        if self.device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(self.seed)
+
+    def _transformer_config(self) -> Any:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        c = self.cfg
+        recompute = {}
+        if c.recompute_granularity is not None:
+            recompute["recompute_granularity"] = c.recompute_granularity
+        if c.recompute_method is not None:
+            recompute["recompute_method"] = c.recompute_method
+            recompute["recompute_num_layers"] = c.recompute_num_layers
+        return TransformerConfig(
+            **mc.transformer_config_kwargs(self.shape),
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            sequence_parallel=c.sequence_parallel,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+            bf16=self.bf16,
+            use_cpu_initialization=self.cpu,
+            # The weights are overwritten from the checkpoint, but megatron-core marks a parameter as tensor-parallel
+            # (which the gradient norm and the optimizer read) only while initialising it.
+            perform_initialization=True,
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",  # checked even for dense models with variable lengths
+            # The fused kernels need apex or Transformer Engine, which the local spec does without.
+            bias_dropout_fusion=False,
+            bias_activation_fusion=False,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            attention_softmax_in_fp32=True,
+            **recompute,
+        )
+
+    def _build(self, path: str, *, trainable: bool) -> torch.nn.Module:
+        """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        folder = mck.find_checkpoint(path)
+        shape = self._path_shape(path)
+        if shape != self.shape and trainable:
+            raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
+        config = self._transformer_config()
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization=shape.normalization)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
+            **mc.gpt_model_kwargs(shape, tp_size=self.tp),
+        )
+        params = dict(model.named_parameters())
+        mw.check_megatron_state(
+            params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=f"the Megatron model of {path}"
+        )
+        if folder is not None:
+            state = mck.load_sharded({"model": model.sharded_state_dict()}, folder, vocab_size=shape.vocab_size)
+            model.load_state_dict(state["model"], strict=True)
+        else:
+            shard = mw.to_megatron(
+                LazyHFState(path), shape, tp_rank=self.tp_rank, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp
+            )
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(shard[name])
+        model.to(self.device)
+        if self.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        if not trainable:
+            model.requires_grad_(False)
+        elif not self.cpu:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+            ddp = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=self.cfg.accumulate_allreduce_grads_in_fp32,
+                use_distributed_optimizer=self.cfg.use_distributed_optimizer,
+                overlap_grad_reduce=False,
+            )
+            model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+        model.eval()  # no dropout anyway; eval keeps old and new log-probs computed alike
+        return model
+
+    def _build_optimizer(self) -> tuple[Any, Any]:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        c = self.cfg
+        if self.cpu:
+            decay, no_decay = [], []
+            for name, p in self.model.named_parameters():
+                # Megatron's default: no weight decay on biases and 1-D parameters (norms).
+                (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+            groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+            optimizer = torch.optim.AdamW(
+                [g for g in groups if g["params"]],
+                lr=c.lr,
+                betas=(c.adam_beta1, c.adam_beta2),
+                eps=c.adam_eps,
+                weight_decay=c.weight_decay,
+            )
+        else:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            opt_cfg = OptimizerConfig(
+                optimizer=c.optimizer,
+                lr=c.lr,
+                min_lr=c.min_lr,
+                weight_decay=c.weight_decay,
+                adam_beta1=c.adam_beta1,
+                adam_beta2=c.adam_beta2,
+                adam_eps=c.adam_eps,
+                clip_grad=c.clip_grad,
+                bf16=self.bf16,
+                params_dtype=torch.float32,
+                use_distributed_optimizer=c.use_distributed_optimizer,
+            )
+            optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        steps = c.lr_decay_iters or 1
+        warmup = round(c.lr_warmup_fraction * steps) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0 if warmup else c.lr,
+            max_lr=c.lr,
+            min_lr=c.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(steps, warmup + 1) if c.lr_decay_style != "constant" else max(steps, 1),
+            lr_decay_style=c.lr_decay_style,
+            start_wd=c.weight_decay,
+            end_wd=c.weight_decay,
+            wd_incr_steps=max(steps, 1),
+            wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    # ------------------------------------------------------------------ forward
+
+    def _logits(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
+        """``[b, width, V / TP]``: this rank's vocab shard of the logits of micro-batch ``mb`` (last stage only)."""
+        tokens, positions, mask = self._inputs(mb)
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+
+    def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
+        width = int(seq_lens.max())
+        if self.cfg.sequence_parallel and width % self.tp:
+            width += self.tp - width % self.tp  # the sequence splits evenly over TP ranks
+        tokens = mb[TOKENS][:, :width].to(self.device)
+        if tokens.shape[1] < width:
+            tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]))
+        positions = torch.arange(width, device=self.device)[None, :].expand(tokens.shape[0], -1)
+        # Right padding under a causal mask: real tokens never see the padding, so no padding mask is needed.
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
+        return tokens, positions, causal
+
+    def _response_log_probs(
+        self, logits: torch.Tensor, mb: TensorDict, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` from this rank's logits shard."""
+        response = mb[RESPONSE_TOKENS].to(self.device)
+        width = logits.shape[1]
+        offsets = torch.arange(response.shape[1], device=self.device)
+        positions = (mb[PROMPT_LENGTHS].to(self.device)[:, None] - 1 + offsets).clamp(max=width - 1)
+        picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+        picked = picked.reshape(-1, logits.shape[-1])
+        local = logits.shape[-1]
+        start = self.tp_rank * local
+        if start + local > self.shape.vocab_size:
+            # Megatron's padded vocabulary rows are not tokens: they take no probability.
+            padding = torch.arange(start, start + local, device=self.device) >= self.shape.vocab_size
+            picked = picked.masked_fill(padding, float("-inf"))
+        log_probs, entropy = logprobs_entropy(
+            picked,
+            response.reshape(-1),
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            group=self.tp_group,
+        )
+        shape = response.shape
+        return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
+
+    def _micro_batches(self, td: TensorDict) -> list[TensorDict]:
+        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_gpu)
+
+    # ------------------------------------------------------------------ protocol
+
+    def dp_info(self) -> tuple[int, int]:
+        """The data-parallel shard: TP and PP ranks of one replica report the same one."""
+        return self.dp_rank, self.dp_size
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.ps.get_data_parallel_group() if self.dp_size > 1 else None
+
+    @torch.no_grad()
+    def compute_log_probs(self, td: TensorDict) -> TensorDict:
+        """``old_log_probs`` and each frozen role's key, [B, T] float32, for this rank's shard ``td``."""
+        self._check_resident()
+        models = {ACTOR.writes: self.model, **self.frozen}
+        out: dict[str, torch.Tensor] = {}
+        with self._shims():
+            for key, model in models.items():
+                parts = self._run(model, self._micro_batches(td), forward_only=True)
+                out[key] = torch.cat([p["log_probs"] for p in parts]).float().cpu()
+        return TensorDict(out, batch_size=td.batch_size)
+
+    def _run(
+        self, model: torch.nn.Module, parts: list[TensorDict], *, forward_only: bool, loss_fn: Any = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Forward (and backward unless ``forward_only``) over micro-batches ``parts``; each micro-batch's outputs
+        (``log_probs`` when ``loss_fn`` is None, else ``loss_fn``'s metrics) on every rank of the pipeline."""
+        if self.pp == 1:
+            results = []
+            for mb in parts:
+                logits = self._logits(model, mb)
+                results.append(self._finish(logits, mb, forward_only=forward_only, loss_fn=loss_fn))
+            return results
+        return self._run_pipeline(model, parts, forward_only=forward_only, loss_fn=loss_fn)
+
+    def _finish(
+        self, logits: torch.Tensor, mb: TensorDict, *, forward_only: bool, loss_fn: Any
+    ) -> dict[str, torch.Tensor]:
+        if loss_fn is None:
+            log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
+            return {"log_probs": log_probs.detach()}
+        loss, metrics = loss_fn(logits, mb)
+        if not forward_only:
+            # Each DP rank's loss is its share of the global batch's (a global Normalizer): gradients must add up
+            # over DP ranks, and Megatron's DDP averages them.
+            (loss * self.dp_size).backward()
+        return metrics
+
+    def _run_pipeline(
+        self, model: torch.nn.Module, parts: list[TensorDict], *, forward_only: bool, loss_fn: Any
+    ) -> list[dict[str, torch.Tensor]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        count = len(parts)
+
+        def step(data: Iterator[TensorDict], chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            output = self._logits(chunk, mb)
+
+            def reduce(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                if loss_fn is None:
+                    log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
+                    return logits.new_zeros(()), {"log_probs": log_probs.detach()}
+                loss, metrics = loss_fn(logits, mb)
+                # The schedule divides by the micro-batch count; the loss is already this one's global share.
+                return loss * count * self.dp_size, metrics
+
+            return output, reduce
+
+        width = max(int((mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).max()) for mb in parts)
+        results = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(parts),
+            model=[model],
+            num_microbatches=count,
+            seq_length=width,
+            micro_batch_size=max(mb.batch_size[0] for mb in parts),
+            forward_only=forward_only,
+        )
+        return self._from_last_stage(results, parts, loss_fn)
+
+    def _from_last_stage(
+        self, results: list[dict[str, torch.Tensor]], parts: list[TensorDict], loss_fn: Any
+    ) -> list[dict[str, torch.Tensor]]:
+        """The last stage's per-micro-batch outputs, broadcast to every stage of the pipeline."""
+        group = self.ps.get_pipeline_model_parallel_group()
+        src = self.ps.get_pipeline_model_parallel_last_rank()
+        out = []
+        for i, mb in enumerate(parts):
+            if loss_fn is None:
+                value = results[i]["log_probs"] if self.last_stage else None
+                buffer = value if value is not None else torch.empty(mb[RESPONSE_TOKENS].shape, device=self.device)
+                dist.broadcast(buffer, src=src, group=group)
+                out.append({"log_probs": buffer})
+            else:
+                names = sorted(results[i]) if self.last_stage else None
+                holder = [names]
+                dist.broadcast_object_list(holder, src=src, group=group)
+                names = holder[0]
+                values = (
+                    torch.stack([results[i][n].float().reshape(()) for n in names])
+                    if self.last_stage
+                    else torch.empty(len(names), device=self.device)
+                )
+                dist.broadcast(values, src=src, group=group)
+                out.append(dict(zip(names, values, strict=True)))
+        return out
+
+    def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
+        norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)
+        return norm.reduce(self.dp_group())
+
+    def _rl_loss(self, norm: Normalizer) -> Any:
+        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, entropy = self._response_log_probs(logits, mb, with_entropy=True)
+            batch = mb.to(self.device).clone(recurse=False)
+            batch.set(keys.LOG_PROBS, log_probs)
+            batch.set(keys.ENTROPY, entropy)
+            loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
+            return loss, {name: value.detach() for name, value in metrics.items()}
+
+        return loss_fn
+
+    def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
+        """Not built for this backend: ``--advantage-estimator ppo`` is refused at validation."""
+        raise RuntimeError("train_critic: the megatron backend runs no critic (ppo is built for the torch backend)")
+
+    def advance_old_actor(self) -> None:
+        """Not built for this backend: ``--keep-old-actor`` is refused at validation."""
+        raise RuntimeError("advance_old_actor: --keep-old-actor is built for the torch backend only")
+
+    def train(self, td: TensorDict, *, per_step_rows: int, rollout_id: int | None = None) -> dict[str, float]:
+        """Optimizer steps over this rank's shard ``td``, ``per_step_rows`` rows each; metrics of the global batches
+        (token means summed over micro-batches and DP ranks, maxima as maxima), ``grad_norm``, ``lr`` and
+        ``num_steps``. Rollouts split into rows of varying counts per step (a custom generate function's fan-out)
+        are not built here: ``per_step_rows`` must be one count."""
+        self._check_resident()
+        if not isinstance(per_step_rows, int):
+            raise ValueError(
+                "--train-backend megatron: rollouts split into several samples (a custom generate function "
+                "returning lists) are built for the torch backend only"
+            )
+        n = td.batch_size[0]
+        if n % per_step_rows:
+            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+        steps = n // per_step_rows
+        totals: dict[str, float] = {}
+        with self._shims():
+            for step in range(steps):
+                part = td[step * per_step_rows : (step + 1) * per_step_rows]
+                parts = self._micro_batches(part)
+                metrics = self._step(parts, self._rl_loss(self._global_normalizer(parts)))
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value / steps
+        totals["num_steps"] = steps
+        return totals
+
+    def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
+        """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
+        self._zero_grad()
+        outputs = self._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
+        sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        for metrics in outputs:
+            for name, value in metrics.items():
+                if name.endswith("_max"):
+                    maxes[name] = max(maxes.get(name, -math.inf), float(value))
+                else:
+                    sums[name] = sums.get(name, 0.0) + float(value)
+        out = {**self._all_reduce(sums, dist.ReduceOp.SUM), **self._all_reduce(maxes, dist.ReduceOp.MAX)}
+        out["grad_norm"] = self._optimizer_step()
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return out
+
+    def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+        group = self.dp_group()
+        if group is None or not values:
+            return values
+        names = sorted(values)
+        t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=group)
+        return dict(zip(names, t.tolist(), strict=True))
+
+    def _zero_grad(self) -> None:
+        if self.cpu:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    def _optimizer_step(self) -> float:
+        if not self.cpu:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.model])
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            return float(grad_norm)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        group = self.dp_group()
+        for name, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+                # Each TP rank normalises its own heads with the shared QK-norm weight: its gradient is the sum over
+                # ranks (Megatron's finalize_model_grads does the same).
+                dist.all_reduce(p.grad, group=self.tp_group)
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)
+        grad_norm = self._grad_norm(params)
+        if self.cfg.clip_grad > 0 and grad_norm > self.cfg.clip_grad:
+            for p in params:
+                p.grad.mul_(self.cfg.clip_grad / (grad_norm + 1e-6))
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return grad_norm
+
+    def _grad_norm(self, params: list[torch.nn.Parameter]) -> float:
+        """The global gradient norm: TP shards counted once each, TP-replicated tensors (norms) once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                square += p.grad.double().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(square, group=self.ps.get_model_parallel_group())
+        return float(square.sqrt())
+
+    def sft_train(self, td: TensorDict) -> dict[str, float]:
+        """One supervised step: the negative log-likelihood of the response tokens."""
+        self._check_resident()
+        parts = self._micro_batches(td)
+        with self._shims():
+            norm = self._global_normalizer(parts)
+
+            def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
+                loss = aggregate(sft_loss(log_probs), mb[keys.MASK].to(self.device), mode="token_mean", norm=norm)
+                return loss, {"sft_loss": loss.detach()}
+
+            metrics = self._step(parts, loss_fn)
+        return {"sft_loss": metrics["sft_loss"], "grad_norm": metrics["grad_norm"]}
+
+    # ------------------------------------------------------------------ weights out
+
+    def _module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The ``GPTModel`` inside the DDP and Float16 wrappers."""
+        while hasattr(model, "module"):
+            model = model.module
+        return model
+
+    def _hf_tensors(
+        self, model: torch.nn.Module, *, dtype: torch.dtype, on_cpu: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor in dtype)`` in one global order, gathered over TP, sent from each stage to global
+        rank 0; yielded on rank 0 only, on the CPU or (``on_cpu=False``) on rank 0's device. A collective: every rank
+        runs it to the end."""
+        params = dict(self._module(model).named_parameters())
+        tp_group = self.ps.get_tensor_model_parallel_group()
+        for stage in range(self.pp):
+            expected = mw.megatron_shapes(self.shape, tp_size=self.tp, pp_rank=stage, pp_size=self.pp)
+            mine = stage == self.pp_rank
+            src = self._global_rank(tp_rank=0, pp_rank=stage)
+            for name, local_shape in expected.items():
+                if mine:
+                    value = params[name].detach().to(dtype)
+                    if self.tp > 1:
+                        parts = [torch.empty_like(value) for _ in range(self.tp)]
+                        dist.all_gather(parts, value.contiguous(), group=tp_group)
+                    else:
+                        parts = [value]
+                else:
+                    parts = [torch.empty(local_shape, dtype=dtype, device="meta") for _ in range(self.tp)]
+                for hf_name, tensor in mw.tensor_to_hf(name, parts, self.shape, pp_rank=stage, pp_size=self.pp):
+                    if src == 0:
+                        if self.rank == 0:
+                            yield hf_name, tensor.to("cpu" if on_cpu else self.device, copy=True)
+                        continue
+                    if self.rank == src:
+                        dist.send(tensor.contiguous(), dst=0)
+                    elif self.rank == 0:
+                        buffer = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+                        dist.recv(buffer, src=src)
+                        yield hf_name, buffer.cpu() if on_cpu else buffer
+
+    def _global_rank(self, *, tp_rank: int, pp_rank: int) -> int:
+        """The global rank of (tp_rank, pp_rank) in data-parallel replica 0 (Megatron's order tp-cp-ep-dp-pp)."""
+        return pp_rank * (self.world_size // self.pp) + tp_rank
+
+    def weight_buckets(
+        self, *, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-named weights in ``dtype``, tied weights once, in buckets of about ``bucket_bytes``: each tensor
+        gathered over TP and sent from its stage on its own, so no rank holds more than one full tensor plus the
+        bucket. Rank 0 yields, on the CPU or (``device="model"``) on its device; unlike the torch backend the other
+        ranks yield nothing there, so ``ipc`` weight sync reaches one colocated engine (the config refuses more)."""
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if device not in ("cpu", "model"):
+            raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
+        self._check_resident()
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        with self._shims():
+            for name, tensor in self._hf_tensors(self.model, dtype=dtype, on_cpu=device == "cpu"):
+                if bucket and size + tensor.nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[name] = tensor
+                size += tensor.nbytes
+        if bucket:
+            yield bucket
+
+    def get_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full float32 HF weights on the CPU on rank 0, None elsewhere (a collective)."""
+        weights: dict[str, torch.Tensor] = {}
+        for bucket in self.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 62):
+            weights.update(bucket)
+        return weights if self.rank == 0 else None
+
+    def save_hf(self, path: str) -> None:
+        """A HF folder (config, safetensors, tokenizer) that ``from_pretrained`` loads, written by rank 0."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        weights = self.get_weights()
+        if self.rank != 0:
+            return
+        mw.check_hf_state(weights, self.shape, source="the exported weights")
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not (self.shape.tie_embeddings and k == mw.LM_HEAD)]
+        if missing or unexpected:
+            raise RuntimeError(f"save_hf: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _sharded_state(self, *, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+        """The actor's sharded state dict (megatron-core's ``ShardedTensor`` s, whole-tensor names and shapes): the
+        model, and the optimizer's moments under ``optimizer.state.*`` unless ``with_optimizer`` is False; the LR
+        schedule, the Megatron-LM ``args`` and the HF config go to ``common.pt``."""
+        model_sd = self._module(self.model).sharded_state_dict()
+        state: dict[str, Any] = {
+            "model": model_sd,
+            "checkpoint_version": 3.0,
+            "args": mck.model_args(self.shape, tp_size=self.tp, pp_size=self.pp, padded_vocab_size=self.padded_vocab),
+            "hf_config": _read_hf_config(self.model_path),
+        }
+        if with_optimizer:
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+            if self.cpu:
+                state["optimizer"] = self._cpu_optimizer_state(model_sd)
+            else:
+                state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return state
+
+    def _cpu_optimizer_state(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        """The CPU AdamW's state as shards of the parameters' layout (Megatron's ``optimizer.state.exp_avg.*``
+        names), its step count once (``common_step``). Parameters without state yet get zero moments at step 0,
+        which is what AdamW starts from."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:
+            slot = self.optimizer.state[p]
+            if not slot:
+                slot["step"] = torch.zeros((), dtype=torch.float32)
+                slot["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state = self.optimizer.state_dict()
+        step = max((float(slot["step"]) for slot in state["state"].values()), default=0.0)
+        optim_state_to_sharding_state(
+            state, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",)
+        )
+        state["common_step"] = step
+        return state
+
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        """A Megatron ``torch_dist`` checkpoint in the folder ``path`` (megatron-core's ``dist_checkpointing``; every
+        rank writes its shards, DP replicas once): the model, the optimizer's state and the LR schedule (unless
+        ``with_optimizer`` is False), and beside it each rank's RNG state (``rng_rank{r}.pt``). It loads at another
+        TP/PP layout, and slime's ``convert_torch_dist_to_hf.py`` reads it."""
+        with self._shims():
+            mck.save_sharded(self._sharded_state(with_optimizer=with_optimizer, is_loading=False), path)
+        torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def save_model(self, path: str) -> None:
+        """The actor's weights alone as a ``torch_dist`` folder (no optimizer, no RNG): the converter's output."""
+        with self._shims():
+            mck.save_sharded(self._sharded_state(with_optimizer=False, is_loading=False), path)
+
+    def load(self, path: str) -> None:
+        """Restore a ``torch_dist`` checkpoint: :meth:`save`'s folder, a Megatron-LM save root (its
+        ``latest_checkpointed_iteration.txt``) or one of slime's. The optimizer and LR schedule come back when the
+        checkpoint has them (otherwise they keep their state), the RNG when this rank's file is there."""
+        from megatron.core import dist_checkpointing
+
+        folder = mck.find_checkpoint(path)
+        if folder is None:
+            raise ValueError(f"{path} is no Megatron torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
+        saved = dist_checkpointing.load_tensors_metadata(str(folder))
+        with_optimizer = any(key.startswith("optimizer.") for key in saved)
+        with self._shims():
+            state = mck.load_sharded(
+                self._sharded_state(with_optimizer=with_optimizer, is_loading=True),
+                folder,
+                vocab_size=self.shape.vocab_size,
+            )
+            self._module(self.model).load_state_dict(state["model"], strict=True)
+            if with_optimizer:
+                self._load_optimizer(state["optimizer"])
+                if "opt_param_scheduler" in state:
+                    self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            elif not self.cpu:
+                self.optimizer.reload_model_params()  # the float32 main weights from the loaded ones
+        rng_path = os.path.join(folder, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_path):
+            self.set_rng_state(torch.load(rng_path, weights_only=False))
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        if not self.cpu:
+            self.optimizer.load_state_dict(state)
+            return
+        step = torch.tensor(float(state.pop("common_step")), dtype=torch.float32)
+        for slot in state["state"].values():
+            slot["step"] = step.clone()
+        self.optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------------ the rest of the protocol
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        if keys.REF_LOG_PROBS not in self.frozen:
+            raise RuntimeError("update_reference: this trainer runs no reference model (--use-kl-loss / --kl-coef)")
+        reference = dict(self._module(self.frozen[keys.REF_LOG_PROBS]).named_parameters())
+        for name, param in self._module(self.model).named_parameters():
+            reference[name].copy_(param)
+
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer's moments and step counts."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        inner.state.clear()
+
+    def release_memory(self) -> None:
+        """Marks the trainer released; its device memory stays. Megatron's DDP and distributed optimizer hold views of
+        flat parameter and gradient buffers, which moving the model would silently detach (slime pauses them with
+        torch_memory_saver, which rlcore does not have yet)."""
+        self.released = True
+
+    def resume_memory(self) -> None:
+        self.released = False
+
+    def _check_resident(self) -> None:
+        if self.released:
+            raise RuntimeError("trainer memory is released: call resume_memory() first")
+
+    def get_rng_state(self) -> dict[str, Any]:
+        return rng_state(self.device)
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        restore_rng_state(state, self.device)
+
+    def shutdown(self) -> None:
+        if self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
+
+
+__all__ = ["MegatronTrainer"]

@@ -1,0 +1,270 @@
+"""An HF ``config.json`` as the shape of a megatron-core ``GPTModel``; slime's model-shape flags checked against it.
+
+Pure functions over plain dicts: nothing here imports megatron-core, so the config validation (``rlcore-run
+--dry-run``) and the weight mapping (:mod:`runtime.train.backends.megatron_weights`) run without it.
+
+Families: Llama, Qwen2 and Qwen3 (dense): RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, tied or untied
+embeddings, QKV bias (Qwen2) and per-head QK-norm (Qwen3). Anything else in a ``config.json`` that would build a
+different model (rope scaling, biases on other layers, sliding windows, another activation) is refused by name: a
+model built differently from the checkpoint would train silently wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# model_type -> whether the family has per-head QK RMSNorm and a bias on q/k/v.
+FAMILIES: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "qwen2": (False, True),
+    "qwen3": (True, False),
+}
+
+# Megatron's --make-vocab-size-divisible-by default.
+VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a ``GPTModel`` needs of the checkpoint's architecture, in Megatron's terms."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: float
+    norm_epsilon: float
+    qk_layernorm: bool
+    add_qkv_bias: bool
+    tie_embeddings: bool
+    rotary_percent: float = 1.0
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float | None:
+    # transformers 5 keeps it in rope_parameters; older config.json files at the top level.
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    value = hf.get("rope_theta")
+    return None if value is None else float(value)
+
+
+def _rope_type(hf: Mapping[str, Any]) -> str:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key)
+        if isinstance(params, Mapping):
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in (None, "default"):
+                return str(kind)
+    return "default"
+
+
+def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> ModelShape:
+    """The :class:`ModelShape` of an HF ``config.json`` (as a dict); ``ValueError`` naming ``source`` and each field
+    that this backend cannot build as written."""
+    if "text_config" in hf:
+        raise ValueError(f"{source}: multimodal configs (text_config) are not supported by --train-backend megatron")
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not one --train-backend megatron builds ({', '.join(FAMILIES)})"
+        )
+    qk_norm, qkv_bias = FAMILIES[model_type]
+    problems = []
+    required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    missing = [key for key in required if hf.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu, SwiGLU)")
+    if _rope_type(hf) != "default":
+        problems.append(f"rope scaling {_rope_type(hf)!r} (only plain rotary embeddings)")
+    if hf.get("attention_bias") and model_type != "qwen2":
+        problems.append("attention_bias true (a bias on q/k/v/o)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias true")
+    if hf.get("use_sliding_window"):
+        problems.append("use_sliding_window true")
+    if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        problems.append(f"partial_rotary_factor {hf['partial_rotary_factor']}")
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        problems.append(f"pretraining_tp {hf['pretraining_tp']}")
+    theta = _rope_theta(hf)
+    if theta is None:
+        problems.append("no rope_theta (neither at the top level nor in rope_parameters)")
+    if problems:
+        raise ValueError(f"{source}: --train-backend megatron cannot build this model: " + "; ".join(problems))
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    groups = int(hf.get("num_key_value_heads") or heads)
+    head_dim = hf.get("head_dim")
+    head_dim = int(head_dim) if head_dim is not None else hidden // heads
+    if heads % groups:
+        raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    return ModelShape(
+        model_type=model_type,
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
+        rotary_base=float(theta),
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        qk_layernorm=qk_norm,
+        add_qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+# slime's model-shape flag (a config field) -> (what it is compared with, read from the shape, HF's name for it).
+SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
+    "num_layers": (lambda s: s.num_layers, "num_hidden_layers"),
+    "hidden_size": (lambda s: s.hidden_size, "hidden_size"),
+    "ffn_hidden_size": (lambda s: s.ffn_hidden_size, "intermediate_size"),
+    "num_attention_heads": (lambda s: s.num_attention_heads, "num_attention_heads"),
+    "num_query_groups": (lambda s: s.num_query_groups, "num_key_value_heads"),
+    "group_query_attention": (lambda s: s.num_query_groups != s.num_attention_heads, "num_key_value_heads"),
+    "kv_channels": (lambda s: s.kv_channels, "head_dim"),
+    "vocab_size": (lambda s: s.vocab_size, "vocab_size"),
+    "max_position_embeddings": (lambda s: s.max_position_embeddings, "max_position_embeddings"),
+    "rotary_base": (lambda s: s.rotary_base, "rope_theta"),
+    "rotary_percent": (lambda s: s.rotary_percent, "partial_rotary_factor"),
+    "norm_epsilon": (lambda s: s.norm_epsilon, "rms_norm_eps"),
+    "qk_layernorm": (lambda s: s.qk_layernorm, "model_type"),
+    "add_qkv_bias": (lambda s: s.add_qkv_bias, "model_type"),
+    "untie_embeddings_and_output_weights": (lambda s: not s.tie_embeddings, "tie_word_embeddings"),
+    "normalization": (lambda s: s.normalization, "model_type (RMSNorm)"),
+    "swiglu": (lambda s: s.swiglu, "hidden_act"),
+    "disable_bias_linear": (lambda s: not s.add_bias_linear, "attention_bias / mlp_bias"),
+    "position_embedding_type": (lambda s: s.position_embedding_type, "model_type (rope)"),
+}
+
+
+def shape_flag_problems(flags: Mapping[str, Any], shape: ModelShape, *, source: str = "config.json") -> list[str]:
+    """One problem per model-shape flag in ``flags`` (field name -> value; None means not given) that disagrees with
+    ``shape``, naming the flag, its value, the HF field and the checkpoint's value (slime's ``_hf_validate_args``)."""
+    problems = []
+    for name, (read, hf_name) in SHAPE_FLAGS.items():
+        given = flags.get(name)
+        if given is None:
+            continue
+        expected = read(shape)
+        if not _same(given, expected):
+            problems.append(
+                f"--{name.replace('_', '-')} {given} disagrees with {source}: {hf_name} gives {expected} "
+                "(remove the flag or fix it)"
+            )
+    return problems
+
+
+def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's padded vocabulary: ``vocab_size`` rounded up to a multiple of ``divisible_by * tp_size`` (so every
+    tensor-parallel rank holds an equal, aligned vocab shard)."""
+    if vocab_size < 1 or tp_size < 1 or divisible_by < 1:
+        raise ValueError(
+            f"vocab_size, tp_size and divisible_by must be >= 1, got {vocab_size}, {tp_size}, {divisible_by}"
+        )
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def parallel_problems(shape: ModelShape, *, tp_size: int, pp_size: int, source: str = "config.json") -> list[str]:
+    """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways, naming the flag and the HF field."""
+    problems = []
+    if shape.num_query_groups % tp_size:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "
+            f"of {source} (each rank holds whole query groups)"
+        )
+    if shape.num_attention_heads % tp_size:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size} must divide num_attention_heads {shape.num_attention_heads}"
+        )
+    if shape.ffn_hidden_size % tp_size:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size} must divide intermediate_size {shape.ffn_hidden_size}"
+        )
+    if shape.num_layers % pp_size:
+        problems.append(
+            f"--pipeline-model-parallel-size {pp_size} must divide num_hidden_layers {shape.num_layers} of {source} "
+            "(stages of equal depth)"
+        )
+    return problems
+
+
+def stage_layers(shape: ModelShape, *, pp_rank: int, pp_size: int) -> range:
+    """The global decoder-layer indices of pipeline stage ``pp_rank`` (equal stages, in order)."""
+    per_stage = shape.num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
+    """The architecture fields of megatron-core's ``TransformerConfig`` for ``shape`` (parallelism, precision and
+    recompute are the backend's to add). Dropout is off: an RL trainer recomputes old log-probs in the same mode."""
+    return {
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "ffn_hidden_size": shape.ffn_hidden_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.num_query_groups,
+        "kv_channels": shape.kv_channels,
+        "normalization": shape.normalization,
+        "layernorm_epsilon": shape.norm_epsilon,
+        "gated_linear_unit": shape.swiglu,
+        # Megatron's default activation is GELU; SwiGLU is SiLU on the gate.
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": shape.add_bias_linear,
+        "add_qkv_bias": shape.add_qkv_bias,
+        "qk_layernorm": shape.qk_layernorm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+
+
+def gpt_model_kwargs(shape: ModelShape, *, tp_size: int) -> dict[str, Any]:
+    """The ``GPTModel`` arguments for ``shape`` besides its config and layer spec."""
+    return {
+        "vocab_size": padded_vocab_size(shape.vocab_size, tp_size=tp_size),
+        "max_sequence_length": shape.max_position_embeddings,
+        "position_embedding_type": shape.position_embedding_type,
+        "rotary_base": shape.rotary_base,
+        "rotary_percent": shape.rotary_percent,
+        "share_embeddings_and_output_weights": shape.tie_embeddings,
+    }
+
+
+__all__ = [
+    "FAMILIES",
+    "SHAPE_FLAGS",
+    "ModelShape",
+    "gpt_model_kwargs",
+    "padded_vocab_size",
+    "parallel_problems",
+    "shape_flag_problems",
+    "shape_from_hf",
+    "stage_layers",
+    "transformer_config_kwargs",
+]

@@ -1,0 +1,243 @@
+"""--train-backend megatron on the CPU (gloo): megatron-core's GPTModel against the torch backend on the same weights.
+
+Same HF weights and batch, float32: the log-probs, the loss, the gradient norm and the weights after an optimizer step
+of the Megatron backend equal the torch backend's (a transformers model); TP=2 equals TP=1 (two processes over
+gloo). Pipeline parallelism runs on GPUs only (tests/test_megatron_cuda.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from test_megatron_mapping import FAMILIES, hf_config  # noqa: E402
+
+from rlcore import keys  # noqa: E402
+from rlcore.advantages import compute  # noqa: E402
+from runtime.config import from_dict  # noqa: E402
+from runtime.rollout.sample import Sample  # noqa: E402
+from runtime.train.algo import advantage_config, loss_config  # noqa: E402
+from runtime.train.backends import backend_class  # noqa: E402
+from runtime.train.batch import build_batch  # noqa: E402
+from runtime.train.roles import ACTOR, REFERENCE  # noqa: E402
+
+# Tolerances of float32 against float32: two implementations of the same model sum in different orders.
+LOGP_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+def save_model(model_type: str, folder, *, seed: int = 0, **overrides) -> str:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)  # not all ones: a norm mapped to the wrong place shows
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def make_batch(vocab: int, *, n: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen).tolist()
+        response = torch.randint(1, vocab, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        samples.append(
+            Sample(
+                index=i // 4,
+                group_index=i // 4,
+                tokens=prompt + response,
+                response_length=len(response),
+                reward=float(i % 3) / 2,
+                rollout_log_probs=[-1.0] * len(response),
+            )
+        )
+    return build_batch(samples, pad_token_id=0)
+
+
+def job(tmp_path, **overrides):
+    settings = dict(
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        global_batch_size=8,
+        micro_batch_size=3,
+        lr=1e-3,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coef=0.01,
+        clip_grad=0.5,
+        output_dir=str(tmp_path / "out"),
+    )
+    settings.update(overrides)
+    # The trainers read the train and algorithm sections only (the job's validation wants data and a task).
+    return from_dict(None, **settings)
+
+
+def trainer(name, path, cfg, *, roles=(ACTOR, REFERENCE), **kw):
+    return backend_class(name)(
+        path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=0.9, seed=0, roles=roles, **kw
+    )
+
+
+def train_once(backend, cfg, td):
+    td = td.clone()
+    td.update(backend.compute_log_probs(td))
+    # The reference differs from the actor once the actor has trained: perturb the old log-probs instead.
+    td.set(
+        keys.OLD_LOG_PROBS,
+        td[keys.OLD_LOG_PROBS] + 0.05 * torch.sin(torch.arange(td[keys.MASK].numel())).view_as(td[keys.MASK]),
+    )
+    td = compute(td, advantage_config(cfg))
+    return backend.train(td, per_step_rows=8)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_log_probs_loss_grad_norm_and_step_match_the_torch_backend(model_type, tmp_path):
+    path = save_model(model_type, tmp_path / model_type)
+    cfg = job(tmp_path)
+    td = make_batch(203)
+    torch_backend = trainer("torch", path, cfg)
+    mega = trainer("megatron", path, cfg)
+    try:
+        ref_lp = torch_backend.compute_log_probs(td)
+        got_lp = mega.compute_log_probs(td)
+        mask = td[keys.MASK]
+        for key in (keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS):
+            torch.testing.assert_close(got_lp[key][mask], ref_lp[key][mask], **LOGP_TOL)
+        want = train_once(torch_backend, cfg, td)
+        got = train_once(mega, cfg, td)
+        for name in ("loss", "pg_loss", "entropy_loss", "kl_loss", "pg_clipfrac"):
+            if name in want:
+                assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert got["grad_norm"] > cfg.train.clip_grad  # clipping was exercised
+        after_torch = torch_backend.get_weights()
+        after_mega = mega.get_weights()
+        assert set(after_mega) == set(after_torch) - (
+            {"lm_head.weight"} if FAMILIES[model_type]["tie_word_embeddings"] else set()
+        )
+        for name, value in after_mega.items():
+            # Adam's first step is about lr x sign(gradient): where a gradient is near zero (float32 rounding)
+            # the two may move an element differently, by a fraction of one step (lr 1e-3).
+            torch.testing.assert_close(value, after_torch[name], rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        mega.shutdown()
+        torch_backend.shutdown()
+
+
+def test_weight_buckets_are_hf_named_and_equal_the_checkpoint_before_training(tmp_path):
+    from safetensors.torch import load_file
+
+    path = save_model("qwen2", tmp_path / "m")
+    cfg = job(tmp_path)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+    try:
+        buckets = list(mega.weight_buckets(dtype=torch.bfloat16, bucket_bytes=4096))
+        weights = {k: v for b in buckets for k, v in b.items()}
+        saved = load_file(os.path.join(path, "model.safetensors"))
+        saved.pop("lm_head.weight", None)
+        assert set(weights) == set(saved)
+        for name, value in weights.items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, saved[name].bfloat16()), name
+        assert all(sum(v.nbytes for v in b.values()) <= 4096 or len(b) == 1 for b in buckets)
+    finally:
+        mega.shutdown()
+
+
+def test_refuses_a_checkpoint_whose_config_disagrees(tmp_path):
+    path = save_model("llama", tmp_path / "m")
+    config_path = os.path.join(path, "config.json")
+    text = open(config_path).read().replace('"intermediate_size": 80', '"intermediate_size": 96')
+    open(config_path, "w").write(text)
+    cfg = job(tmp_path)
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(80, 48\), config.json \(intermediate_size"):
+        trainer("megatron", path, cfg, roles=(ACTOR,))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, path, tmp, out):
+    cfg = job(
+        tmp,
+        tensor_model_parallel_size=2,
+        train_backend="megatron",
+        actor_num_gpus_per_node=2,
+    )
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=world, master_port=port)
+    td = make_batch(203)
+    log_probs = mega.compute_log_probs(td)
+    metrics = train_once(mega, cfg, td)
+    weights = mega.get_weights()
+    if rank == 0:
+        torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights, "dp": mega.dp_info()}, out)
+    mega.shutdown()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_tensor_parallel_two_ranks_equal_one(model_type, tmp_path):
+    import torch.multiprocessing as mp
+
+    path = save_model(model_type, tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    out = str(tmp_path / "tp2.pt")
+    mp.spawn(_tp_worker, args=(2, _free_port(), path, tmp_path, out), nprocs=2, join=True)
+    tp2 = torch.load(out, weights_only=False)
+    assert tp2["dp"] == (0, 1)
+    cfg = job(tmp_path, train_backend="megatron")
+    one = trainer("megatron", path, cfg)
+    try:
+        td = make_batch(203)
+        mask = td[keys.MASK]
+        log_probs = one.compute_log_probs(td)
+        torch.testing.assert_close(
+            tp2["log_probs"][keys.OLD_LOG_PROBS][mask], log_probs[keys.OLD_LOG_PROBS][mask], **LOGP_TOL
+        )
+        metrics = train_once(one, cfg, td)
+        assert tp2["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
+        assert tp2["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        weights = one.get_weights()
+        for name, value in weights.items():
+            torch.testing.assert_close(
+                tp2["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    finally:
+        one.shutdown()
+
+
+def test_rlcore_run_trains_the_builtin_job_with_megatron(tmp_path):
+    """A few GRPO steps of the built-in job through rlcore-run --train-backend megatron (Ray, the embedded engine,
+    the object-store weight sync); the final HF export loads with transformers."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "--train-backend", "megatron", "--num-rollout", "2"]
+        + ["--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done, 2 steps" in result.stdout + result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) >= 2
+    AutoModelForCausalLM.from_pretrained(out / "final_model")

@@ -1,0 +1,314 @@
+"""--train-backend megatron on GPUs (skipped without CUDA): Megatron's DDP, its optimizer (the distributed one), bf16,
+TP=2 and PP=2 over NCCL, weights to the engine and a few GRPO steps through rlcore-run.
+
+Run: ``python -m pytest -q tests/test_megatron_cuda.py`` (the two-GPU tests skip on one GPU). The local layer spec is
+used: no Transformer Engine, apex or flash-attn.
+
+Tolerances: float32, the same as on the CPU (log-probs 2e-5 absolute; loss and gradient norm 1e-4 relative; TF32 is
+off); bf16 against the float32 torch backend: log-probs 0.1 absolute on average, loss 5e-2 and gradient norm 1e-1
+relative (bf16 keeps 8 bits of mantissa).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from test_megatron_backend import _free_port, job, make_batch, save_model, train_once, trainer  # noqa: E402
+
+from rlcore import keys  # noqa: E402
+from runtime.train.roles import ACTOR, REFERENCE  # noqa: E402
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fp32_matches_the_torch_backend(model_type, tmp_path):
+    path = save_model(model_type, tmp_path / "m")
+    cfg = job(tmp_path, bf16="false", train_backend="megatron")
+    td = make_batch(203)
+    reference = trainer("torch", path, cfg, device="cuda")
+    mega = trainer("megatron", path, cfg, device="cuda")
+    try:
+        want_lp, got_lp = reference.compute_log_probs(td), mega.compute_log_probs(td)
+        mask = td[keys.MASK]
+        torch.testing.assert_close(
+            got_lp[keys.OLD_LOG_PROBS][mask], want_lp[keys.OLD_LOG_PROBS][mask], rtol=1e-5, atol=2e-5
+        )
+        want, got = train_once(reference, cfg, td), train_once(mega, cfg, td)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        after_ref, after = reference.get_weights(), mega.get_weights()
+        for name, value in after.items():
+            torch.testing.assert_close(value, after_ref[name], rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        mega.shutdown()
+        reference.shutdown()
+
+
+def test_bf16_is_close_to_the_float32_torch_backend(tmp_path):
+    path = save_model("qwen3", tmp_path / "m")
+    td = make_batch(203)
+    reference = trainer("torch", path, job(tmp_path, bf16="false"), device="cuda")
+    cfg = job(tmp_path, bf16="true", train_backend="megatron")
+    mega = trainer("megatron", path, cfg, device="cuda")
+    try:
+        mask = td[keys.MASK]
+        want_lp = reference.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
+        got_lp = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
+        assert (got_lp - want_lp).abs().mean() < 0.1
+        want, got = train_once(reference, cfg, td), train_once(mega, cfg, td)
+        assert got["loss"] == pytest.approx(want["loss"], rel=5e-2, abs=1e-3)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-1)
+    finally:
+        mega.shutdown()
+        reference.shutdown()
+
+
+def test_sft_steps_on_a_fixed_batch_reduce_the_loss(tmp_path):
+    path = save_model("qwen2", tmp_path / "m")
+    cfg = job(tmp_path, train_backend="megatron", lr=3e-3, clip_grad=1.0)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,), device="cuda")
+    try:
+        td = make_batch(203)
+        losses = [mega.sft_train(td)["sft_loss"] for _ in range(8)]
+        assert losses[-1] < 0.7 * losses[0], losses
+    finally:
+        mega.shutdown()
+
+
+def test_weights_to_the_engine_equal_the_trainers(tmp_path):
+    """After a step, the HF-named buckets loaded into a transformers model give Megatron's own log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.engines.hf_engine import load_untied_state_dict
+    from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS, TOKENS
+
+    path = save_model("qwen3", tmp_path / "m")
+    cfg = job(tmp_path, bf16="false", train_backend="megatron")
+    mega = trainer("megatron", path, cfg, roles=(ACTOR, REFERENCE), device="cuda")
+    try:
+        td = make_batch(203)
+        train_once(mega, cfg, td)
+        weights = {k: v for b in mega.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 16) for k, v in b.items()}
+        engine = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+        missing, unexpected = load_untied_state_dict(engine, weights)
+        assert not missing and not unexpected
+        with torch.no_grad():
+            logits = engine(input_ids=td[TOKENS].cuda()).logits.float() / 0.9
+        log_probs = torch.log_softmax(logits, -1)
+        positions = td[PROMPT_LENGTHS][:, None] - 1 + torch.arange(td[RESPONSE_TOKENS].shape[1])
+        positions = positions.clamp(max=td[TOKENS].shape[1] - 1).cuda()
+        picked = log_probs.gather(1, positions[..., None].expand(-1, -1, log_probs.shape[-1]))
+        engine_lp = picked.gather(2, td[RESPONSE_TOKENS].cuda()[..., None]).squeeze(-1).cpu()
+        mask = td[keys.MASK]
+        trainer_lp = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], rtol=1e-5, atol=5e-5)
+    finally:
+        mega.shutdown()
+
+
+def _parallel_worker(rank, world, port, path, tmp, out, tp, pp):
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = job(
+        tmp,
+        bf16="false",
+        train_backend="megatron",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        actor_num_gpus_per_node=world,
+    )
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=world, master_port=port, device=f"cuda:{rank}")
+    td = make_batch(203)
+    log_probs = mega.compute_log_probs(td)
+    metrics = train_once(mega, cfg, td)
+    weights = mega.get_weights()
+    if rank == 0:
+        torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights, "dp": mega.dp_info()}, out)
+    mega.shutdown()
+
+
+@two_gpus
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_two_gpus_equal_one(tp, pp, tmp_path):
+    import torch.multiprocessing as mp
+
+    path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False)
+    out = str(tmp_path / "two.pt")
+    # tp=pp=1 on two GPUs is data parallelism: each rank trains its half of the batch.
+    world = 2
+    mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp), nprocs=world, join=True)
+    two = torch.load(out, weights_only=False)
+    assert two["dp"] == ((0, 1) if tp * pp == 2 else (0, 2))
+    cfg = job(tmp_path, bf16="false", train_backend="megatron")
+    one = trainer("megatron", path, cfg, device="cuda:0")
+    try:
+        td = make_batch(203)
+        mask = td[keys.MASK]
+        log_probs = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        # Data parallelism gives each rank the same rows here: the global normaliser halves each rank's share and
+        # the gradients add up, so it equals one rank too.
+        torch.testing.assert_close(two["log_probs"][keys.OLD_LOG_PROBS][mask], log_probs[mask], rtol=1e-5, atol=2e-5)
+        metrics = train_once(one, cfg, td)
+        assert two["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
+        assert two["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        weights = one.get_weights()
+        for name, value in weights.items():
+            torch.testing.assert_close(
+                two["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    finally:
+        one.shutdown()
+
+
+def test_grpo_steps_through_rlcore_run(tmp_path):
+    """The built-in job's first steps with --train-backend megatron and the embedded engine: it runs to the end and
+    logs the Megatron trainer's metrics."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime.cli",
+            "--train-backend",
+            "megatron",
+            "--num-rollout",
+            "4",
+            "--output-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/grad_norm" in r or "grad_norm" in json.dumps(r)]
+    assert len(steps) >= 4
+
+
+def _save_then_go_on(path, cfg, td, folder):
+    """One step, a save into ``folder``, one more step on one GPU: the last step's metrics and weights."""
+    first = trainer("megatron", path, cfg, roles=(ACTOR,), device="cuda:0")
+    try:
+        train_once(first, cfg, td)
+        first.save(folder)
+        return train_once(first, cfg, td), first.get_weights()
+    finally:
+        first.shutdown()
+
+
+def _weights_after_resume(path, cfg, td, folder, *, device="cuda:0"):
+    """A fresh trainer loads ``folder`` and trains one step on ``td``: its metrics and weights."""
+    again = trainer("megatron", path, cfg, roles=(ACTOR,), device=device)
+    try:
+        again.load(folder)
+        return train_once(again, cfg, td), again.get_weights()
+    finally:
+        again.shutdown()
+
+
+@pytest.mark.parametrize("bf16", ["false", "true"])
+def test_a_resumed_trainer_continues_like_the_one_that_saved(bf16, tmp_path):
+    """torch_dist save/load with Megatron's DDP and distributed optimizer (float32 main weights under bf16): the
+    step after a resume equals the step of the trainer that saved and went on."""
+    path = save_model("qwen3", tmp_path / "m")
+    cfg = job(tmp_path, bf16=bf16, train_backend="megatron", use_kl_loss=False)
+    td = make_batch(203)
+    folder = str(tmp_path / "ckpt")
+    want, want_weights = _save_then_go_on(path, cfg, td, folder)
+    got, got_weights = _weights_after_resume(path, cfg, td, folder)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got_weights[name], value, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _resume_tp2_worker(rank, world, port, path, tmp, folder, out):
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = job(
+        tmp,
+        bf16="false",
+        train_backend="megatron",
+        use_kl_loss=False,
+        tensor_model_parallel_size=2,
+        actor_num_gpus_per_node=world,
+    )
+    mega = trainer(
+        "megatron", path, cfg, roles=(ACTOR,), rank=rank, world_size=world, master_port=port, device=f"cuda:{rank}"
+    )
+    mega.load(folder)
+    metrics = train_once(mega, cfg, make_batch(203))
+    weights = mega.get_weights()
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, out)
+    mega.shutdown()
+
+
+@two_gpus
+def test_a_one_gpu_checkpoint_resumes_at_tp2(tmp_path):
+    import torch.multiprocessing as mp
+
+    path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False)
+    cfg = job(tmp_path, bf16="false", train_backend="megatron", use_kl_loss=False)
+    td = make_batch(203)
+    folder = str(tmp_path / "ckpt")
+    want, weights = _save_then_go_on(path, cfg, td, folder)
+    out = str(tmp_path / "tp2.pt")
+    mp.spawn(_resume_tp2_worker, args=(2, _free_port(), path, tmp_path, folder, out), nprocs=2, join=True)
+    tp2 = torch.load(out, weights_only=False)
+    assert tp2["metrics"]["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+    assert tp2["metrics"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    for name, value in weights.items():
+        torch.testing.assert_close(tp2["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_converters_round_trip_and_the_checkpoint_loads_on_the_gpu(tmp_path):
+    """A torch_dist folder from tools/convert_hf_to_megatron.py (float32, written on the CPU) loads into the GPU
+    trainer (bf16 model, float32 main weights) with the HF weights' log-probs."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools import convert_hf_to_megatron
+
+    path = save_model("llama", tmp_path / "m")
+    other = save_model("llama", tmp_path / "other", seed=1)
+    root = str(tmp_path / "torch_dist")
+    convert_hf_to_megatron.convert(path, root)
+    cfg = job(tmp_path, bf16="true", train_backend="megatron", use_kl_loss=False)
+    td = make_batch(203)
+    mask = td[keys.MASK]
+    direct = trainer("megatron", path, cfg, roles=(ACTOR,), device="cuda:0")
+    try:
+        want = direct.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
+    finally:
+        direct.shutdown()
+    loaded = trainer("megatron", other, cfg, roles=(ACTOR,), device="cuda:0")
+    try:
+        loaded.load(root)
+        got = loaded.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
+        metrics = train_once(loaded, cfg, td)
+    finally:
+        loaded.shutdown()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert math.isfinite(metrics["loss"])

@@ -1,0 +1,51 @@
+"""Where a trainer group's torch.distributed ranks meet: 127.0.0.1 on one node (the loopback rules), rank 0's node IP
+when Ray placed the trainer bundles on several nodes."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime.cluster.loopback import LOOPBACK
+from runtime.cluster.placement import Placement, rendezvous_address, trainer_rendezvous
+from runtime.errors import JobError
+
+IPS = {"node-a": "10.0.0.1", "node-b": "10.0.0.2", "node-c": "10.0.0.3"}
+
+
+@given(nodes=st.lists(st.sampled_from(sorted(IPS)), min_size=1, max_size=8))
+def test_one_node_meets_on_loopback_several_at_rank_zeros_node(nodes):
+    got = rendezvous_address(nodes, IPS)
+    if len(set(nodes)) == 1:
+        assert got == LOOPBACK
+    else:
+        assert got == IPS[nodes[0]]
+
+
+def test_a_spread_group_whose_rank_zero_node_is_loopback_is_refused():
+    with pytest.raises(JobError, match="span 2 nodes, but rank 0's node has the loopback address 127.0.0.1"):
+        rendezvous_address(["a", "b"], {"a": "127.0.0.1", "b": "10.0.0.2"})
+    with pytest.raises(ValueError, match="no IP for the Ray nodes"):
+        rendezvous_address(["a", "b"], {"a": "10.0.0.1"})
+    with pytest.raises(ValueError, match="at least one rank"):
+        rendezvous_address([], IPS)
+
+
+def test_a_one_node_placement_meets_on_loopback_at_a_free_port():
+    import socket
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+        ray.get(group.ready())
+        address, port = trainer_rendezvous(Placement(group, False, [0, 1], [], 1.0, 1))
+        assert address == LOOPBACK
+        with socket.socket() as s:
+            s.bind((LOOPBACK, port))  # free
+        remove_placement_group(group)
+    finally:
+        ray.shutdown()

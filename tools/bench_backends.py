@@ -1,0 +1,284 @@
+"""Train step and log-prob forward of the torch and Megatron backends side by side: seconds, tokens/s, MFU two ways,
+peak memory, and the measured bf16 matmul rate beside the peak MFU is counted against.
+
+    python3 tools/bench_backends.py                                     # Qwen3-0.6B preset, 64 x 1024 tokens (a GPU)
+    python3 tools/bench_backends.py --samples 8 --seq-len 16384 --micro-batch-size 1        # prime-rl's 16k anchor
+    python3 tools/bench_backends.py --preset qwen3-4b --seq-len 2048 --nproc 2 --paths megatron,fused
+    python3 tools/bench_backends.py --preset tiny --samples 8 --seq-len 64 --peak-tflops 1    # a smoke run on the CPU
+
+Every sample is ``--seq-len`` tokens (``--prompt-len`` of prompt, the rest response), random tokens, one optimizer
+step over all of them in micro-batches of ``--micro-batch-size``; loss PPO clip with GRPO advantages, no KL.
+Paths: ``fused`` (torch backend through ``rlcore.kernels.linear_rl_loss``, the LM head never applied to all
+positions), ``unfused`` (torch backend, full logits), ``megatron`` (megatron-core ``GPTModel``, local spec, bf16 with
+float32 main weights and Megatron's distributed optimizer on GPUs; ``--tensor-model-parallel-size`` and
+``--recompute-granularity`` are its). With ``--nproc N`` each path runs on N processes (one device each, data
+parallel for the torch backend's FSDP2 and for Megatron beyond its TP x PP); tokens/s count the global batch.
+
+MFU is model FLOPs over ``N x --peak-tflops``, two ways: ``6 x params x tokens`` for a train step (``2 x`` for the
+forward), and with causal attention added: per token and layer ``2 x seq x heads x head_dim`` FLOPs forward (QK^T and
+AV over half the positions on average), three times that for a train step. ``params`` are the HF model's, tied
+embeddings once. The measured bf16 matmul rate (an 8192^3 GEMM on the device; float32 512^3 on the CPU) is printed
+beside the peak used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+PATHS = ("fused", "unfused", "megatron")
+# Qwen3-4B's shape over the qwen3-0.6b preset (hidden 2560, MLP 9728, 36 layers, 32 query and 8 key/value heads of
+# 128, tied embeddings, vocabulary 151936: Qwen/Qwen3-4B's config.json).
+SHAPES = {
+    "qwen3-0.6b": {},
+    "qwen3-4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+}
+
+
+def _batch(vocab: int, args: argparse.Namespace, pad: int):
+    from runtime.rollout.sample import Sample
+    from runtime.train.batch import build_batch
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    response = args.seq_len - args.prompt_len
+    for i in range(args.samples):
+        tokens = torch.randint(4, vocab, (args.seq_len,), generator=gen).tolist()
+        samples.append(
+            Sample(
+                index=i // 8,
+                group_index=i // 8,
+                tokens=tokens,
+                response_length=response,
+                reward=float(i % 3) / 2,
+                rollout_log_probs=(-torch.rand(response, generator=gen) * 5).tolist(),
+            )
+        )
+    return build_batch(samples, pad_token_id=pad)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_flops_per_token(config, *, seq_len: int) -> dict[str, float]:
+    """Train-step FLOPs per token: ``dense`` (6 x params) and ``attn`` (causal attention's matmuls), from an HF
+    config; the forward is a third of each."""
+    from runtime.train.backends import megatron_config as mc
+    from runtime.train.backends import megatron_weights as mw
+
+    shape = mc.shape_from_hf(config.to_dict())
+    params = sum(torch.Size(size).numel() for size, _ in mw.hf_shapes(shape).values())
+    attn = 6 * shape.num_layers * seq_len * shape.num_attention_heads * shape.kv_channels
+    return {"params": params, "dense": 6 * params, "attn": attn}
+
+
+def matmul_tflops(device: torch.device) -> tuple[float, str]:
+    """The measured matmul rate on ``device`` and what was measured."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    repeats = 20
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * n**3 / seconds / 1e12, f"{str(dtype).removeprefix('torch.')} {n}^3"
+
+
+def _config(path: str, args: argparse.Namespace, world: int, path_name: str):
+    from runtime.config import from_dict, validate
+
+    overrides = {}
+    if path_name == "megatron":
+        overrides = {
+            "train_backend": "megatron",
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "recompute_granularity": args.recompute_granularity,
+        }
+        if args.recompute_granularity == "full":
+            overrides.update(recompute_method="uniform", recompute_num_layers=1)
+    return validate(
+        from_dict(
+            None,
+            hf_checkpoint=path,
+            num_rollout=1,
+            actor_num_gpus_per_node=world,
+            rollout_max_response_len=args.seq_len - args.prompt_len,
+            rollout_batch_size=args.samples // 8,
+            n_samples_per_prompt=8,
+            global_batch_size=args.samples,
+            micro_batch_size=args.micro_batch_size,
+            use_kl_loss=False,
+            lr=1e-6,
+            **overrides,
+        )
+    )
+
+
+def measure(
+    path: str, args: argparse.Namespace, path_name: str, *, rank: int = 0, world: int = 1, port: int = 0
+) -> dict[str, float]:
+    """One path's timings on this rank (a collective over ``world`` ranks)."""
+    from transformers import AutoConfig
+
+    from rlcore.advantages import compute
+    from runtime.train.algo import advantage_config, loss_config
+    from runtime.train.backends import backend_class
+    from runtime.train.batch import shard_rows
+    from runtime.train.roles import ACTOR
+
+    cfg = _config(path, args, world, path_name)
+    backend = "megatron" if path_name == "megatron" else "torch"
+    trainer = backend_class(backend)(
+        path,
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+        roles=(ACTOR,),
+        rank=rank,
+        world_size=world,
+        master_port=port,
+    )
+    if path_name == "unfused":
+        trainer._fused_head = lambda model: False  # the full-logits path
+    config = AutoConfig.from_pretrained(path)
+    td = _batch(config.vocab_size, args, pad=0)
+    dp_rank, dp_size = trainer.dp_info()
+    td = td[shard_rows(args.samples, global_batch_size=args.samples, dp_rank=dp_rank, dp_size=dp_size)]
+    rows = td.batch_size[0]
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    logprob_s, train_s = [], []
+    for i in range(args.warmup + args.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        td.update(trainer.compute_log_probs(td))
+        _sync(device)
+        mid = time.perf_counter()
+        trainer.train(compute(td, advantage_config(cfg)), per_step_rows=rows)
+        _sync(device)
+        end = time.perf_counter()
+        if i >= args.warmup:
+            logprob_s.append(mid - start)
+            train_s.append(end - mid)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    trainer.shutdown()
+    lp, tr = statistics.median(logprob_s), statistics.median(train_s)
+    flops = model_flops_per_token(config, seq_len=args.seq_len)
+    tokens = args.samples * args.seq_len
+    peak_flops = args.peak_tflops * 1e12 * world
+    return {
+        "params": flops["params"],
+        "logprob_s": lp,
+        "logprob_tok_s": tokens / lp,
+        "logprob_mfu": flops["dense"] / 3 * tokens / lp / peak_flops,
+        "logprob_mfu_attn": (flops["dense"] + flops["attn"]) / 3 * tokens / lp / peak_flops,
+        "train_s": tr,
+        "train_tok_s": tokens / tr,
+        "train_mfu": flops["dense"] * tokens / tr / peak_flops,
+        "train_mfu_attn": (flops["dense"] + flops["attn"]) * tokens / tr / peak_flops,
+        "peak_gib": peak,
+    }
+
+
+def _worker(rank: int, world: int, port: int, path: str, args: argparse.Namespace, name: str, out: str) -> None:
+    if args.device_count:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # before CUDA starts in this process: one device per rank
+    torch.save(measure(path, args, name, rank=rank, world=world, port=port), f"{out}.{rank}")
+
+
+def run_path(path: str, args: argparse.Namespace, name: str, tmp: str) -> dict[str, float]:
+    """``measure`` on ``--nproc`` processes: rank 0's timings, the largest peak memory of any rank."""
+    if args.nproc == 1:
+        return measure(path, args, name)
+    import torch.multiprocessing as mp
+
+    from runtime.cluster.placement import free_port
+
+    out = os.path.join(tmp, f"{name}.pt")
+    mp.spawn(_worker, args=(args.nproc, free_port(), path, args, name, out), nprocs=args.nproc, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(args.nproc)]
+    return {**ranks[0], "peak_gib": max(r["peak_gib"] for r in ranks)}
+
+
+def build_model(args: argparse.Namespace, folder: str) -> str:
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_preset_model, make_tiny_model
+
+    if args.preset == "tiny":
+        return str(make_tiny_model(folder, alphabet=task.ALPHABET, seed=0))
+    return str(make_preset_model("qwen3-0.6b", folder, alphabet=task.ALPHABET, seed=0, **SHAPES[args.preset]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=[*SHAPES, "tiny"])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device (H100 SXM: 989)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (devices) per path")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="megatron's TP")
+    parser.add_argument(
+        "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"
+    )
+    args = parser.parse_args(argv)
+    names = args.paths.split(",")
+    unknown = sorted(set(names) - set(PATHS))
+    if unknown or args.samples % 8 or args.nproc < 1 or not 0 < args.prompt_len < args.seq_len:
+        parser.error(f"--paths of {PATHS} (got {unknown}), --samples a multiple of 8, --prompt-len < --seq-len")
+    args.device_count = torch.cuda.device_count()
+    if args.device_count and args.nproc > args.device_count:
+        parser.error(f"--nproc {args.nproc} needs as many GPUs; {args.device_count} are visible")
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(args, f"{tmp}/m")
+        for name in names:
+            rows.append((name, run_path(path, args, name, tmp)))
+            print(name, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
+    device = torch.device("cuda", 0) if args.device_count else torch.device("cpu")
+    rate, what = matmul_tflops(device)
+    tokens = args.samples * args.seq_len
+    print(
+        f"\n{args.preset} ({rows[0][1]['params']:,} params), {args.samples} x {args.seq_len} tokens ({tokens}), "
+        f"micro-batch {args.micro_batch_size}, {args.nproc} process(es); MFU against {args.peak_tflops:g} TFLOP/s "
+        f"per device; measured {what} matmul: {rate:.1f} TFLOP/s"
+    )
+    print("| path | log-prob fwd s | tok/s | MFU | MFU+attn | train step s | tok/s | MFU | MFU+attn | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, m in rows:
+        print(
+            f"| {name} | {m['logprob_s']:.3f} | {m['logprob_tok_s']:.0f} | {m['logprob_mfu']:.1%} | "
+            f"{m['logprob_mfu_attn']:.1%} | {m['train_s']:.3f} | {m['train_tok_s']:.0f} | {m['train_mfu']:.1%} | "
+            f"{m['train_mfu_attn']:.1%} | {m['peak_gib']:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
