@@ -1959,6 +1959,11 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             if getattr(t, name) != getattr(defaults, name):
                 problems.append(f"{flag(name)}: a Megatron flag, used by --train-backend megatron only")
         return
+    if cfg.algo.loss_type == "custom_loss" or cfg.algo.custom_pg_loss_reducer_function_path is not None:
+        problems.append(
+            "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
+            "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
+        )
     if t.use_dynamic_batch_size:
         problems.append(
             "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "

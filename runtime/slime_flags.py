@@ -172,8 +172,8 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         REFUSED,
         "rlcore's fused log-prob kernel never materialises float32 logits and picks its own chunks",
     ),
-    _f("--only-train-params-name-list", "train", None, YES, "regexes (re.search) over the torch module's names"),
-    _f("--freeze-params-name-list", "train", None, YES, "regexes (re.search) over the torch module's names"),
+    _f("--only-train-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
+    _f("--freeze-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
     _true("--allgather-cp", "train", REFUSED, MEGATRON),
     # rollout
     _f("--hf-checkpoint", "rollout", None, YES, "unset: the built-in tiny model"),

@@ -261,3 +261,17 @@ def test_async_an_engine_killed_mid_rollout_loses_nothing_and_versions_stay_hone
         for s, expected in zip(samples, _log_probs_under(folder, samples), strict=True):
             got = torch.tensor(s["rollout_log_probs"], dtype=torch.float64)
             assert torch.allclose(got, expected, atol=2e-4), (version, (got - expected).abs().max())
+
+
+def test_a_trainer_that_fails_to_start_is_reported_with_the_constructors_error():
+    from runtime.cluster.trainers import TrainerDied
+
+    err = RuntimeError(
+        "The actor died because of an error raised in its creation task, ray::TrainerWorker.__init__() (pid=1)\n"
+        "TypeError: MegatronTrainer.__init__() got an unexpected keyword argument 'x'\n"
+    )
+    assert str(TrainerDied(0, err)) == (
+        "trainer rank 0 died (RuntimeError: its start failed: TypeError: MegatronTrainer.__init__() got an "
+        "unexpected keyword argument 'x')"
+    )
+    assert str(TrainerDied(1, RuntimeError("killed\nmore"))) == "trainer rank 1 died (RuntimeError: killed)"

@@ -7,6 +7,7 @@ gloo). Pipeline parallelism runs on GPUs only (tests/test_megatron_cuda.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -241,3 +242,62 @@ def test_rlcore_run_trains_the_builtin_job_with_megatron(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) >= 2
     AutoModelForCausalLM.from_pretrained(out / "final_model")
+
+
+def test_slime_trainer_hooks_freeze_lists_and_sft_loss_run_under_megatron(tmp_path):
+    """slime's Megatron-side hooks are called as slime calls them (init once; before each log-prob pass with the
+    store prefix; before each train step with the rollout id and step), --freeze-params-name-list keeps the matched
+    weights, and --loss-type sft_loss trains the NLL exactly as the torch backend does."""
+    from runtime.train.hooks import train_hooks
+
+    calls = tmp_path / "calls.txt"
+    hook_file = tmp_path / "hooks.py"
+    hook_file.write_text(
+        f"LOG = {str(calls)!r}\n"
+        "def _log(line):\n"
+        "    with open(LOG, 'a') as fh:\n"
+        "        fh.write(line + '\\n')\n"
+        "def init(args):\n"
+        "    _log(f'init {args.train.lr}')\n"
+        "def before_log_prob(args, model, store_prefix):\n"
+        "    _log(f'log_prob {store_prefix!r} {model.training}')\n"
+        "def before_step(args, rollout_id, step_id, model, optimizer, scheduler):\n"
+        "    _log(f'step {rollout_id} {step_id} {optimizer is not None}')\n"
+    )
+    path = save_model("llama", tmp_path / "llama")
+    cfg = job(
+        tmp_path,
+        custom_megatron_init_path=f"{hook_file}:init",
+        custom_megatron_before_log_prob_hook_path=f"{hook_file}:before_log_prob",
+        custom_megatron_before_train_step_hook_path=f"{hook_file}:before_step",
+        # Matched against Megatron's parameter names, as in slime.
+        freeze_params_name_list=["word_embeddings"],
+        loss_type="sft_loss",
+        use_kl_loss=False,
+        entropy_coef=0.0,
+    )
+    td = make_batch(203)
+    hooks = train_hooks(cfg)
+    mega = trainer("megatron", path, cfg, hooks=hooks)
+    torch_backend = trainer("torch", path, cfg, hooks=dataclasses.replace(hooks, paths={}, freeze=()))
+    try:
+        before = mega.get_weights()["model.embed_tokens.weight"].clone()
+        mega_norm_before = mega.get_weights()["model.norm.weight"].clone()
+        start = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS].double()
+        got = train_once(mega, cfg, td)
+        want = train_once(torch_backend, cfg, td)
+        # The NLL of the response tokens under the starting weights, over every token of the batch (the job's
+        # token_mean), in float64.
+        mask = td[keys.MASK]
+        nll = -start[mask].mean()
+        assert loss_config(cfg).loss_agg_mode == "token_mean"
+        assert got["loss"] == pytest.approx(nll.item(), rel=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        after = mega.get_weights()
+        torch.testing.assert_close(after["model.embed_tokens.weight"], before, rtol=0, atol=0)
+        assert not torch.equal(after["model.norm.weight"], mega_norm_before)
+    finally:
+        mega.shutdown()
+        torch_backend.shutdown()
+    passes = ["log_prob '' False", "log_prob 'ref_' False"]  # two log-prob passes: `start`, then train_once's
+    assert calls.read_text().splitlines() == ["init 0.001", *passes, *passes, "step None 0 True"]

@@ -41,8 +41,11 @@ class TrainerDied(JobError):
     """A trainer rank's process died (killed, out of memory, its node lost)."""
 
     def __init__(self, rank: int, err: BaseException):
-        lines = str(err).strip().splitlines()
-        super().__init__(f"trainer rank {rank} died ({type(err).__name__}: {lines[0] if lines else ''})")
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        detail = lines[0] if lines else ""
+        if len(lines) > 1 and "creation task" in detail:  # Ray names the constructor's exception on the last line
+            detail = f"its start failed: {lines[-1].strip()}"
+        super().__init__(f"trainer rank {rank} died ({type(err).__name__}: {detail})")
         self.rank = rank
 
 
@@ -263,8 +266,8 @@ class TrainerGroup:
     ):
         """``env_vars`` (slime's ``--train-env-vars``) are set in every trainer process, over the placement's own."""
         world_size = len(placement.trainer_bundles)
-        # 127.0.0.1 on one node; rank 0's node IP when the trainer bundles span nodes.
-        address, port = trainer_rendezvous(placement)
+        # 127.0.0.1 on one node; rank 0's node IP when the trainer bundles span nodes. No ranks: --debug-rollout-only.
+        address, port = trainer_rendezvous(placement) if world_size else ("127.0.0.1", 0)
         remote_cls = ray.remote(TrainerWorker)
         self.actors = [
             remote_cls.options(**_with_env(placement.options(bundle), env_vars or {})).remote(

@@ -50,6 +50,10 @@ TRAINER_HOOK_FIELDS = (
     "custom_megatron_before_train_step_hook_path",
 )
 
+# slime's store prefixes, by the key a model's log-probs are written to: "" for the actor, "ref_" for the reference,
+# "teacher_" for the teacher (the before-log-prob hook is handed it).
+STORE_PREFIX = {keys.OLD_LOG_PROBS: "", keys.REF_LOG_PROBS: "ref_", keys.TEACHER_LOG_PROBS: "teacher_"}
+
 
 @dataclass(frozen=True)
 class TrainHooks:

@@ -45,6 +45,7 @@ from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
 from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
@@ -150,7 +151,11 @@ class MegatronTrainer:
         master_port: int = 0,
         device: str = "auto",
         role_paths: Mapping[str, str] | None = None,
+        hooks: TrainHooks | None = None,
     ):
+        # slime's trainer-side hooks (runtime.train.hooks); the loss-replacing ones are refused by the config.
+        self.hooks = hooks or TrainHooks()
+        self._hook = self.hooks.resolve()
         unsupported = [role.name for role in roles if role not in SUPPORTED_ROLES]
         if unsupported or ACTOR not in roles:
             raise ValueError(
@@ -204,8 +209,18 @@ class MegatronTrainer:
                 for role in roles
                 if role != ACTOR
             }
+            if self.hooks.only_train or self.hooks.freeze:
+                freeze_parameters(self.model, only_train=self.hooks.only_train, freeze=self.hooks.freeze)
             self.optimizer, self.scheduler = self._build_optimizer()
         self.released = False
+        init = self._hook.get("custom_megatron_init_path")
+        if init is not None:
+            init(self.hooks.args)
+
+    def _call_hook(self, name: str, *args: Any) -> None:
+        hook = self._hook.get(name)
+        if hook is not None:
+            hook(self.hooks.args, *args)
 
     # ------------------------------------------------------------------ setup
 
@@ -459,6 +474,7 @@ class MegatronTrainer:
         out: dict[str, torch.Tensor] = {}
         with self._shims():
             for key, model in models.items():
+                self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
                 parts = self._run(model, self._micro_batches(td), forward_only=True)
                 out[key] = torch.cat([p["log_probs"] for p in parts]).float().cpu()
         return TensorDict(out, batch_size=td.batch_size)
@@ -590,9 +606,22 @@ class MegatronTrainer:
         totals: dict[str, float] = {}
         with self._shims():
             for step in range(steps):
+                self._call_hook(
+                    "custom_megatron_before_train_step_hook_path",
+                    rollout_id,
+                    step,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                )
                 part = td[step * per_step_rows : (step + 1) * per_step_rows]
                 parts = self._micro_batches(part)
-                metrics = self._step(parts, self._rl_loss(self._global_normalizer(parts)))
+                norm = self._global_normalizer(parts)
+                if self.hooks.loss_type == "sft_loss":  # slime's --loss-type sft_loss
+                    loss_fn = self._sft_loss(norm, mode=self.loss_cfg.loss_agg_mode)
+                else:
+                    loss_fn = self._rl_loss(norm)
+                metrics = self._step(parts, loss_fn)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value / steps
         totals["num_steps"] = steps
@@ -676,15 +705,19 @@ class MegatronTrainer:
         self._check_resident()
         parts = self._micro_batches(td)
         with self._shims():
-            norm = self._global_normalizer(parts)
+            metrics = self._step(parts, self._sft_loss(self._global_normalizer(parts), mode="token_mean"))
+        return {"sft_loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
 
-            def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-                log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
-                loss = aggregate(sft_loss(log_probs), mb[keys.MASK].to(self.device), mode="token_mean", norm=norm)
-                return loss, {"sft_loss": loss.detach()}
+    def _sft_loss(self, norm: Normalizer, *, mode: str) -> Any:
+        """The NLL of the loss-masked response tokens, aggregated with ``mode`` over the global batch's ``norm``."""
 
-            metrics = self._step(parts, loss_fn)
-        return {"sft_loss": metrics["sft_loss"], "grad_norm": metrics["grad_norm"]}
+        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
+            mask = mb[keys.MASK].to(self.device)
+            loss = aggregate(sft_loss(log_probs, mask=mask), mask, mode=mode, norm=norm)
+            return loss, {"loss": loss.detach()}
+
+        return loss_fn
 
     # ------------------------------------------------------------------ weights out
 

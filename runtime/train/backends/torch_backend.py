@@ -45,6 +45,7 @@ from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import (
+    STORE_PREFIX,
     TrainHooks,
     concat_rows,
     freeze_parameters,
@@ -55,8 +56,6 @@ from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, pa
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
 # slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
-_STORE_PREFIX = {keys.OLD_LOG_PROBS: "", keys.REF_LOG_PROBS: "ref_", keys.TEACHER_LOG_PROBS: "teacher_"}
-
 # The roles this backend builds a model for; others are refused by name at construction.
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
 # The critic's value head starts as slime's: weights drawn from N(0, 0.02^2) (Megatron's init_method_std), bias 0.
@@ -501,7 +500,7 @@ class TorchTrainer:
         for key, (model, context) in models.items():
             # slime's store prefixes: "" for the actor, "ref_" for the reference, "teacher_" for the teacher.
             with context():
-                self._call_hook("custom_megatron_before_log_prob_hook_path", model, _STORE_PREFIX.get(key, ""))
+                self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
         if self.old_actor is not None:
             # The old log-probs under the old actor's weights (slime's _switch_model("old_actor")): they are swapped
             # in for this pass and the current ones put back after it.
