@@ -143,6 +143,29 @@ def test_servers_are_launched_with_the_passthrough_flags(fleet):
     assert engines.health() == [True, True]
 
 
+def test_the_routers_metrics_listen_where_the_router_does(fleet):
+    """The router's Prometheus server binds the router's own address (127.0.0.1 in a single-node job, see
+    runtime.cluster.loopback), not the router's default of 0.0.0.0 (every interface)."""
+    import psutil
+
+    _, engines, _ = fleet
+    host, port = engines.router_url.removeprefix("http://").rsplit(":", 1)
+
+    def listening(proc: psutil.Process) -> set[tuple[str, int]]:
+        try:
+            return {(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet") if c.status == "LISTEN"}
+        except psutil.Error:
+            return set()
+
+    (router,) = [p for p in psutil.process_iter() if (host, int(port)) in listening(p)]
+    deadline = time.time() + 30
+    while len(listening(router)) < 2 and time.time() < deadline:  # the metrics server may bind a moment later
+        time.sleep(0.2)
+    sockets = listening(router)
+    # The request port and the Prometheus port.
+    assert len(sockets) >= 2 and {ip for ip, _ in sockets} == {host}, sockets
+
+
 def test_requests_go_through_the_router_and_are_spread_over_the_servers(fleet):
     _, engines, _ = fleet
     urls = [ray.get(a.url.remote()) for a in engines.actors]

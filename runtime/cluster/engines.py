@@ -455,7 +455,12 @@ class EngineGroup:
                 port="{port}",
                 request_timeout_secs=s.sglang_router_request_timeout_secs,
                 # A free metrics port unless given: the router's fixed default collides with a second job's router.
-                router_args={"prometheus_port": launcher.free_port(), **(s.router_args or {})},
+                # Metrics bind where the router does (its default is 0.0.0.0: every interface).
+                router_args={
+                    "prometheus_port": launcher.free_port(),
+                    "prometheus_host": "{host}",
+                    **(s.router_args or {}),
+                },
             )
             self.router_url = ray.get(
                 self.router_launcher.start.remote(argv, health_path="/health", timeout=s.sglang_server_startup_timeout)
