@@ -285,7 +285,13 @@ def test_every_weight_sync_moves_the_trained_weights_into_the_engines(kind, ray_
         for name, value in weights.items():
             assert torch.equal(got[name], value), name
         # A killed engine is restarted by the next group call and rejoins with the trainers' weights and version.
-        ray.kill(engines.actors[0])
+        dead = engines.actors[0]
+        ray.kill(dead)
+        # ray.kill returns before the process is gone: a call right after may still be answered by it.
+        with pytest.raises(ray.exceptions.RayActorError):
+            for _ in range(600):
+                ray.get(dead.__ray_ready__.remote(), timeout=60)
+                time.sleep(0.1)
         trainers.version = 7
         assert engines.weight_versions() == [7]
         got = engines.get_weights()

@@ -70,3 +70,14 @@ def test_a_broadcast_whose_receiver_died_fails_without_waiting_for_the_timeout(i
     with pytest.raises(RuntimeError):
         weight_transfer.send_bucket(group, {"w": torch.ones(BIG // 4)}, failed=lambda: None)
     assert time.monotonic() - start < 30
+
+
+def test_forming_a_group_whose_member_never_joins_fails_after_the_join_timeout():
+    port = launcher.free_port()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"weight-update group 'lonely' .*2 members.*rank 0 gave up after waiting 2 s"):
+        weight_transfer.init_weights_update_group(
+            master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="lonely", backend="gloo",
+            timeout=120, join_timeout=2,
+        )  # fmt: skip
+    assert time.monotonic() - start < 30  # the join timeout, not the group's 120 s

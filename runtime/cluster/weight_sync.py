@@ -185,7 +185,13 @@ class DistributedSync:
             group_name=self.group_name,
             backend=self.backend,
         )
-        ray.get([trainer, *joins])
+        # An engine that dies before joining fails the formation at once (the engine group restarts it and forms the
+        # group again); the trainer's side gives up within weight_transfer.JOIN_TIMEOUT_S.
+        pending = joins
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        ray.get(trainer)
         self.members = actors
         self._pushed: int | None = None
 

@@ -37,6 +37,12 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+# How long forming a weight-update group waits for its members. Every member is up when formation starts (the
+# engines answer before they are asked to join), so joining takes seconds; a member that died meanwhile fails the
+# formation after this, and the engine group restarts it and forms the group again.
+JOIN_TIMEOUT_S = 60.0
+
+
 def init_weights_update_group(
     *,
     master_address: str,
@@ -46,21 +52,34 @@ def init_weights_update_group(
     group_name: str = DEFAULT_GROUP,
     backend: str = "nccl",
     timeout: float = 600.0,
+    join_timeout: float = JOIN_TIMEOUT_S,
 ) -> Any:
     """Join the weight-update group as ``rank`` of ``world_size`` (rank 0, the trainer, hosts the rendezvous);
-    blocks until every rank has joined. Returns the process group."""
+    blocks until every rank has joined, for ``join_timeout`` seconds at most (a member that died before joining
+    fails the formation then, not after the group's ``timeout``, which bounds its operations). Returns the process
+    group."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    wait = timedelta(seconds=timeout)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=wait))
+    wait, join = timedelta(seconds=timeout), timedelta(seconds=min(join_timeout, timeout))
+    url = f"tcp://{master_address}:{master_port}"
+    try:
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=join))
+        # Forming the group waits on the store for every member's address: bounded by the join timeout too.
+        store.set_timeout(join)
+        group, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=wait
+        )
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
+        raise TimeoutError(
+            f"weight-update group {group_name!r} ({url}, {world_size} members): rank {rank} gave up after "
+            f"waiting {join.total_seconds():g} s for the others to join ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from err
     store.set_timeout(wait)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=wait
-    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
