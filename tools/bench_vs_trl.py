@@ -21,7 +21,9 @@ token losses (TRL's ``loss_type="grpo"``, rlcore's default), float32 weights und
   ``perf/weight_sync_time`` and ``perf/offload_time``. ``--rlcore-args`` adds flags (e.g. ``"--use-dynamic-batch-size
   --max-tokens-per-gpu 16384"``).
 - **TRL**: ``GRPOTrainer`` in this process with plain ``transformers`` ``generate`` (``use_vllm=False``, no paged
-  continuous batching), gradient checkpointing off (TRL's default is on: ``--trl-gradient-checkpointing``).
+  continuous batching), gradient checkpointing off (TRL's default is on: ``--trl-gradient-checkpointing``). Its
+  weights are float32 under bf16 autocast, generation included (TRL's default; ``--trl-dtype bfloat16``: weights,
+  optimizer state and generation all in bf16, TRL's fastest plain-``generate`` setting).
   A ``TrainerCallback`` times each optimizer step from ``on_step_begin`` to ``on_step_end`` (the device synchronised
   at both); rollout is the time in ``_generate_and_score_completions`` (generation, reward, advantages), train the
   rest. TRL generates once per optimizer step here (``steps_per_generation`` = the accumulation steps), so it needs
@@ -276,7 +278,7 @@ def run_trl(args: argparse.Namespace, model: str) -> dict[str, Any]:
         bf16=cuda,
         use_cpu=not cuda,
         gradient_checkpointing=args.trl_gradient_checkpointing,
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs={"dtype": args.trl_dtype},
         shuffle_dataset=False,
         seed=args.seed,
         logging_steps=1,
@@ -353,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="rlcore-run's default seed: the job's prompt order")
     parser.add_argument("--rlcore-args", default="", help="more rlcore-run flags, one string")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default (off here)")
+    parser.add_argument(
+        "--trl-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="TRL's weights: float32 under bf16 autocast (TRL's default, as rlcore's trainer), or all bfloat16",
+    )
     args = parser.parse_args(argv)
     defaults = (2, 4, 16, 4) if args.tiny else (8, 8, 512, 8)
     for name, value in zip(("prompts", "group", "max_new_tokens", "micro_batch_size"), defaults, strict=True):
@@ -389,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(
         f"\n{model}: {args.prompts} prompts x {args.group} samples x up to {args.max_new_tokens} tokens, "
-        f"micro-batch {args.micro_batch_size}, lr {args.lr:g}, device {args.device}; median of {args.steps} steps "
-        f"after a warm-up; {_versions()}"
+        f"micro-batch {args.micro_batch_size}, lr {args.lr:g}, device {args.device}, TRL weights {args.trl_dtype}; "
+        f"median of {args.steps} steps after a warm-up; {_versions()}"
     )
     print(format_table(results))
     return 0
