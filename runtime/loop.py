@@ -771,8 +771,12 @@ def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[floa
 def train_metrics(raw: dict[str, float]) -> dict[str, float]:
     """The trainers' ``rl_loss`` metrics under ``train/`` (the critic's under ``train/critic/``); ``train/kl`` is the
     KL to the reference model when one is kept, else the KL between the sampling and the updated policy (slime's
-    ppo_kl); absent on a step that trains the critic only."""
-    out = {f"train/{name}": value for name, value in raw.items() if name != "advantage_abs_mean"}
+    ppo_kl); absent on a step that trains the critic only. Timings (``perf/...``) keep their names."""
+    out = {
+        name if name.startswith("perf/") else f"train/{name}": value
+        for name, value in raw.items()
+        if name != "advantage_abs_mean"
+    }
     kl = raw.get("approx_kl_ref", raw.get("approx_kl_old"))
     if kl is not None:  # (SFT and custom losses have none)
         out["train/kl"] = kl

@@ -503,6 +503,8 @@ def test_run_writes_metrics_events_plot_and_final_model(ray_session, tmp_path):
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0
         assert row["train/num_steps"] == 2  # 16 samples per rollout, global batch 8
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
+        # The log-prob forward is timed inside the train time, and its metric keeps its perf/ name.
+        assert 0 < row["perf/log_probs_time"] <= row["perf/train_time"] and "train/perf/log_probs_time" not in row
     assert "eval/reward_mean" in rows[1] and "eval/reward_mean" in rows[2] and "eval/reward_mean" not in rows[0]
     # As slime: the starting model is evaluated before the first step (logged with it), per dataset and over all.
     assert rows[0]["eval/reward_mean_before_train"] == rows[0]["eval/builtin/reward_mean_before_train"]

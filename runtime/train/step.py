@@ -10,6 +10,7 @@ the driver but metrics.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def train_rollout(
 
     ``batch`` holds the batch contract's rollout keys plus ``sequence_advantages`` for estimators with a group
     baseline. Metrics: the backend's training metrics plus ``advantage_abs_mean`` over the valid tokens of the
-    whole batch.
+    whole batch, and ``perf/log_probs_time``, this rank's seconds in the old/reference log-prob forward.
 
     slime's trainer-side hooks (``hooks``, imported as ``resolved``): ``--custom-advantage-function-path`` computes
     the advantages in place of ``adv_cfg``'s estimator (whitened after it under ``--normalize-advantages``), and
@@ -94,8 +95,11 @@ def train_rollout(
         rows = shard_rows(n, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         per_step_rows = global_batch_size // dp_size
     shard = batch[rows]
+    log_probs_time = None
     if hooks.loss_type != "sft_loss":
-        shard.update(backend.compute_log_probs(shard))
+        start = time.perf_counter()
+        shard.update(backend.compute_log_probs(shard))  # (CPU tensors back: the device has finished)
+        log_probs_time = time.perf_counter() - start
         if use_rollout_log_probs:
             shard.set(keys.OLD_LOG_PROBS, shard[keys.ROLLOUT_LOG_PROBS])
     custom_advantages = resolved.get("custom_advantage_function_path")
@@ -119,6 +123,8 @@ def train_rollout(
         metrics.update(backend.train_critic(critic_targets(shard, adv_cfg), per_step_rows=per_step_rows))
     if train_actor:
         metrics.update(backend.train(shard, per_step_rows=per_step_rows, rollout_id=rollout_id))
+    if log_probs_time is not None:
+        metrics["perf/log_probs_time"] = log_probs_time
     if keys.ADVANTAGES in shard.keys():
         metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
     if adv_cfg.opd_kl_coef > 0:
