@@ -75,7 +75,8 @@ def test_a_broadcast_whose_receiver_died_fails_without_waiting_for_the_timeout(i
 def test_forming_a_group_whose_member_never_joins_fails_after_the_join_timeout():
     port = launcher.free_port()
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"weight-update group 'lonely' .*2 members.*rank 0 gave up after waiting 2 s"):
+    message = r"weight-update group 'lonely' .*2 members.*rank 0 gave up after waiting 2 s"
+    with pytest.raises(TimeoutError, match=message):
         weight_transfer.init_weights_update_group(
             master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="lonely", backend="gloo",
             timeout=120, join_timeout=2,
