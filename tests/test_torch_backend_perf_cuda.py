@@ -1,4 +1,4 @@
-"""The torch backend's speed options on one GPU: packed micro-batches through flex_attention (the default there),
+"""The torch backend's speed options on one GPU: packed micro-batches (SDPA, or flex_attention when named),
 activation recompute and the bf16 step. Skipped without CUDA (``pytest -q tests/test_torch_backend_perf_cuda.py``
 on a GPU machine)."""
 
@@ -23,7 +23,13 @@ def qwen3_path(tmp_path_factory):
 
 def test_packed_flex_attention_equals_padded_sdpa_in_float32(qwen3_path, tmp_path):
     td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=1), pad_token_id=0)
-    packed_cfg = _cfg(tmp_path, use_kl_loss=True, use_dynamic_batch_size=True, max_tokens_per_gpu=40)
+    packed_cfg = _cfg(
+        tmp_path,
+        use_kl_loss=True,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=40,
+        attn_implementation="flex_attention",
+    )
     packed = _trainer(qwen3_path, packed_cfg)
     assert packed.model.config._attn_implementation == "flex_attention"
     padded_cfg = _cfg(tmp_path, use_kl_loss=True, attn_implementation="sdpa")

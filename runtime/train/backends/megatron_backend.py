@@ -51,6 +51,21 @@ from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
 
 
+def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's starting state (zero moments, step 0) for every parameter of ``optimizer`` that has none yet."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            slot = optimizer.state[p]
+            if not slot:
+                slot["step"] = torch.zeros((), dtype=torch.float32)
+                slot["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# How the distributed optimizer's state is laid out in a torch_dist checkpoint (megatron-core's metadata).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 class _NoDropoutRNG:
     """Stands in for megatron-core's CUDA RNG tracker on the CPU: it forks an RNG state only around dropout, which
     this backend never applies (dropout is 0)."""
@@ -830,7 +845,11 @@ class MegatronTrainer:
             if self.cpu:
                 state["optimizer"] = self._cpu_optimizer_state(model_sd)
             else:
-                state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+                # fully_reshardable: the canonical per-parameter state, so a checkpoint loads at another TP/PP/DP
+                # layout (megatron-core 0.16 refuses its old default, fully_sharded_model_space, at save).
+                state["optimizer"] = self.optimizer.sharded_state_dict(
+                    model_sd, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
+                )
         return state
 
     def _cpu_optimizer_state(self, model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -843,12 +862,7 @@ class MegatronTrainer:
         )
 
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p in params:
-            slot = self.optimizer.state[p]
-            if not slot:
-                slot["step"] = torch.zeros((), dtype=torch.float32)
-                slot["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        start_adam_state(self.optimizer)
         state = self.optimizer.state_dict()
         step = max((float(slot["step"]) for slot in state["state"].values()), default=0.0)
         optim_state_to_sharding_state(
@@ -882,6 +896,8 @@ class MegatronTrainer:
             raise ValueError(f"{path} is no Megatron torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
         saved = dist_checkpointing.load_tensors_metadata(str(folder))
         with_optimizer = any(key.startswith("optimizer.") for key in saved)
+        if with_optimizer and not self.cpu:
+            self._start_optimizer_state()
         with self._shims():
             state = mck.load_sharded(
                 self._sharded_state(with_optimizer=with_optimizer, is_loading=True),
@@ -898,6 +914,13 @@ class MegatronTrainer:
         rng_path = os.path.join(folder, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
+
+    def _start_optimizer_state(self) -> None:
+        """Give every main-weight shard of a trainer that has not stepped yet AdamW's starting state (zero moments,
+        step 0). Megatron's distributed optimizer builds the state dict it loads into from its current one, and
+        without Apex or Transformer Engine (torch's Adam) it requires one step count shared by all parameters."""
+        for distributed in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            start_adam_state(distributed.optimizer)
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
         if not self.cpu:
