@@ -115,6 +115,7 @@ def fleet(ray_session, model_path, tmp_path_factory):
         sglang_args={"mem_fraction_static": 0.5, "enable_memory_saver": True},
         # manual: the routing key picks the server (sticky per key); requests without one go to a random server.
         router_args={"policy": "manual", "health_check_interval_secs": 1, "health_failure_threshold": 1},
+        num_gpus_per_node=3,
     )
     placement = create_placement(cfg)
     engines = EngineGroup(cfg, placement, model_path)
@@ -138,7 +139,8 @@ def test_servers_are_launched_with_the_passthrough_flags(fleet):
     for i, url in enumerate(urls):
         info = server_info(url)
         assert info["mem_fraction_static"] == 0.5 and info["enable_memory_saver"] is True
-        assert info["random_seed"] == cfg.seed + 1000 * i and info["tp_size"] == 1
+        # slime's seeds, from --num-gpus-per-node (3 here, 8 by default).
+        assert info["random_seed"] == cfg.seed + 3 * i and info["tp_size"] == 1
         assert info["model_path"] == cfg.model.hf_checkpoint
     assert engines.health() == [True, True]
 

@@ -432,7 +432,8 @@ class EngineGroup:
                 host="{host}",
                 port="{port}",
                 tp_size=s.rollout_num_gpus_per_engine,
-                seed=cfg.seed + 1000 * i,
+                # slime's seeds: engine i's server starts at --seed + i x --num-gpus-per-node.
+                seed=cfg.seed + i * cfg.resources.num_gpus_per_node,
                 server_args=s.sglang_args,
             )
             self._server_specs.append((launcher_opts, env, argv))
