@@ -77,3 +77,93 @@ def test_fleet_modes_that_cannot_be_built_are_refused_with_why(argv, why):
     default = BY_NAME[argv[0]].default
     if default is not None:
         parse_args([argv[0], str(default)])
+
+
+# ---------------------------------------------------------------- disk sync: slime's folder, cleanup and hook
+
+POST_WRITE_HOOK = """
+import json, os
+from ray.actor import ActorHandle
+
+def publish(args, version_dir, rollout_engines):
+    with open(os.environ["RLCORE_TEST_HOOK_LOG"], "a") as fh:
+        fh.write(json.dumps({
+            "args_seed": args.seed,
+            "version_dir": version_dir,
+            "files": sorted(os.listdir(version_dir)),
+            "engines": [isinstance(e, ActorHandle) for e in rollout_engines],
+        }) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("keep_files", [False, True])
+def test_disk_sync_writes_slimes_version_folders_calls_the_hook_and_cleans_up(
+    keep_files, ray_session, tmp_path, monkeypatch
+):
+    import json
+
+    import ray
+
+    from runtime.cluster.engines import EngineGroup
+    from runtime.cluster.placement import create_placement
+    from runtime.cluster.trainers import TrainerGroup
+    from runtime.cluster.weight_sync import DiskSync, disk_options, make_weight_sync
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_tiny_model
+    from runtime.train.algo import loss_config, model_roles
+
+    model_path = str(make_tiny_model(tmp_path / "tiny", alphabet=task.ALPHABET, seed=0))
+    (tmp_path / "hook.py").write_text(POST_WRITE_HOOK)
+    log = tmp_path / "hook.log"
+    monkeypatch.setenv("RLCORE_TEST_HOOK_LOG", str(log))
+    disk_dir = tmp_path / "shared"
+    flags = [
+        "--output-dir", str(tmp_path / "out"), "--seed", "77", "--update-weight-transport", "disk",
+        "--update-weight-disk-dir", str(disk_dir),
+        "--custom-update-weight-post-write-path", f"{tmp_path / 'hook.py'}:publish",
+        *(["--update-weight-disk-keep-files"] if keep_files else []),
+    ]  # fmt: skip
+    cfg = parse_args(flags)
+    placement = create_placement(cfg)
+    trainers = TrainerGroup(
+        placement,
+        backend="torch",
+        model_path=model_path,
+        roles=model_roles(cfg),
+        train_cfg=cfg.train,
+        loss_cfg=loss_config(cfg),
+        temperature=1.0,
+        seed=0,
+    )
+    engines = EngineGroup(cfg, placement, model_path)
+    sync = make_weight_sync(trainers, engines, bucket_bytes=4096, disk=disk_options(cfg))
+    try:
+        assert isinstance(sync, DiskSync) and sync.root == disk_dir
+        for version in (5, 6):
+            sync.push(version)
+            assert engines.weight_versions() == [version]
+        calls = [json.loads(line) for line in log.read_text().splitlines()]
+        # slime's hook signature: (args, version_dir, rollout_engines), after the folder is written.
+        assert [c["version_dir"] for c in calls] == [
+            str(disk_dir / "weight_v000005"),
+            str(disk_dir / "weight_v000006"),
+        ]
+        assert all(c["args_seed"] == 77 and c["engines"] == [True] for c in calls)
+        assert all("model.safetensors.index.json" in c["files"] and "config.json" in c["files"] for c in calls)
+        kept = sorted(p.name for p in disk_dir.iterdir())
+        assert kept == (["weight_v000005", "weight_v000006"] if keep_files else [])
+    finally:
+        sync.close()
+        trainers.shutdown()
+        engines.shutdown()
+        ray.util.remove_placement_group(placement.group)
+    assert disk_dir.is_dir()  # the user's folder stays
