@@ -220,6 +220,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             sample_hooks=hooks.sample_hooks,
             custom_generate=custom_generate,
             rewards=hub,
+            # slime's per-sample SGLang seeds, from --rollout-seed (see RolloutContext).
+            sampling_seed=cfg.data.rollout_seed if cfg.rollout.rollout_engine == "sglang" else None,
         )
         feed, data_source = job_data_source(cfg, dataset, hooks)
         job_data = JobData(feed, data_source)
