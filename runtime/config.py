@@ -1140,8 +1140,13 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         per_node = flat.get("actor_num_gpus_per_node", _SPECS["actor_num_gpus_per_node"][1].default)
         flat["rollout_num_gpus"] = flat.get("actor_num_nodes", 1) * per_node
     elif "rollout_num_gpus" not in flat:
-        # slime has no default here (its placement needs the number); ours: one engine.
-        flat["rollout_num_gpus"] = flat.get("rollout_num_gpus_per_engine", 1)
+        # Running servers: slime counts their GPUs (asking each); ours counts --rollout-num-gpus-per-engine each.
+        # Otherwise slime has no default (its placement needs the number); ours: one engine.
+        external = flat.get("rollout_external_engine_addrs") or flat.get("sglang_url")
+        servers = len(external.replace(",", " ").split()) if isinstance(external, str) else 0
+        per_engine = flat.get("rollout_num_gpus_per_engine", 1)
+        if isinstance(per_engine, int):
+            flat["rollout_num_gpus"] = max(servers, 1) * per_engine
     if flat.get("offload") is True:
         # slime's --offload: both offloads on.
         flat.setdefault("offload_train", True)

@@ -140,7 +140,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         None,
         DIFFERS,
         "unset: the trainers' GPUs under --colocate (slime's rule), else one engine's (slime needs it given); with "
-        "--rollout-external-engine-addrs the servers given are the engines (slime counts their GPUs)",
+        "--rollout-external-engine-addrs one engine's per server (slime asks each server for its GPUs)",
         type=int,
     ),
     _f("--rollout-num-gpus-per-engine", "cluster", 1, YES),

@@ -25,6 +25,8 @@ def _problems(argv):
         # Ours where slime has no default: one engine.
         ([*SGLANG, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus-per-engine", "2", "--no-colocate"], 2),
         (["--actor-num-gpus-per-node", "1", "--no-colocate"], 1),
+        # Running servers: each counts --rollout-num-gpus-per-engine (slime asks each server).
+        ([*SGLANG, "--rollout-external-engine-addrs", "h:1,h:2 h:3", "--actor-num-gpus-per-node", "1"], 3),
         # Given, it stays.
         ([*SGLANG, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "4", "--no-colocate"], 4),
     ],
