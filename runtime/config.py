@@ -28,7 +28,7 @@ import yaml
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_flags
 from runtime.engines import sglang_flags
-from runtime.engines.registry import ROLLOUT_ENGINES
+from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS, lora
 
@@ -563,7 +563,21 @@ class ResourceConfig:
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
     actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
     actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
-    rollout_num_gpus: int = field(default=1, metadata=_help("rollout engine devices in all (or CPU slots)"))
+    rollout_num_gpus: int | None = field(
+        default=None,
+        metadata=_help(
+            "rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
+            "--actor-num-gpus-per-node) under --colocate, as slime derives it, else one engine's "
+            "(--rollout-num-gpus-per-engine), where slime needs it given"
+        ),
+    )
+    num_gpus_per_node: int = field(
+        default=8,
+        metadata=_help(
+            "GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x this "
+            "(slime's), and one engine may not span more (multi-node servers are not built)"
+        ),
+    )
 
     @property
     def num_trainer_procs(self) -> int:
@@ -828,6 +842,29 @@ class SGLangConfig:
     check_weight_update_equal: bool = field(
         default=False, metadata=_help("after the first weight sync, compare every engine's weights with the trainer's")
     )
+    update_weight_disk_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "where --update-weight-transport disk writes one HF folder per sync (weight_v<version, 6 digits>), on a "
+            "file system the engines read; unset: a temporary folder (slime needs it given)"
+        ),
+    )
+    update_weight_disk_keep_files: bool = field(
+        default=False,
+        metadata=_help("keep every folder a disk sync writes (by default each is deleted once the engines loaded it)"),
+    )
+    custom_update_weight_post_write_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "fn(args, version_dir, rollout_engines) -> None, after a disk sync's folder is written and before the "
+            "engines read it (to publish it on a file system without cross-host visibility); rollout_engines are "
+            "the engine actors"
+        ),
+    )
+    sglang_server_concurrency: int = field(
+        default=512,
+        metadata=_help("requests in flight per SGLang engine through the router (this x the engines in all)"),
+    )
     offload_rollout: bool | None = field(
         default=None,
         metadata=_help(
@@ -842,6 +879,7 @@ class SGLangConfig:
             "offload the trainers while the engines generate; unset: auto under --colocate (as --offload-rollout)"
         ),
     )
+    offload: bool = field(default=False, metadata=_help("--offload-train and --offload-rollout both on (slime's)"))
     sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
     router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
 
@@ -1101,6 +1139,18 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         # slime's rule: colocated engines run on the trainers' GPUs.
         per_node = flat.get("actor_num_gpus_per_node", _SPECS["actor_num_gpus_per_node"][1].default)
         flat["rollout_num_gpus"] = flat.get("actor_num_nodes", 1) * per_node
+    elif "rollout_num_gpus" not in flat:
+        # Running servers: slime counts their GPUs (asking each); ours counts --rollout-num-gpus-per-engine each.
+        # Otherwise slime has no default (its placement needs the number); ours: one engine.
+        external = flat.get("rollout_external_engine_addrs") or flat.get("sglang_url")
+        servers = len(external.replace(",", " ").split()) if isinstance(external, str) else 0
+        per_engine = flat.get("rollout_num_gpus_per_engine", 1)
+        if isinstance(per_engine, int):
+            flat["rollout_num_gpus"] = max(servers, 1) * per_engine
+    if flat.get("offload") is True:
+        # slime's --offload: both offloads on.
+        flat.setdefault("offload_train", True)
+        flat.setdefault("offload_rollout", True)
     _resolve_global_batch_size(flat)
     if builtin_on_one_gpu and isinstance(flat.get("global_batch_size"), int):
         # A GPU takes the tiny model's whole batch at once: 32 micro-batches of 8 rows made the GPU slower than
@@ -1471,6 +1521,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "actor_num_nodes": res.actor_num_nodes,
         "actor_num_gpus_per_node": res.actor_num_gpus_per_node,
         "rollout_num_gpus": res.rollout_num_gpus,
+        "num_gpus_per_node": res.num_gpus_per_node,
+        "sglang_server_concurrency": cfg.sglang.sglang_server_concurrency,
         "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
         "lr": t.lr,
         "clip_grad": t.clip_grad,
@@ -1494,6 +1546,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
     for name, value in positive.items():
         if value is not None and value <= 0:
             problems.append(f"{flag(name)} must be > 0, got {value!r}")
+    if res.rollout_num_gpus is None:
+        problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
     non_negative = {
         "weight_decay": t.weight_decay,
         "sft_warmup_steps": t.sft_warmup_steps,
@@ -2128,10 +2182,20 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
             problems.append(f"{prefix}* flags are used only with --rollout-engine sglang")
     if s.rollout_num_gpus_per_engine < 1:
         problems.append(f"--rollout-num-gpus-per-engine must be >= 1, got {s.rollout_num_gpus_per_engine}")
-    elif res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
+    if s.offload and not (s.offload_train and s.offload_rollout):
+        problems.append(
+            "--offload turns --offload-train and --offload-rollout on: it cannot go with --no-offload-train or "
+            "--no-offload-rollout"
+        )
+    if s.rollout_num_gpus_per_engine >= 1 and res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
         problems.append(
             f"--rollout-num-gpus {res.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
             f"{s.rollout_num_gpus_per_engine} (each engine takes that many)"
+        )
+    if uses_sglang and not sglang_urls(cfg) and s.rollout_num_gpus_per_engine > res.num_gpus_per_node:
+        problems.append(
+            f"--rollout-num-gpus-per-engine {s.rollout_num_gpus_per_engine} > --num-gpus-per-node "
+            f"{res.num_gpus_per_node}: an engine would span nodes, and rlcore launches single-node SGLang servers only"
         )
     if s.rollout_num_gpus_per_engine != 1 and not uses_sglang:
         problems.append("--rollout-num-gpus-per-engine applies to SGLang engines (--rollout-engine sglang) only")

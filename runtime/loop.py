@@ -27,7 +27,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.loopback import RAY_ADDRESS_ENV, confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerDied, TrainerGroup
-from runtime.cluster.weight_sync import check_weights_equal, make_weight_sync
+from runtime.cluster.weight_sync import check_weights_equal, disk_options, make_weight_sync
 from runtime.config import (
     Config,
     ConfigError,
@@ -209,7 +209,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         cleanup.callback(trainers.shutdown)
         engines = EngineGroup(cfg, placement, model_path)
         cleanup.callback(engines.shutdown)
-        weights = make_weight_sync(trainers, engines, bucket_bytes=r.update_weight_buffer_size)
+        weights = make_weight_sync(trainers, engines, bucket_bytes=r.update_weight_buffer_size, disk=disk_options(cfg))
         cleanup.callback(weights.close)
         runner = EventLoopThread()
         cleanup.callback(runner.close)
@@ -220,6 +220,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             sample_hooks=hooks.sample_hooks,
             custom_generate=custom_generate,
             rewards=hub,
+            # slime's per-sample SGLang seeds, from --rollout-seed (see RolloutContext).
+            sampling_seed=cfg.data.rollout_seed if cfg.rollout.rollout_engine == "sglang" else None,
         )
         feed, data_source = job_data_source(cfg, dataset, hooks)
         job_data = JobData(feed, data_source)

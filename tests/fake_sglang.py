@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -205,6 +206,13 @@ class _Sampling:
             raise BadRequest(f"stop_token_ids must be a list of token ids below {vocab_size}, got {stop!r}")
         if self.sampling_seed is not None and not _is_int(self.sampling_seed):
             raise BadRequest(f"sampling_seed must be an int, got {self.sampling_seed!r}")
+        api = sglang_api.load()
+        if api is not None:
+            # SGLang's own check of a request's sampling parameters (the scheduler's, before it queues the request).
+            try:
+                api.SamplingParams(**raw).verify(vocab_size)
+            except (TypeError, ValueError) as e:
+                raise BadRequest(str(e)) from e
         self.stop_token_ids = set(stop)
         self.greedy = self.temperature < _SAMPLING_EPS
 
@@ -250,6 +258,9 @@ class FakeSGLangServer:
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
         self._running: set[str] = set()
+        # The most /generate requests in flight at once, and the sampling_seed of every request (None: none sent).
+        self.peak_running = 0
+        self.sampling_seeds: list[int | None] = []
         self._aborted: set[str] = set()
         self._model_lock = threading.Lock()
         self._ready = threading.Event()
@@ -391,7 +402,12 @@ class FakeSGLangServer:
                 "max_total_num_tokens": 4096,
                 # SGLang's scheduler reports free-form internal state here; the fake reports its request counts.
                 "internal_states": [
-                    {"requests": dict(self.requests), "received_buckets": list(self.received_buckets)}
+                    {
+                        "requests": dict(self.requests),
+                        "received_buckets": list(self.received_buckets),
+                        "peak_running_requests": self.peak_running,
+                        "sampling_seeds": list(self.sampling_seeds),
+                    }
                 ],
                 "version": "0.5.23",
                 "frontend": "python",
@@ -598,6 +614,8 @@ class FakeSGLangServer:
         rids = {job["rid"] for job in jobs}
         # SGLang queues a batch's requests together: all are in flight (abortable) until the last one answers.
         self._running |= rids
+        self.peak_running = max(self.peak_running, len(self._running))
+        self.sampling_seeds += [job["sampling"].sampling_seed for job in jobs]
         try:
             outputs = [await loop.run_in_executor(None, self._generate_one, job) for job in jobs]
         finally:
@@ -798,6 +816,8 @@ def main(argv: list[str] | None = None) -> None:
         seed=getattr(args, "random_seed", None) or 0,
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 30000),
+        # A test of request concurrency slows decoding so that requests overlap.
+        token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
     )
     server.launch_args = vars(args)
     stop = threading.Event()

@@ -102,8 +102,9 @@ def test_defaults_parse_and_validate():
     assert {name: _leaf(cfg, name) for name in BUILTIN_TUNED} == BUILTIN_TUNED
     # Apart from the tuned values, the built-in job is the flag defaults.
     # (and the global batch slime derives from them: one optimizer step per rollout; and Megatron's LR decay over
-    # the job's optimizer steps).
-    assert cfg == _with(Config(), {**BUILTIN_TUNED, "global_batch_size": 32 * 8, "lr_decay_iters": 250})
+    # the job's optimizer steps; and one engine's devices for --rollout-num-gpus, not colocated).
+    derived = {"global_batch_size": 32 * 8, "lr_decay_iters": 250, "rollout_num_gpus": 1}
+    assert cfg == _with(Config(), {**BUILTIN_TUNED, **derived})
     assert validate(cfg) is cfg
     # The default batch arithmetic must be whole optimizer steps.
     per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

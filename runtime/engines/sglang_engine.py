@@ -395,21 +395,37 @@ class SGLangEngine:
         return self.base_url
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any], *, routing_key: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | dict[str, Any],
+        *,
+        routing_key: str | None = None,
+        sampling_seeds: list[int] | None = None,
     ) -> list[Generation]:
         """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists.
 
         ``routing_key`` goes along as the SGLang router's ``x-smg-routing-key`` header (a multi-turn session's id), so
         that the router's consistent-hashing or manual policy sends every turn of a session to one server.
+        ``sampling_seeds`` (one int per prompt) are sent as each prompt's ``sampling_seed``, in place of the ones
+        ``seed`` derives.
         """
         params = check_generate_args(prompts, params, released=self.released)
+        if sampling_seeds is not None and (
+            len(sampling_seeds) != len(prompts) or not all(_is_int(x) for x in sampling_seeds)
+        ):
+            raise ValueError(f"sampling_seeds must hold one int per prompt ({len(prompts)}), got {sampling_seeds!r}")
         batch = uuid.uuid4().hex
         sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
-        if self.seed is not None:
+        if sampling_seeds is not None:
+            sampling = [{**sampling, "sampling_seed": int(x)} for x in sampling_seeds]
+        elif self.seed is not None:
             sampling = [
                 {**sampling, "sampling_seed": sampling_seed(self.seed, self.generate_calls, i)}
                 for i in range(len(prompts))
             ]
+        if isinstance(sampling, list) and len(sampling) == 1:
+            # One prompt, one object: the SGLang router's schema takes no list of sampling_params.
+            sampling = sampling[0]
         self.generate_calls += 1
         outputs = self._post(
             "/generate",
@@ -632,6 +648,10 @@ class SGLangEngine:
         if self._hf_checkpoint is None:
             self._hf_checkpoint = Path(self.model_info()["model_path"])
         return self._hf_checkpoint
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _tags_payload(tags: list[str] | None) -> dict[str, Any]:
