@@ -432,10 +432,12 @@ class HFEngine:
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Give device memory back: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph`` (as
-        SGLang's; only ``weights`` holds memory between calls here: the model moves to the CPU)."""
+        SGLang's). Only ``weights`` holds memory between calls here (the model moves to the CPU); the KV cache and
+        the graph live for one call, and releasing them returns the blocks the allocator kept to the device."""
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
             self.model.to("cpu")
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._released_tags |= tags
         self.released = True
