@@ -255,7 +255,7 @@ class RolloutConfig:
         metadata=_help(
             "ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache of N "
             "rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts of "
-            "a call at once. A prompt's tokens do not depend on N (each prompt draws from its own seeded stream)"
+            "a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)"
         ),
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(

@@ -22,10 +22,11 @@ ones finish. A stopped row idles (its draws are not kept) until that check.
 
 **Per-prompt streams.** Prompt ``i`` draws its ``k``-th token by inverse CDF (:func:`inverse_cdf`) from the ``k``-th
 uniform of its own generator, seeded with ``seeds[i]`` (:func:`prompt_uniforms`). A prompt's draws therefore do not
-depend on which slot it runs in, on what runs beside it or on refill: in float32 on the CPU a prompt gives the same
-tokens and log-probs with any ``max_running`` (tested). On a GPU in bf16 the model's own matmuls round differently
-for different batch shapes, so the logits of a row, and rarely a draw, can change with the batch; every draw is
-still an exact sample of the logits it was made from.
+depend on which slot it runs in, on what runs beside it or on refill, only on the logits it is drawn from. In float32
+on the CPU a prompt gives the same tokens with any ``max_running``, and log-probs equal to float32 rounding (tested:
+MKL rounds a matmul of fewer than about 9 rows differently, so smaller batches may differ in the last bit). On a GPU
+in bf16 the matmuls may round differently for another batch shape, and a near-flat distribution turns such a
+difference into another draw; every draw is still an exact sample of the logits it was made from.
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ class HFEngine:
     call (as the SGLang adapter seeds its requests); :meth:`get_rng_state` / :meth:`set_rng_state` save and restore
     that count, so that a resumed job samples alike. ``max_running_requests`` (``--engine-max-running-requests``;
     default: every prompt of a call at once) bounds the rows decoded together: the KV cache holds that many, and rows
-    that stop are refilled with waiting prompts (:func:`runtime.engines.decode.decode`); a prompt's tokens do not
-    depend on it (exactly so in float32 on the CPU).
+    that stop are refilled with waiting prompts (:func:`runtime.engines.decode.decode`); a prompt's draws do not
+    depend on it (in float32 on the CPU the tokens are the same for any value).
     """
 
     def __init__(
