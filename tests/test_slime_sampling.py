@@ -78,6 +78,9 @@ def test_refill_honours_stop_strings_and_stop_ids_and_gives_each_prompt_the_same
     prompts = _prompts(tokenizer, 24)
     five = tokenizer.convert_tokens_to_ids("5")
     params = SamplingParams(max_new_tokens=16, stop=("7",), stop_token_ids=(five,))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_running_requests"):
+            HFEngine(tiny, seed=4, max_running_requests=bad)
     whole = HFEngine(tiny, seed=4).generate(prompts, params)
     engine = HFEngine(tiny, seed=4, max_running_requests=3)
     refilled = engine.generate(prompts, params)
