@@ -8,7 +8,8 @@ then moves its state out with :class:`HostOffload`:
   cuts them into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket of its own);
 - each bucket is copied into a host buffer of its own on a side stream, so the copies run while the host enqueues
   the next ones; the buffers are pinned (page-locked: the copies are DMA at full PCIe speed and asynchronous) and
-  kept for the next offload while the plan (names, dtypes, shapes) stays the same, so they are allocated once;
+  kept for the next offload while a bucket's tensors (names, dtypes, shapes) stay the same, so they are allocated
+  once;
 - once a bucket's copy is done its tensors point at their host copies (``tensor.data``; parameters and optimizer
   entries keep their identity, so the optimizer and the model see the same objects) and the GPU memory is freed;
 - :meth:`HostOffload.resume` allocates the GPU tensors again and copies back on the side stream, in the same order.
@@ -121,7 +122,7 @@ class HostOffload:
         self.device, self.bucket_bytes = torch.device(device), bucket_bytes
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._signature: tuple | None = None
+        self._signatures: list[tuple] = []
         self._buffers: list[torch.Tensor] = []
         self._held: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (tensor, its host view), moving order
         self.buffer_allocations = 0
@@ -197,23 +198,23 @@ class HostOffload:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _ensure_buffers(self, plan: list[list[int]], items: list[tuple[str, str, torch.Tensor]]) -> None:
-        """One host buffer per bucket, kept while the plan's tensors (kinds, names, dtypes, shapes) stay the same."""
-        signature = tuple(
+        """One host buffer per bucket; a bucket whose tensors (kinds, names, dtypes, shapes) are those of a bucket
+        of the last offload keeps its buffer (buckets never mix kinds, so the weights' buffers outlive the optimizer
+        state appearing after the first step)."""
+        kept = dict(zip(self._signatures, self._buffers, strict=True))
+        signatures = [
             tuple((items[i][0], items[i][1], items[i][2].dtype, tuple(items[i][2].shape)) for i in bucket)
             for bucket in plan
-        )
-        if signature == self._signature:
-            return
-        self._buffers = [
-            torch.empty(
-                sum(_aligned(items[i][2].numel() * items[i][2].element_size()) for i in bucket),
-                dtype=torch.uint8,
-                pin_memory=self.cuda,
-            )
-            for bucket in plan
         ]
-        self._signature = signature
-        self.buffer_allocations += 1
+        buffers = []
+        for signature, bucket in zip(signatures, plan, strict=True):
+            buffer = kept.pop(signature, None)
+            if buffer is None:
+                size = sum(_aligned(items[i][2].numel() * items[i][2].element_size()) for i in bucket)
+                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+                self.buffer_allocations += 1
+            buffers.append(buffer)
+        self._signatures, self._buffers = signatures, buffers
 
 
 def _aligned(nbytes: int) -> int:
