@@ -131,10 +131,6 @@ class HostOffload:
     def offloaded(self) -> bool:
         return self._held is not None
 
-    def host_bytes(self) -> int:
-        """The host memory its buffers hold."""
-        return sum(b.numel() for b in self._buffers)
-
     def offload(self, tensors: Iterable[tuple[str, str, torch.Tensor]]) -> dict[str, float]:
         """Move ``tensors`` to the host; ``{"perf/offload_train_bytes", "perf/offload_train_time"}``."""
         if self._held is not None:
