@@ -250,6 +250,14 @@ class RolloutConfig:
             "3.9 s) for a compile of about a minute per batch size and 128-token cache-length bucket"
         ),
     )
+    engine_max_running_requests: int | None = field(
+        default=None,
+        metadata=_help(
+            "ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache of N "
+            "rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts of "
+            "a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)"
+        ),
+    )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
         default="sync",
         metadata=_help(
@@ -1534,6 +1542,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "eval_max_context_len": e.eval_max_context_len,
         "max_tokens_per_gpu": t.max_tokens_per_gpu,
         "over_sampling_batch_size": r.over_sampling_batch_size,
+        "engine_max_running_requests": r.engine_max_running_requests,
         "eval_interval": e.eval_interval,
         "save_interval": c.save_interval,
         "eps_clip_high": cfg.algo.eps_clip_high,
@@ -2172,6 +2181,11 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
         )
     if cfg.rollout.engine_compile and uses_sglang:
         problems.append("--engine-compile is for the embedded engine (--rollout-engine hf); SGLang compiles its own")
+    if cfg.rollout.engine_max_running_requests is not None and uses_sglang:
+        problems.append(
+            "--engine-max-running-requests is for the embedded engine (--rollout-engine hf); SGLang servers take "
+            "--sglang-max-running-requests"
+        )
     for name in ("sglang_url", "rollout_external_engine_addrs"):
         if getattr(cfg, name) and not uses_sglang:
             problems.append(f"{flag(name)} is used only with --rollout-engine sglang")

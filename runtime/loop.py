@@ -340,7 +340,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
             moved = time.perf_counter()
             if offload.train:
-                trainers.release_memory()
+                metrics.update(trainers.release_memory())
             engine_memory.resume()
             moved = time.perf_counter() - moved
             rollout = source.get(step)
@@ -365,7 +365,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             if offload.rollout:
                 engine_memory.release()
             if offload.train:
-                trainers.resume_memory()
+                metrics.update(trainers.resume_memory())
             metrics["perf/offload_time"] = moved + time.perf_counter() - t
             metrics["perf/offloaded"] = float(offload.train or offload.rollout)
 

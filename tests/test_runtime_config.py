@@ -481,3 +481,14 @@ def test_any_config_round_trips_through_yaml(tmp_path_factory, values):
     for name, value in values.items():
         section = _SPECS[name][0]
         assert getattr(getattr(cfg, section) if section else cfg, name) == value
+
+
+def test_engine_max_running_requests_is_positive_reaches_the_embedded_engine_and_is_refused_with_sglang():
+    from runtime.engines.registry import engine_kind
+
+    assert "--engine-max-running-requests must be > 0" in _problems(["--engine-max-running-requests", "0"])
+    argv = ["--rollout-engine", "sglang", "--sglang-url", "http://h:1", "--engine-max-running-requests", "4"]
+    assert "--engine-max-running-requests is for the embedded engine" in _problems(argv)
+    cfg = parse_args(["--engine-max-running-requests", "4"])
+    assert engine_kind("hf").kwargs(cfg, "m", 0)["max_running_requests"] == 4
+    assert engine_kind("hf").kwargs(parse_args([]), "m", 0)["max_running_requests"] is None

@@ -80,9 +80,10 @@ def test_generation_config_json_of_the_checkpoint_does_not_change_sampling(tiny,
     assert engine.model.generation_config.min_p is None and engine.model.generation_config.top_h is None
 
 
-def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tiny, tmp_path):
+@pytest.mark.parametrize("running", [None, 3])
+def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tiny, tmp_path, running):
     temperature = 0.8
-    engine = HFEngine(tiny, seed=1)
+    engine = HFEngine(tiny, seed=1, max_running_requests=running)
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     prompts = _prompts(tokenizer, 16)
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised

@@ -22,6 +22,7 @@ OURS = {
     "rollout_engine",
     "sglang_url",
     "engine_compile",
+    "engine_max_running_requests",
     "rollout_schedule",
     "max_staleness",
     "loss_agg_mode",

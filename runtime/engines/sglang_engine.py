@@ -65,11 +65,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import torch
 
 from runtime.engines import weight_transfer
-from runtime.engines.base import Generation, SamplingParams, check_generate_args
+from runtime.engines.base import Generation, SamplingParams, check_generate_args, sampling_seed
 from runtime.engines.hf_engine import (
     WeightUpdate,
     bucket_shapes,
@@ -131,14 +130,6 @@ def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
     if params.min_new_tokens:
         out["min_new_tokens"] = params.min_new_tokens
     return out
-
-
-def sampling_seed(seed: int, call: int, index: int) -> int:
-    """The ``sampling_seed`` (in ``[0, 2**31)``) of prompt ``index`` in the ``call``-th generate call.
-
-    numpy's ``SeedSequence`` mixes the three, so that neighbouring prompts and calls get unrelated seeds.
-    """
-    return int(np.random.SeedSequence([seed, call, index]).generate_state(1, dtype=np.uint32)[0]) >> 1
 
 
 def parse_weight_version(value: Any) -> int | None:

@@ -25,6 +25,7 @@ import functools
 import itertools
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -52,6 +53,7 @@ from runtime.train.hooks import (
     rollout_data_view,
     sum_of_sample_mean,
 )
+from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, padded_inputs
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
@@ -239,6 +241,9 @@ class TorchTrainer:
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False
+        # Colocated offload on one GPU: bucketed copies through pinned host buffers (runtime.train.offload); under
+        # FSDP the sharded modules move with .to() instead.
+        self.host_offload = HostOffload(self.device) if self.device.type == "cuda" and self.world_size == 1 else None
         # --keep-old-actor: CPU copies of the actor's trained weights, slime's "old_actor" (what the old log-probs
         # are computed with) and "rollout_actor" (the weights the engines got last); see advance_old_actor.
         self.old_actor: list[torch.Tensor] | None = None
@@ -904,17 +909,53 @@ class TorchTrainer:
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
-    def release_memory(self) -> None:
-        """On a GPU, move model and optimizer state to the CPU (colocated with an engine); a no-op on the CPU."""
-        if self.device.type == "cuda":
+    def release_memory(self) -> dict[str, float]:
+        """On a GPU, move optimizer state, then model weights, to the host (colocated with an engine): through
+        :attr:`host_offload` (a :class:`runtime.train.offload.HostOffload`) when there is one, else with ``.to()``;
+        a no-op on the CPU. Returns the offload metrics (``perf/offload_train_bytes``, ``perf/offload_train_time``;
+        their reductions over ranks: ``runtime.train.offload.METRICS``)."""
+        metrics: dict[str, float] = {}
+        if self.host_offload is not None and not self.host_offload.offloaded:
+            metrics = self.host_offload.offload(self._offload_tensors())
+        elif self.device.type == "cuda" and self.host_offload is None:
+            start = time.perf_counter()
             self._move(torch.device("cpu"))
             torch.cuda.empty_cache()
+            metrics = {"perf/offload_train_time": time.perf_counter() - start}
         self.released = True
+        return metrics
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self) -> dict[str, float]:
+        """Take back what :meth:`release_memory` moved; ``perf/offload_train_resume_time``."""
+        metrics: dict[str, float] = {}
+        if self.host_offload is not None:
+            metrics = self.host_offload.resume()
+        elif self.device.type == "cuda":
+            start = time.perf_counter()
             self._move(self.device)
+            metrics = {"perf/offload_train_resume_time": time.perf_counter() - start}
         self.released = False
+        return metrics
+
+    def _offload_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(kind, name, tensor)`` of everything :meth:`release_memory` moves: the optimizers' state, then the
+        actor's, the frozen models' and the critic's weights."""
+        optimizers = {"actor.": self.optimizer, "critic.": self.critic_optimizer}
+        models = {"actor.": self.model, **{f"{k}.": m for k, m in self.frozen.items()}, "critic.": self.critic}
+        return [
+            *(
+                ("optimizer", prefix + name, t)
+                for prefix, opt in optimizers.items()
+                if opt is not None
+                for name, t in optimizer_tensors(opt)
+            ),
+            *(
+                ("weights", prefix + name, t)
+                for prefix, model in models.items()
+                if model is not None
+                for name, t in module_tensors(model)
+            ),
+        ]
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
