@@ -62,6 +62,27 @@ def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
+    """Load a Megatron ``DistributedOptimizer``'s torch_dist state (:data:`OPTIMIZER_SHARDING`) into ``distributed``.
+
+    megatron-core 0.16.1 with torch's Adam (no Apex or Transformer Engine, as on our GPU hosts) cannot do this in
+    ``load_state_dict``: it sets Adam's per-parameter ``step`` from the param groups, then copies every state entry,
+    ``step`` included, from the loaded moments, which have none (a ``KeyError``). So the common part (param groups,
+    step) goes through ``load_state_dict``, and the moments and main weights are copied with ``step`` set aside."""
+    param_state = state.pop("param_state")
+    sharding = state.pop("param_state_sharding_type")
+    if sharding != OPTIMIZER_SHARDING["distrib_optim_sharding_type"]:
+        raise ValueError(f"the checkpoint's distributed optimizer state is {sharding!r}, not {OPTIMIZER_SHARDING}")
+    distributed.load_state_dict(state)
+    inner = distributed.optimizer
+    steps = {p: inner.state[p].pop("step") for group in inner.param_groups for p in group["params"]}
+    try:
+        distributed.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for p, step in steps.items():
+            inner.state[p]["step"] = step
+
+
 # How the distributed optimizer's state is laid out in a torch_dist checkpoint (megatron-core's metadata).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -924,7 +945,10 @@ class MegatronTrainer:
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
         if not self.cpu:
-            self.optimizer.load_state_dict(state)
+            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+            for distributed, part in zip(chained, parts, strict=True):
+                load_distributed_optimizer(distributed, part)
             return
         step = torch.tensor(float(state.pop("common_step")), dtype=torch.float32)
         for slot in state["state"].values():
