@@ -148,6 +148,13 @@ class DataConfig:
             "load(rollout_id), __len__; unset: the prompt data with a buffer (slime's RolloutDataSourceWithBuffer)"
         ),
     )
+    disable_rollout_global_dataset: bool = field(
+        default=False,
+        metadata=_help(
+            "the default data source holds no prompt data, only the groups put back with add_samples (a "
+            "--rollout-function-path makes its own prompts); hooks read args.rollout_global_dataset"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -318,9 +325,23 @@ class AlgoConfig:
         default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
+    use_rollout_entropy: bool = field(
+        default=False,
+        metadata=_help(
+            "the log-prob passes also compute each token's entropy: rollout_data['entropy'] (actor) and "
+            "['ref_entropy'] for the trainer hooks"
+        ),
+    )
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
     tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight"))
     tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight"))
+    custom_tis_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "with --use-tis or --get-mismatch-metrics: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+            "loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), in place of TIS"
+        ),
+    )
     use_rollout_logprobs: bool = field(
         default=False, metadata=_help("take the engine's log-probs as the old log-probs (no trainer recompute)")
     )
@@ -531,6 +552,13 @@ class TrainConfig:
     lora_target_modules: str = field(
         default="all-linear",
         metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
+    )
+    lora_modules_to_save: str = field(
+        default="",
+        metadata=_help(
+            "modules trained in full beside the adapters (peft's modules_to_save; a name matches every module ending "
+            "with it: norm = every RMSNorm), comma-separated"
+        ),
     )
     only_train_params_name_list: list[str] | None = field(
         default=None, metadata=_help("regexes (re.search) of the parameters to train; all others are frozen")
@@ -925,7 +953,7 @@ class Config:
 
 # slime's args that its --disable-* flags store into, as hooks read them.
 _SLIME_POSITIVE: dict[str, Any] = {
-    "rollout_global_dataset": lambda c: True,
+    "rollout_global_dataset": lambda c: not c.data.disable_rollout_global_dataset,
     "compute_advantages_and_returns": lambda c: not c.algo.disable_compute_advantages_and_returns,
     "rewards_normalization": lambda c: not c.algo.disable_rewards_normalization,
     "grpo_std_normalization": lambda c: not c.algo.disable_grpo_std_normalization,
@@ -952,6 +980,10 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
     "rollout_skip_special_tokens": True,
+    # Under --lora-rank: the random-init model's logits are bounded by its frozen tied embedding (rows of norm 0.18
+    # under an RMSNorm of gain 1 cap a token's probability near 0.2), so adapters alone cannot make it confident:
+    # the embedding (and with it the tied LM head) trains in full beside them.
+    "lora_modules_to_save": "embed_tokens",
 }
 
 
@@ -1964,6 +1996,11 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
             "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
         )
+    if cfg.algo.custom_tis_function_path is not None or cfg.algo.use_rollout_entropy:
+        problems.append(
+            "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
+            "Megatron backend's loss and log-prob passes do not call them yet)"
+        )
     if t.use_dynamic_batch_size:
         problems.append(
             "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "
@@ -2037,6 +2074,18 @@ def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
     if (t.only_train_params_name_list or t.freeze_params_name_list) and t.lora_rank > 0:
         problems.append("--only-train-params-name-list / --freeze-params-name-list cannot go with --lora-rank")
     custom_rollout = r.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
+    custom_source = cfg.data.data_source_path not in (None, "slime.rollout.data_source.RolloutDataSourceWithBuffer")
+    if cfg.data.disable_rollout_global_dataset and not (custom_rollout or custom_source):
+        problems.append(
+            "--disable-rollout-global-dataset leaves the built-in rollout no prompts (the default data source then "
+            "holds only groups put back with add_samples): give --rollout-function-path or --data-source-path"
+        )
+    if cfg.data.disable_rollout_global_dataset and r.num_epoch is not None:
+        problems.append("--num-epoch counts passes over the prompt data, which --disable-rollout-global-dataset drops")
+    if a.custom_tis_function_path is not None and not (a.use_tis or a.get_mismatch_metrics):
+        problems.append(
+            "--custom-tis-function-path is called with --use-tis or --get-mismatch-metrics only (as slime): set one"
+        )
     if r.rollout_schedule == "fully_async":
         if custom_rollout:
             problems.append("--rollout-function-path runs whole rollouts: use --rollout-schedule sync or one_step")

@@ -12,8 +12,10 @@ those names do.
 The data source it is handed is ``--data-source-path``'s class, built as ``cls(args)``, or by default
 :class:`BufferedPromptSource`: the prompt data in groups of ``--n-samples-per-prompt`` copies, after the groups put
 back with ``add_samples`` (taken through ``--buffer-filter-path``, first in first out by default), as slime's
-``RolloutDataSourceWithBuffer``. A custom data source keeps its own state: ``save(rollout_id)`` is called with every
-checkpoint and ``load(rollout_id)`` on resume (the rollout id is the last trained step's, as slime numbers them).
+``RolloutDataSourceWithBuffer``; with ``--disable-rollout-global-dataset`` it holds those groups only (``len`` 0;
+asking for more than the buffer holds raises, as slime's does). A custom data source keeps its own state:
+``save(rollout_id)`` is called with every checkpoint and ``load(rollout_id)`` on resume (the rollout id is the last
+trained step's, as slime numbers them).
 """
 
 from __future__ import annotations
@@ -136,6 +138,11 @@ class BufferedPromptSource:
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         groups = list(self.buffer_filter(self.args, None, self.buffer, num_samples)) if self.buffer else []
+        if num_samples > len(groups) and self.feed is None:
+            raise RuntimeError(
+                f"get_samples({num_samples}): the buffer holds {len(groups)} groups and --disable-rollout-global-"
+                "dataset leaves the data source no prompt data: add_samples more groups first, or drop the flag"
+            )
         prompts = self.feed.take(num_samples - len(groups)) if num_samples > len(groups) else []
         for prompt in prompts:
             self.handouts.append(prompt.metadata[HANDOUT_KEY])
@@ -168,7 +175,7 @@ class BufferedPromptSource:
         pass
 
     def __len__(self) -> int:
-        return len(self.feed.dataset)
+        return 0 if self.feed is None else len(self.feed.dataset)
 
     def get_buffer_length(self) -> int:
         return len(self.buffer)
