@@ -26,7 +26,7 @@ import concurrent.futures
 import contextvars
 import copy
 import itertools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,23 @@ def flatten_groups(fn: Callable[..., Any], samples: Any) -> list[list[Sample]]:
 
 
 _AUTO_IDS = itertools.count(-(10**9), -1)
+# Where the numbers of samples a rollout function made itself start: above any data source's own numbering.
+UNNUMBERED_START = 10**9
+
+
+def number_groups(groups: list[list[Sample]], numbers: Iterator[int]) -> None:
+    """Give the samples a rollout function made itself (slime's ``Sample()`` defaults, ``group_index`` and ``index``
+    None) numbers from ``numbers``: one ``group_index`` per group (slime's groups are positional), one ``index`` per
+    sample. Numbers already set are kept."""
+    for group in groups:
+        if any(s.group_index is None for s in group):
+            shared = next(numbers)
+            for s in group:
+                if s.group_index is None:
+                    s.group_index = shared
+        for s in group:
+            if s.index is None:
+                s.index = next(numbers)
 
 
 def pop_first(args: Any, rollout_id: Any, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
@@ -299,6 +316,7 @@ class HookSource:
         self.num_rollout, self.lookahead = num_rollout, lookahead
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-fn")
         self._futures: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
+        self._numbers = itertools.count(UNNUMBERED_START)
 
     def start(self, step: int) -> None:
         pass
@@ -314,6 +332,7 @@ class HookSource:
                 if not isinstance(out, RolloutFnTrainOutput):
                     raise _bad_result(self.fn, f"returned {type(out).__name__}, expected RolloutFnTrainOutput")
                 groups = flatten_groups(self.fn, out.samples)
+                number_groups(groups, self._numbers)
                 handouts = list(getattr(self.data_source, "handouts", [])[handouts_before:])
             finally:
                 _JOB.reset(token)
