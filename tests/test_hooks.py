@@ -666,3 +666,42 @@ def test_use_rollout_entropy_hands_the_actor_and_reference_entropies_to_the_hook
         want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
         torch.testing.assert_close(entropy.double(), want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(ref_entropy.double(), want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- --custom-convert-samples-to-train-data-path,
+# ---------------------------------------------------------------- --buffer-filter-path
+
+
+def test_convert_samples_to_train_data_builds_the_batch_trained_on(model_path, tmp_path, plugin):
+    from rlcore.advantages import sequence_advantages
+    from runtime.loop import rollout_batch
+    from runtime.rollout.plugins import RolloutHooks
+
+    samples, plain = _batch(model_path)
+    cfg = _cfg(tmp_path, disable_rewards_normalization=False)  # (GRPO's group normalisation, which the hook skips)
+    hooks = RolloutHooks(convert_samples=hook("--custom-convert-samples-to-train-data-path", "convert_to_train_data"))
+    batch = rollout_batch(cfg, samples, _Tokenizer(), advantage_config(cfg), hooks)
+    assert plugin.CALLS["convert"] == [{"n": len(samples)}]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    torch.testing.assert_close(batch[keys.REWARDS].double(), rewards - rewards.mean(), rtol=0, atol=1e-6)
+    assert batch[keys.GROUP_IDS].tolist() == [s.group_index for s in samples]
+    lengths = [s.response_length for s in samples]
+    assert batch[keys.MASK].sum(1).tolist() == [r - 1 for r in lengths]  # the hook's loss masks, not the samples'
+    # Its rewards are final: the sequence advantage is the reward itself, not group-normalised again.
+    want = sequence_advantages(plain.set(keys.REWARDS, batch[keys.REWARDS]), advantage_config(cfg))
+    assert not torch.allclose(want[keys.SEQUENCE_ADVANTAGES], batch[keys.SEQUENCE_ADVANTAGES])
+    torch.testing.assert_close(batch[keys.SEQUENCE_ADVANTAGES], batch[keys.REWARDS])
+
+
+def test_buffer_filter_chooses_the_groups_put_back(plugin):
+    from runtime.rollout.plugins import BufferedPromptSource
+
+    feed = SimpleNamespace(take=lambda n: [Sample(prompt=f"fresh{k}", metadata={"handout": k}) for k in range(n)])
+    source = BufferedPromptSource(
+        feed, SimpleNamespace(), n_samples=2, buffer_filter=hook("--buffer-filter-path", "pop_last")
+    )
+    groups = [[Sample(prompt=f"old{k}"), Sample(prompt=f"old{k}")] for k in range(3)]
+    source.add_samples(groups)
+    got = source.get_samples(2)
+    assert [g[0].prompt for g in got] == ["old2", "old1"] and source.get_buffer_length() == 1
+    assert plugin.CALLS["buffer_filter"] == [{"rollout_id": None, "buffered": 3, "num_samples": 2}]
