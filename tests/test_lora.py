@@ -229,8 +229,9 @@ def test_unknown_target_module_is_named(model_path, tmp_path):
 
 @pytest.mark.slow
 def test_lora_grpo_learns_the_default_task(tmp_path):
-    # Measured (2-core CPU, 2026-11-23): first-10 0.042, last-10 0.087; full fine-tuning reaches 0.99 in 250 steps.
-    # The adapters sit on the linear layers only: the tied embedding / LM head stay the base's (docs/runtime.md).
+    # The built-in job trains the tied embedding beside the adapters (--lora-modules-to-save embed_tokens, its
+    # default): with adapters alone the frozen embedding / LM head caps every token's probability near 0.2.
+    # Measured figures: docs/runtime.md, LoRA.
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "runtime.cli", "--output-dir", str(out), "--no-use-tensorboard"]
     cmd += ["--lora-rank", "32", "--lora-alpha", "64", "--lr", "2e-3", "--num-rollout", "250"]
@@ -240,4 +241,5 @@ def test_lora_grpo_learns_the_default_task(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= 1.5 * first and last >= first + 0.03, (first, last)
+    print(f"LoRA on the default task: first-10 mean reward {first:.3f}, last-10 {last:.3f}")
+    assert last >= first + 0.2, (first, last)
