@@ -172,19 +172,20 @@ def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_p
         torch.testing.assert_close(peft_model(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
 
 
-def test_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_path, tmp_path):
-    cfg = _cfg(tmp_path)
+@pytest.mark.parametrize("saved", ["", "embed_tokens"])
+def test_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_path, tmp_path, saved):
+    cfg = _cfg(tmp_path, lora_modules_to_save=saved)
     trainer = _trainer(model_path, cfg)
     td = _train(trainer, cfg, _batch(model_path), steps=1)
     ckpt = tmp_path / "ckpt"
     trainer.save(str(ckpt))
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    model_keys = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    entries = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in entries if k.startswith("model.")}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert model_keys == trainable  # no base weight, not even the tied LM head
-    assert all(".lora_" in k for k in saved if k.startswith("optim.state."))
+    assert all(".lora_" in k or ".modules_to_save." in k for k in entries if k.startswith("optim.state."))
 
     _train(trainer, cfg, td, steps=1)
     expected = trainer.get_weights()
