@@ -37,7 +37,7 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc")
+WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -848,9 +848,10 @@ class SGLangConfig:
         metadata=_help(
             "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
-            "shared memory on the CPU); unset: ipc under --colocate (disk where ipc is not built: SGLang engines of "
-            "several GPUs, several Megatron processes), else nccl for SGLang and Ray's object store for the "
-            "embedded engine"
+            "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
+            "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
+            "Ray's object store for the embedded engine"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -2150,6 +2151,23 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
     uses_sglang = cfg.rollout.rollout_engine == "sglang"
     if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
         problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
+    if s.update_weight_transport == "lora_adapter":
+        t = cfg.train
+        if t.lora_rank == 0 or cfg.rollout.rollout_engine != "sglang":
+            problems.append(
+                "--update-weight-transport lora_adapter pushes LoRA adapters to SGLang engines: it needs --lora-rank "
+                "and --rollout-engine sglang"
+            )
+        if t.lora_modules_to_save:
+            problems.append(
+                "--update-weight-transport lora_adapter sends the adapters only: --lora-modules-to-save "
+                f"{t.lora_modules_to_save!r} trains whole modules too (drop it, or push merged weights)"
+            )
+        if s.check_weight_update_equal:
+            problems.append(
+                "--check-weight-update-equal compares the engines' weights with the trainer's merged ones; under "
+                "--update-weight-transport lora_adapter the engines keep the base weights and hold the adapter apart"
+            )
     if s.update_weight_transport == "ipc" and not res.colocate:
         problems.append(
             "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "

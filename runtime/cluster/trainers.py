@@ -410,6 +410,10 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self.call("save_hf", path)
 
+    def write_lora_adapter(self, folder: str) -> str:
+        """The LoRA adapters as a peft folder at ``folder`` (rank 0 writes it); its path."""
+        return self.call("write_lora_adapter", folder)[0]
+
     def release_memory(self) -> None:
         self.call("release_memory")
 

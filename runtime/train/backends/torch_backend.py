@@ -894,6 +894,18 @@ class TorchTrainer:
         trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return {name: value for name, value in model_sd.items() if name in trained}
 
+    def write_lora_adapter(self, path: str) -> str | None:
+        """Write the adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``) that peft and
+        SGLang's ``/load_lora_adapter`` load over the base checkpoint; every rank calls it (the adapters are gathered),
+        rank 0 writes and returns ``path``."""
+        if not self.lora:
+            raise RuntimeError("write_lora_adapter: this trainer trains no LoRA adapters (--lora-rank 0)")
+        adapter = lora.adapter_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        self.model.save_pretrained(path, state_dict=adapter)
+        return path
+
     def save_hf(self, path: str) -> None:
         """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0).
 
@@ -902,9 +914,7 @@ class TorchTrainer:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if self.lora and self.cfg.lora_export == "adapter":
-            adapter = lora.adapter_state_dict(self.model)
-            if self.rank == 0:
-                self.model.save_pretrained(path, state_dict=adapter)
+            if self.write_lora_adapter(path) is not None:
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
             return
         weights = self.get_weights()
