@@ -37,7 +37,7 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc")
+WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -146,6 +146,13 @@ class DataConfig:
         metadata=_hook_help(
             "class cls(args) with get_samples(n) -> list[list[Sample]], add_samples, save(rollout_id), "
             "load(rollout_id), __len__; unset: the prompt data with a buffer (slime's RolloutDataSourceWithBuffer)"
+        ),
+    )
+    disable_rollout_global_dataset: bool = field(
+        default=False,
+        metadata=_help(
+            "the default data source holds no prompt data, only the groups put back with add_samples (a "
+            "--rollout-function-path makes its own prompts); hooks read args.rollout_global_dataset"
         ),
     )
 
@@ -326,9 +333,23 @@ class AlgoConfig:
         default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
+    use_rollout_entropy: bool = field(
+        default=False,
+        metadata=_help(
+            "the log-prob passes also compute each token's entropy: rollout_data['entropy'] (actor) and "
+            "['ref_entropy'] for the trainer hooks"
+        ),
+    )
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
     tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight"))
     tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight"))
+    custom_tis_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "with --use-tis or --get-mismatch-metrics: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+            "loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), in place of TIS"
+        ),
+    )
     use_rollout_logprobs: bool = field(
         default=False, metadata=_help("take the engine's log-probs as the old log-probs (no trainer recompute)")
     )
@@ -539,6 +560,13 @@ class TrainConfig:
     lora_target_modules: str = field(
         default="all-linear",
         metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
+    )
+    lora_modules_to_save: str = field(
+        default="",
+        metadata=_help(
+            "modules trained in full beside the adapters (peft's modules_to_save; a name matches every module ending "
+            "with it: norm = every RMSNorm), comma-separated"
+        ),
     )
     only_train_params_name_list: list[str] | None = field(
         default=None, metadata=_help("regexes (re.search) of the parameters to train; all others are frozen")
@@ -842,9 +870,10 @@ class SGLangConfig:
         metadata=_help(
             "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
-            "shared memory on the CPU); unset: ipc under --colocate (disk where ipc is not built: SGLang engines of "
-            "several GPUs, several Megatron processes), else nccl for SGLang and Ray's object store for the "
-            "embedded engine"
+            "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
+            "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
+            "Ray's object store for the embedded engine"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -971,7 +1000,7 @@ class Config:
 
 # slime's args that its --disable-* flags store into, as hooks read them.
 _SLIME_POSITIVE: dict[str, Any] = {
-    "rollout_global_dataset": lambda c: True,
+    "rollout_global_dataset": lambda c: not c.data.disable_rollout_global_dataset,
     "compute_advantages_and_returns": lambda c: not c.algo.disable_compute_advantages_and_returns,
     "rewards_normalization": lambda c: not c.algo.disable_rewards_normalization,
     "grpo_std_normalization": lambda c: not c.algo.disable_grpo_std_normalization,
@@ -998,6 +1027,10 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
     "rollout_skip_special_tokens": True,
+    # Under --lora-rank: the random-init model's logits are bounded by its frozen tied embedding (rows of norm 0.18
+    # under an RMSNorm of gain 1 cap a token's probability near 0.2), so adapters alone cannot make it confident:
+    # the embedding (and with it the tied LM head) trains in full beside them.
+    "lora_modules_to_save": "embed_tokens",
 }
 
 
@@ -2027,6 +2060,11 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
             "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
         )
+    if cfg.algo.custom_tis_function_path is not None or cfg.algo.use_rollout_entropy:
+        problems.append(
+            "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
+            "Megatron backend's loss and log-prob passes do not call them yet)"
+        )
     if t.use_dynamic_batch_size:
         problems.append(
             "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "
@@ -2100,6 +2138,18 @@ def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
     if (t.only_train_params_name_list or t.freeze_params_name_list) and t.lora_rank > 0:
         problems.append("--only-train-params-name-list / --freeze-params-name-list cannot go with --lora-rank")
     custom_rollout = r.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
+    custom_source = cfg.data.data_source_path not in (None, "slime.rollout.data_source.RolloutDataSourceWithBuffer")
+    if cfg.data.disable_rollout_global_dataset and not (custom_rollout or custom_source):
+        problems.append(
+            "--disable-rollout-global-dataset leaves the built-in rollout no prompts (the default data source then "
+            "holds only groups put back with add_samples): give --rollout-function-path or --data-source-path"
+        )
+    if cfg.data.disable_rollout_global_dataset and r.num_epoch is not None:
+        problems.append("--num-epoch counts passes over the prompt data, which --disable-rollout-global-dataset drops")
+    if a.custom_tis_function_path is not None and not (a.use_tis or a.get_mismatch_metrics):
+        problems.append(
+            "--custom-tis-function-path is called with --use-tis or --get-mismatch-metrics only (as slime): set one"
+        )
     if r.rollout_schedule == "fully_async":
         if custom_rollout:
             problems.append("--rollout-function-path runs whole rollouts: use --rollout-schedule sync or one_step")
@@ -2164,6 +2214,23 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
     uses_sglang = cfg.rollout.rollout_engine == "sglang"
     if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
         problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
+    if s.update_weight_transport == "lora_adapter":
+        t = cfg.train
+        if t.lora_rank == 0 or cfg.rollout.rollout_engine != "sglang":
+            problems.append(
+                "--update-weight-transport lora_adapter pushes LoRA adapters to SGLang engines: it needs --lora-rank "
+                "and --rollout-engine sglang"
+            )
+        if t.lora_modules_to_save:
+            problems.append(
+                "--update-weight-transport lora_adapter sends the adapters only: --lora-modules-to-save "
+                f"{t.lora_modules_to_save!r} trains whole modules too (drop it, or push merged weights)"
+            )
+        if s.check_weight_update_equal:
+            problems.append(
+                "--check-weight-update-equal compares the engines' weights with the trainer's merged ones; under "
+                "--update-weight-transport lora_adapter the engines keep the base weights and hold the adapter apart"
+            )
     if s.update_weight_transport == "ipc" and not res.colocate:
         problems.append(
             "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "

@@ -499,7 +499,7 @@ def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None
 def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any, Any]:
     """``(feed, data_source)``: the built-in rollout's prompt feed and the data source that rollout functions and
     slime's hooks are handed: ``--data-source-path``'s class built as ``cls(args)`` (the feed draws from it), or the
-    prompt data with a buffer over the feed."""
+    prompt data with a buffer over the feed (the buffer alone with ``--disable-rollout-global-dataset``)."""
     if hooks.data_source_cls is not None:
         if cfg.ckpt.load is not None:
             # slime's data sources read their state from args.load/rollout/...: the checkpoint root, also when
@@ -513,7 +513,10 @@ def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any
         return DataSourceFeed(data_source, dataset), data_source
     feed = PromptFeed(dataset)
     source = BufferedPromptSource(
-        feed, cfg, n_samples=cfg.rollout.n_samples_per_prompt, buffer_filter=hooks.buffer_filter
+        None if cfg.data.disable_rollout_global_dataset else feed,
+        cfg,
+        n_samples=cfg.rollout.n_samples_per_prompt,
+        buffer_filter=hooks.buffer_filter,
     )
     return feed, source
 

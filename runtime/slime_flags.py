@@ -289,7 +289,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     # data
     _f("--num-rollout", "data", None, YES, "built-in job: 250; unset: from --num-epoch"),
     _f("--num-epoch", "data", None, YES),
-    _disable("--disable-rollout-global-dataset", "data", REFUSED, HOOKS),
+    _disable("--disable-rollout-global-dataset", "data", YES),
     _f(
         "--data-source-path",
         "data",
@@ -401,7 +401,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--normalize-advantages", "algo", DIFFERS, "not required for reinforce_plus_plus[_baseline]"),
     _disable("--disable-grpo-std-normalization", "algo", YES),
     _disable("--disable-rewards-normalization", "algo", YES),
-    _true("--use-rollout-entropy", "algo", REFUSED, HOOKS + " (custom masks)"),
+    _true("--use-rollout-entropy", "algo", DIFFERS, "torch backend only; not in the --keep-old-actor pass"),
     _true("--get-mismatch-metrics", "algo", YES),
     _true("--reset-optimizer-states", "algo", YES),
     _true("--use-stateless-adam", "algo", YES),
@@ -409,7 +409,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--use-tis", "algo", YES),
     _f("--tis-clip", "algo", 2.0, YES),
     _f("--tis-clip-low", "algo", 0.0, YES),
-    _f("--custom-tis-function-path", "algo", None, REFUSED, HOOKS),
+    _f("--custom-tis-function-path", "algo", None, DIFFERS, "torch backend only; metrics are token means"),
     _f("--custom-pg-loss-reducer-function-path", "algo", None, YES, "the pg term's reducer (--loss-agg-mode is ours)"),
     _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),

@@ -31,8 +31,14 @@ What it reproduces, because the adapter depends on it:
 - ``/model_info`` and ``/server_info`` (and their deprecated ``/get_*`` aliases) report ``model_path``,
   ``weight_version`` and the launch ``dtype``; there is no ``/get_weight_version`` (0.5.23 has none).
 
+- LoRA, when launched with ``--enable-lora`` (else loading is refused, as SGLang refuses it): ``/load_lora_adapter``
+  (``lora_name``, ``lora_path``: a peft adapter folder) applies the adapter to the current base weights,
+  ``/unload_lora_adapter`` (``lora_name``) drops it, both answering SGLang's ``{"success", "error_message",
+  "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
+  ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
+
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
-LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
+sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
 """
 
 from __future__ import annotations
@@ -88,6 +94,9 @@ UPDATE_FROM_TENSOR_FIELDS = BASE_REQ_FIELDS | {
     "torch_empty_cache",
 }  # fmt: skip
 DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
+# Fields of LoadLoRAAdapterReqInput and UnloadLoRAAdapterReqInput.
+LOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_path", "pinned", "lora_id"}
+UNLOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_id"}
 GET_WEIGHTS_FIELDS = BASE_REQ_FIELDS | {"name", "truncate_size"}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 MEMORY_FIELDS = BASE_REQ_FIELDS | {"tags"}
@@ -234,6 +243,7 @@ class FakeSGLangServer:
         port: int = 0,
         startup_delay: float = 0.0,
         token_delay: float = 0.0,
+        enable_lora: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -249,6 +259,9 @@ class FakeSGLangServer:
         self.host, self.port = host, port
         self.startup_delay, self.token_delay = startup_delay, token_delay
         self.weight_version = "default"
+        # --enable-lora, and the loaded adapters by name: (folder, the base model with the adapter merged in).
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, tuple[str, Any]] = {}
         # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
         self.launch_args: dict[str, Any] = {}
         # Weight-update groups by name, and [bytes, tensors] of each bucket received over them.
@@ -320,6 +333,8 @@ class FakeSGLangServer:
                 web.post("/update_weights_from_distributed", self._update_weights_from_distributed),
                 web.post("/update_weights_from_tensor", self._update_weights_from_tensor),
                 web.post("/destroy_weights_update_group", self._destroy_weights_update_group),
+                web.post("/load_lora_adapter", self._load_lora_adapter),
+                web.post("/unload_lora_adapter", self._unload_lora_adapter),
                 web.get("/get_weights_by_name", self._get_weights_by_name),
                 web.post("/get_weights_by_name", self._get_weights_by_name),
             ]
@@ -623,6 +638,53 @@ class FakeSGLangServer:
             self._aborted -= rids
         return web.json_response(outputs[0] if single else outputs)
 
+    # -- LoRA -----------------------------------------------------------------------------------------------------
+
+    def _lora_answer(self, error: str | None = None) -> web.Response:
+        loaded = {name: folder for name, (folder, _) in self.adapters.items()}
+        body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+        return web.json_response(body, status=200 if error is None else 400)
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        name, folder = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(folder, str):
+            return _validation_error("lora_name and lora_path must be strings")
+        if not self.enable_lora:
+            return self._lora_answer("LoRA is not enabled: launch the server with --enable-lora")
+        if name in self.adapters:
+            return self._lora_answer(f"The LoRA adapter {name!r} is already loaded")
+        loop = asyncio.get_running_loop()
+        try:
+            merged = await loop.run_in_executor(None, self._merged_with, folder)
+        except (OSError, ValueError, RuntimeError) as e:
+            return self._lora_answer(f"failed to load the LoRA adapter {name!r} from {folder!r}: {e}")
+        self.adapters[name] = (folder, merged)
+        return self._lora_answer()
+
+    def _merged_with(self, folder: str) -> Any:
+        import copy
+
+        from peft import PeftModel
+
+        with self._model_lock:
+            base = copy.deepcopy(self.model)
+        return PeftModel.from_pretrained(base, folder).merge_and_unload().eval()
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            return self._lora_answer(f"The LoRA adapter {name!r} is not loaded")
+        del self.adapters[name]
+        return self._lora_answer()
+
     # -- generation -----------------------------------------------------------------------------------------------
 
     def _parse_generate(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -654,6 +716,10 @@ class FakeSGLangServer:
             raise BadRequest(f"rid must be a string or a list of strings, got {rid!r}")
         if not isinstance(body.get("return_text_in_logprobs", False), bool):
             raise BadRequest("return_text_in_logprobs must be a bool")
+        adapters = _per_prompt(body.get("lora_path"), n, "lora_path")
+        for name in adapters:
+            if name is not None and name not in self.adapters:
+                raise BadRequest(f"The LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})")
         jobs = []
         for i in range(n):
             if not isinstance(return_logprob[i], (bool, type(None))):
@@ -670,6 +736,7 @@ class FakeSGLangServer:
                     "return_logprob": bool(return_logprob[i]),
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
+                    "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
                 }
             )
         return jobs, single
@@ -687,7 +754,8 @@ class FakeSGLangServer:
         log_probs: list[float] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
         with self._model_lock:
-            out = self.model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
+            model = job["model"]
+            out = model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
             for _ in range(s.max_new_tokens):
                 logits = out.logits[0, -1].float()
                 token, log_prob = self._sample(logits, s, generator)
@@ -713,9 +781,7 @@ class FakeSGLangServer:
                         break
                 if self.token_delay:
                     time.sleep(self.token_delay)
-                out = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-                )
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         trim = finish["type"] == "stop" and not s.no_stop_trim
         # A matched stop string is trimmed from the text only; a matched stop token from the ids and the text.
         output_ids = tokens[:-1] if trim and not isinstance(finish["matched"], str) else tokens
@@ -818,6 +884,7 @@ def main(argv: list[str] | None = None) -> None:
         port=getattr(args, "port", 30000),
         # A test of request concurrency slows decoding so that requests overlap.
         token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
+        enable_lora=bool(getattr(args, "enable_lora", False)),
     )
     server.launch_args = vars(args)
     stop = threading.Event()

@@ -9,8 +9,10 @@ import pytest
 from fake_sglang import (
     ABORT_FIELDS,
     GENERATE_FIELDS,
+    LOAD_LORA_FIELDS,
     MEMORY_FIELDS,
     SAMPLING_FIELDS,
+    UNLOAD_LORA_FIELDS,
     UPDATE_FROM_DISK_FIELDS,
     UPDATE_FROM_TENSOR_FIELDS,
     FakeSGLangServer,
@@ -47,6 +49,8 @@ def _fields(cls):
         (MEMORY_FIELDS, "ReleaseMemoryOccupationReqInput"),
         (MEMORY_FIELDS, "ResumeMemoryOccupationReqInput"),
         (ABORT_FIELDS, "AbortReq"),
+        (LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput"),
+        (UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput"),
     ],
 )
 def test_the_fakes_fallback_field_lists_hold_only_sglangs_fields(hand, cls):

@@ -64,6 +64,7 @@ BUILTIN_TUNED = {
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
     "rollout_skip_special_tokens": True,
+    "lora_modules_to_save": "embed_tokens",
 }
 # slime's defaults for the same flags (rollout_max_response_len, rollout_batch_size, num_rollout: none, so a real
 # job must set them).
@@ -81,6 +82,7 @@ SLIME_DEFAULTS = {
     "calculate_per_token_loss": False,
     "use_tensorboard": False,
     "rollout_skip_special_tokens": False,
+    "lora_modules_to_save": "",  # (ours: slime has no LoRA; peft's default, no module trained in full)
 }
 
 

@@ -37,6 +37,7 @@ OURS = {
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    "lora_modules_to_save",
     "lora_export",
     "sglang_args",
     "router_args",

@@ -49,6 +49,7 @@ from runtime.engines import launcher
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.registry import EngineKind, engine_kind
 from runtime.errors import JobError
+from runtime.train.backends import lora
 
 T = TypeVar("T")
 
@@ -125,6 +126,19 @@ def _gpu_ids(placement: Placement, bundles: list[int]) -> list[str]:
         return [str(g) for g in ray.get_gpu_ids()]
 
     return [g for b in bundles for g in ray.get(gpu_ids.options(**placement.options(b)).remote())]
+
+
+def lora_server_args(cfg: Config) -> dict[str, Any]:
+    """The SGLang server flags ``--update-weight-transport lora_adapter`` needs (``--sglang-*`` values win): LoRA on,
+    the adapters' rank, and their target modules (peft's ``all-linear`` is SGLang's ``all``)."""
+    if cfg.sglang.update_weight_transport != "lora_adapter":
+        return {}
+    targets = lora.parse_target_modules(cfg.train.lora_target_modules)
+    return {
+        "enable_lora": True,
+        "max_lora_rank": cfg.train.lora_rank,
+        "lora_target_modules": ["all"] if targets == "all-linear" else list(targets),
+    }
 
 
 class EngineGroup:
@@ -454,7 +468,7 @@ class EngineGroup:
                 tp_size=s.rollout_num_gpus_per_engine,
                 # slime's seeds: engine i's server starts at --seed + i x --num-gpus-per-node.
                 seed=cfg.seed + i * cfg.resources.num_gpus_per_node,
-                server_args=s.sglang_args,
+                server_args={**lora_server_args(cfg), **s.sglang_args},
             )
             self._server_specs.append((launcher_opts, env, argv))
             pending.append(
@@ -571,6 +585,13 @@ class EngineGroup:
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self._all("update_weights_from_disk", path, weight_version=weight_version)
+
+    def load_lora_adapter(self, path: str, *, weight_version: int) -> None:
+        """Every engine (SGLang's) loads the peft adapter folder ``path`` and generates with it, through the router
+        too."""
+        self._all("load_lora_adapter", path, weight_version=weight_version)
+        if self.router is not None:
+            ray.get(self.router.use_lora_adapter.remote(weight_version))
 
     def tp_sizes(self) -> list[int]:
         """Each engine's ranks in a weight-update group (its tensor-parallel size)."""

@@ -411,6 +411,10 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self.call("save_hf", path)
 
+    def write_lora_adapter(self, folder: str) -> str:
+        """The LoRA adapters as a peft folder at ``folder`` (rank 0 writes it); its path."""
+        return self.call("write_lora_adapter", folder)[0]
+
     def release_memory(self) -> dict[str, float]:
         """Every rank gives its device memory back; their offload metrics combined as each declares."""
         return reduce_over_ranks(self.call("release_memory"))

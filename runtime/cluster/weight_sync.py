@@ -23,6 +23,10 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   files on the CPU; SGLang's ``update_weights_from_tensor``), so no weight passes through host memory or a socket;
   the trainer keeps a bucket alive until every engine has copied it.
 
+- ``lora_adapter``: under ``--lora-rank`` with SGLang engines, trainer rank 0 writes the adapters as a peft folder
+  and every server loads it as a LoRA adapter (``/load_lora_adapter``) over its unchanged base weights; requests name
+  it (``lora_path``). Only the adapters cross, not merged weights.
+
 An engine that dies during a push is restarted by the engine group and the push runs again (``EngineGroup.on_all``);
 over NCCL/gloo the trainer aborts the broadcast as soon as a receiver fails (``weight_transfer.send_bucket``) rather
 than waiting for the collective's timeout.
@@ -148,6 +152,41 @@ class DiskSync:
 
     def close(self) -> None:
         if self._owned and not self.options.keep_files:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LoraAdapterSync:
+    """The trainers' LoRA adapters as a peft folder, loaded by every SGLang engine as an adapter over its base weights
+    (``SGLangEngine.load_lora_adapter``: SGLang's ``/load_lora_adapter``, then ``lora_path`` in each ``/generate``).
+
+    Each push writes ``v{version}/`` under ``folder`` (a fresh temporary folder by default, removed by :meth:`close`)
+    and removes the folder two versions back, so the one an engine still serves from stays until it is replaced.
+
+    A restarted engine rejoins with the adapter the others serve (the last push's, not the trainers' newer weights):
+    the router names one adapter in every request, so every server must hold that one. Before the first push the
+    engines serve the base weights and a restarted one needs nothing.
+    """
+
+    def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int, folder: str | None = None):
+        self.trainers, self.engines = trainers, engines
+        self._owned = folder is None
+        self.root = Path(folder or tempfile.mkdtemp(prefix="rlcore-lora-"))
+        self._served: tuple[str, int] | None = None
+
+    def push(self, version: int) -> None:
+        path = self.trainers.write_lora_adapter(str(self.root / f"v{version}"))
+        self.engines.load_lora_adapter(path, weight_version=version)
+        self._served = (path, version)
+        shutil.rmtree(self.root / f"v{version - 2}", ignore_errors=True)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        if self._served is None:
+            return
+        path, version = self._served
+        ray.get([a.load_lora_adapter.remote(path, weight_version=version) for a in replacements.values()])
+
+    def close(self) -> None:
+        if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -282,6 +321,7 @@ WEIGHT_SYNCS: dict[str, type[Any]] = {
     "disk": DiskSync,
     "nccl": DistributedSync,
     "ipc": IpcSync,
+    "lora_adapter": LoraAdapterSync,
 }
 
 

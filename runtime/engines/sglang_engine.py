@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import torch
 
 from runtime.engines import weight_transfer
@@ -130,6 +131,11 @@ def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
     if params.min_new_tokens:
         out["min_new_tokens"] = params.min_new_tokens
     return out
+
+
+def lora_adapter_name(weight_version: int) -> str:
+    """The name SGLang servers hold the LoRA adapter of ``weight_version`` under (``lora_name``, ``lora_path``)."""
+    return f"rlcore-v{weight_version}"
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -299,6 +305,8 @@ class SGLangEngine:
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rlcore-sglang-weights-"))
         self._hf_checkpoint = Path(hf_checkpoint) if hf_checkpoint is not None else None
         self._last_weights: Path | None = None
+        # The LoRA adapter the server holds for this engine (``load_lora_adapter``), named in every /generate.
+        self.lora_name: str | None = None
         if wait_healthy:
             self.wait_healthy(startup_timeout)
 
@@ -427,6 +435,7 @@ class SGLangEngine:
                 "logprob_start_len": -1,
                 # One id for the batch: SGLang numbers its prompts after it; the router takes only a string here.
                 "rid": f"rlcore-{batch}",
+                **({"lora_path": self.lora_name} if self.lora_name is not None else {}),
             },
             headers={ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None,
         )
@@ -473,6 +482,35 @@ class SGLangEngine:
         if Path(path).is_dir():
             self._check_folder(Path(path))
         self._load_from_disk(Path(path), weight_version, owned=False)
+
+    def load_lora_adapter(self, path: str, *, weight_version: int) -> None:
+        """Have the server load the peft adapter folder ``path`` (the trainer's, ``--update-weight-transport
+        lora_adapter``) as ``rlcore-v{weight_version}`` (SGLang's ``/load_lora_adapter``), drop the adapter it replaces
+        (``/unload_lora_adapter``) and generate with the new one from now on (``lora_path`` in ``/generate``).
+
+        The server must run with ``--enable-lora`` (the launcher adds it with ``--max-lora-rank`` and
+        ``--lora-target-modules``); the base weights stay the checkpoint's."""
+        check_weight_version(weight_version)
+        name = lora_adapter_name(weight_version)
+        if self.lora_name in (None, name):
+            # The same version again, or a restarted client of a server that may hold it already: replace it.
+            try:
+                self._post("/unload_lora_adapter", {"lora_name": name})
+            except SGLangHTTPError as err:
+                if err.status_code != 400:  # (400: not loaded, nothing to replace)
+                    raise
+            self.lora_name = None
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None:
+            self._post("/unload_lora_adapter", {"lora_name": previous})
+        self._weight_version = weight_version
+
+    def use_lora_adapter(self, weight_version: int) -> None:
+        """Send every later ``/generate`` with the adapter the servers loaded for ``weight_version`` (a client of the
+        router, in front of servers that :meth:`load_lora_adapter` loaded), labelling its outputs with that version."""
+        check_weight_version(weight_version)
+        self.lora_name, self._weight_version = lora_adapter_name(weight_version), weight_version
 
     def init_weights_update_group(
         self,

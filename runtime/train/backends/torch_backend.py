@@ -49,6 +49,7 @@ from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
     concat_rows,
+    custom_tis,
     freeze_parameters,
     rollout_data_view,
     sum_of_sample_mean,
@@ -56,6 +57,9 @@ from runtime.train.hooks import (
 from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, padded_inputs
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
+
+# Where --use-rollout-entropy puts each log-prob pass's entropy (slime's "entropy" and "ref_entropy").
+ROLLOUT_ENTROPY = {keys.OLD_LOG_PROBS: keys.OLD_ENTROPY, keys.REF_LOG_PROBS: keys.REF_ENTROPY}
 
 # slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
 # The roles this backend builds a model for; others are refused by name at construction.
@@ -310,6 +314,7 @@ class TorchTrainer:
                     alpha=self.cfg.lora_alpha,
                     dropout=self.cfg.lora_dropout,
                     target_modules=self.cfg.lora_target_modules,
+                    modules_to_save=self.cfg.lora_modules_to_save,
                 )
         model.to(self.device)
         block_names = set(getattr(model, "_no_split_modules", None) or ())
@@ -525,10 +530,16 @@ class TorchTrainer:
                     if real:
                         out[CRITIC.writes].append(values.cpu())
                 for key, (model, context) in models.items():
+                    entropy_key = ROLLOUT_ENTROPY.get(key) if self.hooks.rollout_entropy else None
                     with context():
-                        log_probs = self._micro_log_probs(model, mb)
+                        if entropy_key is None:
+                            log_probs = self._micro_log_probs(model, mb)
+                        else:
+                            log_probs, entropy = self._forward(model, mb, with_entropy=True)
                     if real:
                         out[key].append(log_probs.float().cpu())
+                        if entropy_key is not None:
+                            out.setdefault(entropy_key, []).append(entropy.float().cpu())
         logs = {k: self._in_row_order(td, torch.cat(v)) for k, v in out.items()}
         if self.old_actor is not None:
             logs[ACTOR.writes] = old
@@ -629,12 +640,13 @@ class TorchTrainer:
                 batch = mb.to(self.device).clone(recurse=False)
                 loss_type = self.hooks.loss_type
                 reducer = self._hook.get("custom_pg_loss_reducer_function_path")
+                tis = self._hook.get("custom_tis_function_path")
                 if loss_type == "sft_loss":
                     loss = self._sft_loss(batch, norm, mode=self.loss_cfg.loss_agg_mode)
                     metrics = {"loss": loss.detach()}
                 elif loss_type == "custom_loss":
                     loss, metrics = self._custom_loss(batch, norm)
-                elif self._fused_head(self.model) and reducer is None:
+                elif self._fused_head(self.model) and reducer is None and tis is None:
                     hidden, weight, targets = self._response_hidden(self.model, mb)
                     loss, metrics = linear_rl_loss(
                         hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
@@ -644,7 +656,8 @@ class TorchTrainer:
                     batch.set(keys.LOG_PROBS, log_probs)
                     batch.set(keys.ENTROPY, entropy)
                     pg_reduce = None if reducer is None else self._pg_reduce(reducer, batch, norm)
-                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce)
+                    mismatch = None if tis is None else self._mismatch(tis, batch)
+                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce, mismatch=mismatch)
                 self._backward(loss, real=real)
                 if real:
                     for name, value in metrics.items():
@@ -723,6 +736,12 @@ class TorchTrainer:
             raise reducer.wrong_type(reduce, "a reducer: a function of the concatenated per-token loss")
         count = self._slime_count(norm)
         return lambda pg: reduce(concat_rows(pg, response)) / count
+
+    def _mismatch(self, hook: Any, batch: TensorDict) -> Any:
+        """slime's ``--custom-tis-function-path`` over this micro-batch, as a ``mismatch`` of ``rl_loss``."""
+        response = batch[RESPONSE_LENGTHS].tolist()
+        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        return custom_tis(hook, self.hooks.args, response_lengths=response, total_lengths=total)
 
     def _custom_loss(self, batch: TensorDict, norm: Normalizer) -> tuple[torch.Tensor, dict[str, Any]]:
         """slime's ``--custom-loss-function-path`` on one micro-batch: ``fn(args, batch, logits, sum_of_sample_mean)``
@@ -880,6 +899,18 @@ class TorchTrainer:
         trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return {name: value for name, value in model_sd.items() if name in trained}
 
+    def write_lora_adapter(self, path: str) -> str | None:
+        """Write the adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``) that peft and
+        SGLang's ``/load_lora_adapter`` load over the base checkpoint; every rank calls it (the adapters are gathered),
+        rank 0 writes and returns ``path``."""
+        if not self.lora:
+            raise RuntimeError("write_lora_adapter: this trainer trains no LoRA adapters (--lora-rank 0)")
+        adapter = lora.adapter_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        self.model.save_pretrained(path, state_dict=adapter)
+        return path
+
     def save_hf(self, path: str) -> None:
         """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0).
 
@@ -888,9 +919,7 @@ class TorchTrainer:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if self.lora and self.cfg.lora_export == "adapter":
-            adapter = lora.adapter_state_dict(self.model)
-            if self.rank == 0:
-                self.model.save_pretrained(path, state_dict=adapter)
+            if self.write_lora_adapter(path) is not None:
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
             return
         weights = self.get_weights()
