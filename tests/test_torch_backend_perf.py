@@ -19,7 +19,7 @@ from runtime.demo import task
 from runtime.demo.tiny_model import make_preset_model, make_tiny_model
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
-from runtime.train.attention import register_attention
+from runtime.train.attention import register_attention, varlen_attention
 from runtime.train.backends import torch_backend
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
@@ -265,6 +265,31 @@ def test_recompute_full_gives_the_same_step_and_saves_less(qwen3_path, tmp_path,
     _assert_same_step(results[1], results[0])
     # Each block keeps its input only: well under half of what the whole forward saves.
     assert saved[1] < 0.5 * saved[0], saved
+
+
+# Inductor compiles the decoder layer on the CPU (about a minute on two shared cores).
+@pytest.mark.slow
+def test_torch_compile_gives_the_same_step(qwen3_path, tmp_path):
+    """--torch-compile (every decoder layer compiled; packed rows of changing length, recompute on) gives the eager
+    step's log-probs, loss, metrics and weights in float32, varlen attention included."""
+    knobs = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 60, "attn_implementation": "varlen"}
+    td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=7), pad_token_id=0)
+    results = []
+    for compiled in (False, True):
+        cfg = _cfg(tmp_path, recompute_granularity="full", torch_compile=compiled, **knobs)
+        trainer = _trainer(qwen3_path, cfg)
+        assert all((m._compiled_call_impl is not None) == compiled for m in trainer.model.model.layers)
+        results.append(_step(trainer, td, cfg))
+    _assert_same_step(results[1], results[0])
+
+
+def test_varlen_attention_refuses_what_it_cannot_run():
+    q = torch.zeros(2, 4, 6, 8)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one row"):
+        varlen_attention(None, q, q, q, None, cu_seq_lens_q=cu, max_length_q=6)
+    with pytest.raises(ValueError, match="dropout"):
+        varlen_attention(None, q, q, q, None, dropout=0.1)
 
 
 def test_bf16_weights_are_cast_once_per_step(llama_path, tmp_path):
