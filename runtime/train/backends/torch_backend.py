@@ -663,6 +663,7 @@ class TorchTrainer:
         norm = self._global_normalizer(parts)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
+        pending: list[dict[str, Any]] = []
         with self._step_scope():
             for mb, real in self._balanced(parts):
                 batch = mb.to(self.device).clone(recurse=False)
@@ -686,12 +687,15 @@ class TorchTrainer:
                     loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce)
                 self._backward(loss, real=real)
                 if real:
-                    for name, value in metrics.items():
-                        value = float(value)
-                        if _is_max_metric(name):
-                            maxes[name] = max(maxes.get(name, -math.inf), value)
-                        else:
-                            sums[name] = sums.get(name, 0.0) + value
+                    # Read after the loop: a float() here would wait for each micro-batch's kernels.
+                    pending.append({name: (v.detach() if torch.is_tensor(v) else v) for name, v in metrics.items()})
+        for metrics in pending:
+            for name, value in metrics.items():
+                value = float(value)
+                if _is_max_metric(name):
+                    maxes[name] = max(maxes.get(name, -math.inf), value)
+                else:
+                    sums[name] = sums.get(name, 0.0) + value
         step_metrics = self._reduce_metrics(sums, maxes)
         step_metrics["grad_norm"] = self._optimizer_step()
         for name, value in step_metrics.items():
