@@ -1,6 +1,6 @@
-"""The torch backend's speed options on one GPU: packed micro-batches through varlen attention (the default there)
-or flex_attention, activation recompute, torch.compile and the bf16 step. Skipped without CUDA
-(``pytest -q tests/test_torch_backend_perf_cuda.py`` on a GPU machine)."""
+"""The torch backend's speed options on one GPU: packed micro-batches (SDPA, or flex_attention when named),
+activation recompute and the bf16 step. Skipped without CUDA (``pytest -q tests/test_torch_backend_perf_cuda.py``
+on a GPU machine)."""
 
 import pytest
 import torch
@@ -21,15 +21,27 @@ def qwen3_path(tmp_path_factory):
     return str(make_preset_model("qwen3-0.6b", path, alphabet=task.ALPHABET, seed=0, **QWEN3_TINY))
 
 
-@pytest.mark.parametrize("attention", ["auto", "flex_attention"])
-def test_packed_attention_equals_padded_sdpa_in_float32(qwen3_path, tmp_path, attention):
-    """auto is varlen on a GPU (in float32 it runs SDPA per sequence; the flash kernel takes bf16/fp16 only)."""
+def test_packed_flex_attention_equals_padded_sdpa_in_float32(qwen3_path, tmp_path):
     td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=1), pad_token_id=0)
     packed_cfg = _cfg(
-        tmp_path, use_kl_loss=True, use_dynamic_batch_size=True, max_tokens_per_gpu=40, attn_implementation=attention
+        tmp_path,
+        use_kl_loss=True,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=40,
+        attn_implementation="flex_attention",
     )
     packed = _trainer(qwen3_path, packed_cfg)
-    assert packed.model.config._attn_implementation == ("varlen" if attention == "auto" else attention)
+    assert packed.model.config._attn_implementation == "flex_attention"
+    padded_cfg = _cfg(tmp_path, use_kl_loss=True, attn_implementation="sdpa")
+    _assert_same_step(_step(packed, td, packed_cfg), _step(_trainer(qwen3_path, padded_cfg), td, padded_cfg))
+
+
+def test_packed_varlen_attention_equals_padded_sdpa_in_float32(qwen3_path, tmp_path):
+    """auto is varlen on a GPU; in float32 it runs SDPA per sequence (the flash kernel takes bf16/fp16 only)."""
+    td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=1), pad_token_id=0)
+    packed_cfg = _cfg(tmp_path, use_kl_loss=True, use_dynamic_batch_size=True, max_tokens_per_gpu=40)
+    packed = _trainer(qwen3_path, packed_cfg)
+    assert packed.model.config._attn_implementation == "varlen"
     padded_cfg = _cfg(tmp_path, use_kl_loss=True, attn_implementation="sdpa")
     _assert_same_step(_step(packed, td, packed_cfg), _step(_trainer(qwen3_path, padded_cfg), td, padded_cfg))
 
