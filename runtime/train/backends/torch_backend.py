@@ -347,8 +347,8 @@ class TorchTrainer:
         """``from_pretrained``'s attention choice (``--attn-implementation``; nothing: transformers' default)."""
         choice = self.cfg.attn_implementation
         if choice == "auto":
-            # Not flex_attention: packed in bf16 on an H100 its log-probs were off the padded SDPA step's by more
-            # than 2e-2 on average (float32 agreed); see tests/test_torch_backend_perf_cuda.py.
+            # varlen: a flash kernel over the packed sequences, with no mask to build (flex_attention builds a
+            # BlockMask per micro-batch; SDPA a dense one). Elsewhere transformers' default.
             if not attention.flash_varlen_available(self.device):
                 return {}
             choice = attention.ATTENTION
