@@ -562,13 +562,14 @@ class TorchTrainer:
                 if self.critic is not None:
                     values = self._values(mb)
                     if real:
-                        out[CRITIC.writes].append(values.cpu())
+                        out[CRITIC.writes].append(values.detach())
                 for key, (model, context) in models.items():
                     with context():
                         log_probs = self._micro_log_probs(model, mb)
                     if real:
-                        out[key].append(log_probs.float().cpu())
-        logs = {k: self._in_row_order(td, torch.cat(v)) for k, v in out.items()}
+                        out[key].append(log_probs.float())
+        # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
+        logs = {k: self._in_row_order(td, torch.cat(v).cpu()) for k, v in out.items()}
         if self.old_actor is not None:
             logs[ACTOR.writes] = old
         return TensorDict(logs, batch_size=td.batch_size)
@@ -581,8 +582,8 @@ class TorchTrainer:
                 with context():
                     log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    parts.append(log_probs.float().cpu())
-        return self._in_row_order(td, torch.cat(parts))
+                    parts.append(log_probs.float())
+        return self._in_row_order(td, torch.cat(parts).cpu())
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
         if self._fused_head(model):
