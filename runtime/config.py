@@ -507,11 +507,19 @@ class TrainConfig:
             "bf16 training; bare --bf16 is Megatron's switch (true); absent is auto: bf16 where the device supports it"
         ),
     )
-    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = field(
+    attn_implementation: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = field(
         default="auto",
         metadata=_help(
-            "torch backend: the trainer's attention (transformers' attn_implementation); auto: transformers' default "
-            "(flex_attention skips the blocks between packed sequences but was not close enough in bf16 yet)"
+            "torch backend: the trainer's attention (transformers' attn_implementation, or varlen: PyTorch's "
+            "flash varlen kernel over packed sequences, no mask); auto: varlen on a GPU whose PyTorch has it, else "
+            "transformers' default"
+        ),
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata=_help(
+            "torch backend: torch.compile each decoder layer (fuses its norms, rotary, activation and residual "
+            "adds; the first steps pay the compile)"
         ),
     )
     # --train-backend megatron: Megatron's flags under slime's names and Megatron's meanings (the torch backend

@@ -45,6 +45,7 @@ OURS = {
     "sglang_server_startup_timeout",
     "max_trainer_restarts",
     "attn_implementation",
+    "torch_compile",
 }
 
 

@@ -16,7 +16,8 @@ head, or a final logit soft-cap, the full logits of each micro-batch are materia
 
 Speed options (docs/runtime.md): packed micro-batches (``--use-dynamic-batch-size``, ``runtime.train.packing``),
 activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation, and
-one bf16 cast of the weights per optimizer step under autocast (:meth:`TorchTrainer._step_scope`).
+and bf16 weights cast once per optimizer step from the float32 ones, gradients summed in float32
+(:meth:`TorchTrainer._step_scope`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_los
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
+from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
@@ -92,6 +94,20 @@ def _checkpoint_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
             f"--recompute-granularity full: {type(model).__name__} names no decoder block class to checkpoint "
             "(transformers' _no_split_modules)"
         )
+    return count
+
+
+def _compile_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
+    """``torch.compile`` every decoder block of ``model`` in place (``--torch-compile``; ``nn.Module.compile``, so
+    names, hooks and a checkpointed ``forward`` stay). The blocks share one compiled graph (their parameters are
+    the graph's inputs); packed micro-batches of changing length turn dynamic after the first recompile."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            module.compile()
+            count += 1
+    if count == 0:
+        raise ValueError(f"--torch-compile: {type(model).__name__} names no decoder block class (_no_split_modules)")
     return count
 
 
@@ -216,7 +232,8 @@ class TorchTrainer:
                 )
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
-        self._casts: dict[tuple[int, torch.dtype], torch.Tensor] | None = None
+        # Inside a bf16 _step_scope on one process: (parameter, its float32 data, float32 gradient sum or None).
+        self._masters: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]] | None = None
         self.model = self._load(AutoModelForCausalLM, trainable=True)
         self.lora = lora.is_lora(self.model)
         paths = dict(role_paths or {})
@@ -320,6 +337,8 @@ class TorchTrainer:
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         if trainable and self.cfg.recompute_granularity == "full":
             _checkpoint_blocks(model, block_names)
+        if self.cfg.torch_compile:
+            _compile_blocks(model, block_names)
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -338,13 +357,18 @@ class TorchTrainer:
         """``from_pretrained``'s attention choice (``--attn-implementation``; nothing: transformers' default)."""
         choice = self.cfg.attn_implementation
         if choice == "auto":
-            # Not flex_attention: packed in bf16 on an H100 its log-probs were off the padded SDPA step's by more
-            # than 2e-2 on average (float32 agreed); see tests/test_torch_backend_perf_cuda.py.
-            return {}
+            # varlen: a flash kernel over the packed sequences, with no mask to build (flex_attention builds a
+            # BlockMask per micro-batch; SDPA a dense one). Elsewhere transformers' default.
+            if not attention.flash_varlen_available(self.device):
+                return {}
+            choice = attention.ATTENTION
+        if choice == attention.ATTENTION:
+            attention.register_attention()
         return {"attn_implementation": choice}
 
     def _autocast(self):
-        if self.bf16 and self.world_size == 1:
+        """bf16 autocast on one process outside a :meth:`_step_scope` (inside one the weights are bf16 already)."""
+        if self.bf16 and self.world_size == 1 and self._masters is None:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -354,19 +378,32 @@ class TorchTrainer:
         # Outside autocast: the backward runs in the forward's dtypes (recompute restores the forward's autocast).
         with torch.autocast(self.device.type, enabled=False):
             (loss * (self.world_size if real else 0.0)).backward()
+        if self._masters is not None:
+            self._accumulate_grads()
+
+    def _accumulate_grads(self) -> None:
+        """Inside a bf16 :meth:`_step_scope`: add the micro-batch's bf16 gradients into the float32 accumulators and
+        free them, so the step's gradient is summed in float32 (as FSDP2's ``reduce_dtype``)."""
+        assert self._masters is not None
+        for i, (param, master, accum) in enumerate(self._masters):
+            if param.grad is not None:
+                self._masters[i] = (param, master, param.grad.float() if accum is None else accum.add_(param.grad))
+                param.grad = None
 
     def _inputs(self, mb: TensorDict) -> ModelInputs:
         """Model inputs of micro-batch ``mb`` (on the device): one packed row with ``--use-dynamic-batch-size``,
         right-padded rows otherwise."""
         layout = packed_inputs if self.cfg.use_dynamic_batch_size else padded_inputs
+        # Laid out where ``mb`` is (the host, for the trainer's own micro-batches: no device syncs), then moved.
         lengths = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
-        return layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
+        inputs = layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
+        return inputs.to(self.device)
 
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
         """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
         the model's full logits."""
-        mb = mb.to(self.device)
         inputs = self._inputs(mb)
+        mb = mb.to(self.device)
         with self._autocast():
             logits = model(**inputs.model_kwargs(), use_cache=False).logits
         response = mb[RESPONSE_TOKENS]
@@ -386,8 +423,8 @@ class TorchTrainer:
     def _values(self, mb: TensorDict) -> torch.Tensor:
         """Response-aligned critic values [b, T] float32 on micro-batch ``mb`` (with gradient when enabled): the value
         head's output at the position that predicts each response token, i.e. the value of the state before it."""
-        mb = mb.to(self.device)
         inputs = self._inputs(mb)
+        mb = mb.to(self.device)
         with self._autocast():
             out = self.critic(**inputs.model_kwargs(), use_cache=False)
         return out.logits[..., 0].float().reshape(-1)[inputs.picks]
@@ -409,10 +446,10 @@ class TorchTrainer:
         hooks run: its parameters (embeddings, final norm, LM head) are unsharded for the forward and stay so until
         the backward (FSDP2 does not reshard the root after its forward), and their gradients are reduce-scattered
         after it as if the head had run inside. The weight read after the forward is that unsharded parameter (in the
-        mixed-precision policy's dtype under bf16). On one process under bf16 autocast it is cast once per step
-        (:meth:`_step_scope`); the gradient reaches the float32 weight through the cast."""
-        mb = mb.to(self.device)
+        mixed-precision policy's dtype under bf16). On one process under bf16 it is the step's bf16 copy
+        (:meth:`_step_scope`)."""
         inputs = self._inputs(mb)
+        mb = mb.to(self.device)
         head = model.get_output_embeddings()
         head.forward = _identity
         try:
@@ -427,30 +464,37 @@ class TorchTrainer:
         return picked.to(dtype), self._cast(head.weight, dtype), mb[RESPONSE_TOKENS].reshape(-1)
 
     def _cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` in ``dtype``, cast once per :meth:`_step_scope` (a cast's backward saves nothing, so every
-        micro-batch's backward may run through the same one)."""
-        if weight.dtype == dtype or self._casts is None:
-            return weight.to(dtype)
-        key = (id(weight), dtype)
-        if key not in self._casts:
-            self._casts[key] = weight.to(dtype)
-        return self._casts[key]
+        """``weight`` in ``dtype`` (already so inside a bf16 :meth:`_step_scope` and under FSDP2's policy)."""
+        return weight.to(dtype)
+
+    def _models(self) -> list[torch.nn.Module]:
+        return [self.model, *self.frozen.values(), *([self.critic] if self.critic is not None else [])]
 
     @contextmanager
     def _step_scope(self) -> Iterator[None]:
-        """The micro-batches of one optimizer step (or one log-prob pass): under bf16 autocast on one process, one
-        autocast region around all of them, whose weight cache casts each float32 weight to bf16 once for the whole
-        step instead of once per micro-batch (the LM head's weight likewise, :meth:`_cast`). The cached copies are
-        dropped on exit, before the optimizer changes the weights."""
+        """The micro-batches of one optimizer step (or one log-prob pass). Under bf16 on one process, what FSDP2's
+        ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` does across ranks: every float32 parameter of
+        the trainer's models is cast to bf16 once for the scope (its ``data`` swapped for the copy), so the forward
+        and backward run wholly in bf16, the residual stream and norms included (autocast would keep them in float32,
+        with a cast before every matmul); each micro-batch's bf16 gradients are summed into float32 accumulators
+        (:meth:`_accumulate_grads`). On exit the float32 weights are put back with the summed gradients, before the
+        optimizer step."""
         if not (self.bf16 and self.world_size == 1):
             yield
             return
-        self._casts = {}
+        params = {id(p): p for model in self._models() for p in model.parameters() if p.dtype == torch.float32}
+        self._masters = []
+        for param in params.values():
+            accum, param.grad = param.grad, None
+            self._masters.append((param, param.data, accum))
+            param.data = param.data.to(torch.bfloat16)
         try:
-            with self._autocast():
-                yield
+            yield
         finally:
-            self._casts = None
+            for param, master, accum in self._masters:
+                param.data = master
+                param.grad = accum
+            self._masters = None
 
     def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
         """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
@@ -528,7 +572,7 @@ class TorchTrainer:
                 if self.critic is not None:
                     values = self._values(mb)
                     if real:
-                        out[CRITIC.writes].append(values.cpu())
+                        out[CRITIC.writes].append(values.detach())
                 for key, (model, context) in models.items():
                     entropy_key = ROLLOUT_ENTROPY.get(key) if self.hooks.rollout_entropy else None
                     with context():
@@ -537,10 +581,11 @@ class TorchTrainer:
                         else:
                             log_probs, entropy = self._forward(model, mb, with_entropy=True)
                     if real:
-                        out[key].append(log_probs.float().cpu())
+                        out[key].append(log_probs.float())
                         if entropy_key is not None:
-                            out.setdefault(entropy_key, []).append(entropy.float().cpu())
-        logs = {k: self._in_row_order(td, torch.cat(v)) for k, v in out.items()}
+                            out.setdefault(entropy_key, []).append(entropy.float())
+        # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
+        logs = {k: self._in_row_order(td, torch.cat(v).cpu()) for k, v in out.items()}
         if self.old_actor is not None:
             logs[ACTOR.writes] = old
         return TensorDict(logs, batch_size=td.batch_size)
@@ -553,8 +598,8 @@ class TorchTrainer:
                 with context():
                     log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    parts.append(log_probs.float().cpu())
-        return self._in_row_order(td, torch.cat(parts))
+                    parts.append(log_probs.float())
+        return self._in_row_order(td, torch.cat(parts).cpu())
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
         if self._fused_head(model):
@@ -635,6 +680,7 @@ class TorchTrainer:
         norm = self._global_normalizer(parts)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
+        pending: list[dict[str, Any]] = []
         with self._step_scope():
             for mb, real in self._balanced(parts):
                 batch = mb.to(self.device).clone(recurse=False)
@@ -660,12 +706,15 @@ class TorchTrainer:
                     loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce, mismatch=mismatch)
                 self._backward(loss, real=real)
                 if real:
-                    for name, value in metrics.items():
-                        value = float(value)
-                        if _is_max_metric(name):
-                            maxes[name] = max(maxes.get(name, -math.inf), value)
-                        else:
-                            sums[name] = sums.get(name, 0.0) + value
+                    # Read after the loop: a float() here would wait for each micro-batch's kernels.
+                    pending.append({name: (v.detach() if torch.is_tensor(v) else v) for name, v in metrics.items()})
+        for metrics in pending:
+            for name, value in metrics.items():
+                value = float(value)
+                if _is_max_metric(name):
+                    maxes[name] = max(maxes.get(name, -math.inf), value)
+                else:
+                    sums[name] = sums.get(name, 0.0) + value
         step_metrics = self._reduce_metrics(sums, maxes)
         step_metrics["grad_norm"] = self._optimizer_step()
         for name, value in step_metrics.items():
