@@ -68,7 +68,9 @@ def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
     megatron-core 0.16.1 with torch's Adam (no Apex or Transformer Engine, as on our GPU hosts) cannot do this in
     ``load_state_dict``: it sets Adam's per-parameter ``step`` from the param groups, then copies every state entry,
     ``step`` included, from the loaded moments, which have none (a ``KeyError``). So the common part (param groups,
-    step) goes through ``load_state_dict``, and the moments and main weights are copied with ``step`` set aside."""
+    step) goes through ``load_state_dict``, and the moments and main weights are copied with ``step`` set aside. It
+    also gives every parameter the same ``step`` tensor, which torch's foreach Adam would then advance once per
+    parameter: each gets its own copy."""
     param_state = state.pop("param_state")
     sharding = state.pop("param_state_sharding_type")
     if sharding != OPTIMIZER_SHARDING["distrib_optim_sharding_type"]:
@@ -80,7 +82,7 @@ def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
         distributed.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for p, step in steps.items():
-            inner.state[p]["step"] = step
+            inner.state[p]["step"] = step.clone()
 
 
 # How the distributed optimizer's state is laid out in a torch_dist checkpoint (megatron-core's metadata).
