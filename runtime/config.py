@@ -160,6 +160,13 @@ class RolloutConfig:
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
+    rollout_top_p_replay: bool = field(
+        default=True,
+        metadata=_help(
+            "with --rollout-top-p below 1, take rollout and training log-probs over each token's sampled nucleus, "
+            "as slime (ours: --no-rollout-top-p-replay keeps the untruncated log-probs)"
+        ),
+    )
     rollout_skip_special_tokens: bool = field(
         default=False, metadata=_help("leave special tokens (e.g. <|im_end|>) out of the response text")
     )
@@ -962,6 +969,12 @@ def _local_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def top_p_replay(cfg: Config) -> bool:
+    """Whether the job replays the rollout's top-p nucleus in training (slime's rule: ``--rollout-top-p`` below 1;
+    ``--no-rollout-top-p-replay`` is ours)."""
+    return cfg.rollout.rollout_top_p < 1 and cfg.rollout.rollout_top_p_replay
+
+
 def flag(name: str) -> str:
     """The command-line flag of a field: ``rollout_batch_size`` -> ``--rollout-batch-size``."""
     return "--" + name.replace("_", "-")
@@ -1514,6 +1527,19 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} must be >= 0, got {value!r}")
     if not 0 < r.rollout_top_p <= 1:
         problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
+    if top_p_replay(cfg):
+        cannot = {
+            "--rollout-engine sglang": r.rollout_engine == "sglang",
+            "--train-backend megatron": t.train_backend == "megatron",
+        }
+        problems += [
+            f"--rollout-top-p {r.rollout_top_p} replays each token's nucleus in training (slime's top-p replay), "
+            f"which {what} does not do yet (the embedded engine reports the nucleus, the torch backend replays it; "
+            "SGLang needs slime's sglang-top_p.patch): add --no-rollout-top-p-replay to train on untruncated "
+            "log-probs"
+            for what, true in cannot.items()
+            if true
+        ]
     if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
         problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:

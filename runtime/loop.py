@@ -37,6 +37,7 @@ from runtime.config import (
     eval_datasets,
     resolve_eval_dataset,
     to_dict,
+    top_p_replay,
 )
 from runtime.engines.base import SamplingParams
 from runtime.errors import JobError
@@ -530,6 +531,7 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
             samples_from_train_data(hooks.convert_samples, data, samples),
             pad_token_id=pad,
             require_rollout_log_probs=need_lps,
+            top_p_replay=top_p_replay(cfg),
         )
         return (
             batch
@@ -537,7 +539,11 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
             else sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
         )
     batch = build_batch(
-        samples, pad_token_id=pad, require_rollout_log_probs=need_lps, reward_key=cfg.reward.reward_key
+        samples,
+        pad_token_id=pad,
+        require_rollout_log_probs=need_lps,
+        reward_key=cfg.reward.reward_key,
+        top_p_replay=top_p_replay(cfg),
     )
     if adv_cfg is None:
         return batch
@@ -621,6 +627,7 @@ def sampling_params(cfg: Config) -> SamplingParams:
         top_k=r.rollout_top_k,
         stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
         stop=tuple(r.rollout_stop or ()),
+        return_top_p_token_ids=top_p_replay(cfg),
     )
 
 

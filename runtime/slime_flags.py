@@ -186,7 +186,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "unset: the built-in rollout (slime's default path is accepted and means it); --fully-async refused",
     ),
     _f("--rollout-temperature", "rollout", 1.0, YES),
-    _f("--rollout-top-p", "rollout", 1.0, DIFFERS, "below 1: no nucleus replay in the training log-probs yet"),
+    _f(
+        "--rollout-top-p",
+        "rollout",
+        1.0,
+        YES,
+        "below 1: nucleus replay (embedded engine, torch backend); --no-rollout-top-p-replay (ours) opts out",
+    ),
     _f("--rollout-top-k", "rollout", -1, YES),
     _f(
         "--rollout-max-context-len",

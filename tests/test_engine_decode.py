@@ -54,11 +54,36 @@ def _kept_reference(logits: torch.Tensor, *, temperature: float, top_k: int, top
 def test_sample_reports_the_untruncated_log_prob_of_a_token_it_may_draw(batch, vocab, temperature, top_k, top_p, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, vocab, generator=gen, dtype=torch.float32) * 3
-    tokens, log_probs = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    tokens, log_probs, keep = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    assert keep is None
     full = torch.log_softmax(logits.double() / temperature, -1)
     torch.testing.assert_close(log_probs.double(), full.gather(-1, tokens[:, None]).squeeze(-1), rtol=0, atol=1e-6)
     allowed = _kept_reference(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     assert bool((allowed.gather(-1, tokens[:, None]) > 0).all())
+
+
+@given(
+    batch=st.integers(1, 4),
+    vocab=st.integers(2, 50),
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.sampled_from([-1, 1, 2, 5]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sample_reports_the_nucleus_and_the_log_prob_over_it(batch, vocab, temperature, top_k, top_p, seed):
+    # Top-p replay: the kept set is the truncation's (the drawn token always in it), the log-prob the drawn
+    # token's under the renormalised distribution it was drawn from.
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=gen, dtype=torch.float32) * 3
+    tokens, log_probs, keep = sample_tokens(
+        logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen, nucleus=True
+    )
+    allowed = _kept_reference(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert bool(keep[torch.arange(batch), tokens].all())
+    assert torch.equal(keep, allowed > 0)
+    torch.testing.assert_close(
+        log_probs.double(), allowed.gather(-1, tokens[:, None]).squeeze(-1).log(), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(-1, 1.0), (3, 1.0), (-1, 0.7), (4, 0.6)])
@@ -66,7 +91,7 @@ def test_sample_draws_from_the_truncated_distribution(top_k, top_p):
     gen = torch.Generator().manual_seed(7)
     row = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
     n = 40_000
-    tokens, _ = sample_tokens(row.expand(n, -1), temperature=0.9, top_k=top_k, top_p=top_p, generator=gen)
+    tokens, _, _ = sample_tokens(row.expand(n, -1), temperature=0.9, top_k=top_k, top_p=top_p, generator=gen)
     expected = _kept_reference(row[None], temperature=0.9, top_k=top_k, top_p=top_p)[0]
     counts = torch.bincount(tokens, minlength=len(row)).double()
     assert bool((counts[expected == 0] == 0).all())

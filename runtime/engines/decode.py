@@ -73,14 +73,20 @@ def sample_tokens(
     top_k: int = -1,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits ``[B, V]`` -> tokens ``[B]`` int64, log-probs ``[B]`` float32.
+    nucleus: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draw one token per row. logits ``[B, V]`` -> tokens ``[B]`` int64, log-probs ``[B]`` float32, and with
+    ``nucleus`` the kept set ``[B, V]`` bool (else None).
 
     The draw is from ``softmax(logits / temperature)`` kept to the ``top_k`` largest (``-1``: all; ties with the
     k-th are kept), then to the smallest prefix by probability whose mass before a token is at most ``top_p``
     (SGLang's rule; the most likely token is always kept), renormalised. The log-prob is the *untruncated*
     ``log_softmax(logits.float() / temperature)`` at the drawn token: the trainer's arithmetic.
     The draw is ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d., an exact sample from ``p``.
+
+    ``nucleus`` (top-p nucleus replay, ``--rollout-top-p-replay``): the kept set is what top-k and top-p left (the
+    drawn token is always in it), and the log-prob is the drawn token's under the distribution it was drawn from,
+    ``softmax`` over the kept set (:func:`rlcore.kernels.nucleus_log_probs`, which the trainer replays).
     """
     scaled = logits.float() * (1.0 / temperature)
     log_probs = torch.log_softmax(scaled, dim=-1)
@@ -97,15 +103,22 @@ def sample_tokens(
     probs = kept.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     tokens = (probs / noise).argmax(dim=-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if not nucleus:
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1), None
+    keep = kept > float("-inf")
+    keep[torch.arange(len(tokens), device=keep.device), tokens] = True
+    renormalised = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    return tokens, renormalised.gather(-1, tokens[:, None]).squeeze(-1), keep
 
 
 @dataclass(frozen=True)
 class Decoded:
-    """``tokens`` / ``log_probs``: ``[B, steps]`` (a row's columns after its stop token are padding)."""
+    """``tokens`` / ``log_probs``: ``[B, steps]`` (a row's columns after its stop token are padding); ``nucleus``
+    (when asked for): ``nucleus[b][step]`` the ids row ``b`` drew its token at ``step`` from, ascending."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
+    nucleus: list[list[list[int]]] | None = None
 
 
 def _reset_write_index(cache, position: int) -> None:
@@ -131,6 +144,7 @@ def decode(
     cuda_graph: bool | None = None,
     compile: bool = False,
     check_every: int = 8,
+    nucleus: bool = False,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` per row of a left-padded batch.
 
@@ -142,6 +156,7 @@ def decode(
     stop id (its logits are -inf there, as transformers' min-new-tokens processor does; the log-probs are then of
     that constrained distribution). ``stopped`` (every ``check_every`` steps, given the ``[B, steps]`` tokens so far)
     marks rows as stopped for a reason of the caller's, such as a stop string; it only ends them early.
+    ``nucleus``: report each step's kept set and renormalised log-probs (:func:`sample_tokens`).
     """
     from transformers import StaticCache
 
@@ -193,10 +208,15 @@ def decode(
 
     graph = graph_logits = None
     steps = 0
+    kept_ids: list[torch.Tensor] = []  # per step, [n, 2] (row, token id) pairs of the kept sets
     for step in range(max_new_tokens):
         if step < min_new_tokens:
             logits = logits.index_fill(-1, stop, float("-inf"))
-        tokens, log_probs = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        tokens, log_probs, keep = sample_tokens(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, nucleus=nucleus
+        )
+        if keep is not None:
+            kept_ids.append((keep & ~done[:, None]).nonzero().cpu())
         tokens = tokens.masked_fill(done, pad_id)
         out_tokens[:, step] = tokens
         out_log_probs[:, step] = log_probs.masked_fill(done, 0.0)
@@ -220,7 +240,21 @@ def decode(
             graph, graph_logits = _capture(forward, cache, write_index=prompt_len + step)
         graph.replay()
         logits = graph_logits
-    return Decoded(tokens=out_tokens[:, :steps], log_probs=out_log_probs[:, :steps])
+    return Decoded(
+        tokens=out_tokens[:, :steps],
+        log_probs=out_log_probs[:, :steps],
+        nucleus=_per_row(kept_ids, batch) if nucleus else None,
+    )
+
+
+def _per_row(kept_ids: list[torch.Tensor], batch: int) -> list[list[list[int]]]:
+    """``[B][steps][ids]`` from each step's ``(row, id)`` pairs (``nonzero`` order: by row, ids ascending)."""
+    out: list[list[list[int]]] = [[] for _ in range(batch)]
+    for pairs in kept_ids:
+        counts = torch.bincount(pairs[:, 0], minlength=batch).tolist()
+        for row, ids in enumerate(torch.split(pairs[:, 1], counts)):
+            out[row].append(ids.tolist())
+    return out
 
 
 def _compiled(model: torch.nn.Module):

@@ -113,6 +113,9 @@ def apply_generation(
     sample.loss_mask = [1] * len(generation.token_ids)
     sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
     sample.weight_versions = [*sample.weight_versions, str(generation.weight_version)]
+    if "top_p_token_ids" in generation.extra:
+        sample.rollout_top_p_token_ids = list(generation.extra["top_p_token_ids"])
+        sample.rollout_top_p_token_offsets = list(generation.extra["top_p_token_offsets"])
     return sample
 
 
