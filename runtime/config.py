@@ -975,6 +975,12 @@ def top_p_replay(cfg: Config) -> bool:
     return cfg.rollout.rollout_top_p < 1 and cfg.rollout.rollout_top_p_replay
 
 
+def teacher_from_samples(cfg: Config) -> bool:
+    """Whether the teacher's log-probs come with the samples (``--use-opd --opd-type sglang``: a teacher server,
+    asked by a reward or generate function), not from a teacher model in the trainers."""
+    return cfg.algo.use_opd and cfg.algo.opd_type == "sglang"
+
+
 def flag(name: str) -> str:
     """The command-line flag of a field: ``rollout_batch_size`` -> ``--rollout-batch-size``."""
     return "--" + name.replace("_", "-")
@@ -1891,10 +1897,22 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         if a.opd_type is None:
             problems.append("--use-opd needs --opd-type megatron (a teacher model in the trainers) or sglang")
         elif a.opd_type == "sglang":
-            problems.append(
-                "--opd-type sglang needs a teacher SGLang server, which rlcore-run does not start yet (issue 12); use "
-                "--opd-type megatron --opd-teacher-load <HF folder>"
+            if a.opd_teacher_load is not None:
+                problems.append(
+                    "--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server (as slime)"
+                )
+            teacher_filled = (
+                cfg.reward.custom_rm_path is not None
+                or cfg.rollout.custom_generate_function_path is not None
+                or cfg.rollout.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
             )
+            if not teacher_filled:
+                problems.append(
+                    "--opd-type sglang trains on each sample's teacher_log_probs, which a reward or generate function "
+                    "sets: add --custom-rm-path slime.rollout.on_policy_distillation.reward_func "
+                    "--custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards "
+                    "--rm-url http://<teacher>/generate (as slime's examples)"
+                )
         elif a.opd_teacher_load is None:
             problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
         elif not os.path.isfile(os.path.join(a.opd_teacher_load, "config.json")):

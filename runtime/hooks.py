@@ -230,6 +230,8 @@ SLIME_COUNTERPARTS = {
     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
         "runtime.rollout.filters:check_reward_nonzero_std"
     ),
+    "slime.rollout.on_policy_distillation.reward_func": "runtime.rollout.opd:reward_func",
+    "slime.rollout.on_policy_distillation.post_process_rewards": "runtime.rollout.opd:post_process_rewards",
 }
 
 

@@ -36,6 +36,7 @@ from runtime.config import (
     dump_yaml,
     eval_datasets,
     resolve_eval_dataset,
+    teacher_from_samples,
     to_dict,
     top_p_replay,
 )
@@ -532,26 +533,33 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
             pad_token_id=pad,
             require_rollout_log_probs=need_lps,
             top_p_replay=top_p_replay(cfg),
+            teacher_log_probs=teacher_from_samples(cfg),
         )
         return (
             batch
             if adv_cfg is None
             else sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
         )
+    post_processed = None
+    if adv_cfg is not None and hooks is not None and hooks.reward_post_process is not None:
+        # Before the batch is built: a post-process may set sample fields the batch reads (slime's OPD pair sets
+        # teacher_log_probs there).
+        post_processed = hooks.reward_post_process(cfg, samples)
+        out = post_processed
+        if not (isinstance(out, tuple | list) and len(out) == 2 and len(out[1]) == len(samples)):
+            raise hooks.reward_post_process.wrong_type(out, f"(raw_rewards, rewards) with {len(samples)} rewards each")
     batch = build_batch(
         samples,
         pad_token_id=pad,
         require_rollout_log_probs=need_lps,
         reward_key=cfg.reward.reward_key,
         top_p_replay=top_p_replay(cfg),
+        teacher_log_probs=teacher_from_samples(cfg),
     )
     if adv_cfg is None:
         return batch
-    if hooks is not None and hooks.reward_post_process is not None:
-        out = hooks.reward_post_process(cfg, samples)
-        if not (isinstance(out, tuple | list) and len(out) == 2 and len(out[1]) == len(samples)):
-            raise hooks.reward_post_process.wrong_type(out, f"(raw_rewards, rewards) with {len(samples)} rewards each")
-        batch.set(keys.REWARDS, torch.tensor([float(x) for x in out[1]], dtype=torch.float32))
+    if post_processed is not None:
+        batch.set(keys.REWARDS, torch.tensor([float(x) for x in post_processed[1]], dtype=torch.float32))
         return sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
     return sequence_advantages(batch, adv_cfg)
 

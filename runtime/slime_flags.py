@@ -380,8 +380,9 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "--opd-type",
         "on_policy_distillation",
         None,
-        DIFFERS,
-        "megatron: a teacher model in the trainers, any backend; sglang (a teacher server) waits for issue 12",
+        YES,
+        "megatron: a teacher model in the trainers, any backend; sglang: a teacher server, through slime's "
+        "on_policy_distillation reward pair",
     ),
     _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
     _f("--opd-teacher-load", "on_policy_distillation", None, DIFFERS, "an HF folder (slime: a Megatron checkpoint)"),

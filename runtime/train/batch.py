@@ -37,6 +37,7 @@ def build_batch(
     require_rollout_log_probs: bool = False,
     reward_key: str | None = None,
     top_p_replay: bool = False,
+    teacher_log_probs: bool = False,
 ) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
@@ -57,6 +58,9 @@ def build_batch(
     ``top_p_replay`` (``--rollout-top-p`` below 1): ``NUCLEUS_IDS`` [B, T, K] from each sample's
     ``rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets`` (slime's layout: ``response_length + 1`` offsets);
     a sample without them raises.
+
+    ``teacher_log_probs`` (``--opd-type sglang``): ``teacher_log_probs`` [B, T] float32 from each sample's
+    ``teacher_log_probs`` (0 on padding); a sample without them raises.
     """
     if not samples:
         raise ValueError("samples must hold at least one Sample, got none")
@@ -104,6 +108,18 @@ def build_batch(
     first = torch.ones(n, dtype=torch.long)
     first[1:] = (rollout_index[1:] != rollout_index[:-1]).long()
     extra = {}
+    if teacher_log_probs:
+        extra[keys.TEACHER_LOG_PROBS] = torch.zeros((n, horizon), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            values = s.teacher_log_probs
+            if values is None or len(values) != s.response_length:
+                raise ValueError(
+                    f"sample {i} (index {s.index}) has {'no' if values is None else len(values)} teacher_log_probs "
+                    f"for its {s.response_length} response tokens, which --opd-type sglang needs: the reward "
+                    "function (slime.rollout.on_policy_distillation.reward_func) sets them from the teacher server; "
+                    "see reward/errors if it failed"
+                )
+            extra[keys.TEACHER_LOG_PROBS][i, : s.response_length] = torch.as_tensor(values, dtype=torch.float32)
     if nuclei:
         width = max(max(x.shape[1] for x in nuclei), 1)
         extra[NUCLEUS_IDS] = torch.full((n, horizon, width), -1, dtype=torch.long)
