@@ -719,6 +719,13 @@ class LogConfig:
     log_multi_turn: bool = field(
         default=False, metadata=_help("log response lengths with and without tool output, and round counts")
     )
+    log_correct_samples: bool = field(
+        default=False,
+        metadata=_help(
+            "log the correct samples' (reward 1) response lengths by quarter of --rollout-max-response-len, and "
+            "their mean -log-prob"
+        ),
+    )
     wandb_always_use_train_step: bool = field(
         default=False,
         metadata=_help(
@@ -740,6 +747,13 @@ class DebugConfig:
     )
     load_debug_rollout_data_subsample: float | None = field(
         default=None, metadata=_help("replay about this fraction of each saved rollout, in (0, 1]")
+    )
+    load_forge_rollout_data: str | None = field(
+        default=None,
+        metadata=_help(
+            "the saved rollout (a path, or formatted with {rollout_id}; missing steps fall back to 0) that "
+            "--rollout-function-path slime.rollout.forge_load.generate_rollout returns; engines stay live"
+        ),
     )
     save_debug_train_data: str | None = field(
         default=None, metadata=_help("save each step's training batch to this path formatted with {rollout_id}")
@@ -967,6 +981,10 @@ def _local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+# slime's forge rollout function (--load-forge-rollout-data), by slime's path and ours.
+FORGE_ROLLOUT_PATHS = ("slime.rollout.forge_load.generate_rollout", "runtime.rollout.replay.forge_rollout")
 
 
 def top_p_replay(cfg: Config) -> bool:
@@ -2111,9 +2129,21 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
 
         if not torch.cuda.is_available():
             problems.append("--record-memory-history records the CUDA allocator: this machine has no CUDA device")
+    forge = cfg.rollout.rollout_function_path in FORGE_ROLLOUT_PATHS
+    if d.load_forge_rollout_data is not None and not forge:
+        problems.append(
+            "--load-forge-rollout-data is read by slime's forge rollout: add --rollout-function-path "
+            "slime.rollout.forge_load.generate_rollout"
+        )
+    if forge and d.load_forge_rollout_data is None:
+        problems.append(
+            f"--rollout-function-path {cfg.rollout.rollout_function_path} replays a saved rollout: it needs "
+            "--load-forge-rollout-data"
+        )
     for name, path in (
         ("save_debug_rollout_data", d.save_debug_rollout_data),
         ("load_debug_rollout_data", d.load_debug_rollout_data),
+        ("load_forge_rollout_data", d.load_forge_rollout_data),
         ("save_debug_train_data", d.save_debug_train_data),
     ):
         if path is not None:

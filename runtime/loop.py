@@ -786,9 +786,10 @@ def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[floa
 def train_metrics(raw: dict[str, float]) -> dict[str, float]:
     """The trainers' ``rl_loss`` metrics under ``train/`` (the critic's under ``train/critic/``); ``train/kl`` is the
     KL to the reference model when one is kept, else the KL between the sampling and the updated policy (slime's
-    ppo_kl); absent on a step that trains the critic only. Timings (``perf/...``) keep their names."""
+    ppo_kl); absent on a step that trains the critic only. Timings (``perf/...``) and rollout statistics
+    (``rollout/...``) keep their names."""
     out = {
-        name if name.startswith("perf/") else f"train/{name}": value
+        name if name.startswith(("perf/", "rollout/")) else f"train/{name}": value
         for name, value in raw.items()
         if name != "advantage_abs_mean"
     }
