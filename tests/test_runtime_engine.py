@@ -27,6 +27,7 @@ from runtime.engines import HFEngine, SamplingParams
 from runtime.engines.base import Generation
 from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, generate, generate_groups
 from runtime.rollout.filters import DynamicFilterOutput
+from runtime.rollout.generation import concat_nuclei
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.train.algo import loss_config
@@ -170,6 +171,14 @@ def test_top_p_replay_needs_the_nucleus_of_every_sample(tiny):
         build_batch([s], pad_token_id=0, top_p_replay=True)
     s.rollout_top_p_token_offsets = [0, 2]
     assert build_batch([s], pad_token_id=0, top_p_replay=True)[NUCLEUS_IDS].tolist() == [[[3, 4]]]
+
+
+def test_a_partial_rollouts_nuclei_are_its_parts_one_after_the_other():
+    first = ([5, 6, 7], [0, 2, 3])  # two tokens: {5, 6}, {7}
+    second = ([1, 2, 3, 4], [0, 1, 4])  # two tokens: {1}, {2, 3, 4}
+    ids, offsets = concat_nuclei(first, second)
+    assert ids == [5, 6, 7, 1, 2, 3, 4] and offsets == [0, 2, 3, 4, 7]
+    assert concat_nuclei(([], [0]), second) == second
 
 
 def test_top_k_1_samples_the_argmax_and_reports_its_full_log_prob(tiny):

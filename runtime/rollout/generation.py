@@ -119,6 +119,15 @@ def apply_generation(
     return sample
 
 
+def concat_nuclei(
+    first: tuple[list[int], list[int]], second: tuple[list[int], list[int]]
+) -> tuple[list[int], list[int]]:
+    """Two responses' top-p nuclei in slime's layout (``(token_ids, offsets)``), one after the other: a partial
+    rollout's first part and its continuation."""
+    (ids_a, offsets_a), (ids_b, offsets_b) = first, second
+    return list(ids_a) + list(ids_b), list(offsets_a) + [offsets_a[-1] + o for o in list(offsets_b)[1:]]
+
+
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """The default generate function, one sample at a time (slime's signature)."""
     ctx = current_context()

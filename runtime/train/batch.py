@@ -25,7 +25,7 @@ RESPONSE_TOKENS = "response_tokens"
 # [B] int64: the rollout each row belongs to, numbered 0, 1, ... in order of first appearance; the rows of one rollout
 # (a custom generate function's fan-out) are consecutive. Optimizer steps and data-parallel shards are cut by rollout.
 ROLLOUT_INDEX = "rollout_index"
-# [B, T, K] int64: each response token's top-p nucleus, padded with -1 (slime's rollout_top_p_token_ids/_offsets,
+# [B, T, K] int32: each response token's top-p nucleus, padded with -1 (slime's rollout_top_p_token_ids/_offsets,
 # laid out by rlcore.kernels.pad_nucleus); present only under top-p replay, where every log-prob is taken over it.
 NUCLEUS_IDS = "rollout_top_p_token_ids"
 
@@ -122,7 +122,7 @@ def build_batch(
             extra[keys.TEACHER_LOG_PROBS][i, : s.response_length] = torch.as_tensor(values, dtype=torch.float32)
     if nuclei:
         width = max(max(x.shape[1] for x in nuclei), 1)
-        extra[NUCLEUS_IDS] = torch.full((n, horizon, width), -1, dtype=torch.long)
+        extra[NUCLEUS_IDS] = torch.full((n, horizon, width), -1, dtype=torch.int32)
         for i, x in enumerate(nuclei):
             extra[NUCLEUS_IDS][i, : x.shape[0], : x.shape[1]] = x
     return TensorDict(
