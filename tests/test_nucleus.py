@@ -39,8 +39,21 @@ def test_matches_the_float64_reference_and_slimes_worked_example():
     torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_logits_give_float32_close_to_the_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(5, 300, generator=gen) * 3).to(dtype)
+    targets = torch.randint(0, 300, (5,), generator=gen)
+    nuclei = [torch.randperm(300, generator=gen)[: 7 * (i + 1)].tolist() for i in range(5)]
+    ids = torch.tensor([row + [-1] * (35 - len(row)) for row in nuclei])
+    got = nucleus_log_probs(logits, targets, ids, temperature=0.6)
+    ref = _reference(logits.double().tolist(), targets.tolist(), nuclei, 0.6)  # the same rounded logits
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-5)
+
+
 def test_gradient_reaches_only_the_nucleus():
-    logits = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
     nucleus_log_probs(logits, torch.tensor([1, 4]), torch.tensor([[1, 2], [0, -1]])).sum().backward()
     assert torch.equal(logits.grad != 0, torch.tensor([[0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 1, 0]], dtype=torch.bool))
 
