@@ -11,6 +11,10 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
 TEACHER_LOG_PROBS = "teacher_log_probs"
 ENTROPY = "entropy"
+# [B, T] float32, optional: the entropy of each token's distribution in the actor's and the reference's log-prob
+# passes (slime's --use-rollout-entropy: rollout_data["entropy"] and ["ref_entropy"]); no loss term reads them.
+OLD_ENTROPY = "old_entropy"
+REF_ENTROPY = "ref_entropy"
 VALUES = "values"
 OLD_VALUES = "old_values"
 REWARDS = "rewards"

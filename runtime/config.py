@@ -28,7 +28,7 @@ import yaml
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_flags
 from runtime.engines import sglang_flags
-from runtime.engines.registry import ROLLOUT_ENGINES
+from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS, lora
 
@@ -37,7 +37,7 @@ TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc")
+WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -146,6 +146,13 @@ class DataConfig:
         metadata=_hook_help(
             "class cls(args) with get_samples(n) -> list[list[Sample]], add_samples, save(rollout_id), "
             "load(rollout_id), __len__; unset: the prompt data with a buffer (slime's RolloutDataSourceWithBuffer)"
+        ),
+    )
+    disable_rollout_global_dataset: bool = field(
+        default=False,
+        metadata=_help(
+            "the default data source holds no prompt data, only the groups put back with add_samples (a "
+            "--rollout-function-path makes its own prompts); hooks read args.rollout_global_dataset"
         ),
     )
 
@@ -257,6 +264,14 @@ class RolloutConfig:
             "3.9 s) for a compile of about a minute per batch size and 128-token cache-length bucket"
         ),
     )
+    engine_max_running_requests: int | None = field(
+        default=None,
+        metadata=_help(
+            "ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache of N "
+            "rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts of "
+            "a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)"
+        ),
+    )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
         default="sync",
         metadata=_help(
@@ -325,9 +340,23 @@ class AlgoConfig:
         default=False, metadata=_help("weight the KL loss by the importance ratio exp(log_probs - old_log_probs)")
     )
     entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight"))
+    use_rollout_entropy: bool = field(
+        default=False,
+        metadata=_help(
+            "the log-prob passes also compute each token's entropy: rollout_data['entropy'] (actor) and "
+            "['ref_entropy'] for the trainer hooks"
+        ),
+    )
     use_tis: bool = field(default=False, metadata=_help("truncated importance sampling on rollout/train mismatch"))
     tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight"))
     tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight"))
+    custom_tis_function_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "with --use-tis or --get-mismatch-metrics: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+            "loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), in place of TIS"
+        ),
+    )
     use_rollout_logprobs: bool = field(
         default=False, metadata=_help("take the engine's log-probs as the old log-probs (no trainer recompute)")
     )
@@ -485,11 +514,19 @@ class TrainConfig:
             "bf16 training; bare --bf16 is Megatron's switch (true); absent is auto: bf16 where the device supports it"
         ),
     )
-    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = field(
+    attn_implementation: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = field(
         default="auto",
         metadata=_help(
-            "torch backend: the trainer's attention (transformers' attn_implementation); auto: transformers' default "
-            "(flex_attention skips the blocks between packed sequences but was not close enough in bf16 yet)"
+            "torch backend: the trainer's attention (transformers' attn_implementation, or varlen: PyTorch's "
+            "flash varlen kernel over packed sequences, no mask); auto: varlen on a GPU whose PyTorch has it, else "
+            "transformers' default"
+        ),
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata=_help(
+            "torch backend: torch.compile each decoder layer (fuses its norms, rotary, activation and residual "
+            "adds; the first steps pay the compile)"
         ),
     )
     # --train-backend megatron: Megatron's flags under slime's names and Megatron's meanings (the torch backend
@@ -539,6 +576,13 @@ class TrainConfig:
         default="all-linear",
         metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
     )
+    lora_modules_to_save: str = field(
+        default="",
+        metadata=_help(
+            "modules trained in full beside the adapters (peft's modules_to_save; a name matches every module ending "
+            "with it: norm = every RMSNorm), comma-separated"
+        ),
+    )
     only_train_params_name_list: list[str] | None = field(
         default=None, metadata=_help("regexes (re.search) of the parameters to train; all others are frozen")
     )
@@ -570,7 +614,21 @@ class ResourceConfig:
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
     actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
     actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
-    rollout_num_gpus: int = field(default=1, metadata=_help("rollout engine devices in all (or CPU slots)"))
+    rollout_num_gpus: int | None = field(
+        default=None,
+        metadata=_help(
+            "rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
+            "--actor-num-gpus-per-node) under --colocate, as slime derives it, else one engine's "
+            "(--rollout-num-gpus-per-engine), where slime needs it given"
+        ),
+    )
+    num_gpus_per_node: int = field(
+        default=8,
+        metadata=_help(
+            "GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x this "
+            "(slime's), and one engine may not span more (multi-node servers are not built)"
+        ),
+    )
 
     @property
     def num_trainer_procs(self) -> int:
@@ -841,13 +899,37 @@ class SGLangConfig:
         metadata=_help(
             "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
-            "shared memory on the CPU); unset: ipc under --colocate (disk where ipc is not built: SGLang engines of "
-            "several GPUs, several Megatron processes), else nccl for SGLang and Ray's object store for the "
-            "embedded engine"
+            "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
+            "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
+            "Ray's object store for the embedded engine"
         ),
     )
     check_weight_update_equal: bool = field(
         default=False, metadata=_help("after the first weight sync, compare every engine's weights with the trainer's")
+    )
+    update_weight_disk_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "where --update-weight-transport disk writes one HF folder per sync (weight_v<version, 6 digits>), on a "
+            "file system the engines read; unset: a temporary folder (slime needs it given)"
+        ),
+    )
+    update_weight_disk_keep_files: bool = field(
+        default=False,
+        metadata=_help("keep every folder a disk sync writes (by default each is deleted once the engines loaded it)"),
+    )
+    custom_update_weight_post_write_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "fn(args, version_dir, rollout_engines) -> None, after a disk sync's folder is written and before the "
+            "engines read it (to publish it on a file system without cross-host visibility); rollout_engines are "
+            "the engine actors"
+        ),
+    )
+    sglang_server_concurrency: int = field(
+        default=512,
+        metadata=_help("requests in flight per SGLang engine through the router (this x the engines in all)"),
     )
     offload_rollout: bool | None = field(
         default=None,
@@ -863,6 +945,7 @@ class SGLangConfig:
             "offload the trainers while the engines generate; unset: auto under --colocate (as --offload-rollout)"
         ),
     )
+    offload: bool = field(default=False, metadata=_help("--offload-train and --offload-rollout both on (slime's)"))
     sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
     router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
 
@@ -946,7 +1029,7 @@ class Config:
 
 # slime's args that its --disable-* flags store into, as hooks read them.
 _SLIME_POSITIVE: dict[str, Any] = {
-    "rollout_global_dataset": lambda c: True,
+    "rollout_global_dataset": lambda c: not c.data.disable_rollout_global_dataset,
     "compute_advantages_and_returns": lambda c: not c.algo.disable_compute_advantages_and_returns,
     "rewards_normalization": lambda c: not c.algo.disable_rewards_normalization,
     "grpo_std_normalization": lambda c: not c.algo.disable_grpo_std_normalization,
@@ -973,6 +1056,10 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
     "rollout_skip_special_tokens": True,
+    # Under --lora-rank: the random-init model's logits are bounded by its frozen tied embedding (rows of norm 0.18
+    # under an RMSNorm of gain 1 cap a token's probability near 0.2), so adapters alone cannot make it confident:
+    # the embedding (and with it the tied LM head) trains in full beside them.
+    "lora_modules_to_save": "embed_tokens",
 }
 
 
@@ -1138,6 +1225,18 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         # slime's rule: colocated engines run on the trainers' GPUs.
         per_node = flat.get("actor_num_gpus_per_node", _SPECS["actor_num_gpus_per_node"][1].default)
         flat["rollout_num_gpus"] = flat.get("actor_num_nodes", 1) * per_node
+    elif "rollout_num_gpus" not in flat:
+        # Running servers: slime counts their GPUs (asking each); ours counts --rollout-num-gpus-per-engine each.
+        # Otherwise slime has no default (its placement needs the number); ours: one engine.
+        external = flat.get("rollout_external_engine_addrs") or flat.get("sglang_url")
+        servers = len(external.replace(",", " ").split()) if isinstance(external, str) else 0
+        per_engine = flat.get("rollout_num_gpus_per_engine", 1)
+        if isinstance(per_engine, int):
+            flat["rollout_num_gpus"] = max(servers, 1) * per_engine
+    if flat.get("offload") is True:
+        # slime's --offload: both offloads on.
+        flat.setdefault("offload_train", True)
+        flat.setdefault("offload_rollout", True)
     _resolve_global_batch_size(flat)
     if builtin_on_one_gpu and isinstance(flat.get("global_batch_size"), int):
         # A GPU takes the tiny model's whole batch at once: 32 micro-batches of 8 rows made the GPU slower than
@@ -1508,6 +1607,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "actor_num_nodes": res.actor_num_nodes,
         "actor_num_gpus_per_node": res.actor_num_gpus_per_node,
         "rollout_num_gpus": res.rollout_num_gpus,
+        "num_gpus_per_node": res.num_gpus_per_node,
+        "sglang_server_concurrency": cfg.sglang.sglang_server_concurrency,
         "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
         "lr": t.lr,
         "clip_grad": t.clip_grad,
@@ -1519,6 +1620,7 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         "eval_max_context_len": e.eval_max_context_len,
         "max_tokens_per_gpu": t.max_tokens_per_gpu,
         "over_sampling_batch_size": r.over_sampling_batch_size,
+        "engine_max_running_requests": r.engine_max_running_requests,
         "eval_interval": e.eval_interval,
         "save_interval": c.save_interval,
         "eps_clip_high": cfg.algo.eps_clip_high,
@@ -1531,6 +1633,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
     for name, value in positive.items():
         if value is not None and value <= 0:
             problems.append(f"{flag(name)} must be > 0, got {value!r}")
+    if res.rollout_num_gpus is None:
+        problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
     non_negative = {
         "weight_decay": t.weight_decay,
         "sft_warmup_steps": t.sft_warmup_steps,
@@ -2026,6 +2130,11 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
             "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
         )
+    if cfg.algo.custom_tis_function_path is not None or cfg.algo.use_rollout_entropy:
+        problems.append(
+            "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
+            "Megatron backend's loss and log-prob passes do not call them yet)"
+        )
     if t.use_dynamic_batch_size:
         problems.append(
             "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "
@@ -2099,6 +2208,18 @@ def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
     if (t.only_train_params_name_list or t.freeze_params_name_list) and t.lora_rank > 0:
         problems.append("--only-train-params-name-list / --freeze-params-name-list cannot go with --lora-rank")
     custom_rollout = r.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
+    custom_source = cfg.data.data_source_path not in (None, "slime.rollout.data_source.RolloutDataSourceWithBuffer")
+    if cfg.data.disable_rollout_global_dataset and not (custom_rollout or custom_source):
+        problems.append(
+            "--disable-rollout-global-dataset leaves the built-in rollout no prompts (the default data source then "
+            "holds only groups put back with add_samples): give --rollout-function-path or --data-source-path"
+        )
+    if cfg.data.disable_rollout_global_dataset and r.num_epoch is not None:
+        problems.append("--num-epoch counts passes over the prompt data, which --disable-rollout-global-dataset drops")
+    if a.custom_tis_function_path is not None and not (a.use_tis or a.get_mismatch_metrics):
+        problems.append(
+            "--custom-tis-function-path is called with --use-tis or --get-mismatch-metrics only (as slime): set one"
+        )
     if r.rollout_schedule == "fully_async":
         if custom_rollout:
             problems.append("--rollout-function-path runs whole rollouts: use --rollout-schedule sync or one_step")
@@ -2175,6 +2296,23 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
     uses_sglang = cfg.rollout.rollout_engine == "sglang"
     if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
         problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
+    if s.update_weight_transport == "lora_adapter":
+        t = cfg.train
+        if t.lora_rank == 0 or cfg.rollout.rollout_engine != "sglang":
+            problems.append(
+                "--update-weight-transport lora_adapter pushes LoRA adapters to SGLang engines: it needs --lora-rank "
+                "and --rollout-engine sglang"
+            )
+        if t.lora_modules_to_save:
+            problems.append(
+                "--update-weight-transport lora_adapter sends the adapters only: --lora-modules-to-save "
+                f"{t.lora_modules_to_save!r} trains whole modules too (drop it, or push merged weights)"
+            )
+        if s.check_weight_update_equal:
+            problems.append(
+                "--check-weight-update-equal compares the engines' weights with the trainer's merged ones; under "
+                "--update-weight-transport lora_adapter the engines keep the base weights and hold the adapter apart"
+            )
     if s.update_weight_transport == "ipc" and not res.colocate:
         problems.append(
             "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
@@ -2192,6 +2330,11 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
         )
     if cfg.rollout.engine_compile and uses_sglang:
         problems.append("--engine-compile is for the embedded engine (--rollout-engine hf); SGLang compiles its own")
+    if cfg.rollout.engine_max_running_requests is not None and uses_sglang:
+        problems.append(
+            "--engine-max-running-requests is for the embedded engine (--rollout-engine hf); SGLang servers take "
+            "--sglang-max-running-requests"
+        )
     for name in ("sglang_url", "rollout_external_engine_addrs"):
         if getattr(cfg, name) and not uses_sglang:
             problems.append(f"{flag(name)} is used only with --rollout-engine sglang")
@@ -2202,10 +2345,20 @@ def _check_sglang(problems: list[str], cfg: Config) -> None:
             problems.append(f"{prefix}* flags are used only with --rollout-engine sglang")
     if s.rollout_num_gpus_per_engine < 1:
         problems.append(f"--rollout-num-gpus-per-engine must be >= 1, got {s.rollout_num_gpus_per_engine}")
-    elif res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
+    if s.offload and not (s.offload_train and s.offload_rollout):
+        problems.append(
+            "--offload turns --offload-train and --offload-rollout on: it cannot go with --no-offload-train or "
+            "--no-offload-rollout"
+        )
+    if s.rollout_num_gpus_per_engine >= 1 and res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
         problems.append(
             f"--rollout-num-gpus {res.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
             f"{s.rollout_num_gpus_per_engine} (each engine takes that many)"
+        )
+    if uses_sglang and not sglang_urls(cfg) and s.rollout_num_gpus_per_engine > res.num_gpus_per_node:
+        problems.append(
+            f"--rollout-num-gpus-per-engine {s.rollout_num_gpus_per_engine} > --num-gpus-per-node "
+            f"{res.num_gpus_per_node}: an engine would span nodes, and rlcore launches single-node SGLang servers only"
         )
     if s.rollout_num_gpus_per_engine != 1 and not uses_sglang:
         problems.append("--rollout-num-gpus-per-engine applies to SGLang engines (--rollout-engine sglang) only")

@@ -27,7 +27,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.loopback import RAY_ADDRESS_ENV, confine_ray
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerDied, TrainerGroup
-from runtime.cluster.weight_sync import check_weights_equal, make_weight_sync
+from runtime.cluster.weight_sync import check_weights_equal, disk_options, make_weight_sync
 from runtime.config import (
     Config,
     ConfigError,
@@ -211,7 +211,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         cleanup.callback(trainers.shutdown)
         engines = EngineGroup(cfg, placement, model_path)
         cleanup.callback(engines.shutdown)
-        weights = make_weight_sync(trainers, engines, bucket_bytes=r.update_weight_buffer_size)
+        weights = make_weight_sync(trainers, engines, bucket_bytes=r.update_weight_buffer_size, disk=disk_options(cfg))
         cleanup.callback(weights.close)
         runner = EventLoopThread()
         cleanup.callback(runner.close)
@@ -222,6 +222,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             sample_hooks=hooks.sample_hooks,
             custom_generate=custom_generate,
             rewards=hub,
+            # slime's per-sample SGLang seeds, from --rollout-seed (see RolloutContext).
+            sampling_seed=cfg.data.rollout_seed if cfg.rollout.rollout_engine == "sglang" else None,
         )
         feed, data_source = job_data_source(cfg, dataset, hooks)
         job_data = JobData(feed, data_source)
@@ -340,7 +342,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             # 1. Rollout: this step's scored, filtered groups (generated now, or while earlier steps trained).
             moved = time.perf_counter()
             if offload.train:
-                trainers.release_memory()
+                metrics.update(trainers.release_memory())
             engine_memory.resume()
             moved = time.perf_counter() - moved
             rollout = source.get(step)
@@ -365,7 +367,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             if offload.rollout:
                 engine_memory.release()
             if offload.train:
-                trainers.resume_memory()
+                metrics.update(trainers.resume_memory())
             metrics["perf/offload_time"] = moved + time.perf_counter() - t
             metrics["perf/offloaded"] = float(offload.train or offload.rollout)
 
@@ -499,7 +501,7 @@ def check_reward_errors(rates: list[float], cfg: Config, *, reward: str) -> None
 def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any, Any]:
     """``(feed, data_source)``: the built-in rollout's prompt feed and the data source that rollout functions and
     slime's hooks are handed: ``--data-source-path``'s class built as ``cls(args)`` (the feed draws from it), or the
-    prompt data with a buffer over the feed."""
+    prompt data with a buffer over the feed (the buffer alone with ``--disable-rollout-global-dataset``)."""
     if hooks.data_source_cls is not None:
         if cfg.ckpt.load is not None:
             # slime's data sources read their state from args.load/rollout/...: the checkpoint root, also when
@@ -513,7 +515,10 @@ def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any
         return DataSourceFeed(data_source, dataset), data_source
     feed = PromptFeed(dataset)
     source = BufferedPromptSource(
-        feed, cfg, n_samples=cfg.rollout.n_samples_per_prompt, buffer_filter=hooks.buffer_filter
+        None if cfg.data.disable_rollout_global_dataset else feed,
+        cfg,
+        n_samples=cfg.rollout.n_samples_per_prompt,
+        buffer_filter=hooks.buffer_filter,
     )
     return feed, source
 

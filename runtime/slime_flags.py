@@ -33,7 +33,6 @@ STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
 # Why a flag is refused, by what it needs.
 MEGATRON = "needs --train-backend megatron (issue 11: the Megatron backend)"
 HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
-SGLANG = "belongs to the managed SGLang fleet (issue 12)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 LATER = "not built yet in rlcore-run (issue 13, still open)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
@@ -43,6 +42,15 @@ TEXT_ONLY = (
 )
 DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
 TORCH_HOOKS = "torch backend: model is the torch module, optimizer AdamW, opt_param_scheduler None"
+DELTA_SYNC = (
+    "delta sync needs the /pull_weights endpoint and delta loader of slime's patched SGLang, which SGLang 0.5.23 "
+    "lacks: full only"
+)
+DELTA_SETTING = f"a setting of --update-weight-mode delta, refused ({DELTA_SYNC})"
+PD_DISAGGREGATION = (
+    "prefill/decode disaggregation needs SGLang's PD mode over an RDMA KV transfer (mooncake, nixl) between GPU "
+    "servers, which rlcore's launcher does not build"
+)
 ROLLOUT_BUFFER = (
     "drives slime's rollout-buffer plugin server (slime_plugins/rollout_buffer), which rlcore does not have"
 )
@@ -130,16 +138,36 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "above 1 only when rlcore-run joins a Ray cluster (RAY_ADDRESS); its own Ray is one node on 127.0.0.1",
     ),
     _f("--actor-num-gpus-per-node", "cluster", 8, YES, "built-in job: 1 (on a CPU a GPU is a process)"),
-    _f("--rollout-num-gpus", "cluster", None, DIFFERS, "default 1, not derived from the trainer GPUs (issue 12)"),
+    _f(
+        "--rollout-num-gpus",
+        "cluster",
+        None,
+        DIFFERS,
+        "unset: the trainers' GPUs under --colocate (slime's rule), else one engine's (slime needs it given); with "
+        "--rollout-external-engine-addrs one engine's per server (slime asks each server for its GPUs)",
+        type=int,
+    ),
     _f("--rollout-num-gpus-per-engine", "cluster", 1, YES),
-    _f("--num-gpus-per-node", "cluster", 8, ELSEWHERE, SGLANG),
+    _f(
+        "--num-gpus-per-node",
+        "cluster",
+        8,
+        YES,
+        "launched server i gets --random-seed --seed + i x this; an engine wider than it (a multi-node server) is "
+        "refused",
+    ),
     _true(
         "--colocate",
         "cluster",
         DIFFERS,
         "the embedded engine offloads only when trainer and engine do not fit their GPU together (auto)",
     ),
-    _true("--offload", "cluster", ELSEWHERE, SGLANG),
+    _true(
+        "--offload",
+        "cluster",
+        DIFFERS,
+        "sets --offload-train and --offload-rollout; refused beside --no-offload-train/-rollout (slime lets it win)",
+    ),
     _f(
         "--offload-train",
         "cluster",
@@ -152,7 +180,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     # train
     _f("--qwen-gdn-backend", "train", "fla", REFUSED, "selects a Qwen gated-delta-net kernel, a path rlcore lacks"),
     _f("--train-env-vars", "train", {}, YES, type=_json),
-    _f("--update-weight-mode", "train", "full", ELSEWHERE, SGLANG),
+    _f("--update-weight-mode", "train", "full", REFUSED, DELTA_SYNC),
     _f(
         "--update-weight-transport",
         "train",
@@ -161,12 +189,31 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "unset: nccl for SGLang engines, the object store for the embedded engine",
     ),
     _true("--release-train", "train", REFUSED, MEGATRON),
-    _f("--update-weight-disk-dir", "train", None, ELSEWHERE, SGLANG),
-    _true("--update-weight-disk-keep-files", "train", ELSEWHERE, SGLANG),
-    _f("--update-weight-delta-encoding", "train", "xor", ELSEWHERE, SGLANG),
-    _f("--update-weight-delta-checksum", "train", "xxh3-128", ELSEWHERE, SGLANG),
-    _f("--custom-update-weight-post-write-path", "train", None, ELSEWHERE, SGLANG),
-    _f("--update-weight-local-checkpoint-dir", "train", None, ELSEWHERE, SGLANG),
+    _f(
+        "--update-weight-disk-dir",
+        "train",
+        None,
+        DIFFERS,
+        "unset with --update-weight-transport disk: a temporary folder (slime refuses the job)",
+    ),
+    _true("--update-weight-disk-keep-files", "train", YES),
+    _f("--update-weight-delta-encoding", "train", "xor", REFUSED, DELTA_SETTING),
+    _f("--update-weight-delta-checksum", "train", "xxh3-128", REFUSED, DELTA_SETTING),
+    _f(
+        "--custom-update-weight-post-write-path",
+        "train",
+        None,
+        DIFFERS,
+        "called once, in the driver, after trainer rank 0 (rlcore's only writer) wrote the folder; slime calls it on "
+        "every trainer rank",
+    ),
+    _f(
+        "--update-weight-local-checkpoint-dir",
+        "train",
+        None,
+        REFUSED,
+        "engines fill it through /pull_weights, an endpoint of slime's patched SGLang that SGLang 0.5.23 lacks",
+    ),
     _f("--custom-model-provider-path", "train", None, REFUSED, MEGATRON),
     _true("--recompute-loss-function", "train", REFUSED, MEGATRON),
     _f(
@@ -252,7 +299,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     # data
     _f("--num-rollout", "data", None, YES, "built-in job: 250; unset: from --num-epoch"),
     _f("--num-epoch", "data", None, YES),
-    _disable("--disable-rollout-global-dataset", "data", REFUSED, HOOKS),
+    _disable("--disable-rollout-global-dataset", "data", YES),
     _f(
         "--data-source-path",
         "data",
@@ -364,7 +411,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--normalize-advantages", "algo", DIFFERS, "not required for reinforce_plus_plus[_baseline]"),
     _disable("--disable-grpo-std-normalization", "algo", YES),
     _disable("--disable-rewards-normalization", "algo", YES),
-    _true("--use-rollout-entropy", "algo", REFUSED, HOOKS + " (custom masks)"),
+    _true("--use-rollout-entropy", "algo", DIFFERS, "torch backend only; not in the --keep-old-actor pass"),
     _true("--get-mismatch-metrics", "algo", YES),
     _true("--reset-optimizer-states", "algo", YES),
     _true("--use-stateless-adam", "algo", YES),
@@ -372,7 +419,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--use-tis", "algo", YES),
     _f("--tis-clip", "algo", 2.0, YES),
     _f("--tis-clip-low", "algo", 0.0, YES),
-    _f("--custom-tis-function-path", "algo", None, REFUSED, HOOKS),
+    _f("--custom-tis-function-path", "algo", None, DIFFERS, "torch backend only; metrics are token means"),
     _f("--custom-pg-loss-reducer-function-path", "algo", None, YES, "the pg term's reducer (--loss-agg-mode is ours)"),
     _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
@@ -512,9 +559,22 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--sglang-router-ip", "sglang", None, YES),
     _f("--sglang-router-port", "sglang", None, YES),
     _f("--sglang-router-request-timeout-secs", "sglang", 14400, YES),
-    _f("--sglang-server-concurrency", "sglang", 512, ELSEWHERE, SGLANG),
-    _f("--prefill-num-servers", "sglang", None, ELSEWHERE, SGLANG),
-    _f("--sglang-config", "sglang", None, ELSEWHERE, SGLANG),
+    _f(
+        "--sglang-server-concurrency",
+        "sglang",
+        512,
+        YES,
+        "requests in flight through the router: this x the engines (slime's semaphore)",
+    ),
+    _f("--prefill-num-servers", "sglang", None, REFUSED, PD_DISAGGREGATION, **_OPT_INT),
+    _f(
+        "--sglang-config",
+        "sglang",
+        None,
+        REFUSED,
+        "server groups from YAML (prefill/decode/placeholder workers, several models): rlcore launches one group "
+        "of regular servers, from --rollout-num-gpus and the --sglang-* flags",
+    ),
     # Megatron flags whose defaults slime resets (reset_arg)
     _f("--distributed-backend", "megatron (reset by slime)", "nccl", REFUSED, MEGATRON),
     _f("--distributed-timeout-minutes", "megatron (reset by slime)", 10, REFUSED, MEGATRON),

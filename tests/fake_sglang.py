@@ -33,8 +33,14 @@ What it reproduces, because the adapter depends on it:
 - ``/model_info`` and ``/server_info`` (and their deprecated ``/get_*`` aliases) report ``model_path``,
   ``weight_version`` and the launch ``dtype``; there is no ``/get_weight_version`` (0.5.23 has none).
 
+- LoRA, when launched with ``--enable-lora`` (else loading is refused, as SGLang refuses it): ``/load_lora_adapter``
+  (``lora_name``, ``lora_path``: a peft adapter folder) applies the adapter to the current base weights,
+  ``/unload_lora_adapter`` (``lora_name``) drops it, both answering SGLang's ``{"success", "error_message",
+  "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
+  ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
+
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
-LoRA, sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
+sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -89,6 +96,9 @@ UPDATE_FROM_TENSOR_FIELDS = BASE_REQ_FIELDS | {
     "torch_empty_cache",
 }  # fmt: skip
 DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
+# Fields of LoadLoRAAdapterReqInput and UnloadLoRAAdapterReqInput.
+LOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_path", "pinned", "lora_id"}
+UNLOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_id"}
 GET_WEIGHTS_FIELDS = BASE_REQ_FIELDS | {"name", "truncate_size"}
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 MEMORY_FIELDS = BASE_REQ_FIELDS | {"tags"}
@@ -207,6 +217,13 @@ class _Sampling:
             raise BadRequest(f"stop_token_ids must be a list of token ids below {vocab_size}, got {stop!r}")
         if self.sampling_seed is not None and not _is_int(self.sampling_seed):
             raise BadRequest(f"sampling_seed must be an int, got {self.sampling_seed!r}")
+        api = sglang_api.load()
+        if api is not None:
+            # SGLang's own check of a request's sampling parameters (the scheduler's, before it queues the request).
+            try:
+                api.SamplingParams(**raw).verify(vocab_size)
+            except (TypeError, ValueError) as e:
+                raise BadRequest(str(e)) from e
         self.stop_token_ids = set(stop)
         self.greedy = self.temperature < _SAMPLING_EPS
 
@@ -228,6 +245,7 @@ class FakeSGLangServer:
         port: int = 0,
         startup_delay: float = 0.0,
         token_delay: float = 0.0,
+        enable_lora: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -243,6 +261,9 @@ class FakeSGLangServer:
         self.host, self.port = host, port
         self.startup_delay, self.token_delay = startup_delay, token_delay
         self.weight_version = "default"
+        # --enable-lora, and the loaded adapters by name: (folder, the base model with the adapter merged in).
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, tuple[str, Any]] = {}
         # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
         self.launch_args: dict[str, Any] = {}
         # Weight-update groups by name, and [bytes, tensors] of each bucket received over them.
@@ -252,6 +273,9 @@ class FakeSGLangServer:
         self.requests: dict[str, int] = {}
         # Request ids of the /generate calls in flight (running or queued), and those of them aborted.
         self._running: set[str] = set()
+        # The most /generate requests in flight at once, and the sampling_seed of every request (None: none sent).
+        self.peak_running = 0
+        self.sampling_seeds: list[int | None] = []
         self._aborted: set[str] = set()
         self._model_lock = threading.Lock()
         self._ready = threading.Event()
@@ -311,6 +335,8 @@ class FakeSGLangServer:
                 web.post("/update_weights_from_distributed", self._update_weights_from_distributed),
                 web.post("/update_weights_from_tensor", self._update_weights_from_tensor),
                 web.post("/destroy_weights_update_group", self._destroy_weights_update_group),
+                web.post("/load_lora_adapter", self._load_lora_adapter),
+                web.post("/unload_lora_adapter", self._unload_lora_adapter),
                 web.get("/get_weights_by_name", self._get_weights_by_name),
                 web.post("/get_weights_by_name", self._get_weights_by_name),
             ]
@@ -393,7 +419,12 @@ class FakeSGLangServer:
                 "max_total_num_tokens": 4096,
                 # SGLang's scheduler reports free-form internal state here; the fake reports its request counts.
                 "internal_states": [
-                    {"requests": dict(self.requests), "received_buckets": list(self.received_buckets)}
+                    {
+                        "requests": dict(self.requests),
+                        "received_buckets": list(self.received_buckets),
+                        "peak_running_requests": self.peak_running,
+                        "sampling_seeds": list(self.sampling_seeds),
+                    }
                 ],
                 "version": "0.5.23",
                 "frontend": "python",
@@ -600,12 +631,61 @@ class FakeSGLangServer:
         rids = {job["rid"] for job in jobs}
         # SGLang queues a batch's requests together: all are in flight (abortable) until the last one answers.
         self._running |= rids
+        self.peak_running = max(self.peak_running, len(self._running))
+        self.sampling_seeds += [job["sampling"].sampling_seed for job in jobs]
         try:
             outputs = [await loop.run_in_executor(None, self._generate_one, job) for job in jobs]
         finally:
             self._running -= rids
             self._aborted -= rids
         return web.json_response(outputs[0] if single else outputs)
+
+    # -- LoRA -----------------------------------------------------------------------------------------------------
+
+    def _lora_answer(self, error: str | None = None) -> web.Response:
+        loaded = {name: folder for name, (folder, _) in self.adapters.items()}
+        body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+        return web.json_response(body, status=200 if error is None else 400)
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        name, folder = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(folder, str):
+            return _validation_error("lora_name and lora_path must be strings")
+        if not self.enable_lora:
+            return self._lora_answer("LoRA is not enabled: launch the server with --enable-lora")
+        if name in self.adapters:
+            return self._lora_answer(f"The LoRA adapter {name!r} is already loaded")
+        loop = asyncio.get_running_loop()
+        try:
+            merged = await loop.run_in_executor(None, self._merged_with, folder)
+        except (OSError, ValueError, RuntimeError) as e:
+            return self._lora_answer(f"failed to load the LoRA adapter {name!r} from {folder!r}: {e}")
+        self.adapters[name] = (folder, merged)
+        return self._lora_answer()
+
+    def _merged_with(self, folder: str) -> Any:
+        import copy
+
+        from peft import PeftModel
+
+        with self._model_lock:
+            base = copy.deepcopy(self.model)
+        return PeftModel.from_pretrained(base, folder).merge_and_unload().eval()
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            return self._lora_answer(f"The LoRA adapter {name!r} is not loaded")
+        del self.adapters[name]
+        return self._lora_answer()
 
     # -- generation -----------------------------------------------------------------------------------------------
 
@@ -638,6 +718,10 @@ class FakeSGLangServer:
             raise BadRequest(f"rid must be a string or a list of strings, got {rid!r}")
         if not isinstance(body.get("return_text_in_logprobs", False), bool):
             raise BadRequest("return_text_in_logprobs must be a bool")
+        adapters = _per_prompt(body.get("lora_path"), n, "lora_path")
+        for name in adapters:
+            if name is not None and name not in self.adapters:
+                raise BadRequest(f"The LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})")
         jobs = []
         for i in range(n):
             if not isinstance(return_logprob[i], (bool, type(None))):
@@ -656,6 +740,7 @@ class FakeSGLangServer:
                     "logprob_start_len": start_len[i],
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
+                    "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
                 }
             )
         return jobs, single
@@ -673,7 +758,8 @@ class FakeSGLangServer:
         log_probs: list[float] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
         with self._model_lock:
-            out = self.model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
+            model = job["model"]
+            out = model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
             prompt_log_probs = self._input_token_logprobs(job, out.logits[0])
             for _ in range(s.max_new_tokens):
                 logits = out.logits[0, -1].float()
@@ -700,9 +786,7 @@ class FakeSGLangServer:
                         break
                 if self.token_delay:
                     time.sleep(self.token_delay)
-                out = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-                )
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         trim = finish["type"] == "stop" and not s.no_stop_trim
         # A matched stop string is trimmed from the text only; a matched stop token from the ids and the text.
         output_ids = tokens[:-1] if trim and not isinstance(finish["matched"], str) else tokens
@@ -819,6 +903,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=getattr(args, "random_seed", None) or 0,
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 30000),
+        # A test of request concurrency slows decoding so that requests overlap.
+        token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
+        enable_lora=bool(getattr(args, "enable_lora", False)),
     )
     server.launch_args = vars(args)
     stop = threading.Event()

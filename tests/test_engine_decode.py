@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
-from runtime.engines.decode import ATTENTION, decode, register_attention, sample_tokens
+from runtime.engines.decode import ATTENTION, decode, inverse_cdf, register_attention, sample_tokens
 
 
 def _kept_reference(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -131,7 +131,7 @@ def test_decode_log_probs_equal_a_full_forward_of_each_unpadded_row(model, lengt
     prompts = [torch.randint(3, vocab, (n,)).tolist() for n in lengths]
     ids, mask = _left_padded(prompts, pad=0)
     out = decode(model, ids, mask, max_new_tokens=steps, temperature=0.7, top_k=-1, top_p=1.0, stop_ids=[], pad_id=0)
-    assert out.tokens.shape == (len(prompts), steps)
+    assert [len(t) for t in out.tokens] == [steps] * len(prompts) and out.finish == ["length"] * len(prompts)
     with torch.no_grad():
         for prompt, row, lps in zip(prompts, out.tokens, out.log_probs, strict=True):
             logits = model(input_ids=torch.tensor([prompt + row.tolist()])).logits[0, len(prompt) - 1 : -1]
@@ -150,7 +150,7 @@ def test_decode_keeps_one_step_of_logits_and_stops_when_every_row_has(model):
     vocab = model.config.vocab_size
     # Prefill keeps the last position only, then one [B, 1, V] per step: O(B x V), whatever the response length.
     assert shapes == [(3, 1, vocab)] * 40
-    assert out.tokens.shape == (3, 40)
+    assert out.steps == 40 and [len(t) for t in out.tokens] == [40] * 3
     # Every token is a stop token: all rows stop at once and the loop ends at its first check.
     out = decode(
         model,
@@ -164,7 +164,7 @@ def test_decode_keeps_one_step_of_logits_and_stops_when_every_row_has(model):
         pad_id=0,
         check_every=4,
     )
-    assert out.tokens.shape == (3, 4) and bool((out.tokens[:, 1:] == 0).all())
+    assert out.steps == 4 and [len(t) for t in out.tokens] == [1] * 3 and out.finish == ["stop"] * 3
 
 
 def test_decode_stops_after_the_step_an_abort_lands_in(model):
@@ -187,4 +187,144 @@ def test_decode_stops_after_the_step_an_abort_lands_in(model):
         pad_id=0,
         is_aborted=aborted,
     )
-    assert out.tokens.shape == (2, 3) and math.isfinite(float(out.log_probs.sum()))
+    assert out.steps == 3 and [len(t) for t in out.tokens] == [3, 3] and out.finish == ["abort"] * 2
+    assert all(math.isfinite(float(lp.sum())) for lp in out.log_probs)
+
+
+def _decode(model, prompts, **kw):
+    ids, mask = _left_padded(prompts, pad=0)
+    args = {"max_new_tokens": 10, "temperature": 0.9, "top_k": -1, "top_p": 1.0, "stop_ids": [2], "pad_id": 0}
+    return decode(model, ids, mask, **{**args, **kw})
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=2, max_size=7),
+    running=st.integers(1, 4),
+    check_every=st.sampled_from([1, 3, 8]),
+    sampling=st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.8}, {"min_new_tokens": 3}]),
+    seed=st.integers(0, 1000),
+)
+def test_refill_draws_the_same_tokens_and_log_probs_as_one_batch(model, lengths, running, check_every, sampling, seed):
+    """Per-prompt streams: a prompt's response does not depend on the slot it ran in, its neighbours or refill. The
+    tokens are the same; the log-probs agree to float32 rounding (MKL rounds a matmul of fewer than about 9 rows
+    differently, and refill runs smaller batches; with as many rows they are bit-exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    seeds = [seed * 100 + i for i in range(len(prompts))]
+    # Stop ids 2, 5 and 9 end about a sixth of the draws: the responses have mixed lengths.
+    kw = {"seeds": seeds, "stop_ids": [2, 5, 9], "check_every": check_every, **sampling}
+    whole = _decode(model, prompts, **kw)
+    refilled = _decode(model, prompts, max_running=running, **kw)
+    reversed_ = _decode(model, prompts[::-1], max_running=running, **{**kw, "seeds": seeds[::-1]})
+    assert refilled.finish == whole.finish == reversed_.finish[::-1]
+    for a, b, c in zip(whole.tokens, refilled.tokens, reversed_.tokens[::-1], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c in zip(whole.log_probs, refilled.log_probs, reversed_.log_probs[::-1], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+        torch.testing.assert_close(c, a, rtol=0, atol=1e-6)
+    for tokens, finish in zip(whole.tokens, whole.finish, strict=True):
+        stops = [i for i, t in enumerate(tokens.tolist()) if t in (2, 5, 9)]
+        # A response ends at its first stop id (kept), else at the length limit.
+        assert stops == ([len(tokens) - 1] if finish == "stop" else [])
+        assert finish == "stop" or len(tokens) == 10
+        assert len(tokens) >= min(sampling.get("min_new_tokens", 0) + 1, 10)
+
+
+def test_refilled_log_probs_equal_a_full_forward_and_the_cache_holds_the_slots_alone(model):
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (3, 1, 5, 2, 4, 6, 2)]
+    caches, shapes = [], []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    try:
+        out = _decode(model, prompts, max_running=2, stop_ids=[2, 5, 9], max_new_tokens=12, on_cache=caches.append)
+    finally:
+        hook.remove()
+    width, heads = max(map(len, prompts)), model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    kept = caches[0].kept_tensors()
+    # Two slots of prompt width + 12 columns per layer, for keys and values: nothing grows with the 7 prompts.
+    assert len(kept) == 2 * model.config.num_hidden_layers
+    assert {tuple(t.shape) for t in kept} == {(2, heads, width + 12, head_dim)}
+    assert all(rows <= 2 and q == 1 for rows, q, _ in shapes)
+    assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
+    with torch.no_grad():
+        for prompt, row, lps in zip(prompts, out.tokens, out.log_probs, strict=True):
+            logits = model(input_ids=torch.tensor([prompt + row.tolist()])).logits[0, len(prompt) - 1 : -1]
+            ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, row[:, None]).squeeze(-1)
+            torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_refill_honours_the_callers_stop_and_an_abort_leaves_waiting_prompts_empty(model):
+    prompts = [[5, 6, 7], [8, 9], [10], [11, 12], [4]]
+    seeds = list(range(5))
+    seen: list[int] = []
+
+    def stopped(rows: list[list[int]]) -> list[bool]:
+        seen.append(len(rows))
+        return [len(r) >= 4 for r in rows]
+
+    out = _decode(model, prompts, seeds=seeds, stop_ids=[], max_running=2, check_every=2, stopped=stopped)
+    # Every row is stopped by the caller at its first check with 4 tokens or more: 4 tokens each, reason "stop".
+    assert [len(t) for t in out.tokens] == [4] * 5 and out.finish == ["stop"] * 5
+    assert max(seen) <= 2
+    calls = []
+    out = _decode(
+        model, prompts, seeds=seeds, stop_ids=[], max_running=2, is_aborted=lambda: calls.append(1) or len(calls) >= 3
+    )
+    assert out.steps == 3 and out.finish == ["abort"] * 5
+    assert [len(t) for t in out.tokens] == [3, 3, 0, 0, 0]
+
+
+@pytest.mark.parametrize(("running", "check_every"), [(None, 8), (1, 1), (2, 3), (3, 8)])
+def test_refilled_slots_record_each_prompts_own_nuclei(model, running, check_every):
+    """Top-p replay under refill: every prompt's nuclei (kept on the device between checks, read back at them) are
+    the float64 truncation of a full forward of its own prompt and response, one per token, with the log-prob
+    renormalised over it; reversing the prompts (and their seeds) gives each the same tokens and nuclei."""
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (3, 1, 5, 2, 4, 6, 2)]
+    seeds = [100 + i for i in range(len(prompts))]
+    stops = [2, 5, 9]
+    kw = {"top_p": 0.7, "top_k": 6, "stop_ids": stops, "max_new_tokens": 12, "min_new_tokens": 2, "nucleus": True}
+    kw |= {"max_running": running, "check_every": check_every}
+    out = _decode(model, prompts, seeds=seeds, **kw)
+    back = _decode(model, prompts[::-1], seeds=seeds[::-1], **kw)
+    assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
+    assert [len(n) for n in out.nucleus] == [len(t) for t in out.tokens]
+    assert back.nucleus[::-1] == out.nucleus
+    with torch.no_grad():
+        for prompt, row, lps, nuclei in zip(prompts, out.tokens, out.log_probs, out.nucleus, strict=True):
+            logits = model(input_ids=torch.tensor([prompt + row.tolist()])).logits[0, len(prompt) - 1 : -1].double()
+            logits[:2, stops] = float("-inf")  # min_new_tokens
+            allowed = _kept_reference(logits, temperature=0.9, top_k=6, top_p=0.7)
+            assert nuclei == [allowed[k].nonzero()[:, 0].tolist() for k in range(len(row))]
+            ref = allowed.gather(-1, row[:, None]).squeeze(-1).log()
+            torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_an_abort_under_refill_reports_the_nuclei_drawn_so_far(model):
+    calls = []
+    out = _decode(
+        model,
+        [[5, 6, 7], [8, 9], [10], [11, 12], [4]],
+        seeds=list(range(5)),
+        stop_ids=[],
+        max_running=2,
+        top_p=0.8,
+        nucleus=True,
+        is_aborted=lambda: calls.append(1) or len(calls) >= 3,
+    )
+    assert out.finish == ["abort"] * 5 and [len(n) for n in out.nucleus] == [3, 3, 0, 0, 0]
+    for tokens, nuclei in zip(out.tokens, out.nucleus, strict=True):
+        assert all(int(t) in ids for t, ids in zip(tokens, nuclei, strict=True))
+
+
+def test_inverse_cdf_never_draws_a_token_of_probability_zero():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.2, 0.0, 0.0, 0.0, 0.8], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    u = torch.tensor([0.0, 0.2, 0.999999])
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 4] or inverse_cdf(probs, u).tolist() == [1, 4, 4]
+    edge = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    for row in probs:
+        for x in (0.0, 0.3, 0.5, 0.7, float(edge)):
+            token = int(inverse_cdf(row[None], torch.tensor([x]))[0])
+            assert row[token] > 0

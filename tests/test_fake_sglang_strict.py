@@ -9,8 +9,10 @@ import pytest
 from fake_sglang import (
     ABORT_FIELDS,
     GENERATE_FIELDS,
+    LOAD_LORA_FIELDS,
     MEMORY_FIELDS,
     SAMPLING_FIELDS,
+    UNLOAD_LORA_FIELDS,
     UPDATE_FROM_DISK_FIELDS,
     UPDATE_FROM_TENSOR_FIELDS,
     FakeSGLangServer,
@@ -47,6 +49,8 @@ def _fields(cls):
         (MEMORY_FIELDS, "ReleaseMemoryOccupationReqInput"),
         (MEMORY_FIELDS, "ResumeMemoryOccupationReqInput"),
         (ABORT_FIELDS, "AbortReq"),
+        (LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput"),
+        (UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput"),
     ],
 )
 def test_the_fakes_fallback_field_lists_hold_only_sglangs_fields(hand, cls):
@@ -93,3 +97,36 @@ def test_the_fields_the_router_adds_are_accepted(server):
         body = {**GOOD, "model": "m"}
     response = httpx.post(server.url + "/generate", json=body, timeout=30)
     assert response.status_code == 200, response.text
+
+
+@needs_sglang
+@pytest.mark.parametrize(
+    ("seed", "ok"),
+    [(0, True), (-(2**63), True), (2**63 - 1, True), (2**63, False), (1.5, False), ("7", False)],
+)
+def test_sampling_seed_is_checked_by_sglangs_own_sampling_params(server, seed, ok):
+    """SGLang 0.5.23 takes sampling_seed as an int in [-2**63, 2**63 - 1]: its contract gate refuses what is no
+    integer, and SamplingParams.verify() (which the fake applies too) what is out of range, 2**63 among them."""
+    sampling = {"max_new_tokens": 1, "sampling_seed": seed}
+    try:
+        API.SamplingParams(**sampling).verify(64)
+        sglang_accepts = True
+    except (TypeError, ValueError):
+        sglang_accepts = False
+    assert sglang_accepts == ok
+    response = httpx.post(server.url + "/generate", json={**GOOD, "sampling_params": sampling}, timeout=30)
+    assert (response.status_code == 200) == ok, response.text
+    if seed == 2**63:
+        assert API.generate_contract_error({**GOOD, "sampling_params": sampling}) is None
+        assert "sampling_seed must be in [-2**63, 2**63 - 1]" in response.text
+
+
+def test_equal_sampling_seeds_sample_alike_and_others_differ(server):
+    def sample(seed):
+        body = {**GOOD, "sampling_params": {"max_new_tokens": 8, "temperature": 1.5, "sampling_seed": seed}}
+        response = httpx.post(server.url + "/generate", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["output_ids"]
+
+    assert sample(11) == sample(11)
+    assert len({tuple(sample(s)) for s in range(20, 26)}) > 1

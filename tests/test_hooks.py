@@ -481,6 +481,9 @@ def test_hook_combinations_are_checked(tmp_path):
         ("--only-train-params-name-list", "a", "--freeze-params-name-list", "b"): "give one of them",
         ("--freeze-params-name-list", "(unclosed"): "--freeze-params-name-list '(unclosed': not a regular expression",
         ("--rollout-function-path", f"{PLUGIN}:generate_rollout", "--fully-async"): "use --rollout-schedule sync",
+        ("--disable-rollout-global-dataset",): "leaves the built-in rollout no prompts",
+        ("--custom-tis-function-path", f"{PLUGIN}:vanilla_tis"): "with --use-tis or --get-mismatch-metrics only",
+        ("--use-rollout-entropy", "--train-backend", "megatron"): "built for --train-backend torch only",
     }
     for extra, message in cases.items():
         with pytest.raises(ConfigError) as info:
@@ -532,3 +535,173 @@ def test_sample_has_slimes_fields_status_values_and_helpers():
         s.append_response_tokens(tokens=[9])
     back = Sample.from_dict(s.to_dict())
     assert back == s and back.status == Sample.Status.TRUNCATED
+
+
+# ---------------------------------------------------------------- --custom-tis-function-path, --use-rollout-entropy
+
+
+def _with_rollout_log_probs(model_path, *, seed=1):
+    """``_batch``'s samples with engine log-probs about the tiny model's own (-ln 18 per token), spread so that the
+    train/rollout ratios fall on both sides of the TIS bounds."""
+    from transformers import AutoTokenizer
+
+    samples, _ = _batch(model_path)
+    gen = torch.Generator().manual_seed(seed)
+    for s in samples:
+        s.rollout_log_probs = (-2.9 + 0.8 * torch.randn(s.response_length, generator=gen)).tolist()
+    return build_batch(samples, pad_token_id=AutoTokenizer.from_pretrained(model_path).pad_token_id)
+
+
+def test_custom_tis_written_as_slimes_vanilla_tis_trains_as_the_built_in_tis(model_path, tmp_path, plugin):
+    batch = _with_rollout_log_probs(model_path)
+    base, trainer = _run(model_path, _cfg(tmp_path, use_tis=True), batch)
+    want = _weights(trainer)
+    cfg = _cfg(tmp_path, use_tis=True, **_plugin_paths(custom_tis_function_path="vanilla_tis"))
+    custom, trainer = _run(model_path, cfg, batch)
+    assert 0.3 < base["tis_weight_mean"] < 1.9  # the clip acts on some tokens
+    assert custom["pg_loss"] == pytest.approx(base["pg_loss"], rel=1e-5, abs=1e-7)
+    assert custom["tis"] == pytest.approx(base["tis_weight_mean"], rel=1e-5)
+    assert custom["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
+    for name, value in _weights(trainer).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_custom_tis_rejections_leave_the_numerators_not_the_denominators_float64(plugin):
+    """slime's rule: the returned masks rebuild the numerators of the policy (and KL) terms while each sample's
+    denominator stays its original mask sum; the metrics are taken over the original masks."""
+    from tensordict import TensorDict
+
+    from runtime.train.hooks import custom_tis
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [6, 3, 5, 1]
+    b, t = len(lengths), max(lengths)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, r in enumerate(lengths):
+        mask[i, :r] = torch.rand(r, generator=gen) > 0.2
+        mask[i, 0] = True
+    log_probs = (-1.5 + 0.5 * torch.randn(b, t, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = log_probs.detach() + 0.1 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    rollout = old + 1.2 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    ref = old + 0.2 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    adv = torch.randn(b, 1, generator=gen, dtype=torch.float64).expand(b, t)
+    td = TensorDict(
+        {
+            keys.MASK: mask,
+            keys.LOG_PROBS: log_probs,
+            keys.OLD_LOG_PROBS: old,
+            keys.ROLLOUT_LOG_PROBS: rollout,
+            keys.REF_LOG_PROBS: ref,
+            keys.ADVANTAGES: adv,
+        },
+        batch_size=[b],
+    )
+    cfg = LossConfig(
+        use_tis=True,
+        use_kl_loss=True,
+        kl_loss_coef=0.3,
+        kl_loss_type="low_var_kl",
+        loss_agg_mode="seq_mean_token_mean",
+    )
+    mismatch = custom_tis(
+        hook("--custom-tis-function-path", "icepop_tis"),
+        SimpleNamespace(),
+        response_lengths=lengths,
+        total_lengths=[r + 3 for r in lengths],
+    )
+    loss, metrics = rl_loss(td, cfg, mismatch=mismatch)
+    assert plugin.CALLS["tis"] == [{"n": 4, "total_lengths": [9, 6, 8, 4], "response_lengths": lengths}]
+
+    weight = torch.exp(old - rollout)
+    inside = (weight >= 0.5) & (weight <= 2.0)
+    ratio = torch.exp(log_probs - old)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * torch.where(inside, weight, 0.0)
+    kl_ratio = torch.exp(ref - log_probs)
+    kl = (kl_ratio - (ref - log_probs) - 1).clamp(-10, 10)  # low_var_kl
+    keep = (mask & inside).double()
+    denominators = mask.double().sum(1)
+    want = ((pg * keep).sum(1) / denominators).mean() + 0.3 * ((kl * keep).sum(1) / denominators).mean()
+    assert 0 < int(keep.sum()) < int(mask.sum())  # some valid tokens are rejected
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    (got_grad,) = torch.autograd.grad(loss, log_probs, retain_graph=True)
+    (want_grad,) = torch.autograd.grad(want, log_probs)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert float(metrics["tis_inside"]) == pytest.approx(float((mask & inside).sum()) / float(mask.sum()), rel=1e-12)
+
+
+def test_a_tis_hook_returning_the_wrong_shape_is_named(model_path, tmp_path, plugin):
+    from runtime.train.hooks import custom_tis
+
+    bad = resolve_hook("--custom-tis-function-path", f"{PLUGIN}:on_init")  # fn(args): not slime's TIS signature
+    mismatch = custom_tis(bad, SimpleNamespace(), response_lengths=[2], total_lengths=[3])
+    with pytest.raises(HookFailure, match="--custom-tis-function-path"):
+        mismatch(
+            pg=torch.zeros(1, 2),
+            train_log_probs=torch.zeros(1, 2),
+            rollout_log_probs=torch.zeros(1, 2),
+            mask=torch.ones(1, 2, dtype=torch.bool),
+        )
+
+
+def test_use_rollout_entropy_hands_the_actor_and_reference_entropies_to_the_hooks(model_path, tmp_path, plugin):
+    """rollout_data["entropy"] and ["ref_entropy"] (slime's store prefixes) equal a float64 entropy of the model's
+    own distribution over each response token; the advantage hook builds its mask from them."""
+    from transformers import AutoModelForCausalLM
+
+    samples, batch = _batch(model_path)
+    cfg = _cfg(
+        tmp_path,
+        use_rollout_entropy=True,
+        use_kl_loss=True,
+        **_plugin_paths(custom_advantage_function_path="high_entropy_advantages"),
+    )
+    metrics, _ = _run(model_path, cfg, batch)
+    assert metrics["loss"] == metrics["loss"]  # trained, finite
+    (seen,) = plugin.CALLS["entropy"]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    for s, entropy, ref_entropy in zip(samples, seen["entropy"], seen["ref_entropy"], strict=True):
+        prompt = len(s.tokens) - s.response_length
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0, prompt - 1 : len(s.tokens) - 1]
+        want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(entropy.double(), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ref_entropy.double(), want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- --custom-convert-samples-to-train-data-path,
+# ---------------------------------------------------------------- --buffer-filter-path
+
+
+def test_convert_samples_to_train_data_builds_the_batch_trained_on(model_path, tmp_path, plugin):
+    from rlcore.advantages import sequence_advantages
+    from runtime.loop import rollout_batch
+    from runtime.rollout.plugins import RolloutHooks
+
+    samples, plain = _batch(model_path)
+    cfg = _cfg(tmp_path, disable_rewards_normalization=False)  # (GRPO's group normalisation, which the hook skips)
+    hooks = RolloutHooks(convert_samples=hook("--custom-convert-samples-to-train-data-path", "convert_to_train_data"))
+    batch = rollout_batch(cfg, samples, _Tokenizer(), advantage_config(cfg), hooks)
+    assert plugin.CALLS["convert"] == [{"n": len(samples)}]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    torch.testing.assert_close(batch[keys.REWARDS].double(), rewards - rewards.mean(), rtol=0, atol=1e-6)
+    assert batch[keys.GROUP_IDS].tolist() == [s.group_index for s in samples]
+    lengths = [s.response_length for s in samples]
+    assert batch[keys.MASK].sum(1).tolist() == [r - 1 for r in lengths]  # the hook's loss masks, not the samples'
+    # Its rewards are final: the sequence advantage is the reward itself, not group-normalised again.
+    want = sequence_advantages(plain.set(keys.REWARDS, batch[keys.REWARDS]), advantage_config(cfg))
+    assert not torch.allclose(want[keys.SEQUENCE_ADVANTAGES], batch[keys.SEQUENCE_ADVANTAGES])
+    torch.testing.assert_close(batch[keys.SEQUENCE_ADVANTAGES], batch[keys.REWARDS])
+
+
+def test_buffer_filter_chooses_the_groups_put_back(plugin):
+    from runtime.rollout.plugins import BufferedPromptSource
+
+    feed = SimpleNamespace(take=lambda n: [Sample(prompt=f"fresh{k}", metadata={"handout": k}) for k in range(n)])
+    source = BufferedPromptSource(
+        feed, SimpleNamespace(), n_samples=2, buffer_filter=hook("--buffer-filter-path", "pop_last")
+    )
+    groups = [[Sample(prompt=f"old{k}"), Sample(prompt=f"old{k}")] for k in range(3)]
+    source.add_samples(groups)
+    got = source.get_samples(2)
+    assert [g[0].prompt for g in got] == ["old2", "old1"] and source.get_buffer_length() == 1
+    assert plugin.CALLS["buffer_filter"] == [{"rollout_id": None, "buffered": 3, "num_samples": 2}]

@@ -212,3 +212,22 @@ def test_two_fsdp_trainers_with_fan_out_rows_give_the_single_trainers_step(ray_s
     finally:
         group.shutdown()
         ray.util.remove_placement_group(placement.group)
+
+
+def test_a_rollout_function_without_the_global_dataset(ray_session, tmp_path, plugin):
+    """--disable-rollout-global-dataset: the default data source holds no prompt data (slime's args.
+    rollout_global_dataset False, len 0, get_samples beyond its buffer raises); the rollout makes its own prompts and
+    trains again on the group it put back."""
+    cfg = _cfg(
+        tmp_path,
+        num_rollout=2,
+        disable_rollout_global_dataset=True,
+        rollout_function_path=f"{PLUGIN}:self_prompting_rollout",
+        custom_rm_path=f"{PLUGIN}:exact_digit",
+    )
+    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1] and all("train/loss" in r for r in rows)
+    first, second = plugin.CALLS["self_prompting"]
+    assert (first["global_dataset"], first["len"], first["from_buffer"]) == (False, 0, [])
+    assert "--disable-rollout-global-dataset" in first["error"]
+    assert second["from_buffer"] == ["0="] and "error" not in second

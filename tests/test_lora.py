@@ -33,6 +33,7 @@ def model_path(tmp_path_factory):
 
 def _cfg(tmp_path, **overrides):
     settings = {**SMALL, "use_kl_loss": True, "lr": 1e-2, "lora_rank": 4, "lora_alpha": 8.0, **overrides}
+    settings.setdefault("lora_modules_to_save", "")  # (the built-in job's own default trains the embedding too)
     return validate(from_dict(None, output_dir=str(tmp_path / "out"), **settings))
 
 
@@ -69,12 +70,20 @@ def _train(trainer, cfg, td, steps=2):
     return td
 
 
-def test_only_adapters_train_and_the_reference_is_the_base_model(model_path, tmp_path):
-    cfg = _cfg(tmp_path)
+@pytest.mark.parametrize("saved", ["", "embed_tokens"])
+def test_only_adapters_train_and_the_reference_is_the_base_model(model_path, tmp_path, saved):
+    cfg = _cfg(tmp_path, lora_modules_to_save=saved)
     trainer = _trainer(model_path, cfg)
     assert trainer.frozen == {} and trainer.base_is_reference  # no second copy of the model for the reference
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    adapters = {n for n in trainable if ".lora_A." in n or ".lora_B." in n}
+    # --lora-modules-to-save: one trained copy of the tied embedding (the LM head shares it), nothing else.
+    assert adapters and trainable - adapters == (
+        {"base_model.model.model.embed_tokens.modules_to_save.default.weight"} if saved else set()
+    )
+    if saved:
+        head = trainer.model.base_model.model.lm_head.modules_to_save["default"].weight
+        assert head is trainer.model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {
         id(p) for p in trainer.model.parameters() if p.requires_grad
     }
@@ -86,7 +95,7 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(model_path, tmp
     _train(trainer, cfg, td)
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
-    assert any(".lora_B." in n for n in changed)
+    assert any(".lora_B." in n for n in changed) and (trainable - adapters) <= changed
     # The reference (adapters disabled) still computes the untouched base model; the actor has moved.
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     plain = TorchTrainer.__new__(TorchTrainer)
@@ -116,8 +125,9 @@ def test_optimizer_state_scales_with_the_rank(model_path, tmp_path):
     assert moments[8] < 2 * full
 
 
-def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_path, tmp_path):
-    cfg = _cfg(tmp_path, lora_target_modules="q_proj,v_proj,down_proj")
+@pytest.mark.parametrize("saved", ["", "embed_tokens"])
+def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_path, tmp_path, saved):
+    cfg = _cfg(tmp_path, lora_target_modules="q_proj,v_proj,down_proj", lora_modules_to_save=saved)
     trainer = _trainer(model_path, cfg)
     td = _train(trainer, cfg, _batch(model_path))
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -131,6 +141,9 @@ def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_p
         torch.testing.assert_close(weights[hf], expected, rtol=0, atol=1e-6)
     names = {lora.hf_name(n + ".base_layer.weight").split(".")[-2] for n, _ in lora.lora_layers(trainer.model)}
     assert names == {"q_proj", "v_proj", "down_proj"}
+    embedding = trainer.model.get_input_embeddings().weight  # the trained copy under --lora-modules-to-save
+    torch.testing.assert_close(weights["model.embed_tokens.weight"], embedding.detach(), rtol=0, atol=0)
+    assert torch.equal(embedding, base.get_input_embeddings().weight) != bool(saved)
     # Buckets respect the byte limit and carry the same tensors.
     buckets = list(trainer.weight_buckets(dtype=torch.float32, bucket_bytes=4096))
     assert len(buckets) > 1 and sum(len(b) for b in buckets) == len(weights)
@@ -145,7 +158,9 @@ def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_p
 
     from peft import PeftModel
 
-    adapter_cfg = _cfg(tmp_path, lora_target_modules="q_proj,v_proj,down_proj", lora_export="adapter")
+    adapter_cfg = _cfg(
+        tmp_path, lora_target_modules="q_proj,v_proj,down_proj", lora_modules_to_save=saved, lora_export="adapter"
+    )
     trainer.cfg = adapter_cfg.train
     trainer.save_hf(str(adapter_dir))
     assert (adapter_dir / "adapter_config.json").exists() and not (adapter_dir / "model.safetensors").exists()
@@ -157,19 +172,20 @@ def test_merged_weights_equal_base_plus_adapter_and_load_in_transformers(model_p
         torch.testing.assert_close(peft_model(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
 
 
-def test_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_path, tmp_path):
-    cfg = _cfg(tmp_path)
+@pytest.mark.parametrize("saved", ["", "embed_tokens"])
+def test_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_path, tmp_path, saved):
+    cfg = _cfg(tmp_path, lora_modules_to_save=saved)
     trainer = _trainer(model_path, cfg)
     td = _train(trainer, cfg, _batch(model_path), steps=1)
     ckpt = tmp_path / "ckpt"
     trainer.save(str(ckpt))
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    model_keys = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    entries = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in entries if k.startswith("model.")}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert model_keys == trainable  # no base weight, not even the tied LM head
-    assert all(".lora_" in k for k in saved if k.startswith("optim.state."))
+    assert all(".lora_" in k or ".modules_to_save." in k for k in entries if k.startswith("optim.state."))
 
     _train(trainer, cfg, td, steps=1)
     expected = trainer.get_weights()
@@ -214,8 +230,9 @@ def test_unknown_target_module_is_named(model_path, tmp_path):
 
 @pytest.mark.slow
 def test_lora_grpo_learns_the_default_task(tmp_path):
-    # Measured (2-core CPU, 2026-11-23): first-10 0.042, last-10 0.087; full fine-tuning reaches 0.99 in 250 steps.
-    # The adapters sit on the linear layers only: the tied embedding / LM head stay the base's (docs/runtime.md).
+    # The built-in job trains the tied embedding beside the adapters (--lora-modules-to-save embed_tokens, its
+    # default): with adapters alone the frozen embedding / LM head caps every token's probability near 0.2.
+    # Measured figures: docs/runtime.md, LoRA.
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "runtime.cli", "--output-dir", str(out), "--no-use-tensorboard"]
     cmd += ["--lora-rank", "32", "--lora-alpha", "64", "--lr", "2e-3", "--num-rollout", "250"]
@@ -225,4 +242,5 @@ def test_lora_grpo_learns_the_default_task(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= 1.5 * first and last >= first + 0.03, (first, last)
+    print(f"LoRA on the default task: first-10 mean reward {first:.3f}, last-10 {last:.3f}")
+    assert last >= first + 0.2, (first, last)

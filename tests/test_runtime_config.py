@@ -64,6 +64,7 @@ BUILTIN_TUNED = {
     "calculate_per_token_loss": True,
     "use_tensorboard": True,
     "rollout_skip_special_tokens": True,
+    "lora_modules_to_save": "embed_tokens",
 }
 # slime's defaults for the same flags (rollout_max_response_len, rollout_batch_size, num_rollout: none, so a real
 # job must set them).
@@ -81,6 +82,7 @@ SLIME_DEFAULTS = {
     "calculate_per_token_loss": False,
     "use_tensorboard": False,
     "rollout_skip_special_tokens": False,
+    "lora_modules_to_save": "",  # (ours: slime has no LoRA; peft's default, no module trained in full)
 }
 
 
@@ -102,8 +104,9 @@ def test_defaults_parse_and_validate():
     assert {name: _leaf(cfg, name) for name in BUILTIN_TUNED} == BUILTIN_TUNED
     # Apart from the tuned values, the built-in job is the flag defaults.
     # (and the global batch slime derives from them: one optimizer step per rollout; and Megatron's LR decay over
-    # the job's optimizer steps).
-    assert cfg == _with(Config(), {**BUILTIN_TUNED, "global_batch_size": 32 * 8, "lr_decay_iters": 250})
+    # the job's optimizer steps; and one engine's devices for --rollout-num-gpus, not colocated).
+    derived = {"global_batch_size": 32 * 8, "lr_decay_iters": 250, "rollout_num_gpus": 1}
+    assert cfg == _with(Config(), {**BUILTIN_TUNED, **derived})
     assert validate(cfg) is cfg
     # The default batch arithmetic must be whole optimizer steps.
     per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
@@ -480,3 +483,14 @@ def test_any_config_round_trips_through_yaml(tmp_path_factory, values):
     for name, value in values.items():
         section = _SPECS[name][0]
         assert getattr(getattr(cfg, section) if section else cfg, name) == value
+
+
+def test_engine_max_running_requests_is_positive_reaches_the_embedded_engine_and_is_refused_with_sglang():
+    from runtime.engines.registry import engine_kind
+
+    assert "--engine-max-running-requests must be > 0" in _problems(["--engine-max-running-requests", "0"])
+    argv = ["--rollout-engine", "sglang", "--sglang-url", "http://h:1", "--engine-max-running-requests", "4"]
+    assert "--engine-max-running-requests is for the embedded engine" in _problems(argv)
+    cfg = parse_args(["--engine-max-running-requests", "4"])
+    assert engine_kind("hf").kwargs(cfg, "m", 0)["max_running_requests"] == 4
+    assert engine_kind("hf").kwargs(parse_args([]), "m", 0)["max_running_requests"] is None

@@ -82,9 +82,10 @@ def test_generation_config_json_of_the_checkpoint_does_not_change_sampling(tiny,
     assert engine.model.generation_config.min_p is None and engine.model.generation_config.top_h is None
 
 
-def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tiny, tmp_path):
+@pytest.mark.parametrize("running", [None, 3])
+def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tiny, tmp_path, running):
     temperature = 0.8
-    engine = HFEngine(tiny, seed=1)
+    engine = HFEngine(tiny, seed=1, max_running_requests=running)
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     prompts = _prompts(tokenizer, 16)
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
@@ -107,11 +108,16 @@ def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tin
     assert td[keys.ROLLOUT_LOG_PROBS][mask].max() < -1.0
 
 
-def test_top_p_replay_engine_log_probs_equal_the_trainers_over_the_reported_nucleus(tiny, tmp_path):
+@pytest.mark.parametrize(
+    ("running", "packed"), [(None, False), (3, True)], ids=["one-batch", "refill-and-packed-micro-batches"]
+)
+def test_top_p_replay_engine_log_probs_equal_the_trainers_over_the_reported_nucleus(tiny, tmp_path, running, packed):
     # slime's top-p replay: the engine reports each token's nucleus and its log-prob renormalised over it; the trainer
-    # takes its log-probs over the same nucleus, so that the two agree where the untruncated ones would not.
+    # takes its log-probs over the same nucleus, so that the two agree where the untruncated ones would not. Also with
+    # continuous refill (3 slots for 16 prompts: refilled slots report their new prompts' nuclei) and the trainer's
+    # packed micro-batches.
     temperature, top_p = 0.8, 0.5
-    engine = HFEngine(tiny, seed=1)
+    engine = HFEngine(tiny, seed=1, max_running_requests=running)
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     prompts = _prompts(tokenizer, 16)
     params = SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p, return_top_p_token_ids=True)
@@ -137,7 +143,8 @@ def test_top_p_replay_engine_log_probs_equal_the_trainers_over_the_reported_nucl
             ref = math.log(p[t, token] / p[t, nucleus].sum())
             assert g.log_probs[t] == pytest.approx(ref, abs=1e-5)
     td = build_batch(samples, pad_token_id=tokenizer.pad_token_id, top_p_replay=True)
-    cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **SMALL))
+    packing = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 40} if packed else {}
+    cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **SMALL, **packing))
     trainer = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
     td.update(trainer.compute_log_probs(td))
     mask = td[keys.MASK]
@@ -149,7 +156,9 @@ def test_top_p_replay_engine_log_probs_equal_the_trainers_over_the_reported_nucl
     # Training reads the same log-probs (not the fused LM-head loss, which knows no nucleus): with the weights that
     # sampled, the policy's log-probs equal the rollout's.
     cfg = validate(
-        from_dict(None, output_dir=str(tmp_path / "o2"), use_kl_loss=False, get_mismatch_metrics=True, **SMALL)
+        from_dict(
+            None, output_dir=str(tmp_path / "o2"), use_kl_loss=False, get_mismatch_metrics=True, **SMALL, **packing
+        )
     )
     trainer = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
     td.set(keys.ADVANTAGES, torch.randn(mask.shape))

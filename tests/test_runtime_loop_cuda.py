@@ -69,8 +69,13 @@ def test_bf16_engine_and_trainer_on_one_gpu(tmp_path):
         source = weights.get(name, weights.get("model.embed_tokens.weight"))
         assert torch.equal(value, source.to(value.dtype)), name
     engine.release_memory()
-    trainer.release_memory()
-    trainer.resume_memory()
+    held = torch.cuda.memory_allocated()
+    moved = trainer.release_memory()  # bucketed copies to pinned host buffers (runtime.train.offload)
+    assert trainer.host_offload is not None and moved["perf/offload_train_bytes"] > 0
+    assert torch.cuda.memory_allocated() <= held - moved["perf/offload_train_bytes"] + (1 << 20)
+    assert set(trainer.resume_memory()) == {"perf/offload_train_resume_time"}
+    for name, value in trainer.get_weights().items():
+        assert torch.equal(value, weights[name]), name
     engine.resume_memory()
     assert engine.generate([tokenizer("c12=")["input_ids"]], SamplingParams(max_new_tokens=3))[0].token_ids
 

@@ -257,7 +257,8 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
 # ---------------------------------------------------------------- WeightSync conformance
 
 
-@pytest.mark.parametrize("kind", list(WEIGHT_SYNCS))
+# (lora_adapter moves adapters into SGLang engines: its conformance test is in tests/test_sglang_lora.py.)
+@pytest.mark.parametrize("kind", [k for k in WEIGHT_SYNCS if k != "lora_adapter"])
 def test_every_weight_sync_moves_the_trained_weights_into_the_engines(kind, ray_session, model_path, tmp_path):
     cfg = validate(from_dict(None, output_dir=str(tmp_path), **SMALL))
     placement = create_placement(cfg)

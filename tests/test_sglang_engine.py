@@ -454,6 +454,23 @@ def test_seeded_sampling_resumes_with_the_saved_state(server):
     resumed.close()
 
 
+def test_explicit_sampling_seeds_replace_the_derived_ones(server):
+    params = SamplingParams(max_new_tokens=6, temperature=1.5)
+    eng = SGLangEngine(server.url, seed=11)
+    plain = SGLangEngine(server.url)
+    seeds = [5, 6, 5][: len(PROMPTS)]
+    first = [g.token_ids for g in eng.generate(PROMPTS, params, sampling_seeds=seeds)]
+    # The same seeds sample alike whatever the engine's own seed and call count.
+    assert [g.token_ids for g in plain.generate(PROMPTS, params, sampling_seeds=seeds)] == first
+    assert [g.token_ids for g in plain.generate(PROMPTS[:1], params, sampling_seeds=seeds[:1])] == first[:1]
+    assert server.sampling_seeds[-1] == 5
+    for bad in (seeds[:-1] or [1, 2], [1.5] * len(PROMPTS), [True] * len(PROMPTS)):
+        with pytest.raises(ValueError, match="sampling_seeds must hold one int per prompt"):
+            eng.generate(PROMPTS, params, sampling_seeds=bad)
+    eng.close()
+    plain.close()
+
+
 def test_sampling_seeds_differ_across_prompts_and_calls():
     seeds = {sampling_seed(3, call, i) for call in range(20) for i in range(64)}
     assert len(seeds) == 20 * 64 and all(0 <= s < 2**31 for s in seeds)

@@ -30,12 +30,18 @@ def test_the_generated_flag_list_matches_the_installed_sglang_and_router():
 
 
 def test_rlcores_own_sglang_flags_do_not_shadow_sglangs():
+    """Except slime's --sglang-config (server groups), which shadows SGLang's --config as in slime: that one is not
+    passed through, and asking for it in a YAML config is refused, naming slime's flag."""
     own = {a.dest: a.option_strings for a in _rlcore_parser()._actions if not a.dest.startswith("_")}
-    passthrough = {s for f in sglang_flags.flags("server").values() for s in f.flags}
+    shadowed = {s for d in sglang_flags.SERVER_SHADOWED for s in sglang_flags.flags("server")[d].flags}
+    passthrough = {s for f in sglang_flags.flags("server").values() for s in f.flags} - shadowed
     for options in own.values():
         for option in options:
             if option.startswith("--sglang-"):
                 assert "--" + option.removeprefix("--sglang-") not in passthrough, option
+    assert shadowed == {"--config"}
+    (problem,) = sglang_flags.passthrough_problems("server", {"config": "server.yaml"})
+    assert problem.startswith("--sglang-config is set by rlcore") and "slime's own flag" in problem
 
 
 def _rlcore_parser():

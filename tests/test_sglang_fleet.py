@@ -4,6 +4,7 @@ the real SGLang router (the ``sglang-router`` package, its Rust router on the CP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,8 @@ from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import SamplingParams
 from runtime.logger import METRICS_FILE, read_metrics
 from runtime.loop import run
-from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups
+from runtime.rollout import generation
+from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups, generate_groups
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
 from runtime.train.batch import build_batch
@@ -95,6 +97,67 @@ def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, 
     assert not _launched_by(model_path)
 
 
+@contextlib.contextmanager
+def one_engine_fleet(tmp_path, model_path, **overrides):
+    """One launched fake server behind the real router (its own, torn down on exit: before the shared fleet below
+    takes the CPU slots)."""
+    cfg = fleet_cfg(tmp_path, model_path, rollout_num_gpus=1, **overrides)
+    placement = create_placement(cfg)
+    engines = EngineGroup(cfg, placement, model_path)
+    try:
+        yield cfg, engines, ray.get(engines.actors[0].url.remote())
+    finally:
+        engines.shutdown()
+        ray.util.remove_placement_group(placement.group)
+
+
+def test_requests_in_flight_through_the_router_are_bounded_by_server_concurrency(ray_session, model_path, tmp_path):
+    # Slowed decoding keeps every request in flight long enough to overlap.
+    slow = f"env FAKE_SGLANG_TOKEN_DELAY=0.05 {FAKE_SERVER}"
+    with one_engine_fleet(tmp_path, model_path, sglang_server_command=slow, sglang_server_concurrency=3) as fleet:
+        _, engines, url = fleet
+        assert engines.request_limit == 3  # slime's bound: --sglang-server-concurrency x 1 engine
+        prompts = [[1 + i % 5, 2, 3] for i in range(12)]
+        generations = asyncio.run(engines.generate(prompts, SamplingParams(max_new_tokens=4)))
+        assert len(generations) == 12 and all(g.token_ids for g in generations)
+        # All 12 went out at once; the server saw at most 3 at a time, and 3 did overlap.
+        assert server_info(url)["internal_states"][0]["peak_running_requests"] == 3
+
+
+def test_a_rollout_through_the_router_sends_slimes_seeds_and_samples_alike_again(ray_session, model_path, tmp_path):
+    with one_engine_fleet(tmp_path, model_path) as (cfg, engines, url):
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg, sampling_seed=cfg.data.rollout_seed)
+        params = SamplingParams(max_new_tokens=6, temperature=1.5)
+
+        def rollout(custom_generate=None):
+            prompts = [Sample(tokens=[1, 2, 3]), Sample(tokens=[4, 5, 6])]
+            groups = expand_groups(prompts, 3, first_group=0)
+            whole, aborted = asyncio.run(generate_groups(ctx, groups, params, custom_generate))
+            assert not aborted
+            return [[s.tokens for s in g] for g in whole]
+
+        def seeds_seen():
+            return server_info(url)["internal_states"][0]["sampling_seeds"]
+
+        first = rollout()
+        # slime's seeds: --rollout-seed (42) + the sample's place in its group, on every request.
+        assert cfg.data.rollout_seed == 42 and sorted(seeds_seen()) == [42, 42, 43, 43, 44, 44]
+        assert all(len({tuple(t) for t in group}) > 1 for group in first)  # a group's samples differ
+        # Other traffic in between (another rollout's, a resumed job's fresh engines): the same samples again.
+        asyncio.run(engines.generate([[7, 7]], PARAMS))
+        assert rollout() == first
+        # A slime-style custom generate function gets the seed in its sampling_params and samples alike too.
+        received = []
+
+        async def custom(args, sample, sampling_params):
+            received.append(sampling_params["sampling_seed"])
+            return await generation.generate(args, sample, sampling_params)
+
+        assert rollout(custom) == first
+        assert sorted(received) == [42, 42, 43, 43, 44, 44]
+
+
 def _launched_by(model_path: str) -> list[str]:
     """Command lines of the running fake servers of ``model_path`` (this test's own: the folder is unique)."""
     import psutil
@@ -115,6 +178,7 @@ def fleet(ray_session, model_path, tmp_path_factory):
         sglang_args={"mem_fraction_static": 0.5, "enable_memory_saver": True},
         # manual: the routing key picks the server (sticky per key); requests without one go to a random server.
         router_args={"policy": "manual", "health_check_interval_secs": 1, "health_failure_threshold": 1},
+        num_gpus_per_node=3,
     )
     placement = create_placement(cfg)
     engines = EngineGroup(cfg, placement, model_path)
@@ -138,7 +202,8 @@ def test_servers_are_launched_with_the_passthrough_flags(fleet):
     for i, url in enumerate(urls):
         info = server_info(url)
         assert info["mem_fraction_static"] == 0.5 and info["enable_memory_saver"] is True
-        assert info["random_seed"] == cfg.seed + 1000 * i and info["tp_size"] == 1
+        # slime's seeds, from --num-gpus-per-node (3 here, 8 by default).
+        assert info["random_seed"] == cfg.seed + 3 * i and info["tp_size"] == 1
         assert info["model_path"] == cfg.model.hf_checkpoint
     assert engines.health() == [True, True]
 

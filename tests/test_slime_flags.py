@@ -22,6 +22,7 @@ OURS = {
     "rollout_engine",
     "sglang_url",
     "engine_compile",
+    "engine_max_running_requests",
     "rollout_schedule",
     "max_staleness",
     "loss_agg_mode",
@@ -36,6 +37,7 @@ OURS = {
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    "lora_modules_to_save",
     "lora_export",
     "sglang_args",
     "router_args",
@@ -44,6 +46,7 @@ OURS = {
     "max_trainer_restarts",
     "attn_implementation",
     "rollout_top_p_replay",
+    "torch_compile",
 }
 
 
@@ -116,7 +119,6 @@ def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--offload"], "issue 12"),
         (["--tensor-model-parallel-size", "2"], "--train-backend megatron"),
         (["--no-such-flag"], "neither rlcore's nor slime's"),
     ],
@@ -247,9 +249,8 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
     refused = {_flag_of(p) for p in problems} - {"--colocate"}
     assert refused
     rest = _strip(args, refused)
-    trainers = int(rest[rest.index("--actor-num-gpus-per-node") + 1])
-    # slime derives --rollout-num-gpus from the trainers when colocated; here that waits for issue 12.
-    argv = [*rest, "--rollout-num-gpus", str(trainers), "--dry-run", "--output-dir", str(tmp_path / "out")]
+    # --rollout-num-gpus is left as the script has it: under --colocate it is derived from the trainers, as in slime.
+    argv = [*rest, "--dry-run", "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "[dry run: placement plan]" in out and "rlcore-run: dry run, nothing started" in out

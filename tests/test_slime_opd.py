@@ -157,7 +157,8 @@ def test_a_job_distills_from_the_teacher_server(ray_session, models, teacher, tm
     # The step's OPD term: the mean over valid tokens of student minus teacher log-probs (before training).
     expected = torch.cat(reverse_kl).mean().item()
     assert rows[0]["train/opd_reverse_kl"] == pytest.approx(expected, abs=1e-4)
-    assert abs(expected) > 0.01 and math.isfinite(rows[1]["train/opd_reverse_kl"])
+    # The teacher is another model: per token the two differ (the signed mean depends on which tokens were drawn).
+    assert torch.cat(reverse_kl).abs().mean().item() > 0.05 and math.isfinite(rows[1]["train/opd_reverse_kl"])
     # Pure distillation: the rewards are 0, so the advantages are the OPD term alone, -0.5 x (student - teacher).
     assert float(batch["rewards"].abs().max()) == 0.0
     assert rows[0]["rollout/advantage_abs_mean"] == pytest.approx(

@@ -72,6 +72,35 @@ def test_embedded_engine_ends_responses_at_a_stop_string(tiny, width):
     assert _check_ends_at_first_stop(gens, stop, engine._decode, 16) >= 2
 
 
+def test_refill_honours_stop_strings_and_stop_ids_and_gives_each_prompt_the_same_response(tiny):
+    """--engine-max-running-requests 3 over 24 prompts: the same responses as all at once, ending where they must."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    prompts = _prompts(tokenizer, 24)
+    five = tokenizer.convert_tokens_to_ids("5")
+    params = SamplingParams(max_new_tokens=16, stop=("7",), stop_token_ids=(five,))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_running_requests"):
+            HFEngine(tiny, seed=4, max_running_requests=bad)
+    whole = HFEngine(tiny, seed=4).generate(prompts, params)
+    engine = HFEngine(tiny, seed=4, max_running_requests=3)
+    refilled = engine.generate(prompts, params)
+    assert [g.token_ids for g in refilled] == [g.token_ids for g in whole]
+    assert [g.finish_reason for g in refilled] == [g.finish_reason for g in whole]
+    for a, b in zip(refilled, whole, strict=True):
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-6)
+    assert _check_ends_at_first_stop(refilled, "7", engine._decode, 16) >= 2
+    ids = [g for g in refilled if g.token_ids[-1] == five]
+    assert ids and all(five not in g.token_ids[:-1] and g.finish_reason == "stop" for g in ids)
+    assert len({len(g.token_ids) for g in refilled}) > 3  # mixed lengths: slots were refilled
+    # The next call draws from new streams (the call count is part of each prompt's seed), and a restored count
+    # draws the same again.
+    state = engine.get_rng_state()
+    again = engine.generate(prompts, params)
+    assert [g.token_ids for g in again] != [g.token_ids for g in refilled]
+    engine.set_rng_state(state)
+    assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in again]
+
+
 def test_sglang_adapter_passes_stop_strings_and_the_fake_ends_there(tiny):
     params = SamplingParams(max_new_tokens=16, stop=("7",), min_new_tokens=3)
     sent = sampling_params_to_sglang(params)

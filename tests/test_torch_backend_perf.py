@@ -19,6 +19,7 @@ from runtime.demo import task
 from runtime.demo.tiny_model import make_preset_model, make_tiny_model
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
+from runtime.train.attention import register_attention, varlen_attention
 from runtime.train.backends import torch_backend
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
@@ -162,21 +163,23 @@ def test_layouts_name_bad_shapes():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 @settings(max_examples=8)
 @given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=2, max_size=5))
-def test_packed_forward_gives_the_padded_log_probs_and_gradients_in_float64(arch, rows, request):
-    """transformers reads restarting position ids as sequence boundaries (SDPA, block-diagonal causal mask): packed
-    log-probs and their gradients equal the padded rows' to float64 rounding."""
+def test_packed_forward_gives_the_padded_log_probs_and_gradients_in_float64(arch, attention, rows, request):
+    """transformers reads restarting position ids as sequence boundaries (SDPA, block-diagonal causal mask), and
+    varlen attention reads the packed row's ``cu_seq_lens`` (on the CPU one SDPA per sequence; padded rows causal
+    with no mask): packed and padded log-probs and their gradients equal padded SDPA's to float64 rounding."""
     path = request.getfixturevalue(f"{arch}_path")
-    model = _float64_model(path)
     g = torch.Generator().manual_seed(len(rows))
     prompts = torch.tensor([p for p, _ in rows])
     lengths = torch.tensor([p + r for p, r in rows])
     horizon = max(r for _, r in rows)
-    tokens = torch.randint(0, model.config.vocab_size, (len(rows), 18), generator=g)
+    tokens = torch.randint(0, _float64_model(path).config.vocab_size, (len(rows), 18), generator=g)
     mask = torch.arange(horizon)[None, :] < (lengths - prompts)[:, None]
     results = []
-    for layout in (padded_inputs, packed_inputs):
+    for layout, attn in ((padded_inputs, "sdpa"), (padded_inputs, attention), (packed_inputs, attention)):
+        model = _float64_model(path, attn)
         model.zero_grad(set_to_none=True)
         inputs = layout(tokens, prompts, lengths, horizon=horizon)
         logits = model(**inputs.model_kwargs(), use_cache=False).logits
@@ -185,19 +188,24 @@ def test_packed_forward_gives_the_padded_log_probs_and_gradients_in_float64(arch
         log_probs = torch.log_softmax(picked, -1).gather(-1, targets[..., None])[..., 0]
         log_probs[mask].sum().backward()
         results.append((log_probs.detach()[mask], [p.grad.clone() for p in model.parameters()]))
-    (padded, padded_grads), (packed, packed_grads) = results
-    torch.testing.assert_close(packed, padded, rtol=1e-12, atol=1e-12)
-    for a, b in zip(packed_grads, padded_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    (padded, padded_grads), *others = results
+    for log_probs, grads in others:
+        torch.testing.assert_close(log_probs, padded, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, padded_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-_MODELS: dict[str, torch.nn.Module] = {}
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
 
 
-def _float64_model(path: str) -> torch.nn.Module:
-    if path not in _MODELS:
-        _MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
-    return _MODELS[path]
+def _float64_model(path: str, attention: str = "sdpa") -> torch.nn.Module:
+    if attention == "varlen":
+        register_attention()
+    if (path, attention) not in _MODELS:
+        _MODELS[path, attention] = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, attn_implementation=attention
+        )
+    return _MODELS[path, attention]
 
 
 # ---------------------------------------------------------------- the trainer: packed, fused, recompute
@@ -259,9 +267,34 @@ def test_recompute_full_gives_the_same_step_and_saves_less(qwen3_path, tmp_path,
     assert saved[1] < 0.5 * saved[0], saved
 
 
+# Inductor compiles the decoder layer on the CPU (about a minute on two shared cores).
+@pytest.mark.slow
+def test_torch_compile_gives_the_same_step(qwen3_path, tmp_path):
+    """--torch-compile (every decoder layer compiled; packed rows of changing length, recompute on) gives the eager
+    step's log-probs, loss, metrics and weights in float32, varlen attention included."""
+    knobs = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 60, "attn_implementation": "varlen"}
+    td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=7), pad_token_id=0)
+    results = []
+    for compiled in (False, True):
+        cfg = _cfg(tmp_path, recompute_granularity="full", torch_compile=compiled, **knobs)
+        trainer = _trainer(qwen3_path, cfg)
+        assert all((m._compiled_call_impl is not None) == compiled for m in trainer.model.model.layers)
+        results.append(_step(trainer, td, cfg))
+    _assert_same_step(results[1], results[0])
+
+
+def test_varlen_attention_refuses_what_it_cannot_run():
+    q = torch.zeros(2, 4, 6, 8)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one row"):
+        varlen_attention(None, q, q, q, None, cu_seq_lens_q=cu, max_length_q=6)
+    with pytest.raises(ValueError, match="dropout"):
+        varlen_attention(None, q, q, q, None, dropout=0.1)
+
+
 def test_bf16_weights_are_cast_once_per_step(llama_path, tmp_path):
-    """Under bf16 autocast each float32 weight is cast to bf16 once per optimizer step, not once per micro-batch
-    (autocast's weight cache over the step; the LM head's weight through the trainer's own)."""
+    """Under bf16 each float32 weight is cast to bf16 once per optimizer step (the step's bf16 copy), not once per
+    micro-batch."""
     cfg = _cfg(tmp_path, bf16="true", micro_batch_size=2)
     trainer = _trainer(llama_path, cfg)
     td = build_batch(_samples(len(task.ALPHABET) + 4, seed=4), pad_token_id=0)
@@ -288,6 +321,47 @@ def test_bf16_weights_are_cast_once_per_step(llama_path, tmp_path):
     assert metrics["num_steps"] == 1 and len(trainer._micro_batches(td)) == 6
     assert counter.casts and set(counter.casts.values()) == {1}, counter.casts
     assert len(counter.casts) == len(weights)
+
+
+def test_bf16_step_sums_bf16_micro_batch_gradients_in_float32(llama_path, tmp_path, monkeypatch):
+    """Inside a bf16 step the weights are bf16 copies (forward and backward wholly in bf16); each micro-batch's bf16
+    gradients are summed in float32, and the optimizer sees float32 weights with those sums as gradients."""
+    cfg = _cfg(tmp_path, bf16="true", micro_batch_size=4)
+    trainer = _trainer(llama_path, cfg)
+    td = build_batch(_samples(len(task.ALPHABET) + 4, seed=6), pad_token_id=0)
+    td.update(trainer.compute_log_probs(td))
+    td = compute(td, advantage_config(cfg))
+    params = dict(trainer.model.named_parameters())
+    sums: dict[str, torch.Tensor] = {}
+    seen: dict[str, set] = {"inside": set(), "optimizer": set()}
+    accumulate = TorchTrainer._accumulate_grads
+
+    def recording(self):
+        for name, p in params.items():
+            seen["inside"].add(p.dtype)
+            if p.grad is not None:
+                seen["inside"].add(p.grad.dtype)
+                sums[name] = sums.get(name, 0) + p.grad.double()
+        accumulate(self)
+
+    grads = {}
+    step = TorchTrainer._optimizer_step
+
+    def capturing(self, *args):
+        for name, p in params.items():
+            seen["optimizer"].update({p.dtype, p.grad.dtype})
+            grads[name] = p.grad.clone()
+        return step(self, *args)
+
+    monkeypatch.setattr(TorchTrainer, "_accumulate_grads", recording)
+    monkeypatch.setattr(TorchTrainer, "_optimizer_step", capturing)
+    trainer.train(td, per_step_rows=12)
+    assert len(trainer._micro_batches(td)) == 3
+    assert seen == {"inside": {torch.bfloat16}, "optimizer": {torch.float32}}
+    assert set(grads) == set(params) and set(sums) == set(params)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.double(), sums[name], rtol=1e-6, atol=1e-30)
+    assert all(p.dtype == torch.float32 and p.grad is None for p in trainer.model.parameters())
 
 
 # ---------------------------------------------------------------- FSDP2: the loss inside the sharded LM head

@@ -8,8 +8,8 @@ combination of its speed options, in one table.
 A variant is options joined by ``+``: ``fused`` (the loss inside the LM head, ``rlcore.kernels.linear_rl_loss``) or
 ``unfused`` (the full-logits path); ``packed`` (``--use-dynamic-batch-size``: each micro-batch one row of at most
 ``--max-tokens-per-gpu`` real tokens, default micro-batch size x seq-len); ``recompute`` (``--recompute-granularity
-full``); ``sdpa``, ``flex`` or ``eager`` (``--attn-implementation``; default auto: flex_attention when packed on a
-GPU, else transformers' default).
+full``); ``compile`` (``--torch-compile``); ``varlen``, ``sdpa``, ``flex`` or ``eager`` (``--attn-implementation``;
+default auto: varlen on a GPU whose PyTorch has it, else transformers' default).
 
 Each sample has ``--prompt-len`` prompt tokens and a response of ``--seq-len - --prompt-len`` tokens, or, with
 ``--min-response-len``, of a length drawn uniformly from ``[min, seq-len - prompt-len]`` (where packing pays: padded
@@ -30,8 +30,8 @@ import time
 
 import torch
 
-OPTIONS = {"fused", "unfused", "packed", "recompute", "sdpa", "flex", "eager"}
-ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+OPTIONS = {"fused", "unfused", "packed", "recompute", "compile", "varlen", "sdpa", "flex", "eager"}
+ATTENTION = {"varlen": "varlen", "sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
 
 
 def parse_variant(name: str) -> dict[str, object]:
@@ -47,6 +47,7 @@ def parse_variant(name: str) -> dict[str, object]:
         "fused": "unfused" not in parts,
         "packed": "packed" in parts,
         "recompute": "recompute" in parts,
+        "compile": "compile" in parts,
         "attention": attention,
     }
 
@@ -100,6 +101,8 @@ def measure(path: str, args: argparse.Namespace, variant: dict[str, object]) -> 
         knobs.update(use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
     if variant["recompute"]:
         knobs["recompute_granularity"] = "full"
+    if variant["compile"]:
+        knobs["torch_compile"] = True
     cfg = validate(
         from_dict(
             None,
@@ -169,10 +172,17 @@ def _profile(trainer, td, args: argparse.Namespace) -> None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         trainer.train(td, per_step_rows=args.samples)
         _sync(trainer.device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
     sort = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows), flush=True)
+    print(events.table(sort_by=sort, row_limit=args.profile_rows), flush=True)
+    if trainer.device.type == "cuda":
+        # Device time summed over kernels, against the profiled step's wall time: how busy the GPU was.
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        print(f"profiled train step: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,19 +59,21 @@ def pad_nucleus(token_ids: Tensor, offsets: Tensor, *, width: int | None = None)
     return out
 
 
-def nucleus_mask(nucleus_ids: Tensor, targets: Tensor, *, vocab_size: int) -> Tensor:
+def nucleus_mask(nucleus_ids: Tensor, targets: Tensor, *, vocab_size: int, validate: bool = True) -> Tensor:
     """``keep [N, V]`` bool: the nucleus of each row plus its target; the whole vocabulary where a row has no ids.
 
     Args:
         nucleus_ids: [N, K] integer ids in ``[0, V)``, padded with ``-1``.
         targets: [N] integer ids in ``[0, V)`` (the sampled tokens).
+        validate: check the ids' range (a host sync on an accelerator; a caller that checked them on the host
+            passes False).
     """
     check_tensor("nucleus_ids", nucleus_ids, ndim=2)
     check_tensor("targets", targets, ndim=1)
     if nucleus_ids.shape[0] != targets.shape[0]:
         raise ValueError(f"nucleus_ids {tuple(nucleus_ids.shape)} and targets {tuple(targets.shape)} differ in rows")
     ids = nucleus_ids.long()
-    if bool(((ids < PAD) | (ids >= vocab_size)).any()):
+    if validate and bool(((ids < PAD) | (ids >= vocab_size)).any()):
         raise ValueError(f"nucleus_ids must be in [0, {vocab_size}) or -1 (padding)")
     recorded = (ids != PAD).any(-1)
     keep = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
@@ -82,7 +84,9 @@ def nucleus_mask(nucleus_ids: Tensor, targets: Tensor, *, vocab_size: int) -> Te
     return keep | ~recorded[:, None]
 
 
-def nucleus_log_probs(logits: Tensor, targets: Tensor, nucleus_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+def nucleus_log_probs(
+    logits: Tensor, targets: Tensor, nucleus_ids: Tensor, *, temperature: float = 1.0, validate: bool = True
+) -> Tensor:
     """Log-prob of each target under ``softmax(logits / T)`` restricted to its row's nucleus and renormalised.
 
     Args:
@@ -91,6 +95,7 @@ def nucleus_log_probs(logits: Tensor, targets: Tensor, nucleus_ids: Tensor, *, t
         nucleus_ids: [N, K] the nucleus of each row, padded with ``-1`` (:func:`pad_nucleus`); a row of padding
             only keeps the whole vocabulary.
         temperature: > 0.
+        validate: as :func:`nucleus_mask`'s.
 
     Returns:
         [N] in ``logits``' dtype promoted to at least float32. Materialises ``[N, V]`` (use on micro-batches).
@@ -98,7 +103,7 @@ def nucleus_log_probs(logits: Tensor, targets: Tensor, nucleus_ids: Tensor, *, t
     check_tensor("logits", logits, ndim=2, floating=True)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    keep = nucleus_mask(nucleus_ids, targets, vocab_size=logits.shape[1])
+    keep = nucleus_mask(nucleus_ids, targets, vocab_size=logits.shape[1], validate=validate)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_p = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
     return log_p.gather(-1, targets.long()[:, None]).squeeze(-1)

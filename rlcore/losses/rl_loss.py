@@ -136,6 +136,7 @@ def rl_loss(
     *,
     norm: Normalizer | None = None,
     pg_reduce: Callable[[Tensor], Tensor] | None = None,
+    mismatch: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]] | None = None,
 ) -> tuple[Tensor, TensorDict]:
     """The training loss of a (micro-)batch and its metrics.
 
@@ -172,6 +173,12 @@ def rl_loss(
         norm: denominators of the global batch (``Normalizer.of`` its mask, summed); ``None`` uses this batch's.
         pg_reduce: replaces ``aggregate`` for the policy term only (slime's custom pg-loss reducer): called with the
             per-token policy loss [B, T], 0 outside the valid (and mismatch-kept) tokens; returns a 0-dim tensor.
+        mismatch: replaces the built-in mismatch correction when ``cfg.use_tis`` or ``cfg.mismatch_metrics`` is
+            set (slime's ``--custom-tis-function-path``): called as ``mismatch(pg=, train_log_probs=,
+            rollout_log_probs=, mask=)`` with the per-token policy loss, the old and the rollout log-probs and the
+            mask, all [B, T]; returns ``(pg, keep, extra)``: the corrected per-token loss [B, T], the tokens kept in
+            the numerators [B, T] bool (the denominators stay ``mask``'s) and per-token metrics {name: [B, T]},
+            reported as token means over ``mask``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim differentiable loss and the metrics.
@@ -236,7 +243,17 @@ def rl_loss(
         metrics["rollout_log_prob_abs_diff"] = token_mean((old_log_probs - rollout_log_probs).abs())
         if cfg.mismatch_metrics:
             metrics["mismatch_k3"] = token_mean(approx_kl(rollout_log_probs, old_log_probs, kind="k3"))
-        if cfg.use_tis or cfg.mismatch_metrics:
+        if mismatch is not None and (cfg.use_tis or cfg.mismatch_metrics):
+            pg, custom_keep, extra = mismatch(
+                pg=pg, train_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, mask=mask
+            )
+            for name, value in (("pg", pg), ("keep", custom_keep)):
+                if check_tensor(f"mismatch's {name}", value, ndim=2).shape != mask.shape:
+                    raise ValueError(f"mismatch's {name} must have the mask's shape {tuple(mask.shape)}")
+            keep = mask & custom_keep.bool()
+            for name, per_token in extra.items():
+                metrics[name] = token_mean(per_token.to(pg.dtype))
+        elif cfg.use_tis or cfg.mismatch_metrics:
             weights, tis_keep = mismatch_weights(
                 old_log_probs,
                 rollout_log_probs,

@@ -25,7 +25,8 @@ once it holds the weights; a request the router gives up on is sent again once a
 
 Engine calls run one at a time, except the control calls (``abort``, ``health``, ``weight_version``), which have a
 concurrency group of their own so that :meth:`EngineGroup.abort` reaches an engine while it generates; the router
-client runs up to :data:`ROUTER_CLIENT_CONCURRENCY` requests at once.
+client runs up to ``--sglang-server-concurrency`` x the engines requests at once (slime's bound; at most
+:data:`ROUTER_CLIENT_THREADS`), the rollout's requests waiting their turn.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ from runtime.engines import launcher
 from runtime.engines.base import Generation, SamplingParams
 from runtime.engines.registry import EngineKind, engine_kind
 from runtime.errors import JobError
+from runtime.train.backends import lora
 
 T = TypeVar("T")
 
 CONTROL_METHODS = ("abort", "health", "weight_version")
-# Requests the router client has in flight at once (each a thread of the actor waiting on HTTP).
-ROUTER_CLIENT_CONCURRENCY = 256
+# The most threads of the router client (each waits on one HTTP request): a Ray actor starts them all at once.
+ROUTER_CLIENT_THREADS = 1024
 # Times a group call is run again after an engine died under it (each time on the restarted engines).
 MAX_GROUP_CALL_TRIES = 3
 # Times a request through the router is sent again after the router gave up on it (each time once a server is live).
@@ -126,6 +128,19 @@ def _gpu_ids(placement: Placement, bundles: list[int]) -> list[str]:
     return [g for b in bundles for g in ray.get(gpu_ids.options(**placement.options(b)).remote())]
 
 
+def lora_server_args(cfg: Config) -> dict[str, Any]:
+    """The SGLang server flags ``--update-weight-transport lora_adapter`` needs (``--sglang-*`` values win): LoRA on,
+    the adapters' rank, and their target modules (peft's ``all-linear`` is SGLang's ``all``)."""
+    if cfg.sglang.update_weight_transport != "lora_adapter":
+        return {}
+    targets = lora.parse_target_modules(cfg.train.lora_target_modules)
+    return {
+        "enable_lora": True,
+        "max_lora_rank": cfg.train.lora_rank,
+        "lora_target_modules": ["all"] if targets == "all-linear" else list(targets),
+    }
+
+
 class EngineGroup:
     """The rollout engines: the servers, and where requests go (see the module docstring)."""
 
@@ -158,6 +173,9 @@ class EngineGroup:
         self._restarts: dict[int, concurrent.futures.Future] = {}
         self._released_tags: list[str] | None = None
         self.monitor: HealthMonitor | None = None
+        # slime's bound on requests through the router: --sglang-server-concurrency per engine.
+        self.request_limit = cfg.sglang.sglang_server_concurrency * max(n, 1)
+        self._request_slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         try:
             urls = self._launch_servers(cfg, placement, model_path, n, per) if launches else None
             for i in range(n):
@@ -365,13 +383,29 @@ class EngineGroup:
                 with self._lock:
                     self.counts["redispatched_requests"] += len(prompts)
 
-    async def _generate_routed(self, prompt: list[int], params: SamplingParams, key: str | None) -> list[Generation]:
+    async def _generate_routed(
+        self, prompt: list[int], params: SamplingParams, key: str | None, seed: int | None = None
+    ) -> list[Generation]:
         """One prompt through the router. The router retries a request on another server itself; when it gives up
         (a server error: every server it tried is gone), the servers are checked at once, the dead ones restarted
         (or, without fault tolerance, the job stops), and the request is sent again once a server is live."""
+        async with self._slots():
+            return await self._generate_routed_now(prompt, params, key, seed)
+
+    def _slots(self) -> asyncio.Semaphore:
+        """The semaphore of :attr:`request_limit` requests, one per event loop (a job has one; tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._request_slots is None or self._request_slots[0] is not loop:
+            self._request_slots = (loop, asyncio.Semaphore(self.request_limit))
+        return self._request_slots[1]
+
+    async def _generate_routed_now(
+        self, prompt: list[int], params: SamplingParams, key: str | None, seed: int | None
+    ) -> list[Generation]:
+        seeds = None if seed is None else [seed]
         for _ in range(MAX_ROUTED_TRIES):
             try:
-                return await self.router.generate.remote([prompt], params, routing_key=key)
+                return await self.router.generate.remote([prompt], params, routing_key=key, sampling_seeds=seeds)
             except ray.exceptions.RayTaskError as err:
                 if not _server_side(err):
                     raise
@@ -432,8 +466,9 @@ class EngineGroup:
                 host="{host}",
                 port="{port}",
                 tp_size=s.rollout_num_gpus_per_engine,
-                seed=cfg.seed + 1000 * i,
-                server_args=s.sglang_args,
+                # slime's seeds: engine i's server starts at --seed + i x --num-gpus-per-node.
+                seed=cfg.seed + i * cfg.resources.num_gpus_per_node,
+                server_args={**lora_server_args(cfg), **s.sglang_args},
             )
             self._server_specs.append((launcher_opts, env, argv))
             pending.append(
@@ -465,7 +500,9 @@ class EngineGroup:
             self.router_url = ray.get(
                 self.router_launcher.start.remote(argv, health_path="/health", timeout=s.sglang_server_startup_timeout)
             )
-        self.router = remote_cls.options(num_cpus=0, max_concurrency=ROUTER_CLIENT_CONCURRENCY).remote(
+        # A thread per request in flight, up to ROUTER_CLIENT_THREADS (generate_async's requests are bounded here).
+        threads = min(self.request_limit, ROUTER_CLIENT_THREADS)
+        self.router = remote_cls.options(num_cpus=0, max_concurrency=threads).remote(
             base_url=self.router_url, hf_checkpoint=model_path, seed=None
         )
 
@@ -510,16 +547,28 @@ class EngineGroup:
         return chunks
 
     async def generate(
-        self, prompts: Sequence[list[int]], params: SamplingParams, *, session_ids: Sequence[str | None] | None = None
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        session_ids: Sequence[str | None] | None = None,
+        sampling_seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """``generate_async``'s calls, awaited; an engine that dies under a call is handled as the module docstring
-        says (its requests go to a live engine, or wait for its restart)."""
+        says (its requests go to a live engine, or wait for its restart). Through the router each prompt's
+        ``sampling_seeds`` entry is its SGLang ``sampling_seed``; engines without a router draw their own seeds
+        (``SGLangEngine``'s per-call counter, part of the checkpointed RNG state)."""
         if self.router is not None:
-            if session_ids is not None and len(session_ids) != len(prompts):
-                raise ValueError(f"session_ids has {len(session_ids)} entries for {len(prompts)} prompts")
+            for name, values in (("session_ids", session_ids), ("sampling_seeds", sampling_seeds)):
+                if values is not None and len(values) != len(prompts):
+                    raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
             keys = session_ids or [None] * len(prompts)
+            seeds = sampling_seeds or [None] * len(prompts)
             outs = await asyncio.gather(
-                *(self._generate_routed(list(p), params, k) for p, k in zip(prompts, keys, strict=True))
+                *(
+                    self._generate_routed(list(p), params, k, seed)
+                    for p, k, seed in zip(prompts, keys, seeds, strict=True)
+                )
             )
         elif not self.actors:
             outs = [await ref for ref in self.generate_async(prompts, params, session_ids=session_ids)]
@@ -536,6 +585,13 @@ class EngineGroup:
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self._all("update_weights_from_disk", path, weight_version=weight_version)
+
+    def load_lora_adapter(self, path: str, *, weight_version: int) -> None:
+        """Every engine (SGLang's) loads the peft adapter folder ``path`` and generates with it, through the router
+        too."""
+        self._all("load_lora_adapter", path, weight_version=weight_version)
+        if self.router is not None:
+            ray.get(self.router.use_lora_adapter.remote(weight_version))
 
     def tp_sizes(self) -> list[int]:
         """Each engine's ranks in a weight-update group (its tensor-parallel size)."""

@@ -30,6 +30,7 @@ from runtime.train.backends import backend_class
 from runtime.train.batch import shard_rows
 from runtime.train.hooks import TrainHooks
 from runtime.train.memory import memory_history
+from runtime.train.offload import reduce_over_ranks
 from runtime.train.step import train_rollout
 
 # Seconds the group waits for its other ranks once one call failed, to tell a dead rank from a failing call, and for
@@ -410,15 +411,20 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self.call("save_hf", path)
 
-    def release_memory(self) -> None:
-        self.call("release_memory")
+    def write_lora_adapter(self, folder: str) -> str:
+        """The LoRA adapters as a peft folder at ``folder`` (rank 0 writes it); its path."""
+        return self.call("write_lora_adapter", folder)[0]
+
+    def release_memory(self) -> dict[str, float]:
+        """Every rank gives its device memory back; their offload metrics combined as each declares."""
+        return reduce_over_ranks(self.call("release_memory"))
 
     def device_memory(self) -> list[dict[str, int] | None]:
         """Each rank's :func:`device_memory`."""
         return ray.get([a.device_memory.remote() for a in self.actors])
 
-    def resume_memory(self) -> None:
-        self.call("resume_memory")
+    def resume_memory(self) -> dict[str, float]:
+        return reduce_over_ranks(self.call("resume_memory"))
 
     def shutdown(self) -> None:
         # Best effort: this runs while a failed job unwinds, when an actor may already be dead, or stuck in a

@@ -8,7 +8,10 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   (``RolloutEngine.load_weights``), one bucket at a time, so no process holds more than a bucket beyond its model.
 - ``disk``: trainer rank 0 writes an HF folder of safetensors (a file per bucket, with their index and the
   checkpoint's config and tokenizer files) and every engine loads it (``update_weights_from_disk``); SGLang servers
-  read it through ``/update_weights_from_disk``, so the folder must be on a file system they see.
+  read it through ``/update_weights_from_disk``, so the folder must be on a file system they see. As slime does:
+  one folder per sync, ``weight_v<version, 6 digits>`` under ``--update-weight-disk-dir``, deleted once the engines
+  loaded it unless ``--update-weight-disk-keep-files``, and ``--custom-update-weight-post-write-path`` called between
+  the write and the load.
 
 - ``nccl``: trainer rank 0 and every engine join one ``torch.distributed`` group (SGLang's
   ``init_weights_update_group``, once), then each bucket is one ``update_weights_from_distributed`` call per engine
@@ -19,6 +22,10 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   the trainer computes, in the engines' dtype, and crosses as handles to its memory (CUDA IPC on a GPU, shared-memory
   files on the CPU; SGLang's ``update_weights_from_tensor``), so no weight passes through host memory or a socket;
   the trainer keeps a bucket alive until every engine has copied it.
+
+- ``lora_adapter``: under ``--lora-rank`` with SGLang engines, trainer rank 0 writes the adapters as a peft folder
+  and every server loads it as a LoRA adapter (``/load_lora_adapter``) over its unchanged base weights; requests name
+  it (``lora_path``). Only the adapters cross, not merged weights.
 
 An engine that dies during a push is restarted by the engine group and the push runs again (``EngineGroup.on_all``);
 over NCCL/gloo the trainer aborts the broadcast as soon as a receiver fails (``weight_transfer.send_bucket``) rather
@@ -31,15 +38,19 @@ engine and every engine receives the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import ray
 
 from runtime.engines import weight_transfer
+from runtime.hooks import resolve_hook
 
 
 @runtime_checkable
@@ -78,31 +89,101 @@ class ObjectStoreSync:
         pass
 
 
-class DiskSync:
-    """An HF folder of safetensors written by the trainers, loaded by every engine (see the module docstring).
+@dataclass(frozen=True)
+class DiskOptions:
+    """slime's settings of disk sync: ``folder`` (``--update-weight-disk-dir``; None: a temporary folder, removed at
+    the end), ``keep_files`` (``--update-weight-disk-keep-files``) and ``post_write``
+    (``--custom-update-weight-post-write-path`` with slime's ``args`` bound: ``post_write(version_dir,
+    rollout_engines)``, the engines as their actors)."""
 
-    ``folder`` defaults to a fresh temporary folder, removed by :meth:`close`; each push overwrites it.
+    folder: str | None = None
+    keep_files: bool = False
+    post_write: Callable[[str, list[Any]], Any] | None = None
+
+
+def disk_options(cfg: Any) -> DiskOptions:
+    """The job's :class:`DiskOptions`, from its ``--update-weight-disk-*`` flags and post-write hook."""
+    s = cfg.sglang
+    post_write = None
+    if s.custom_update_weight_post_write_path is not None:
+        hook = resolve_hook("--custom-update-weight-post-write-path", s.custom_update_weight_post_write_path)
+        post_write = functools.partial(hook, cfg)
+    return DiskOptions(
+        folder=s.update_weight_disk_dir, keep_files=s.update_weight_disk_keep_files, post_write=post_write
+    )
+
+
+class DiskSync:
+    """An HF folder of safetensors per sync written by the trainers, loaded by every engine (see the module
+    docstring)."""
+
+    def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int, disk: DiskOptions | None = None):
+        self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
+        self.options = disk or DiskOptions()
+        self.dtype = engines.weight_dtype()
+        self._owned = self.options.folder is None
+        self.root = Path(self.options.folder or tempfile.mkdtemp(prefix="rlcore-weights-"))
+
+    def version_dir(self, version: int) -> Path:
+        """The folder of ``version``'s weights (slime's name)."""
+        return self.root / f"weight_v{version:06d}"
+
+    def push(self, version: int) -> None:
+        self._load(lambda path: self.engines.update_weights_from_disk(path, weight_version=version), version)
+
+    def _load(self, load: Callable[[str], Any], version: int) -> None:
+        folder = self.version_dir(version)
+        path = self.trainers.write_weights(str(folder), dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+        try:
+            if self.options.post_write is not None:
+                self.options.post_write(path, list(self.engines.actors))
+            load(path)
+        finally:
+            if not self.options.keep_files:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def rejoin(self, replacements: dict[int, Any]) -> None:
+        version = self.trainers.version
+        actors = list(replacements.values())
+        self._load(
+            lambda path: ray.get([a.update_weights_from_disk.remote(path, weight_version=version) for a in actors]),
+            version,
+        )
+
+    def close(self) -> None:
+        if self._owned and not self.options.keep_files:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LoraAdapterSync:
+    """The trainers' LoRA adapters as a peft folder, loaded by every SGLang engine as an adapter over its base weights
+    (``SGLangEngine.load_lora_adapter``: SGLang's ``/load_lora_adapter``, then ``lora_path`` in each ``/generate``).
+
+    Each push writes ``v{version}/`` under ``folder`` (a fresh temporary folder by default, removed by :meth:`close`)
+    and removes the folder two versions back, so the one an engine still serves from stays until it is replaced.
+
+    A restarted engine rejoins with the adapter the others serve (the last push's, not the trainers' newer weights):
+    the router names one adapter in every request, so every server must hold that one. Before the first push the
+    engines serve the base weights and a restarted one needs nothing.
     """
 
     def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int, folder: str | None = None):
-        self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
-        self.dtype = engines.weight_dtype()
+        self.trainers, self.engines = trainers, engines
         self._owned = folder is None
-        self.root = Path(folder or tempfile.mkdtemp(prefix="rlcore-weights-"))
+        self.root = Path(folder or tempfile.mkdtemp(prefix="rlcore-lora-"))
+        self._served: tuple[str, int] | None = None
 
     def push(self, version: int) -> None:
-        path = self._write()
-        self.engines.update_weights_from_disk(path, weight_version=version)
-
-    def _write(self) -> str:
-        return self.trainers.write_weights(
-            str(self.root / "weights"), dtype=self.dtype, bucket_bytes=self.bucket_bytes
-        )
+        path = self.trainers.write_lora_adapter(str(self.root / f"v{version}"))
+        self.engines.load_lora_adapter(path, weight_version=version)
+        self._served = (path, version)
+        shutil.rmtree(self.root / f"v{version - 2}", ignore_errors=True)
 
     def rejoin(self, replacements: dict[int, Any]) -> None:
-        path = self._write()
-        version = self.trainers.version
-        ray.get([a.update_weights_from_disk.remote(path, weight_version=version) for a in replacements.values()])
+        if self._served is None:
+            return
+        path, version = self._served
+        ray.get([a.load_lora_adapter.remote(path, weight_version=version) for a in replacements.values()])
 
     def close(self) -> None:
         if self._owned:
@@ -240,6 +321,7 @@ WEIGHT_SYNCS: dict[str, type[Any]] = {
     "disk": DiskSync,
     "nccl": DistributedSync,
     "ipc": IpcSync,
+    "lora_adapter": LoraAdapterSync,
 }
 
 
@@ -266,14 +348,17 @@ def check_weights_equal(trainers: Any, engines: Any, *, truncate_size: int = 4) 
     return len(expected)
 
 
-def make_weight_sync(trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None) -> WeightSync:
-    """The weight sync for ``engines`` (their registry default, or ``kind``)."""
+def make_weight_sync(
+    trainers: Any, engines: Any, *, bucket_bytes: int, kind: str | None = None, disk: DiskOptions | None = None
+) -> WeightSync:
+    """The weight sync for ``engines`` (their registry default, or ``kind``); ``disk`` configures disk sync."""
     if not (trainers.actors and engines.actors):
         return NoSync(trainers, engines, bucket_bytes=bucket_bytes)  # a debug mode runs one side only
     kind = kind or engines.weight_sync_kind
     if kind not in WEIGHT_SYNCS:
         raise ValueError(f"weight sync {kind!r} is not one of {', '.join(WEIGHT_SYNCS)}")
-    sync = WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes)
+    options = {"disk": disk} if kind == "disk" else {}
+    sync = WEIGHT_SYNCS[kind](trainers, engines, bucket_bytes=bucket_bytes, **options)
     lock = getattr(trainers, "weights_lock", None)
 
     def rejoin(replacements: dict[int, Any]) -> None:

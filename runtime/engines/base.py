@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,6 +99,14 @@ def stop_string_end(token_ids: list[int], stops: tuple[str, ...], decode: Callab
         else:
             lo = mid + 1
     return lo
+
+
+def sampling_seed(seed: int, call: int, index: int) -> int:
+    """The ``sampling_seed`` (in ``[0, 2**31)``) of prompt ``index`` in the ``call``-th generate call.
+
+    numpy's ``SeedSequence`` mixes the three, so that neighbouring prompts and calls get unrelated seeds.
+    """
+    return int(np.random.SeedSequence([seed, call, index]).generate_state(1, dtype=np.uint32)[0]) >> 1
 
 
 @dataclass

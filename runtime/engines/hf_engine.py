@@ -1,10 +1,11 @@
 """The embedded rollout engine: a HF causal LM decoding a left-padded batch over a static KV cache.
 
-Decoding is :func:`runtime.engines.decode.decode`: prefill once, then one token per step for every row, the step's
-forward replayed as a CUDA graph on the GPU, sampling as it goes. transformers' ``generate`` cost about 100 ms of
-Python and launches per step at a Qwen3-0.6B shape; its continuous batching (``generate_batch``) cannot start on the
-CPU (its paged cache sizes itself from free device memory, which it reads as 0 there). SGLang is the engine for
-throughput; this one serves CPU runs, tests and one-GPU jobs.
+Decoding is :func:`runtime.engines.decode.decode`: prefill, then one token per step for every running row (at most
+``--engine-max-running-requests``; rows that stop are refilled with waiting prompts), the step's forward replayed as
+a CUDA graph on the GPU, sampling as it goes from each prompt's own seeded stream. transformers' ``generate`` cost
+about 100 ms of Python and launches per step at a Qwen3-0.6B shape; its continuous batching (``generate_batch``)
+cannot start on the CPU (its paged cache sizes itself from free device memory, which it reads as 0 there). SGLang is
+the engine for throughput; this one serves CPU runs, tests and one-GPU jobs.
 
 Per-token rollout log-probs are ``log_softmax(logits / temperature)`` of the sampled token over the whole vocabulary,
 *before* top-k and top-p truncation, taken at the step the token is drawn (one step's ``[B, V]`` logits at a time):
@@ -37,7 +38,13 @@ from typing import Any
 import torch
 
 from runtime.engines import weight_transfer
-from runtime.engines.base import Generation, SamplingParams, check_generate_args, stop_string_end
+from runtime.engines.base import (
+    Generation,
+    SamplingParams,
+    check_generate_args,
+    sampling_seed,
+    stop_string_end,
+)
 from runtime.engines.decode import ATTENTION, decode, register_attention
 
 
@@ -187,8 +194,13 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
 class HFEngine:
     """A causal LM from a HF folder that samples responses with per-token log-probs (see :class:`RolloutEngine`).
 
-    Runs in its own Ray actor process (``runtime.cluster``); sampling uses the process's torch RNG, seeded here and
-    saved/restored with :meth:`get_rng_state` / :meth:`set_rng_state` so that a resumed job samples alike.
+    Runs in its own Ray actor process (``runtime.cluster``). Each prompt draws from its own stream, seeded with
+    :func:`runtime.engines.base.sampling_seed` of ``seed``, the number of generate calls so far and its index in the
+    call (as the SGLang adapter seeds its requests); :meth:`get_rng_state` / :meth:`set_rng_state` save and restore
+    that count, so that a resumed job samples alike. ``max_running_requests`` (``--engine-max-running-requests``;
+    default: every prompt of a call at once) bounds the rows decoded together: the KV cache holds that many, and rows
+    that stop are refilled with waiting prompts (:func:`runtime.engines.decode.decode`); a prompt's draws do not
+    depend on it (in float32 on the CPU the tokens are the same for any value).
     """
 
     def __init__(
@@ -200,11 +212,17 @@ class HFEngine:
         dtype: str = "auto",
         cuda_graph: bool = True,
         compile: bool = False,
+        max_running_requests: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        n = max_running_requests
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"max_running_requests must be None or an int >= 1, got {max_running_requests!r}")
         self.device = pick_device(device)
         torch.manual_seed(seed)
+        self.seed, self._generate_calls = seed, 0
+        self.max_running_requests = max_running_requests
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
@@ -243,7 +261,8 @@ class HFEngine:
         with ``no_stop_trim``; :func:`runtime.engines.base.stop_string_end`); its log-probs are the untruncated
         ``log_softmax(logits / temperature)`` of each sampled token.
         :meth:`abort` ends the call after the decoding step it lands in: the rows still running return the tokens
-        sampled so far with ``finish_reason="abort"``, the finished ones keep ``"stop"`` or ``"length"``.
+        sampled so far with ``finish_reason="abort"``, the finished ones keep ``"stop"`` or ``"length"``, and the
+        prompts still waiting for a slot (``max_running_requests``) return no tokens with ``"abort"``.
         """
         params = check_generate_args(prompts, params, released=self.released)
         epoch, version = self._abort_epoch, self._weight_version
@@ -254,6 +273,8 @@ class HFEngine:
         for i, ids in enumerate(prompts):
             input_ids[i, width - len(ids) :] = torch.tensor(ids)
             attention_mask[i, width - len(ids) :] = 1
+        seeds = [sampling_seed(self.seed, self._generate_calls, i) for i in range(len(prompts))]
+        self._generate_calls += 1
         decoded = decode(
             self.model,
             input_ids.to(self.device),
@@ -264,6 +285,8 @@ class HFEngine:
             top_p=params.top_p,
             stop_ids=stop,
             pad_id=self.pad_token_id,
+            seeds=seeds,
+            max_running=self.max_running_requests,
             is_aborted=lambda: self._abort_epoch != epoch,
             cuda_graph=self.cuda_graph,
             compile=self.compile,
@@ -271,26 +294,19 @@ class HFEngine:
             stopped=self._stop_string_check(params.stop) if params.stop else None,
             nucleus=params.return_top_p_token_ids,
         )
-        # One column per decoding step; rows that finished early are padded after their stop.
-        new_tokens, log_probs = decoded.tokens.cpu(), decoded.log_probs.cpu()
-        steps = new_tokens.shape[1]
-        is_stop = torch.isin(new_tokens, torch.tensor(stop))
-        # A response ends at its first stop token (kept); what follows is the padding of finished rows.
-        first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), steps)
-        # Rows without a stop token ran every step: to max_new_tokens, or cut short by an abort.
-        unstopped = "length" if steps == params.max_new_tokens else "abort"
         results = []
-        for row, (end, tokens, lps) in enumerate(zip(first_stop.tolist(), new_tokens, log_probs, strict=True)):
-            finished = end < steps
-            n = end + 1 if finished else end
-            at_string = stop_string_end(tokens[:n].tolist(), params.stop, self._decode)
-            if at_string is not None:
-                finished, n = True, at_string
+        rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)
+        for row, (tokens, lps, finish) in enumerate(rows):
+            ids = tokens.tolist()
+            # Stop strings are checked every few decoding steps: the response ends at the first token after which
+            # its text holds one.
+            at_string = stop_string_end(ids, params.stop, self._decode)
+            n = len(ids) if at_string is None else at_string
             results.append(
                 Generation(
-                    token_ids=tokens[:n].tolist(),
+                    token_ids=ids[:n],
                     log_probs=lps[:n].tolist(),
-                    finish_reason="stop" if finished else unstopped,
+                    finish_reason="stop" if at_string is not None else finish,
                     weight_version=version,
                     extra={} if decoded.nucleus is None else top_p_token_data(decoded.nucleus[row][:n]),
                 )
@@ -298,12 +314,11 @@ class HFEngine:
         return results
 
     def _stop_string_check(self, stops: tuple[str, ...]):
-        """For :func:`decode`: which rows' responses so far (``[B, steps]``) hold one of ``stops`` in their text.
+        """For :func:`decode`: which of the running rows' responses so far hold one of ``stops`` in their text.
         It only lets those rows stop early; where each response ends is found after decoding."""
 
-        def stopped(tokens: torch.Tensor) -> torch.Tensor:
-            rows = tokens.cpu().tolist()
-            return torch.tensor([any(stop in self._decode(row) for stop in stops) for row in rows])
+        def stopped(rows: list[list[int]]) -> list[bool]:
+            return [any(stop in self._decode(row) for stop in stops) for row in rows]
 
         return stopped
 
@@ -422,10 +437,12 @@ class HFEngine:
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Give device memory back: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph`` (as
-        SGLang's; only ``weights`` holds memory between calls here: the model moves to the CPU)."""
+        SGLang's). Only ``weights`` holds memory between calls here (the model moves to the CPU); the KV cache and
+        the graph live for one call, and releasing them returns the blocks the allocator kept to the device."""
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
             self.model.to("cpu")
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._released_tags |= tags
         self.released = True
@@ -449,10 +466,13 @@ class HFEngine:
         }
 
     def get_rng_state(self) -> dict[str, Any]:
-        return rng_state(self.device)
+        """torch's generators and the count of generate calls (which, with the seed, gives each prompt's stream)."""
+        return {**rng_state(self.device), "seed": self.seed, "generate_calls": self._generate_calls}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         restore_rng_state(state, self.device)
+        self.seed = state.get("seed", self.seed)
+        self._generate_calls = state.get("generate_calls", self._generate_calls)
 
     def health(self) -> bool:
         """Whether :meth:`generate` can run now: not released, not closed."""

@@ -75,6 +75,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "model_path": model_path,
             "seed": cfg.seed + 1000 * i,
             "compile": cfg.rollout.engine_compile,
+            "max_running_requests": cfg.rollout.engine_max_running_requests,
         },
         restartable=True,
     ),

@@ -78,6 +78,8 @@ class SGLangAPI:
     generate_contract_error: Any
     router_version: str | None
     RouterArgs: Any
+    # sglang.srt.sampling.sampling_params.SamplingParams (a request's sampling_params, checked by its verify()).
+    SamplingParams: Any = None
 
 
 @functools.cache
@@ -94,6 +96,7 @@ def load() -> SGLangAPI | None:
         import sglang
         import sglang.srt.managers.io_struct as io_struct
         from sglang.srt.entrypoints.api_contract import generate_contract_error
+        from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.server_args import ServerArgs
     router_version, router_args = None, None
     if importlib.util.find_spec("sglang_router") is not None:
@@ -102,4 +105,6 @@ def load() -> SGLangAPI | None:
         from sglang_router.router_args import RouterArgs
 
         router_version, router_args = version("sglang-router"), RouterArgs
-    return SGLangAPI(sglang.__version__, io_struct, ServerArgs, generate_contract_error, router_version, router_args)
+    return SGLangAPI(
+        sglang.__version__, io_struct, ServerArgs, generate_contract_error, router_version, router_args, SamplingParams
+    )

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from runtime.engines import weight_transfer
-from runtime.engines.base import Generation, SamplingParams, check_generate_args
+from runtime.engines.base import Generation, SamplingParams, check_generate_args, sampling_seed
 from runtime.engines.hf_engine import (
     WeightUpdate,
     bucket_shapes,
@@ -133,12 +133,9 @@ def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def sampling_seed(seed: int, call: int, index: int) -> int:
-    """The ``sampling_seed`` (in ``[0, 2**31)``) of prompt ``index`` in the ``call``-th generate call.
-
-    numpy's ``SeedSequence`` mixes the three, so that neighbouring prompts and calls get unrelated seeds.
-    """
-    return int(np.random.SeedSequence([seed, call, index]).generate_state(1, dtype=np.uint32)[0]) >> 1
+def lora_adapter_name(weight_version: int) -> str:
+    """The name SGLang servers hold the LoRA adapter of ``weight_version`` under (``lora_name``, ``lora_path``)."""
+    return f"rlcore-v{weight_version}"
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -308,6 +305,8 @@ class SGLangEngine:
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rlcore-sglang-weights-"))
         self._hf_checkpoint = Path(hf_checkpoint) if hf_checkpoint is not None else None
         self._last_weights: Path | None = None
+        # The LoRA adapter the server holds for this engine (``load_lora_adapter``), named in every /generate.
+        self.lora_name: str | None = None
         if wait_healthy:
             self.wait_healthy(startup_timeout)
 
@@ -395,21 +394,37 @@ class SGLangEngine:
         return self.base_url
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any], *, routing_key: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | dict[str, Any],
+        *,
+        routing_key: str | None = None,
+        sampling_seeds: list[int] | None = None,
     ) -> list[Generation]:
         """One response per prompt, all in one ``/generate`` request; ``prompts`` is a list of non-empty id lists.
 
         ``routing_key`` goes along as the SGLang router's ``x-smg-routing-key`` header (a multi-turn session's id), so
         that the router's consistent-hashing or manual policy sends every turn of a session to one server.
+        ``sampling_seeds`` (one int per prompt) are sent as each prompt's ``sampling_seed``, in place of the ones
+        ``seed`` derives.
         """
         params = check_generate_args(prompts, params, released=self.released)
+        if sampling_seeds is not None and (
+            len(sampling_seeds) != len(prompts) or not all(_is_int(x) for x in sampling_seeds)
+        ):
+            raise ValueError(f"sampling_seeds must hold one int per prompt ({len(prompts)}), got {sampling_seeds!r}")
         batch = uuid.uuid4().hex
         sampling: dict[str, Any] | list[dict[str, Any]] = sampling_params_to_sglang(params)
-        if self.seed is not None:
+        if sampling_seeds is not None:
+            sampling = [{**sampling, "sampling_seed": int(x)} for x in sampling_seeds]
+        elif self.seed is not None:
             sampling = [
                 {**sampling, "sampling_seed": sampling_seed(self.seed, self.generate_calls, i)}
                 for i in range(len(prompts))
             ]
+        if isinstance(sampling, list) and len(sampling) == 1:
+            # One prompt, one object: the SGLang router's schema takes no list of sampling_params.
+            sampling = sampling[0]
         self.generate_calls += 1
         outputs = self._post(
             "/generate",
@@ -420,6 +435,7 @@ class SGLangEngine:
                 "logprob_start_len": -1,
                 # One id for the batch: SGLang numbers its prompts after it; the router takes only a string here.
                 "rid": f"rlcore-{batch}",
+                **({"lora_path": self.lora_name} if self.lora_name is not None else {}),
             },
             headers={ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None,
         )
@@ -466,6 +482,35 @@ class SGLangEngine:
         if Path(path).is_dir():
             self._check_folder(Path(path))
         self._load_from_disk(Path(path), weight_version, owned=False)
+
+    def load_lora_adapter(self, path: str, *, weight_version: int) -> None:
+        """Have the server load the peft adapter folder ``path`` (the trainer's, ``--update-weight-transport
+        lora_adapter``) as ``rlcore-v{weight_version}`` (SGLang's ``/load_lora_adapter``), drop the adapter it replaces
+        (``/unload_lora_adapter``) and generate with the new one from now on (``lora_path`` in ``/generate``).
+
+        The server must run with ``--enable-lora`` (the launcher adds it with ``--max-lora-rank`` and
+        ``--lora-target-modules``); the base weights stay the checkpoint's."""
+        check_weight_version(weight_version)
+        name = lora_adapter_name(weight_version)
+        if self.lora_name in (None, name):
+            # The same version again, or a restarted client of a server that may hold it already: replace it.
+            try:
+                self._post("/unload_lora_adapter", {"lora_name": name})
+            except SGLangHTTPError as err:
+                if err.status_code != 400:  # (400: not loaded, nothing to replace)
+                    raise
+            self.lora_name = None
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None:
+            self._post("/unload_lora_adapter", {"lora_name": previous})
+        self._weight_version = weight_version
+
+    def use_lora_adapter(self, weight_version: int) -> None:
+        """Send every later ``/generate`` with the adapter the servers loaded for ``weight_version`` (a client of the
+        router, in front of servers that :meth:`load_lora_adapter` loaded), labelling its outputs with that version."""
+        check_weight_version(weight_version)
+        self.lora_name, self._weight_version = lora_adapter_name(weight_version), weight_version
 
     def init_weights_update_group(
         self,
@@ -632,6 +677,10 @@ class SGLangEngine:
         if self._hf_checkpoint is None:
             self._hf_checkpoint = Path(self.model_info()["model_path"])
         return self._hf_checkpoint
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _tags_payload(tags: list[str] | None) -> dict[str, Any]:

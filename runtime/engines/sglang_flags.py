@@ -39,7 +39,10 @@ SERVER_OWNED = {
     "node_rank": "the launcher",
     "random_seed": "--seed",
     "weight_version": "the weight sync",
+    "config": "nothing: --sglang-config is slime's own flag (server groups), not SGLang's --config",
 }
+# Server flags whose prefixed spelling is a flag of slime's own: not passed through (slime skips them too).
+SERVER_SHADOWED = {"config"}
 # Router flags the fleet sets itself.
 ROUTER_OWNED = {
     "worker_urls": "--rollout-external-engine-addrs or the launched servers",
@@ -113,6 +116,8 @@ def add_passthrough_flags(parser: argparse.ArgumentParser, which: str, *, prefix
         f"every flag of the {title.lower()}, prefixed with {SERVER_PREFIX if which == 'server' else ROUTER_PREFIX}",
     )
     for f in flags(which).values():
+        if prefixed and which == "server" and f.dest in SERVER_SHADOWED:
+            continue
         dest = _DEST_PREFIX[which] + f.dest if prefixed else f.dest
         names = [_prefixed(which, s) for s in f.flags] if prefixed else list(f.flags)
         help_text = (f.help or "").replace("%", "%%")

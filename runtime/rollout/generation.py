@@ -46,7 +46,12 @@ class RolloutContext:
     ``--rollout-sample-hook-path`` hooks that run on every generated sample.
 
     ``engines`` needs ``async generate(prompts, params, *, session_ids=None) -> list[Generation]`` and ``rewind()``
-    (see ``runtime.cluster.engines.EngineGroup``).
+    (see ``runtime.cluster.engines.EngineGroup``), and ``sampling_seeds=`` too when ``sampling_seed`` is set.
+
+    ``sampling_seed`` (slime's ``--rollout-seed``; set for SGLang engines) gives every sample its own SGLang
+    ``sampling_seed``, as slime does: ``sampling_seed + k`` for the k-th sample of its group. It depends on nothing
+    but the sample's place in its group, so a resumed job sends the same seeds; SGLang samples by them under
+    ``--sglang-enable-deterministic-inference`` (otherwise they only label requests).
     """
 
     engines: Any
@@ -59,6 +64,7 @@ class RolloutContext:
     custom_generate: Callable[..., Any] | None = None
     rewards: Any = None
     rollout_id: int | None = None
+    sampling_seed: int | None = None
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -93,13 +99,19 @@ async def engine_generate(
     """Sample one continuation of ``token_ids`` on the job's engines (for custom generate functions).
 
     ``session_id`` (a multi-turn sample's ``Sample.session_id``) keeps every turn of a conversation on one SGLang
-    server: it is the router's routing key. Engines without a router ignore it.
+    server: it is the router's routing key. Engines without a router ignore it. A ``sampling_seed`` key of
+    ``sampling_params`` (slime's, which the rollout puts there: see :class:`RolloutContext`) goes along to SGLang.
     """
+    sampling_params = dict(sampling_params)
+    seed = sampling_params.pop("sampling_seed", None)
     params = SamplingParams.from_dict(sampling_params)
     engines = current_context().engines
-    if session_id is None:
-        return (await engines.generate([list(token_ids)], params))[0]
-    return (await engines.generate([list(token_ids)], params, session_ids=[session_id]))[0]
+    kwargs: dict[str, Any] = {}
+    if session_id is not None:
+        kwargs["session_ids"] = [session_id]
+    if seed is not None:
+        kwargs["sampling_seeds"] = [seed]
+    return (await engines.generate([list(token_ids)], params, **kwargs))[0]
 
 
 def apply_generation(
@@ -225,20 +237,25 @@ async def _generate_groups(
     prompt's generation split into several training samples, e.g. one per agent turn): they take the place of the
     sample in its group and share a ``rollout_id``. ``ctx.sample_hooks`` run on every result."""
     samples = [s for g in groups for s in g]
+    # slime's per-sample seeds (see RolloutContext): by the sample's place in its group.
+    seeds = [ctx.sampling_seed + k for g in groups for k in range(len(g))] if ctx.sampling_seed is not None else None
     if custom_generate is None:
-        generations = await ctx.engines.generate([s.tokens for s in samples], params)
+        kwargs = {"sampling_seeds": seeds} if seeds is not None else {}
+        generations = await ctx.engines.generate([s.tokens for s in samples], params, **kwargs)
         for s, g in zip(samples, generations, strict=True):
             apply_generation(s, g, ctx.tokenizer, skip_special_tokens=ctx.skip_special_tokens)
         results: list[Any] = list(samples)
     else:
         extra = accepted_kwargs(custom_generate, {"evaluation": evaluation})
 
-        async def one(sample: Sample) -> Any:
-            out = custom_generate(ctx.args, sample, params.to_dict(), **extra)
+        async def one(sample: Sample, seed: int | None) -> Any:
+            sampling = params.to_dict() if seed is None else {**params.to_dict(), "sampling_seed": seed}
+            out = custom_generate(ctx.args, sample, sampling, **extra)
             # slime's hook is an async def; a plain def that returns the sample works as well.
             return await out if inspect.isawaitable(out) else out
 
-        results = list(await asyncio.gather(*(one(s) for s in samples)))
+        per_sample = seeds or [None] * len(samples)
+        results = list(await asyncio.gather(*(one(s, k) for s, k in zip(samples, per_sample, strict=True))))
     if ctx.sample_hooks:
         results = [
             await apply_sample_hooks(ctx.sample_hooks, ctx.args, out, rollout_id=rollout_id, evaluation=evaluation)

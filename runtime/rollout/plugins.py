@@ -12,8 +12,10 @@ those names do.
 The data source it is handed is ``--data-source-path``'s class, built as ``cls(args)``, or by default
 :class:`BufferedPromptSource`: the prompt data in groups of ``--n-samples-per-prompt`` copies, after the groups put
 back with ``add_samples`` (taken through ``--buffer-filter-path``, first in first out by default), as slime's
-``RolloutDataSourceWithBuffer``. A custom data source keeps its own state: ``save(rollout_id)`` is called with every
-checkpoint and ``load(rollout_id)`` on resume (the rollout id is the last trained step's, as slime numbers them).
+``RolloutDataSourceWithBuffer``; with ``--disable-rollout-global-dataset`` it holds those groups only (``len`` 0;
+asking for more than the buffer holds raises, as slime's does). A custom data source keeps its own state:
+``save(rollout_id)`` is called with every checkpoint and ``load(rollout_id)`` on resume (the rollout id is the last
+trained step's, as slime numbers them).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import concurrent.futures
 import contextvars
 import copy
 import itertools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +113,23 @@ def flatten_groups(fn: Callable[..., Any], samples: Any) -> list[list[Sample]]:
 
 
 _AUTO_IDS = itertools.count(-(10**9), -1)
+# Where the numbers of samples a rollout function made itself start: above any data source's own numbering.
+UNNUMBERED_START = 10**9
+
+
+def number_groups(groups: list[list[Sample]], numbers: Iterator[int]) -> None:
+    """Give the samples a rollout function made itself (slime's ``Sample()`` defaults, ``group_index`` and ``index``
+    None) numbers from ``numbers``: one ``group_index`` per group (slime's groups are positional), one ``index`` per
+    sample. Numbers already set are kept."""
+    for group in groups:
+        if any(s.group_index is None for s in group):
+            shared = next(numbers)
+            for s in group:
+                if s.group_index is None:
+                    s.group_index = shared
+        for s in group:
+            if s.index is None:
+                s.index = next(numbers)
 
 
 def pop_first(args: Any, rollout_id: Any, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
@@ -136,6 +155,11 @@ class BufferedPromptSource:
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         groups = list(self.buffer_filter(self.args, None, self.buffer, num_samples)) if self.buffer else []
+        if num_samples > len(groups) and self.feed is None:
+            raise RuntimeError(
+                f"get_samples({num_samples}): the buffer holds {len(groups)} groups and --disable-rollout-global-"
+                "dataset leaves the data source no prompt data: add_samples more groups first, or drop the flag"
+            )
         prompts = self.feed.take(num_samples - len(groups)) if num_samples > len(groups) else []
         for prompt in prompts:
             self.handouts.append(prompt.metadata[HANDOUT_KEY])
@@ -168,7 +192,7 @@ class BufferedPromptSource:
         pass
 
     def __len__(self) -> int:
-        return len(self.feed.dataset)
+        return 0 if self.feed is None else len(self.feed.dataset)
 
     def get_buffer_length(self) -> int:
         return len(self.buffer)
@@ -292,6 +316,7 @@ class HookSource:
         self.num_rollout, self.lookahead = num_rollout, lookahead
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-fn")
         self._futures: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
+        self._numbers = itertools.count(UNNUMBERED_START)
 
     def start(self, step: int) -> None:
         pass
@@ -307,6 +332,7 @@ class HookSource:
                 if not isinstance(out, RolloutFnTrainOutput):
                     raise _bad_result(self.fn, f"returned {type(out).__name__}, expected RolloutFnTrainOutput")
                 groups = flatten_groups(self.fn, out.samples)
+                number_groups(groups, self._numbers)
                 handouts = list(getattr(self.data_source, "handouts", [])[handouts_before:])
             finally:
                 _JOB.reset(token)

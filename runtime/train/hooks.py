@@ -13,6 +13,12 @@ shapes built from the batch contract:
   :func:`get_log_probs_and_entropy` is the counterpart of slime's helper of that name;
 - ``--custom-pg-loss-reducer-function-path`` ``fn(total_lengths, response_lengths, loss_masks,
   calculate_per_token_loss) -> reducer``: the policy term's reducer over the concatenated response tokens;
+- ``--custom-tis-function-path`` ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+  total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics)`` per micro-batch, with ``--use-tis`` or
+  ``--get-mismatch-metrics``, in place of the built-in correction: ``pg_loss`` the concatenated per-token policy loss,
+  the log-probs and masks one tensor per sample; the returned masks drop tokens from the numerators of the policy,
+  KL and entropy terms (the denominators stay the original masks'), each metric is a per-token tensor reported as a
+  token mean;
 - ``--custom-megatron-init-path`` ``fn(args)``, ``--custom-megatron-before-log-prob-hook-path`` ``fn(args, model,
   store_prefix)`` and ``--custom-megatron-before-train-step-hook-path`` ``fn(args, rollout_id, step_id, model,
   optimizer, opt_param_scheduler)``: under the torch backend ``model`` is the trained ``torch.nn.Module`` (FSDP2
@@ -45,6 +51,7 @@ TRAINER_HOOK_FIELDS = (
     "rollout_data_postprocess_path",
     "custom_loss_function_path",
     "custom_pg_loss_reducer_function_path",
+    "custom_tis_function_path",
     "custom_megatron_init_path",
     "custom_megatron_before_log_prob_hook_path",
     "custom_megatron_before_train_step_hook_path",
@@ -69,6 +76,7 @@ class TrainHooks:
     per_token_loss: bool = False
     only_train: tuple[str, ...] = ()
     freeze: tuple[str, ...] = ()
+    rollout_entropy: bool = False
 
     def resolve(self) -> dict[str, Hook]:
         """Import every hook (in this process); the driver resolved them already, so this fails only when the
@@ -98,6 +106,7 @@ def train_hooks(cfg: Any) -> TrainHooks:
         per_token_loss=a.aggregation == "token_mean",
         only_train=tuple(t.only_train_params_name_list or ()),
         freeze=tuple(t.freeze_params_name_list or ()),
+        rollout_entropy=a.use_rollout_entropy,
     )
 
 
@@ -158,6 +167,8 @@ def rollout_data_view(td: TensorDict) -> dict[str, Any]:
         (keys.TEACHER_LOG_PROBS, "teacher_log_probs"),
         (keys.ADVANTAGES, "advantages"),
         (keys.RETURNS, "returns"),
+        (keys.OLD_ENTROPY, "entropy"),
+        (keys.REF_ENTROPY, "ref_entropy"),
     ):
         if ours in td.keys():
             data[theirs] = _rows(td, ours, response)
@@ -203,6 +214,60 @@ def kl_rows(td: TensorDict, *, kl_coef: float, kl_kind: str) -> list[torch.Tenso
     else:
         kl = torch.zeros_like(td[keys.MASK], dtype=torch.float32)
     return [kl[i, :r] for i, r in enumerate(lengths)]
+
+
+def split_rows(flat: torch.Tensor, lengths: list[int], *, width: int) -> torch.Tensor:
+    """[B, width]: the inverse of :func:`concat_rows`, each row's ``lengths[i]`` values then zeros (autograd
+    flows through)."""
+    rows = torch.split(flat, lengths)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+
+def custom_tis(
+    hook: Hook, args: Any, *, response_lengths: list[int], total_lengths: list[int]
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """``rl_loss``'s ``mismatch`` over slime's ``--custom-tis-function-path`` hook: the [B, T] tensors handed to it as
+    slime's concatenated ``pg_loss`` and per-sample lists, and its ``(pg_loss, modified_masks, metrics)`` read back as
+    [B, T] tensors."""
+    lengths = list(response_lengths)
+    count = sum(lengths)
+
+    def rows(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x[i, :r] for i, r in enumerate(lengths)]
+
+    def flat_tensor(value: Any, what: str) -> torch.Tensor:
+        if not torch.is_tensor(value) or value.numel() != count:
+            raise hook.bad_result(f"returned {what} {type(value).__name__}, expected a tensor of {count} tokens")
+        return value.reshape(-1)
+
+    def mismatch(*, pg, train_log_probs, rollout_log_probs, mask):
+        width = mask.shape[1]
+        out = hook(
+            args,
+            pg_loss=concat_rows(pg, lengths),
+            train_log_probs=rows(train_log_probs),
+            rollout_log_probs=rows(rollout_log_probs),
+            loss_masks=[m.int() for m in rows(mask)],
+            total_lengths=list(total_lengths),
+            response_lengths=list(lengths),
+        )
+        if not (isinstance(out, tuple | list) and len(out) == 3 and isinstance(out[2], dict)):
+            raise hook.wrong_type(out, "(pg_loss, modified_masks, metrics: dict)")
+        new_pg, masks, metrics = out
+        new_pg = split_rows(flat_tensor(new_pg, "pg_loss"), lengths, width=width)
+        if not isinstance(masks, list | tuple) or len(masks) != len(lengths):
+            raise hook.bad_result(f"returned modified_masks {type(masks).__name__}, expected one mask per sample")
+        for i, (m, r) in enumerate(zip(masks, lengths, strict=True)):
+            if not torch.is_tensor(m) or m.numel() != r:
+                raise hook.bad_result(f"returned modified_masks[{i}] {m!r:.40}, expected a tensor of {r} tokens")
+        keep = split_rows(torch.cat([m.reshape(-1).to(mask.device) for m in masks]), lengths, width=width) != 0
+        extra = {
+            str(k): split_rows(flat_tensor(v, f"metric {k!r}").detach().float(), lengths, width=width)
+            for k, v in metrics.items()
+        }
+        return new_pg, keep, extra
+
+    return mismatch
 
 
 def concat_rows(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

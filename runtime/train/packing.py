@@ -22,21 +22,47 @@ class ModelInputs:
 
     ``input_ids`` [rows, width] int64; ``attention_mask`` [rows, width] int64 (padded) or None (packed);
     ``position_ids`` [rows, width] int64 (packed) or None (the model's own ``arange``); ``picks`` [b, T] int64,
-    indices into the flattened ``rows x width`` positions.
+    indices into the flattened ``rows x width`` positions. Packed, ``cu_seq_lens`` int32 [b + 1] (the sequences'
+    cumulative token counts) and ``max_length`` (the longest sequence) are given to the model as transformers'
+    varlen keywords, which ``--attn-implementation varlen`` (``runtime.train.attention``) reads and others ignore.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     picks: torch.Tensor
+    cu_seq_lens: torch.Tensor | None = None
+    max_length: int | None = None
 
-    def model_kwargs(self) -> dict[str, torch.Tensor]:
-        kwargs = {"input_ids": self.input_ids}
+    def model_kwargs(self) -> dict[str, torch.Tensor | int]:
+        kwargs: dict[str, torch.Tensor | int] = {"input_ids": self.input_ids}
         if self.attention_mask is not None:
             kwargs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             kwargs["position_ids"] = self.position_ids
+        if self.cu_seq_lens is not None and self.max_length is not None:
+            kwargs.update(
+                cu_seq_lens_q=self.cu_seq_lens,
+                cu_seq_lens_k=self.cu_seq_lens,
+                max_length_q=self.max_length,
+                max_length_k=self.max_length,
+            )
         return kwargs
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """The same inputs on ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return ModelInputs(
+            move(self.input_ids),
+            move(self.attention_mask),
+            move(self.position_ids),
+            move(self.picks),
+            move(self.cu_seq_lens),
+            self.max_length,
+        )
 
 
 def _check(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor, horizon: int) -> None:
@@ -79,14 +105,16 @@ def packed_inputs(
     each; arguments as :func:`padded_inputs`."""
     _check(tokens, prompt_lengths, lengths, horizon)
     device = tokens.device
-    total = int(lengths.sum())
+    host = lengths.tolist()
+    total = sum(host)
     starts = torch.cumsum(lengths, 0) - lengths
     row = torch.repeat_interleave(torch.arange(tokens.shape[0], device=device), lengths, output_size=total)
     position_ids = torch.arange(total, device=device) - starts[row]
     input_ids = tokens[row, position_ids]
     offsets = torch.arange(horizon, device=device)
     within = torch.minimum(prompt_lengths[:, None] - 1 + offsets, lengths[:, None] - 1)
-    return ModelInputs(input_ids[None], None, position_ids[None], starts[:, None] + within)
+    cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    return ModelInputs(input_ids[None], None, position_ids[None], starts[:, None] + within, cu_seq_lens, max(host))
 
 
 def pack_by_tokens(lengths: list[int], *, max_tokens: int) -> list[list[int]]:

@@ -86,11 +86,14 @@ class TrainBackend(Protocol):
         """Drop the optimizer's state, its moments and step counts (slime's ``--reset-optimizer-states``)."""
         ...
 
-    def release_memory(self) -> None:
-        """Give device memory back (colocated with an engine) until :meth:`resume_memory`."""
+    def release_memory(self) -> dict[str, float] | None:
+        """Give device memory back (colocated with an engine) until :meth:`resume_memory`; the offload metrics
+        (``runtime.train.offload.METRICS``: what moved and how long it took), or None."""
         ...
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self) -> dict[str, float] | None:
+        """Take the memory back; ``perf/offload_train_resume_time``, or None."""
+        ...
 
     def get_rng_state(self) -> Any: ...
 

@@ -18,6 +18,9 @@ ADAPTER = "default"
 # Where peft puts the wrapped model's own parameter names, and what it inserts inside a LoRA layer.
 _PEFT_PREFIX = "base_model.model."
 _BASE_LAYER = ".base_layer"
+# A module of --lora-modules-to-save: peft keeps the frozen original and a trained copy per adapter.
+_ORIGINAL = ".original_module."
+_SAVED = f".modules_to_save.{ADAPTER}."
 
 
 def parse_target_modules(value: str) -> str | list[str]:
@@ -32,26 +35,50 @@ def parse_target_modules(value: str) -> str | list[str]:
     return names
 
 
-def wrap_lora(
-    model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: str
-) -> torch.nn.Module:
-    """``model`` with LoRA adapters of ``rank`` on ``target_modules``, scaling ``alpha / rank``; base frozen.
+def parse_modules_to_save(value: str) -> list[str] | None:
+    """``--lora-modules-to-save``: comma-separated module names trained in full beside the adapters, as
+    ``peft.LoraConfig.modules_to_save`` takes them (a name matches every module whose name ends with it: ``norm``
+    is every RMSNorm of a Llama or Qwen model); empty: none."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    return names or None
 
-    The adapters start as peft initialises them (``B = 0``), so the wrapped model computes exactly the base model.
+
+def wrap_lora(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: str,
+    modules_to_save: str = "",
+) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on ``target_modules``, scaling ``alpha / rank``; base frozen but for
+    a trained copy of each of ``modules_to_save`` (peft's ``modules_to_save``; a tied embedding stays tied).
+
+    The adapters start as peft initialises them (``B = 0``) and the copies equal their originals, so the wrapped model
+    computes exactly the base model.
     """
     from peft import LoraConfig, get_peft_model
 
+    saved = parse_modules_to_save(modules_to_save)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=parse_target_modules(target_modules),
+        modules_to_save=saved,
+        ensure_weight_tying=saved is not None,
         bias="none",
     )
     try:
-        return get_peft_model(model, config, adapter_name=ADAPTER)
+        wrapped = get_peft_model(model, config, adapter_name=ADAPTER)
     except ValueError as err:  # peft names the target modules it could not find
         raise ValueError(f"--lora-target-modules {target_modules!r}: {err}") from None
+    found = {name for name, _ in wrapped.named_parameters() if _SAVED in name}
+    missing = [m for m in saved or () if not any(n.split(_SAVED)[0].endswith(m) for n in found)]
+    if missing:
+        raise ValueError(f"--lora-modules-to-save {modules_to_save!r}: no module of the model is named {missing}")
+    return wrapped
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -69,9 +96,14 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
 
 def hf_name(peft_name: str) -> str:
     """The base model's name of a peft parameter: ``base_model.model.x.q_proj.base_layer.weight`` ->
-    ``x.q_proj.weight``."""
+    ``x.q_proj.weight``, and ``x.norm.modules_to_save.default.weight`` (a trained copy) -> ``x.norm.weight``."""
     name = peft_name.removeprefix(_PEFT_PREFIX)
-    return name.replace(_BASE_LAYER + ".", ".")
+    return name.replace(_BASE_LAYER + ".", ".").replace(_SAVED, ".")
+
+
+def _is_trained(peft_name: str) -> bool:
+    """Whether a peft state-dict entry is trained: an adapter, or the copy of a module to save."""
+    return ".lora_" in peft_name or _SAVED in peft_name
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
@@ -97,8 +129,9 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     lora = is_lora(model)
     seen: set[int] = set()
     for name, value in model.state_dict(keep_vars=True).items():
-        # Adapters go out merged into their base weight; a tied weight is one tensor under two names.
-        if (lora and ".lora_" in name) or id(value) in seen:
+        # Adapters go out merged into their base weight, a module to save as its trained copy; a tied weight is one
+        # tensor under two names.
+        if (lora and (".lora_" in name or _ORIGINAL in name)) or id(value) in seen:
             continue
         seen.add(id(value))
         name = hf_name(name) if lora else name
@@ -111,8 +144,9 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' whole tensors under peft's names (what ``PeftModel.save_pretrained`` writes), on the CPU."""
-    return {name: _full(value).cpu() for name, value in model.state_dict(keep_vars=True).items() if ".lora_" in name}
+    """The adapters' (and the saved modules') whole tensors under peft's names (what ``PeftModel.save_pretrained``
+    writes), on the CPU."""
+    return {name: _full(value).cpu() for name, value in model.state_dict(keep_vars=True).items() if _is_trained(name)}
 
 
 def base_only(model: torch.nn.Module) -> AbstractContextManager:

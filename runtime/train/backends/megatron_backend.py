@@ -51,6 +51,44 @@ from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
 
 
+def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's starting state (zero moments, step 0) for every parameter of ``optimizer`` that has none yet."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            slot = optimizer.state[p]
+            if not slot:
+                slot["step"] = torch.zeros((), dtype=torch.float32)
+                slot["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
+    """Load a Megatron ``DistributedOptimizer``'s torch_dist state (:data:`OPTIMIZER_SHARDING`) into ``distributed``.
+
+    megatron-core 0.16.1 with torch's Adam (no Apex or Transformer Engine, as on our GPU hosts) cannot do this in
+    ``load_state_dict``: it sets Adam's per-parameter ``step`` from the param groups, then copies every state entry,
+    ``step`` included, from the loaded moments, which have none (a ``KeyError``). So the common part (param groups,
+    step) goes through ``load_state_dict``, and the moments and main weights are copied with ``step`` set aside. It
+    also gives every parameter the same ``step`` tensor, which torch's foreach Adam would then advance once per
+    parameter: each gets its own copy."""
+    param_state = state.pop("param_state")
+    sharding = state.pop("param_state_sharding_type")
+    if sharding != OPTIMIZER_SHARDING["distrib_optim_sharding_type"]:
+        raise ValueError(f"the checkpoint's distributed optimizer state is {sharding!r}, not {OPTIMIZER_SHARDING}")
+    distributed.load_state_dict(state)
+    inner = distributed.optimizer
+    steps = {p: inner.state[p].pop("step") for group in inner.param_groups for p in group["params"]}
+    try:
+        distributed.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for p, step in steps.items():
+            inner.state[p]["step"] = step.clone()
+
+
+# How the distributed optimizer's state is laid out in a torch_dist checkpoint (megatron-core's metadata).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 class _NoDropoutRNG:
     """Stands in for megatron-core's CUDA RNG tracker on the CPU: it forks an RNG state only around dropout, which
     this backend never applies (dropout is 0)."""
@@ -830,7 +868,11 @@ class MegatronTrainer:
             if self.cpu:
                 state["optimizer"] = self._cpu_optimizer_state(model_sd)
             else:
-                state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+                # fully_reshardable: the canonical per-parameter state, so a checkpoint loads at another TP/PP/DP
+                # layout (megatron-core 0.16 refuses its old default, fully_sharded_model_space, at save).
+                state["optimizer"] = self.optimizer.sharded_state_dict(
+                    model_sd, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
+                )
         return state
 
     def _cpu_optimizer_state(self, model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -843,12 +885,7 @@ class MegatronTrainer:
         )
 
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p in params:
-            slot = self.optimizer.state[p]
-            if not slot:
-                slot["step"] = torch.zeros((), dtype=torch.float32)
-                slot["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                slot["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        start_adam_state(self.optimizer)
         state = self.optimizer.state_dict()
         step = max((float(slot["step"]) for slot in state["state"].values()), default=0.0)
         optim_state_to_sharding_state(
@@ -882,6 +919,8 @@ class MegatronTrainer:
             raise ValueError(f"{path} is no Megatron torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
         saved = dist_checkpointing.load_tensors_metadata(str(folder))
         with_optimizer = any(key.startswith("optimizer.") for key in saved)
+        if with_optimizer and not self.cpu:
+            self._start_optimizer_state()
         with self._shims():
             state = mck.load_sharded(
                 self._sharded_state(with_optimizer=with_optimizer, is_loading=True),
@@ -899,9 +938,19 @@ class MegatronTrainer:
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
 
+    def _start_optimizer_state(self) -> None:
+        """Give every main-weight shard of a trainer that has not stepped yet AdamW's starting state (zero moments,
+        step 0). Megatron's distributed optimizer builds the state dict it loads into from its current one, and
+        without Apex or Transformer Engine (torch's Adam) it requires one step count shared by all parameters."""
+        for distributed in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            start_adam_state(distributed.optimizer)
+
     def _load_optimizer(self, state: dict[str, Any]) -> None:
         if not self.cpu:
-            self.optimizer.load_state_dict(state)
+            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+            for distributed, part in zip(chained, parts, strict=True):
+                load_distributed_optimizer(distributed, part)
             return
         step = torch.tensor(float(state.pop("common_step")), dtype=torch.float32)
         for slot in state["state"].values():

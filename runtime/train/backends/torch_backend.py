@@ -17,7 +17,8 @@ materialised.
 
 Speed options (docs/runtime.md): packed micro-batches (``--use-dynamic-batch-size``, ``runtime.train.packing``),
 activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation, and
-one bf16 cast of the weights per optimizer step under autocast (:meth:`TorchTrainer._step_scope`).
+and bf16 weights cast once per optimizer step from the float32 ones, gradients summed in float32
+(:meth:`TorchTrainer._step_scope`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import itertools
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -42,6 +44,7 @@ from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_los
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
+from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
@@ -49,12 +52,17 @@ from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
     concat_rows,
+    custom_tis,
     freeze_parameters,
     rollout_data_view,
     sum_of_sample_mean,
 )
+from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, padded_inputs
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
+
+# Where --use-rollout-entropy puts each log-prob pass's entropy (slime's "entropy" and "ref_entropy").
+ROLLOUT_ENTROPY = {keys.OLD_LOG_PROBS: keys.OLD_ENTROPY, keys.REF_LOG_PROBS: keys.REF_ENTROPY}
 
 # slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
 # The roles this backend builds a model for; others are refused by name at construction.
@@ -87,6 +95,20 @@ def _checkpoint_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
             f"--recompute-granularity full: {type(model).__name__} names no decoder block class to checkpoint "
             "(transformers' _no_split_modules)"
         )
+    return count
+
+
+def _compile_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
+    """``torch.compile`` every decoder block of ``model`` in place (``--torch-compile``; ``nn.Module.compile``, so
+    names, hooks and a checkpointed ``forward`` stay). The blocks share one compiled graph (their parameters are
+    the graph's inputs); packed micro-batches of changing length turn dynamic after the first recompile."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            module.compile()
+            count += 1
+    if count == 0:
+        raise ValueError(f"--torch-compile: {type(model).__name__} names no decoder block class (_no_split_modules)")
     return count
 
 
@@ -211,7 +233,8 @@ class TorchTrainer:
                 )
             self.group = dist.group.WORLD
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
-        self._casts: dict[tuple[int, torch.dtype], torch.Tensor] | None = None
+        # Inside a bf16 _step_scope on one process: (parameter, its float32 data, float32 gradient sum or None).
+        self._masters: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]] | None = None
         self.model = self._load(AutoModelForCausalLM, trainable=True)
         self.lora = lora.is_lora(self.model)
         paths = dict(role_paths or {})
@@ -240,6 +263,9 @@ class TorchTrainer:
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False
+        # Colocated offload on one GPU: bucketed copies through pinned host buffers (runtime.train.offload); under
+        # FSDP the sharded modules move with .to() instead.
+        self.host_offload = HostOffload(self.device) if self.device.type == "cuda" and self.world_size == 1 else None
         # --keep-old-actor: CPU copies of the actor's trained weights, slime's "old_actor" (what the old log-probs
         # are computed with) and "rollout_actor" (the weights the engines got last); see advance_old_actor.
         self.old_actor: list[torch.Tensor] | None = None
@@ -306,11 +332,14 @@ class TorchTrainer:
                     alpha=self.cfg.lora_alpha,
                     dropout=self.cfg.lora_dropout,
                     target_modules=self.cfg.lora_target_modules,
+                    modules_to_save=self.cfg.lora_modules_to_save,
                 )
         model.to(self.device)
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         if trainable and self.cfg.recompute_granularity == "full":
             _checkpoint_blocks(model, block_names)
+        if self.cfg.torch_compile:
+            _compile_blocks(model, block_names)
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -329,13 +358,18 @@ class TorchTrainer:
         """``from_pretrained``'s attention choice (``--attn-implementation``; nothing: transformers' default)."""
         choice = self.cfg.attn_implementation
         if choice == "auto":
-            # Not flex_attention: packed in bf16 on an H100 its log-probs were off the padded SDPA step's by more
-            # than 2e-2 on average (float32 agreed); see tests/test_torch_backend_perf_cuda.py.
-            return {}
+            # varlen: a flash kernel over the packed sequences, with no mask to build (flex_attention builds a
+            # BlockMask per micro-batch; SDPA a dense one). Elsewhere transformers' default.
+            if not attention.flash_varlen_available(self.device):
+                return {}
+            choice = attention.ATTENTION
+        if choice == attention.ATTENTION:
+            attention.register_attention()
         return {"attn_implementation": choice}
 
     def _autocast(self):
-        if self.bf16 and self.world_size == 1:
+        """bf16 autocast on one process outside a :meth:`_step_scope` (inside one the weights are bf16 already)."""
+        if self.bf16 and self.world_size == 1 and self._masters is None:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -345,49 +379,80 @@ class TorchTrainer:
         # Outside autocast: the backward runs in the forward's dtypes (recompute restores the forward's autocast).
         with torch.autocast(self.device.type, enabled=False):
             (loss * (self.world_size if real else 0.0)).backward()
+        if self._masters is not None:
+            self._accumulate_grads()
+
+    def _accumulate_grads(self) -> None:
+        """Inside a bf16 :meth:`_step_scope`: add the micro-batch's bf16 gradients into the float32 accumulators and
+        free them, so the step's gradient is summed in float32 (as FSDP2's ``reduce_dtype``)."""
+        assert self._masters is not None
+        for i, (param, master, accum) in enumerate(self._masters):
+            if param.grad is not None:
+                self._masters[i] = (param, master, param.grad.float() if accum is None else accum.add_(param.grad))
+                param.grad = None
 
     def _inputs(self, mb: TensorDict) -> ModelInputs:
         """Model inputs of micro-batch ``mb`` (on the device): one packed row with ``--use-dynamic-batch-size``,
         right-padded rows otherwise."""
         layout = packed_inputs if self.cfg.use_dynamic_batch_size else padded_inputs
+        # Laid out where ``mb`` is (the host, for the trainer's own micro-batches: no device syncs), then moved.
         lengths = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
-        return layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
+        inputs = layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
+        return inputs.to(self.device)
 
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
         """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
         the model's full logits. Under top-p replay (``NUCLEUS_IDS`` in ``mb``) the log-probs are renormalised over
         each token's nucleus (:func:`rlcore.kernels.nucleus_log_probs`); the entropy stays the full
         distribution's, as in slime."""
-        mb = mb.to(self.device)
         inputs = self._inputs(mb)
+        # Top-p replay: the nucleus ids are range-checked where they arrive (the host), not with a device sync.
+        host_nucleus = mb[NUCLEUS_IDS] if NUCLEUS_IDS in mb.keys() else None
+        mb = mb.to(self.device)
         with self._autocast():
             logits = model(**inputs.model_kwargs(), use_cache=False).logits
         response = mb[RESPONSE_TOKENS]
-        replay = NUCLEUS_IDS in mb.keys()
         # ``picked`` is a fresh copy nothing else reads (index_select's backward does not need its output), so the
         # backward may write d(logits) into it instead of allocating another [b * T, V] buffer (not when the nucleus
         # replay reads it too).
         picked = logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.picks.reshape(-1))
-        log_probs, entropy = logprobs_entropy(
-            picked,
-            response.reshape(-1),
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            inplace_backward=not replay,
-        )
-        if replay:
+        if host_nucleus is None:
+            log_probs, entropy = logprobs_entropy(
+                picked,
+                response.reshape(-1),
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                inplace_backward=True,
+            )
+        else:
+            vocab = logits.shape[-1]
+            if host_nucleus.device.type == "cpu" and bool(((host_nucleus < -1) | (host_nucleus >= vocab)).any()):
+                raise ValueError(f"{NUCLEUS_IDS}: ids must be in [0, {vocab}) or -1 (padding)")
             nucleus = mb[NUCLEUS_IDS]
             log_probs = nucleus_log_probs(
-                picked, response.reshape(-1), nucleus.reshape(-1, nucleus.shape[-1]), temperature=self.temperature
+                picked,
+                response.reshape(-1),
+                nucleus.reshape(-1, nucleus.shape[-1]),
+                temperature=self.temperature,
+                validate=host_nucleus.device.type != "cpu",
             ).float()
+            entropy = None
+            if with_entropy:  # the full distribution's, as in slime
+                _, entropy = logprobs_entropy(
+                    picked,
+                    response.reshape(-1),
+                    temperature=self.temperature,
+                    with_entropy=True,
+                    inplace_backward=False,
+                )
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
     def _values(self, mb: TensorDict) -> torch.Tensor:
         """Response-aligned critic values [b, T] float32 on micro-batch ``mb`` (with gradient when enabled): the value
         head's output at the position that predicts each response token, i.e. the value of the state before it."""
-        mb = mb.to(self.device)
         inputs = self._inputs(mb)
+        mb = mb.to(self.device)
         with self._autocast():
             out = self.critic(**inputs.model_kwargs(), use_cache=False)
         return out.logits[..., 0].float().reshape(-1)[inputs.picks]
@@ -409,10 +474,10 @@ class TorchTrainer:
         hooks run: its parameters (embeddings, final norm, LM head) are unsharded for the forward and stay so until
         the backward (FSDP2 does not reshard the root after its forward), and their gradients are reduce-scattered
         after it as if the head had run inside. The weight read after the forward is that unsharded parameter (in the
-        mixed-precision policy's dtype under bf16). On one process under bf16 autocast it is cast once per step
-        (:meth:`_step_scope`); the gradient reaches the float32 weight through the cast."""
-        mb = mb.to(self.device)
+        mixed-precision policy's dtype under bf16). On one process under bf16 it is the step's bf16 copy
+        (:meth:`_step_scope`)."""
         inputs = self._inputs(mb)
+        mb = mb.to(self.device)
         head = model.get_output_embeddings()
         head.forward = _identity
         try:
@@ -427,30 +492,37 @@ class TorchTrainer:
         return picked.to(dtype), self._cast(head.weight, dtype), mb[RESPONSE_TOKENS].reshape(-1)
 
     def _cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` in ``dtype``, cast once per :meth:`_step_scope` (a cast's backward saves nothing, so every
-        micro-batch's backward may run through the same one)."""
-        if weight.dtype == dtype or self._casts is None:
-            return weight.to(dtype)
-        key = (id(weight), dtype)
-        if key not in self._casts:
-            self._casts[key] = weight.to(dtype)
-        return self._casts[key]
+        """``weight`` in ``dtype`` (already so inside a bf16 :meth:`_step_scope` and under FSDP2's policy)."""
+        return weight.to(dtype)
+
+    def _models(self) -> list[torch.nn.Module]:
+        return [self.model, *self.frozen.values(), *([self.critic] if self.critic is not None else [])]
 
     @contextmanager
     def _step_scope(self) -> Iterator[None]:
-        """The micro-batches of one optimizer step (or one log-prob pass): under bf16 autocast on one process, one
-        autocast region around all of them, whose weight cache casts each float32 weight to bf16 once for the whole
-        step instead of once per micro-batch (the LM head's weight likewise, :meth:`_cast`). The cached copies are
-        dropped on exit, before the optimizer changes the weights."""
+        """The micro-batches of one optimizer step (or one log-prob pass). Under bf16 on one process, what FSDP2's
+        ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` does across ranks: every float32 parameter of
+        the trainer's models is cast to bf16 once for the scope (its ``data`` swapped for the copy), so the forward
+        and backward run wholly in bf16, the residual stream and norms included (autocast would keep them in float32,
+        with a cast before every matmul); each micro-batch's bf16 gradients are summed into float32 accumulators
+        (:meth:`_accumulate_grads`). On exit the float32 weights are put back with the summed gradients, before the
+        optimizer step."""
         if not (self.bf16 and self.world_size == 1):
             yield
             return
-        self._casts = {}
+        params = {id(p): p for model in self._models() for p in model.parameters() if p.dtype == torch.float32}
+        self._masters = []
+        for param in params.values():
+            accum, param.grad = param.grad, None
+            self._masters.append((param, param.data, accum))
+            param.data = param.data.to(torch.bfloat16)
         try:
-            with self._autocast():
-                yield
+            yield
         finally:
-            self._casts = None
+            for param, master, accum in self._masters:
+                param.data = master
+                param.grad = accum
+            self._masters = None
 
     def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
         """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
@@ -528,13 +600,20 @@ class TorchTrainer:
                 if self.critic is not None:
                     values = self._values(mb)
                     if real:
-                        out[CRITIC.writes].append(values.cpu())
+                        out[CRITIC.writes].append(values.detach())
                 for key, (model, context) in models.items():
+                    entropy_key = ROLLOUT_ENTROPY.get(key) if self.hooks.rollout_entropy else None
                     with context():
-                        log_probs = self._micro_log_probs(model, mb)
+                        if entropy_key is None:
+                            log_probs = self._micro_log_probs(model, mb)
+                        else:
+                            log_probs, entropy = self._forward(model, mb, with_entropy=True)
                     if real:
-                        out[key].append(log_probs.float().cpu())
-        logs = {k: self._in_row_order(td, torch.cat(v)) for k, v in out.items()}
+                        out[key].append(log_probs.float())
+                        if entropy_key is not None:
+                            out.setdefault(entropy_key, []).append(entropy.float())
+        # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
+        logs = {k: self._in_row_order(td, torch.cat(v).cpu()) for k, v in out.items()}
         if self.old_actor is not None:
             logs[ACTOR.writes] = old
         return TensorDict(logs, batch_size=td.batch_size)
@@ -547,8 +626,8 @@ class TorchTrainer:
                 with context():
                     log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    parts.append(log_probs.float().cpu())
-        return self._in_row_order(td, torch.cat(parts))
+                    parts.append(log_probs.float())
+        return self._in_row_order(td, torch.cat(parts).cpu())
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
         if self._fused_head(model) and NUCLEUS_IDS not in mb.keys():
@@ -629,17 +708,19 @@ class TorchTrainer:
         norm = self._global_normalizer(parts)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
+        pending: list[dict[str, Any]] = []
         with self._step_scope():
             for mb, real in self._balanced(parts):
                 batch = mb.to(self.device).clone(recurse=False)
                 loss_type = self.hooks.loss_type
                 reducer = self._hook.get("custom_pg_loss_reducer_function_path")
+                tis = self._hook.get("custom_tis_function_path")
                 if loss_type == "sft_loss":
                     loss = self._sft_loss(batch, norm, mode=self.loss_cfg.loss_agg_mode)
                     metrics = {"loss": loss.detach()}
                 elif loss_type == "custom_loss":
                     loss, metrics = self._custom_loss(batch, norm)
-                elif self._fused_head(self.model) and reducer is None and NUCLEUS_IDS not in mb.keys():
+                elif self._fused_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
                     hidden, weight, targets = self._response_hidden(self.model, mb)
                     loss, metrics = linear_rl_loss(
                         hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
@@ -649,15 +730,19 @@ class TorchTrainer:
                     batch.set(keys.LOG_PROBS, log_probs)
                     batch.set(keys.ENTROPY, entropy)
                     pg_reduce = None if reducer is None else self._pg_reduce(reducer, batch, norm)
-                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce)
+                    mismatch = None if tis is None else self._mismatch(tis, batch)
+                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce, mismatch=mismatch)
                 self._backward(loss, real=real)
                 if real:
-                    for name, value in metrics.items():
-                        value = float(value)
-                        if _is_max_metric(name):
-                            maxes[name] = max(maxes.get(name, -math.inf), value)
-                        else:
-                            sums[name] = sums.get(name, 0.0) + value
+                    # Read after the loop: a float() here would wait for each micro-batch's kernels.
+                    pending.append({name: (v.detach() if torch.is_tensor(v) else v) for name, v in metrics.items()})
+        for metrics in pending:
+            for name, value in metrics.items():
+                value = float(value)
+                if _is_max_metric(name):
+                    maxes[name] = max(maxes.get(name, -math.inf), value)
+                else:
+                    sums[name] = sums.get(name, 0.0) + value
         step_metrics = self._reduce_metrics(sums, maxes)
         step_metrics["grad_norm"] = self._optimizer_step()
         for name, value in step_metrics.items():
@@ -728,6 +813,12 @@ class TorchTrainer:
             raise reducer.wrong_type(reduce, "a reducer: a function of the concatenated per-token loss")
         count = self._slime_count(norm)
         return lambda pg: reduce(concat_rows(pg, response)) / count
+
+    def _mismatch(self, hook: Any, batch: TensorDict) -> Any:
+        """slime's ``--custom-tis-function-path`` over this micro-batch, as a ``mismatch`` of ``rl_loss``."""
+        response = batch[RESPONSE_LENGTHS].tolist()
+        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
+        return custom_tis(hook, self.hooks.args, response_lengths=response, total_lengths=total)
 
     def _custom_loss(self, batch: TensorDict, norm: Normalizer) -> tuple[torch.Tensor, dict[str, Any]]:
         """slime's ``--custom-loss-function-path`` on one micro-batch: ``fn(args, batch, logits, sum_of_sample_mean)``
@@ -885,6 +976,18 @@ class TorchTrainer:
         trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return {name: value for name, value in model_sd.items() if name in trained}
 
+    def write_lora_adapter(self, path: str) -> str | None:
+        """Write the adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``) that peft and
+        SGLang's ``/load_lora_adapter`` load over the base checkpoint; every rank calls it (the adapters are gathered),
+        rank 0 writes and returns ``path``."""
+        if not self.lora:
+            raise RuntimeError("write_lora_adapter: this trainer trains no LoRA adapters (--lora-rank 0)")
+        adapter = lora.adapter_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        self.model.save_pretrained(path, state_dict=adapter)
+        return path
+
     def save_hf(self, path: str) -> None:
         """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0).
 
@@ -893,9 +996,7 @@ class TorchTrainer:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if self.lora and self.cfg.lora_export == "adapter":
-            adapter = lora.adapter_state_dict(self.model)
-            if self.rank == 0:
-                self.model.save_pretrained(path, state_dict=adapter)
+            if self.write_lora_adapter(path) is not None:
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
             return
         weights = self.get_weights()
@@ -914,17 +1015,53 @@ class TorchTrainer:
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
-    def release_memory(self) -> None:
-        """On a GPU, move model and optimizer state to the CPU (colocated with an engine); a no-op on the CPU."""
-        if self.device.type == "cuda":
+    def release_memory(self) -> dict[str, float]:
+        """On a GPU, move optimizer state, then model weights, to the host (colocated with an engine): through
+        :attr:`host_offload` (a :class:`runtime.train.offload.HostOffload`) when there is one, else with ``.to()``;
+        a no-op on the CPU. Returns the offload metrics (``perf/offload_train_bytes``, ``perf/offload_train_time``;
+        their reductions over ranks: ``runtime.train.offload.METRICS``)."""
+        metrics: dict[str, float] = {}
+        if self.host_offload is not None and not self.host_offload.offloaded:
+            metrics = self.host_offload.offload(self._offload_tensors())
+        elif self.device.type == "cuda" and self.host_offload is None:
+            start = time.perf_counter()
             self._move(torch.device("cpu"))
             torch.cuda.empty_cache()
+            metrics = {"perf/offload_train_time": time.perf_counter() - start}
         self.released = True
+        return metrics
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self) -> dict[str, float]:
+        """Take back what :meth:`release_memory` moved; ``perf/offload_train_resume_time``."""
+        metrics: dict[str, float] = {}
+        if self.host_offload is not None:
+            metrics = self.host_offload.resume()
+        elif self.device.type == "cuda":
+            start = time.perf_counter()
             self._move(self.device)
+            metrics = {"perf/offload_train_resume_time": time.perf_counter() - start}
         self.released = False
+        return metrics
+
+    def _offload_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(kind, name, tensor)`` of everything :meth:`release_memory` moves: the optimizers' state, then the
+        actor's, the frozen models' and the critic's weights."""
+        optimizers = {"actor.": self.optimizer, "critic.": self.critic_optimizer}
+        models = {"actor.": self.model, **{f"{k}.": m for k, m in self.frozen.items()}, "critic.": self.critic}
+        return [
+            *(
+                ("optimizer", prefix + name, t)
+                for prefix, opt in optimizers.items()
+                if opt is not None
+                for name, t in optimizer_tensors(opt)
+            ),
+            *(
+                ("weights", prefix + name, t)
+                for prefix, model in models.items()
+                if model is not None
+                for name, t in module_tensors(model)
+            ),
+        ]
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
