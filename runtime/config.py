@@ -167,6 +167,13 @@ class RolloutConfig:
     rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
     rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
+    rollout_top_p_replay: bool = field(
+        default=True,
+        metadata=_help(
+            "with --rollout-top-p below 1, take rollout and training log-probs over each token's sampled nucleus, "
+            "as slime (ours: --no-rollout-top-p-replay keeps the untruncated log-probs)"
+        ),
+    )
     rollout_skip_special_tokens: bool = field(
         default=False, metadata=_help("leave special tokens (e.g. <|im_end|>) out of the response text")
     )
@@ -770,6 +777,13 @@ class LogConfig:
     log_multi_turn: bool = field(
         default=False, metadata=_help("log response lengths with and without tool output, and round counts")
     )
+    log_correct_samples: bool = field(
+        default=False,
+        metadata=_help(
+            "log the correct samples' (reward 1) response lengths by quarter of --rollout-max-response-len, and "
+            "their mean -log-prob"
+        ),
+    )
     wandb_always_use_train_step: bool = field(
         default=False,
         metadata=_help(
@@ -791,6 +805,13 @@ class DebugConfig:
     )
     load_debug_rollout_data_subsample: float | None = field(
         default=None, metadata=_help("replay about this fraction of each saved rollout, in (0, 1]")
+    )
+    load_forge_rollout_data: str | None = field(
+        default=None,
+        metadata=_help(
+            "the saved rollout (a path, or formatted with {rollout_id}; missing steps fall back to 0) that "
+            "--rollout-function-path slime.rollout.forge_load.generate_rollout returns; engines stay live"
+        ),
     )
     save_debug_train_data: str | None = field(
         default=None, metadata=_help("save each step's training batch to this path formatted with {rollout_id}")
@@ -1047,6 +1068,22 @@ def _local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+# slime's forge rollout function (--load-forge-rollout-data), by slime's path and ours.
+FORGE_ROLLOUT_PATHS = ("slime.rollout.forge_load.generate_rollout", "runtime.rollout.replay.forge_rollout")
+
+
+def top_p_replay(cfg: Config) -> bool:
+    """Whether the job replays the rollout's top-p nucleus in training (slime's rule: ``--rollout-top-p`` below 1;
+    ``--no-rollout-top-p-replay`` is ours)."""
+    return cfg.rollout.rollout_top_p < 1 and cfg.rollout.rollout_top_p_replay
+
+
+def teacher_from_samples(cfg: Config) -> bool:
+    """Whether the teacher's log-probs come with the samples (``--use-opd --opd-type sglang``: a teacher server,
+    asked by a reward or generate function), not from a teacher model in the trainers."""
+    return cfg.algo.use_opd and cfg.algo.opd_type == "sglang"
 
 
 def flag(name: str) -> str:
@@ -1618,6 +1655,19 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} must be >= 0, got {value!r}")
     if not 0 < r.rollout_top_p <= 1:
         problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
+    if top_p_replay(cfg):
+        cannot = {
+            "--rollout-engine sglang": r.rollout_engine == "sglang",
+            "--train-backend megatron": t.train_backend == "megatron",
+        }
+        problems += [
+            f"--rollout-top-p {r.rollout_top_p} replays each token's nucleus in training (slime's top-p replay), "
+            f"which {what} does not do yet (the embedded engine reports the nucleus, the torch backend replays it; "
+            "SGLang needs slime's sglang-top_p.patch): add --no-rollout-top-p-replay to train on untruncated "
+            "log-probs"
+            for what, true in cannot.items()
+            if true
+        ]
     if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
         problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
@@ -1969,10 +2019,22 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         if a.opd_type is None:
             problems.append("--use-opd needs --opd-type megatron (a teacher model in the trainers) or sglang")
         elif a.opd_type == "sglang":
-            problems.append(
-                "--opd-type sglang needs a teacher SGLang server, which rlcore-run does not start yet (issue 12); use "
-                "--opd-type megatron --opd-teacher-load <HF folder>"
+            if a.opd_teacher_load is not None:
+                problems.append(
+                    "--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server (as slime)"
+                )
+            teacher_filled = (
+                cfg.reward.custom_rm_path is not None
+                or cfg.rollout.custom_generate_function_path is not None
+                or cfg.rollout.rollout_function_path not in (None, "slime.rollout.sglang_rollout.generate_rollout")
             )
+            if not teacher_filled:
+                problems.append(
+                    "--opd-type sglang trains on each sample's teacher_log_probs, which a reward or generate function "
+                    "sets: add --custom-rm-path slime.rollout.on_policy_distillation.reward_func "
+                    "--custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards "
+                    "--rm-url http://<teacher>/generate (as slime's examples)"
+                )
         elif a.opd_teacher_load is None:
             problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
         elif not os.path.isfile(os.path.join(a.opd_teacher_load, "config.json")):
@@ -2188,9 +2250,21 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
 
         if not torch.cuda.is_available():
             problems.append("--record-memory-history records the CUDA allocator: this machine has no CUDA device")
+    forge = cfg.rollout.rollout_function_path in FORGE_ROLLOUT_PATHS
+    if d.load_forge_rollout_data is not None and not forge:
+        problems.append(
+            "--load-forge-rollout-data is read by slime's forge rollout: add --rollout-function-path "
+            "slime.rollout.forge_load.generate_rollout"
+        )
+    if forge and d.load_forge_rollout_data is None:
+        problems.append(
+            f"--rollout-function-path {cfg.rollout.rollout_function_path} replays a saved rollout: it needs "
+            "--load-forge-rollout-data"
+        )
     for name, path in (
         ("save_debug_rollout_data", d.save_debug_rollout_data),
         ("load_debug_rollout_data", d.load_debug_rollout_data),
+        ("load_forge_rollout_data", d.load_forge_rollout_data),
         ("save_debug_train_data", d.save_debug_train_data),
     ):
         if path is not None:

@@ -230,6 +230,9 @@ SLIME_COUNTERPARTS = {
     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
         "runtime.rollout.filters:check_reward_nonzero_std"
     ),
+    "slime.rollout.forge_load.generate_rollout": "runtime.rollout.replay:forge_rollout",
+    "slime.rollout.on_policy_distillation.reward_func": "runtime.rollout.opd:reward_func",
+    "slime.rollout.on_policy_distillation.post_process_rewards": "runtime.rollout.opd:post_process_rewards",
 }
 
 

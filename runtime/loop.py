@@ -36,7 +36,9 @@ from runtime.config import (
     dump_yaml,
     eval_datasets,
     resolve_eval_dataset,
+    teacher_from_samples,
     to_dict,
+    top_p_replay,
 )
 from runtime.engines.base import SamplingParams
 from runtime.errors import JobError
@@ -535,22 +537,34 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
             samples_from_train_data(hooks.convert_samples, data, samples),
             pad_token_id=pad,
             require_rollout_log_probs=need_lps,
+            top_p_replay=top_p_replay(cfg),
+            teacher_log_probs=teacher_from_samples(cfg),
         )
         return (
             batch
             if adv_cfg is None
             else sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
         )
+    post_processed = None
+    if adv_cfg is not None and hooks is not None and hooks.reward_post_process is not None:
+        # Before the batch is built: a post-process may set sample fields the batch reads (slime's OPD pair sets
+        # teacher_log_probs there).
+        post_processed = hooks.reward_post_process(cfg, samples)
+        out = post_processed
+        if not (isinstance(out, tuple | list) and len(out) == 2 and len(out[1]) == len(samples)):
+            raise hooks.reward_post_process.wrong_type(out, f"(raw_rewards, rewards) with {len(samples)} rewards each")
     batch = build_batch(
-        samples, pad_token_id=pad, require_rollout_log_probs=need_lps, reward_key=cfg.reward.reward_key
+        samples,
+        pad_token_id=pad,
+        require_rollout_log_probs=need_lps,
+        reward_key=cfg.reward.reward_key,
+        top_p_replay=top_p_replay(cfg),
+        teacher_log_probs=teacher_from_samples(cfg),
     )
     if adv_cfg is None:
         return batch
-    if hooks is not None and hooks.reward_post_process is not None:
-        out = hooks.reward_post_process(cfg, samples)
-        if not (isinstance(out, tuple | list) and len(out) == 2 and len(out[1]) == len(samples)):
-            raise hooks.reward_post_process.wrong_type(out, f"(raw_rewards, rewards) with {len(samples)} rewards each")
-        batch.set(keys.REWARDS, torch.tensor([float(x) for x in out[1]], dtype=torch.float32))
+    if post_processed is not None:
+        batch.set(keys.REWARDS, torch.tensor([float(x) for x in post_processed[1]], dtype=torch.float32))
         return sequence_advantages(batch, dataclasses.replace(adv_cfg, group_normalize=False))
     return sequence_advantages(batch, adv_cfg)
 
@@ -626,6 +640,7 @@ def sampling_params(cfg: Config) -> SamplingParams:
         top_k=r.rollout_top_k,
         stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
         stop=tuple(r.rollout_stop or ()),
+        return_top_p_token_ids=top_p_replay(cfg),
     )
 
 
@@ -776,9 +791,10 @@ def sft_warmup(cfg: Config, trainers: TrainerGroup, tokenizer: Any) -> list[floa
 def train_metrics(raw: dict[str, float]) -> dict[str, float]:
     """The trainers' ``rl_loss`` metrics under ``train/`` (the critic's under ``train/critic/``); ``train/kl`` is the
     KL to the reference model when one is kept, else the KL between the sampling and the updated policy (slime's
-    ppo_kl); absent on a step that trains the critic only. Timings (``perf/...``) keep their names."""
+    ppo_kl); absent on a step that trains the critic only. Timings (``perf/...``) and rollout statistics
+    (``rollout/...``) keep their names."""
     out = {
-        name if name.startswith("perf/") else f"train/{name}": value
+        name if name.startswith(("perf/", "rollout/")) else f"train/{name}": value
         for name, value in raw.items()
         if name != "advantage_abs_mean"
     }

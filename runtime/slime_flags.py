@@ -36,6 +36,10 @@ HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 LATER = "not built yet in rlcore-run (issue 13, still open)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
+TEXT_ONLY = (
+    "rlcore-run is text only: it has no image/audio/video processors or vision-language models to feed media to "
+    "(leave it unset)"
+)
 DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
 TORCH_HOOKS = "torch backend: model is the torch module, optimizer AdamW, opt_param_scheduler None"
 DELTA_SYNC = (
@@ -233,7 +237,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "unset: the built-in rollout (slime's default path is accepted and means it); --fully-async refused",
     ),
     _f("--rollout-temperature", "rollout", 1.0, YES),
-    _f("--rollout-top-p", "rollout", 1.0, DIFFERS, "below 1: no nucleus replay in the training log-probs yet"),
+    _f(
+        "--rollout-top-p",
+        "rollout",
+        1.0,
+        YES,
+        "below 1: nucleus replay (embedded engine, torch backend); --no-rollout-top-p-replay (ours) opts out",
+    ),
     _f("--rollout-top-k", "rollout", -1, YES),
     _f(
         "--rollout-max-context-len",
@@ -302,7 +312,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--apply-chat-template-kwargs", "data", {}, YES),
     _f("--input-key", "data", "input", YES),
     _f("--label-key", "data", None, YES),
-    _f("--multimodal-keys", "data", None, REFUSED, LATER + " (text only)", type=_json),
+    _f("--multimodal-keys", "data", None, REFUSED, TEXT_ONLY, type=_json),
     _f("--metadata-key", "data", "metadata", YES),
     _f("--tool-key", "data", "tools", YES),
     _f("--start-rollout-id", "data", None, YES),
@@ -421,8 +431,9 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "--opd-type",
         "on_policy_distillation",
         None,
-        DIFFERS,
-        "megatron: a teacher model in the trainers, any backend; sglang (a teacher server) waits for issue 12",
+        YES,
+        "megatron: a teacher model in the trainers, any backend; sglang: a teacher server, through slime's "
+        "on_policy_distillation reward pair",
     ),
     _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
     _f("--opd-teacher-load", "on_policy_distillation", None, DIFFERS, "an HF folder (slime: a Megatron checkpoint)"),
@@ -440,7 +451,12 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _true("--log-multi-turn", "wandb", YES),
     _true("--log-passrate", "wandb", YES),
     _f("--log-reward-category", "wandb", None, YES),
-    _true("--log-correct-samples", "wandb", REFUSED, LATER),
+    _true(
+        "--log-correct-samples",
+        "wandb",
+        YES,
+        "rollout/correct_entropy is the mean over correct samples (slime's sums their sample means)",
+    ),
     _f("--wandb-run-id", "wandb", None, YES),
     # tensorboard
     _true("--use-tensorboard", "tensorboard", YES, "built-in job: on"),
@@ -452,8 +468,8 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "--load-forge-rollout-data",
         "debug",
         None,
-        REFUSED,
-        LATER + " (replay with live engines; --load-debug-rollout-data replays without them)",
+        YES,
+        "read by --rollout-function-path slime.rollout.forge_load.generate_rollout (engines stay live)",
     ),
     _f("--load-debug-rollout-data-subsample", "debug", None, YES),
     _f("--save-debug-train-data", "debug", None, DIFFERS, "one file per step: the whole batch, from the driver"),

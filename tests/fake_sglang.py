@@ -13,7 +13,9 @@ What it reproduces, because the adapter depends on it:
   of ``stop_token_ids``, or after the token that puts one of the ``stop`` strings into the decoded tail of its output
   (a window of the longest stop string's token count plus one); the stop token is trimmed from ``output_ids`` and
   ``text`` unless ``no_stop_trim``, but always kept in ``output_token_logprobs``, and a stop string from ``text``
-  only, as in SGLang.
+  only, as in SGLang. With ``logprob_start_len`` k >= 0 it also reports ``input_token_logprobs`` of the prompt from
+  position k (the first log-prob None, the rest of the raw logits, no temperature: SGLang's); ``max_new_tokens`` 0
+  scores the prompt alone (a teacher server for on-policy distillation).
 - Unknown request fields (top level or in ``sampling_params``) and wrongly typed ones are refused with HTTP 400 and
   SGLang's error body, the way its dataclass/pydantic parsing refuses them, so adapter mistakes fail loudly.
 - ``/update_weights_from_disk`` loads the safetensors of an HF folder into the live model as SGLang's model classes
@@ -724,9 +726,10 @@ class FakeSGLangServer:
         for i in range(n):
             if not isinstance(return_logprob[i], (bool, type(None))):
                 raise BadRequest(f"return_logprob must be a bool, got {return_logprob[i]!r}")
-            if not _is_int(start_len[i]) or start_len[i] != -1:
+            if not _is_int(start_len[i]) or not -1 <= start_len[i] < len(prompts[i]):
                 raise BadRequest(
-                    f"the fake server returns output log-probs only (logprob_start_len -1), got {start_len[i]}"
+                    f"logprob_start_len must be -1 (output log-probs only) or a prompt position below "
+                    f"{len(prompts[i])}, got {start_len[i]!r}"
                 )
             self._request_counter += 1
             jobs.append(
@@ -734,6 +737,7 @@ class FakeSGLangServer:
                     "prompt": prompts[i],
                     "sampling": _Sampling(params[i], vocab_size=self.vocab_size),
                     "return_logprob": bool(return_logprob[i]),
+                    "logprob_start_len": start_len[i],
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
                     "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
@@ -756,6 +760,7 @@ class FakeSGLangServer:
         with self._model_lock:
             model = job["model"]
             out = model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
+            prompt_log_probs = self._input_token_logprobs(job, out.logits[0])
             for _ in range(s.max_new_tokens):
                 logits = out.logits[0, -1].float()
                 token, log_prob = self._sample(logits, s, generator)
@@ -800,10 +805,26 @@ class FakeSGLangServer:
         if job["return_logprob"]:
             texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in tokens]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
+            if prompt_log_probs is not None:
+                meta["input_token_logprobs"] = prompt_log_probs
         text = self.tokenizer.decode(output_ids, skip_special_tokens=s.skip_special_tokens)
         if trim and isinstance(finish["matched"], str) and finish["matched"] in text:
             text = text[: text.index(finish["matched"])]
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def _input_token_logprobs(self, job: dict[str, Any], logits: torch.Tensor) -> list[list[Any]] | None:
+        """SGLang's ``meta_info.input_token_logprobs`` for ``logprob_start_len`` k >= 0: ``[logprob, id, text]`` of
+        each prompt token from position k, the first one's log-prob None (SGLang's scheduler puts None there and drops
+        the prediction after the prompt), the others ``log_softmax`` of the raw logits (SGLang applies no temperature
+        to input log-probs). ``logits``: ``[P, V]`` of the prompt."""
+        start = job["logprob_start_len"]
+        if not job["return_logprob"] or start < 0:
+            return None
+        prompt = job["prompt"]
+        full = torch.log_softmax(logits.float(), -1)
+        values: list[float | None] = [None] + [float(full[i - 1, prompt[i]]) for i in range(start + 1, len(prompt))]
+        texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in prompt[start:]]
+        return [[v, t, x] for v, t, x in zip(values, prompt[start:], texts, strict=True)]
 
     def _queued_abort_output(self, job: dict[str, Any], start: float) -> dict[str, Any]:
         """The tokenizer manager's answer for a request aborted before it ran (``_handle_abort_req``)."""

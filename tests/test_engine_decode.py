@@ -54,11 +54,36 @@ def _kept_reference(logits: torch.Tensor, *, temperature: float, top_k: int, top
 def test_sample_reports_the_untruncated_log_prob_of_a_token_it_may_draw(batch, vocab, temperature, top_k, top_p, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, vocab, generator=gen, dtype=torch.float32) * 3
-    tokens, log_probs = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    tokens, log_probs, keep = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    assert keep is None
     full = torch.log_softmax(logits.double() / temperature, -1)
     torch.testing.assert_close(log_probs.double(), full.gather(-1, tokens[:, None]).squeeze(-1), rtol=0, atol=1e-6)
     allowed = _kept_reference(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     assert bool((allowed.gather(-1, tokens[:, None]) > 0).all())
+
+
+@given(
+    batch=st.integers(1, 4),
+    vocab=st.integers(2, 50),
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.sampled_from([-1, 1, 2, 5]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sample_reports_the_nucleus_and_the_log_prob_over_it(batch, vocab, temperature, top_k, top_p, seed):
+    # Top-p replay: the kept set is the truncation's (the drawn token always in it), the log-prob the drawn
+    # token's under the renormalised distribution it was drawn from.
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=gen, dtype=torch.float32) * 3
+    tokens, log_probs, keep = sample_tokens(
+        logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen, nucleus=True
+    )
+    allowed = _kept_reference(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert bool(keep[torch.arange(batch), tokens].all())
+    assert torch.equal(keep, allowed > 0)
+    torch.testing.assert_close(
+        log_probs.double(), allowed.gather(-1, tokens[:, None]).squeeze(-1).log(), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(-1, 1.0), (3, 1.0), (-1, 0.7), (4, 0.6)])
@@ -66,7 +91,7 @@ def test_sample_draws_from_the_truncated_distribution(top_k, top_p):
     gen = torch.Generator().manual_seed(7)
     row = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
     n = 40_000
-    tokens, _ = sample_tokens(row.expand(n, -1), temperature=0.9, top_k=top_k, top_p=top_p, generator=gen)
+    tokens, _, _ = sample_tokens(row.expand(n, -1), temperature=0.9, top_k=top_k, top_p=top_p, generator=gen)
     expected = _kept_reference(row[None], temperature=0.9, top_k=top_k, top_p=top_p)[0]
     counts = torch.bincount(tokens, minlength=len(row)).double()
     assert bool((counts[expected == 0] == 0).all())
@@ -249,6 +274,49 @@ def test_refill_honours_the_callers_stop_and_an_abort_leaves_waiting_prompts_emp
     )
     assert out.steps == 3 and out.finish == ["abort"] * 5
     assert [len(t) for t in out.tokens] == [3, 3, 0, 0, 0]
+
+
+@pytest.mark.parametrize(("running", "check_every"), [(None, 8), (1, 1), (2, 3), (3, 8)])
+def test_refilled_slots_record_each_prompts_own_nuclei(model, running, check_every):
+    """Top-p replay under refill: every prompt's nuclei (kept on the device between checks, read back at them) are
+    the float64 truncation of a full forward of its own prompt and response, one per token, with the log-prob
+    renormalised over it; reversing the prompts (and their seeds) gives each the same tokens and nuclei."""
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (3, 1, 5, 2, 4, 6, 2)]
+    seeds = [100 + i for i in range(len(prompts))]
+    stops = [2, 5, 9]
+    kw = {"top_p": 0.7, "top_k": 6, "stop_ids": stops, "max_new_tokens": 12, "min_new_tokens": 2, "nucleus": True}
+    kw |= {"max_running": running, "check_every": check_every}
+    out = _decode(model, prompts, seeds=seeds, **kw)
+    back = _decode(model, prompts[::-1], seeds=seeds[::-1], **kw)
+    assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
+    assert [len(n) for n in out.nucleus] == [len(t) for t in out.tokens]
+    assert back.nucleus[::-1] == out.nucleus
+    with torch.no_grad():
+        for prompt, row, lps, nuclei in zip(prompts, out.tokens, out.log_probs, out.nucleus, strict=True):
+            logits = model(input_ids=torch.tensor([prompt + row.tolist()])).logits[0, len(prompt) - 1 : -1].double()
+            logits[:2, stops] = float("-inf")  # min_new_tokens
+            allowed = _kept_reference(logits, temperature=0.9, top_k=6, top_p=0.7)
+            assert nuclei == [allowed[k].nonzero()[:, 0].tolist() for k in range(len(row))]
+            ref = allowed.gather(-1, row[:, None]).squeeze(-1).log()
+            torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_an_abort_under_refill_reports_the_nuclei_drawn_so_far(model):
+    calls = []
+    out = _decode(
+        model,
+        [[5, 6, 7], [8, 9], [10], [11, 12], [4]],
+        seeds=list(range(5)),
+        stop_ids=[],
+        max_running=2,
+        top_p=0.8,
+        nucleus=True,
+        is_aborted=lambda: calls.append(1) or len(calls) >= 3,
+    )
+    assert out.finish == ["abort"] * 5 and [len(n) for n in out.nucleus] == [3, 3, 0, 0, 0]
+    for tokens, nuclei in zip(out.tokens, out.nucleus, strict=True):
+        assert all(int(t) in ids for t, ids in zip(tokens, nuclei, strict=True))
 
 
 def test_inverse_cdf_never_draws_a_token_of_probability_zero():

@@ -6,6 +6,7 @@ forward pass; rollout and placement logic runs against in-process fakes of the e
 
 import asyncio
 import json
+import math
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -26,11 +27,12 @@ from runtime.engines import HFEngine, SamplingParams
 from runtime.engines.base import Generation
 from runtime.rollout import RolloutContext, apply_generation, collect_rollout, expand_groups, generate, generate_groups
 from runtime.rollout.filters import DynamicFilterOutput
+from runtime.rollout.generation import concat_nuclei
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.train.algo import loss_config
 from runtime.train.backends.torch_backend import TorchTrainer
-from runtime.train.batch import build_batch
+from runtime.train.batch import NUCLEUS_IDS, build_batch
 
 SMALL = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4}
 
@@ -104,6 +106,88 @@ def test_rollout_log_probs_are_untruncated_and_match_the_trainer_under_top_p(tin
     assert gap < 1e-5
     # top_p 0.5 of a near-uniform distribution truncates hard: the truncated log-probs would be far above these.
     assert td[keys.ROLLOUT_LOG_PROBS][mask].max() < -1.0
+
+
+@pytest.mark.parametrize(
+    ("running", "packed"), [(None, False), (3, True)], ids=["one-batch", "refill-and-packed-micro-batches"]
+)
+def test_top_p_replay_engine_log_probs_equal_the_trainers_over_the_reported_nucleus(tiny, tmp_path, running, packed):
+    # slime's top-p replay: the engine reports each token's nucleus and its log-prob renormalised over it; the trainer
+    # takes its log-probs over the same nucleus, so that the two agree where the untruncated ones would not. Also with
+    # continuous refill (3 slots for 16 prompts: refilled slots report their new prompts' nuclei) and the trainer's
+    # packed micro-batches.
+    temperature, top_p = 0.8, 0.5
+    engine = HFEngine(tiny, seed=1, max_running_requests=running)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    prompts = _prompts(tokenizer, 16)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p, return_top_p_token_ids=True)
+    gens = engine.generate(prompts, params)
+    samples = []
+    for i, (prompt, g) in enumerate(zip(prompts, gens, strict=True)):
+        s = apply_generation(Sample(group_index=i // 4, index=i, tokens=list(prompt)), g, tokenizer)
+        s.reward = float(i % 4)
+        samples.append(s)
+        offsets, ids = s.rollout_top_p_token_offsets, s.rollout_top_p_token_ids
+        assert len(offsets) == len(g.token_ids) + 1 and offsets[-1] == len(ids)
+        with torch.no_grad():
+            z = engine.model(input_ids=torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1].double()
+        p = torch.softmax(z / temperature, -1)
+        for t, token in enumerate(g.token_ids):
+            nucleus = ids[offsets[t] : offsets[t + 1]]
+            assert token in nucleus
+            # SGLang's rule: the most likely tokens whose mass before each is at most top_p.
+            order = p[t].argsort(descending=True)
+            before = p[t][order].cumsum(0) - p[t][order]
+            assert sorted(nucleus) == sorted(order[before <= top_p].tolist())
+            # The reported log-prob is the drawn token's over the nucleus, in float64 by hand.
+            ref = math.log(p[t, token] / p[t, nucleus].sum())
+            assert g.log_probs[t] == pytest.approx(ref, abs=1e-5)
+    td = build_batch(samples, pad_token_id=tokenizer.pad_token_id, top_p_replay=True)
+    packing = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 40} if packed else {}
+    cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **SMALL, **packing))
+    trainer = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
+    td.update(trainer.compute_log_probs(td))
+    mask = td[keys.MASK]
+    assert (td[keys.OLD_LOG_PROBS] - td[keys.ROLLOUT_LOG_PROBS])[mask].abs().max() < 1e-5
+    # Without the nucleus the trainer's log-probs are the untruncated ones, far below: the replay is what matched.
+    plain = trainer.compute_log_probs(td.exclude(NUCLEUS_IDS))[keys.OLD_LOG_PROBS]
+    assert (td[keys.ROLLOUT_LOG_PROBS] - plain)[mask].min() > -1e-6
+    assert (td[keys.ROLLOUT_LOG_PROBS] - plain)[mask].mean() > 0.3
+    # Training reads the same log-probs (not the fused LM-head loss, which knows no nucleus): with the weights that
+    # sampled, the policy's log-probs equal the rollout's.
+    cfg = validate(
+        from_dict(
+            None, output_dir=str(tmp_path / "o2"), use_kl_loss=False, get_mismatch_metrics=True, **SMALL, **packing
+        )
+    )
+    trainer = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
+    td.set(keys.ADVANTAGES, torch.randn(mask.shape))
+    metrics = trainer.train(td, per_step_rows=16)
+    assert metrics["rollout_log_prob_abs_diff"] < 1e-5 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    # ... and the entropy stays the whole distribution's, as slime takes it: the same as without the replay.
+    untruncated = TorchTrainer(tiny, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=temperature, seed=0)
+    plain_metrics = untruncated.train(td.exclude(NUCLEUS_IDS), per_step_rows=16)
+    assert metrics["entropy"] == pytest.approx(plain_metrics["entropy"], rel=1e-5)
+    assert plain_metrics["ratio_mean"] < 0.8  # its untruncated log-probs against the replayed old ones
+
+
+def test_top_p_replay_needs_the_nucleus_of_every_sample(tiny):
+    s = Sample(group_index=0, index=7, tokens=[1, 2, 3], response_length=1, reward=1.0, rollout_log_probs=[-1.0])
+    with pytest.raises(ValueError, match="sample 0 .index 7. has no rollout_top_p_token_ids"):
+        build_batch([s], pad_token_id=0, top_p_replay=True)
+    s.rollout_top_p_token_ids, s.rollout_top_p_token_offsets = [3, 4], [0, 2, 2]
+    with pytest.raises(ValueError, match="has 3 entries, response_length \\+ 1 = 2 expected"):
+        build_batch([s], pad_token_id=0, top_p_replay=True)
+    s.rollout_top_p_token_offsets = [0, 2]
+    assert build_batch([s], pad_token_id=0, top_p_replay=True)[NUCLEUS_IDS].tolist() == [[[3, 4]]]
+
+
+def test_a_partial_rollouts_nuclei_are_its_parts_one_after_the_other():
+    first = ([5, 6, 7], [0, 2, 3])  # two tokens: {5, 6}, {7}
+    second = ([1, 2, 3, 4], [0, 1, 4])  # two tokens: {1}, {2, 3, 4}
+    ids, offsets = concat_nuclei(first, second)
+    assert ids == [5, 6, 7, 1, 2, 3, 4] and offsets == [0, 2, 3, 4, 7]
+    assert concat_nuclei(([], [0]), second) == second
 
 
 def test_top_k_1_samples_the_argmax_and_reports_its_full_log_prob(tiny):

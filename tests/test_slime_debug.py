@@ -69,7 +69,9 @@ def test_opd_flags_are_checked(tmp_path):
         return "\n".join(info.value.problems)
 
     assert "--use-opd needs --opd-type" in problems(["--use-opd"])
-    assert "teacher SGLang server" in problems(["--use-opd", "--opd-type", "sglang"])
+    assert "teacher_log_probs, which a reward or generate function sets" in problems(
+        ["--use-opd", "--opd-type", "sglang"]
+    )
     assert "needs --opd-teacher-load" in problems(["--use-opd", "--opd-type", "megatron"])
     argv = ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(tmp_path)]
     assert "not an HF model folder" in problems(argv)

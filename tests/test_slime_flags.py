@@ -45,6 +45,7 @@ OURS = {
     "sglang_server_startup_timeout",
     "max_trainer_restarts",
     "attn_implementation",
+    "rollout_top_p_replay",
     "torch_compile",
 }
 

@@ -26,6 +26,9 @@ class SamplingParams:
     at the first token whose decoded response contains one (slime's ``--rollout-stop``; the tokens are kept, as SGLang
     keeps them with ``no_stop_trim``); ``min_new_tokens`` keeps the eos and stop ids from being sampled before that
     many tokens (slime's ``--eval-min-new-tokens``; the log-probs are then those of the constrained distribution).
+    ``return_top_p_token_ids`` (top-p nucleus replay, the name of slime's SGLang ``custom_params`` switch): the engine
+    reports each token's nucleus (``Generation.extra``'s ``top_p_token_ids`` / ``top_p_token_offsets``, slime's
+    layout) and the log-prob of each token over it, renormalised.
     """
 
     max_new_tokens: int
@@ -35,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     min_new_tokens: int = 0
+    return_top_p_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -59,8 +63,12 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
         """The inverse of :meth:`to_dict` (``stop_token_ids`` and ``stop`` may be any sequence, as the lists it
-        writes)."""
+        writes; ``custom_params``' ``return_top_p_token_ids``, slime's, sets that field)."""
         sequences = {key: tuple(params.get(key, ())) for key in ("stop_token_ids", "stop")}
+        params = dict(params)
+        custom = params.pop("custom_params", None) or {}
+        if "return_top_p_token_ids" in custom:
+            params["return_top_p_token_ids"] = bool(custom["return_top_p_token_ids"])
         return cls(**{**params, **sequences})
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,6 +80,8 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop),
             "min_new_tokens": self.min_new_tokens,
+            # slime's sampling params ask its patched SGLang for the nucleus this way.
+            **({"custom_params": {"return_top_p_token_ids": True}} if self.return_top_p_token_ids else {}),
         }
 
 

@@ -27,6 +27,10 @@ on the CPU a prompt gives the same tokens with any ``max_running``, and log-prob
 MKL rounds a matmul of fewer than about 9 rows differently, so smaller batches may differ in the last bit). On a GPU
 in bf16 the matmuls may round differently for another batch shape, and a near-flat distribution turns such a
 difference into another draw; every draw is still an exact sample of the logits it was made from.
+
+**Top-p replay** (``nucleus``): each step's kept sets stay on the device until the next check, where they are read
+back with the check's own sync and appended to the lists of the prompts their slots ran, so a refilled slot's
+nuclei belong to the prompt that drew them and a CUDA-graph step adds no host sync.
 """
 
 from __future__ import annotations
@@ -89,8 +93,10 @@ def sample_tokens(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits ``[B, V]`` -> tokens ``[B]`` int64, log-probs ``[B]`` float32.
+    nucleus: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draw one token per row. logits ``[B, V]`` -> tokens ``[B]`` int64, log-probs ``[B]`` float32, and with
+    ``nucleus`` the kept set ``[B, V]`` bool (else None).
 
     The draw is from ``softmax(logits / temperature)`` kept to the ``top_k`` largest (``-1``: all; ties with the
     k-th are kept), then to the smallest prefix by probability whose mass before a token is at most ``top_p``
@@ -98,6 +104,10 @@ def sample_tokens(
     *untruncated* ``log_softmax(logits.float() / temperature)`` at the drawn token: the trainer's arithmetic.
     Row ``b`` is drawn by :func:`inverse_cdf` from ``uniforms[b]`` (``[B]`` in ``[0, 1)``; default: drawn from
     ``generator``), so that a row's token depends on its own logits and uniform only.
+
+    ``nucleus`` (top-p nucleus replay, ``--rollout-top-p-replay``): the kept set is what top-k and top-p left (the
+    drawn token is always in it), and the log-prob is the drawn token's under the distribution it was drawn from,
+    ``softmax`` over the kept set (:func:`rlcore.kernels.nucleus_log_probs`, which the trainer replays).
     """
     scaled = logits.float() * (1.0 / temperature)
     log_probs = torch.log_softmax(scaled, dim=-1)
@@ -114,7 +124,12 @@ def sample_tokens(
     if uniforms is None:
         uniforms = torch.rand(scaled.shape[0], generator=generator, device=scaled.device)
     tokens = inverse_cdf(kept.softmax(dim=-1), uniforms)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if not nucleus:
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1), None
+    keep = kept > float("-inf")
+    keep[torch.arange(len(tokens), device=keep.device), tokens] = True
+    renormalised = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    return tokens, renormalised.gather(-1, tokens[:, None]).squeeze(-1), keep
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -211,12 +226,14 @@ def _slot_cache_class():
 class Decoded:
     """Per prompt, in input order: ``tokens[i]`` / ``log_probs[i]`` (1-D CPU int64 / float32) of what prompt ``i``
     drew, up to and including its stop id; ``finish[i]``: ``"stop"`` (a stop id, or the caller's ``stopped``),
-    ``"length"`` (``max_new_tokens``) or ``"abort"`` (cut short, or never started); ``steps``: decoding steps run."""
+    ``"length"`` (``max_new_tokens``) or ``"abort"`` (cut short, or never started); ``steps``: decoding steps run;
+    ``nucleus`` (when asked for): ``nucleus[i][k]`` the ids prompt ``i`` drew its ``k``-th token from, ascending."""
 
     tokens: list[torch.Tensor]
     log_probs: list[torch.Tensor]
     finish: list[str]
     steps: int
+    nucleus: list[list[list[int]]] | None = None
 
 
 @torch.no_grad()
@@ -240,6 +257,7 @@ def decode(
     compile: bool = False,
     check_every: int = 8,
     on_cache: Callable[[object], None] | None = None,
+    nucleus: bool = False,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
@@ -254,6 +272,8 @@ def decode(
     min-new-tokens processor does; the log-probs are then of that constrained distribution). ``stopped`` (at each
     check, given the token lists of the rows still running) marks rows as stopped for a reason of the caller's, such
     as a stop string; it only ends them early. ``on_cache`` is shown the cache once it is built (tests measure it).
+    ``nucleus``: report each draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets
+    of the steps since the last check are kept on the device and read back at the check, with no sync of their own.
     """
     device = input_ids.device
     if cuda_graph is None:
@@ -328,7 +348,7 @@ def decode(
             use_cache=True,
         ).logits[:, -1]
 
-    results: list[tuple[list[int], list[float], str] | None] = [None] * batch
+    results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
     running: list[int | None] = list(range(slots))  # the prompt each slot runs
     waiting = deque(range(slots, batch))
     logits = prefill(list(range(slots)), list(range(slots)))
@@ -337,15 +357,26 @@ def decode(
     last_start = 0  # the step at which the latest prompts started: every row has stopped max_new_tokens later
     graph = graph_logits = None
     last = max_new_tokens - 1
+    # Top-p replay: each live row's kept set per step since the last check ([slots, V] bool on the device), and per
+    # slot the nuclei of the prompt it runs, one per token drawn (read back at each check, the host sync there is).
+    block_keeps: list[torch.Tensor] = []
+    slot_nuclei: list[list[list[int]]] = [[] for _ in range(slots)]
     step = 0
     while True:
         if min_new_tokens:
             logits = logits.masked_fill(is_stop_id[None] & (count < min_new_tokens)[:, None], float("-inf"))
         column = count.clamp(max=last)[:, None]
-        tokens, log_probs = sample_tokens(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms.gather(1, column)[:, 0]
+        tokens, log_probs, keep = sample_tokens(
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            uniforms=uniforms.gather(1, column)[:, 0],
+            nucleus=nucleus,
         )
         live = ~done
+        if keep is not None:
+            block_keeps.append(keep & live[:, None])
         out_tokens.scatter_(1, column, torch.where(live, tokens, out_tokens.gather(1, column)[:, 0])[:, None])
         out_log_probs.scatter_(1, column, torch.where(live, log_probs, out_log_probs.gather(1, column)[:, 0])[:, None])
         count += live
@@ -357,6 +388,9 @@ def decode(
             state = torch.stack([done.long(), count]).cpu()
             stopped_now, counts = state[0].bool().tolist(), state[1].tolist()
             rows_out = out_tokens.cpu()
+            if block_keeps:
+                _take_nuclei(block_keeps, slot_nuclei)
+                block_keeps = []
             if stopped is not None:
                 going = [s for s in range(slots) if running[s] is not None and not stopped_now[s]]
                 flags = stopped([rows_out[s, : counts[s]].tolist() for s in going]) if going else []
@@ -373,7 +407,8 @@ def decode(
                     reason = "length" if counts[s] == max_new_tokens else "stop"
                 else:
                     reason = "abort"
-                results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason)
+                results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
+                slot_nuclei[s] = []
                 running[s] = None
             if aborted:
                 break
@@ -402,14 +437,27 @@ def decode(
             logits = logits.index_copy(0, torch.tensor(rows, device=device), prefill(list(rows), list(prompts)))
             last_start = step
     for i in waiting:
-        results[i] = ([], [], "abort")
+        results[i] = ([], [], "abort", [])
     empty_lps = torch.zeros(0, dtype=torch.float32)
     return Decoded(
         tokens=[torch.tensor(r[0], dtype=torch.long) for r in results],
         log_probs=[torch.tensor(r[1], dtype=torch.float32) if r[1] else empty_lps for r in results],
         finish=[r[2] for r in results],
         steps=step,
+        nucleus=[r[3] for r in results] if nucleus else None,
     )
+
+
+def _take_nuclei(keeps: list[torch.Tensor], slot_nuclei: list[list[list[int]]]) -> None:
+    """Append each step's kept ids to its slot's list. keeps: per step ``[slots, V]`` bool, all False for a row
+    that did not draw at that step (a live row's set holds at least its drawn token). One copy to the host."""
+    stacked = torch.stack(keeps, dim=1)  # [slots, steps, V]
+    slots, steps = stacked.shape[:2]
+    pairs = stacked.nonzero().cpu()  # (slot, step, id), ordered: by slot, then step, then id
+    counts = torch.bincount(pairs[:, 0] * steps + pairs[:, 1], minlength=slots * steps).tolist()
+    for at, ids in enumerate(torch.split(pairs[:, 2], counts)):
+        if counts[at]:
+            slot_nuclei[at // steps].append(ids.tolist())
 
 
 def _compiled(model: torch.nn.Module):

@@ -10,8 +10,10 @@ the engine for throughput; this one serves CPU runs, tests and one-GPU jobs.
 Per-token rollout log-probs are ``log_softmax(logits / temperature)`` of the sampled token over the whole vocabulary,
 *before* top-k and top-p truncation, taken at the step the token is drawn (one step's ``[B, V]`` logits at a time):
 what SGLang reports and what the trainer recomputes, so that ``--use-tis`` compares like with like. Sampling itself
-draws from the truncated distribution. The model's own ``generation_config.json`` plays no part: only temperature,
-top-k, top-p, the stop ids and the length limit shape a draw. The model's eos ids (tokenizer and
+draws from the truncated distribution. Under top-p replay (``SamplingParams.return_top_p_token_ids``) the engine
+reports each token's nucleus in slime's layout and the token's log-prob renormalised over it instead. The model's
+own ``generation_config.json`` plays no part: only temperature, top-k, top-p, the stop ids and the length limit
+shape a draw. The model's eos ids (tokenizer and
 ``generation_config.json``, which may list several, as Llama-3 and Qwen do) always end a response.
 
 Partial rollout needs :meth:`HFEngine.abort` to cut a running ``generate`` short from another thread (the engine
@@ -290,9 +292,11 @@ class HFEngine:
             compile=self.compile,
             min_new_tokens=params.min_new_tokens,
             stopped=self._stop_string_check(params.stop) if params.stop else None,
+            nucleus=params.return_top_p_token_ids,
         )
         results = []
-        for tokens, lps, finish in zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True):
+        rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)
+        for row, (tokens, lps, finish) in enumerate(rows):
             ids = tokens.tolist()
             # Stop strings are checked every few decoding steps: the response ends at the first token after which
             # its text holds one.
@@ -304,6 +308,7 @@ class HFEngine:
                     log_probs=lps[:n].tolist(),
                     finish_reason="stop" if at_string is not None else finish,
                     weight_version=version,
+                    extra={} if decoded.nucleus is None else top_p_token_data(decoded.nucleus[row][:n]),
                 )
             )
         return results
@@ -476,6 +481,15 @@ class HFEngine:
     def close(self) -> None:
         """Nothing outside the process to give back; the engine reports itself unhealthy from now on."""
         self.closed = True
+
+
+def top_p_token_data(nucleus: list[list[int]]) -> dict[str, list[int]]:
+    """slime's layout of a response's nuclei (one id list per token): ``top_p_token_ids``, every nucleus one after
+    another, and ``top_p_token_offsets``, where each starts (one more than there are tokens)."""
+    offsets = [0]
+    for ids in nucleus:
+        offsets.append(offsets[-1] + len(ids))
+    return {"top_p_token_ids": [i for ids in nucleus for i in ids], "top_p_token_offsets": offsets}
 
 
 def check_weight_version(weight_version: object) -> None:

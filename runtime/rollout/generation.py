@@ -125,7 +125,19 @@ def apply_generation(
     sample.loss_mask = [1] * len(generation.token_ids)
     sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
     sample.weight_versions = [*sample.weight_versions, str(generation.weight_version)]
+    if "top_p_token_ids" in generation.extra:
+        sample.rollout_top_p_token_ids = list(generation.extra["top_p_token_ids"])
+        sample.rollout_top_p_token_offsets = list(generation.extra["top_p_token_offsets"])
     return sample
+
+
+def concat_nuclei(
+    first: tuple[list[int], list[int]], second: tuple[list[int], list[int]]
+) -> tuple[list[int], list[int]]:
+    """Two responses' top-p nuclei in slime's layout (``(token_ids, offsets)``), one after the other: a partial
+    rollout's first part and its continuation."""
+    (ids_a, offsets_a), (ids_b, offsets_b) = first, second
+    return list(ids_a) + list(ids_b), list(offsets_a) + [offsets_a[-1] + o for o in list(offsets_b)[1:]]
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

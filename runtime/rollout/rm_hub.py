@@ -227,9 +227,12 @@ class RemoteRewardModel:
         self.failures = 0
 
     async def __call__(self, args: Any, sample: Sample, **kwargs: Any) -> Any:
+        return await self.post({"prompt": sample.prompt, "response": sample.response, "label": sample.label})
+
+    async def post(self, payload: dict[str, Any]) -> Any:
+        """``POST url`` of ``payload`` with the retries above; the JSON answer."""
         import httpx
 
-        payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
         async with httpx.AsyncClient(timeout=self.timeout, proxy=self.proxy) as client:
             for attempt in range(self.max_retries):
                 try:

@@ -2,8 +2,9 @@
 
 The fields, ``Status``'s values, ``SpecInfo`` / ``PrefixCacheInfo`` and the helpers hooks call
 (``get_reward_value``, ``effective_response_length``, ``append_response_tokens``, ``to_dict`` / ``from_dict``) follow
-slime's ``slime/utils/types.py``; the fields of slime's that need model parts rlcore lacks (multimodal inputs, top-p
-replay, routed experts) are kept so that hooks may set them, and are not read.
+slime's ``slime/utils/types.py``. ``rollout_top_p_token_ids`` / ``_offsets`` (top-p replay) are slime's layout: the
+nucleus of response token ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. The fields of slime's that need model parts
+rlcore lacks (multimodal inputs, routed experts) are kept so that hooks may set them, and are not read.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from runtime.rollout.generation import (
     _running,
     apply_generation,
     collect_rollout,
+    concat_nuclei,
     expand_groups,
     kept_too_few,
     sample_metrics,
@@ -430,6 +431,7 @@ class StreamingSource(_Source):
             generations = await self.ctx.engines.generate([x.tokens for x in samples], params)
             for x, generation in zip(samples, generations, strict=True):
                 old_len, old_lps, old_mask = x.response_length, x.rollout_log_probs or [], x.loss_mask or []
+                old_nucleus = (x.rollout_top_p_token_ids, x.rollout_top_p_token_offsets)
                 old_tokens = x.tokens[len(x.tokens) - old_len :] if old_len else []
                 x.tokens = x.tokens[: len(x.tokens) - old_len]
                 apply_generation(x, generation, self.ctx.tokenizer, skip_special_tokens=self.ctx.skip_special_tokens)
@@ -438,6 +440,10 @@ class StreamingSource(_Source):
                 keep_old = 0 if s.mask_offpolicy_in_partial_rollout else 1
                 x.loss_mask = [m * keep_old for m in old_mask] + x.loss_mask
                 x.rollout_log_probs = list(old_lps) + list(x.rollout_log_probs)
+                if old_nucleus[1] is not None and x.rollout_top_p_token_offsets is not None:
+                    x.rollout_top_p_token_ids, x.rollout_top_p_token_offsets = concat_nuclei(
+                        old_nucleus, (x.rollout_top_p_token_ids, x.rollout_top_p_token_offsets)
+                    )
                 x.response_length = old_len + x.response_length
                 x.response = self.ctx.tokenizer.decode(
                     x.tokens[len(x.tokens) - x.response_length :], skip_special_tokens=self.ctx.skip_special_tokens

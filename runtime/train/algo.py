@@ -90,10 +90,11 @@ def loss_config(cfg: Config) -> LossConfig:
 
 
 def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
-    """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; ...)."""
+    """The model roles the job runs (the actor; the reference for a KL loss or KL-in-reward penalty; the teacher
+    of ``--opd-type megatron``: ``sglang``'s teacher is a server, whose log-probs come with the samples; ...)."""
     a = cfg.algo
     roles = roles_for(use_kl_loss=a.use_kl_loss, kl_coef=effective_kl_coef(cfg), estimator=a.core_estimator)
-    if a.use_opd and TEACHER not in roles:
+    if a.use_opd and a.opd_type == "megatron" and TEACHER not in roles:
         roles = (*roles, TEACHER)
     return roles
 

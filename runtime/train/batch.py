@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys
+from rlcore.kernels import pad_nucleus
 from runtime.rollout.filters import reward_value
 from runtime.rollout.sample import Sample
 
@@ -24,6 +25,9 @@ RESPONSE_TOKENS = "response_tokens"
 # [B] int64: the rollout each row belongs to, numbered 0, 1, ... in order of first appearance; the rows of one rollout
 # (a custom generate function's fan-out) are consecutive. Optimizer steps and data-parallel shards are cut by rollout.
 ROLLOUT_INDEX = "rollout_index"
+# [B, T, K] int32: each response token's top-p nucleus, padded with -1 (slime's rollout_top_p_token_ids/_offsets,
+# laid out by rlcore.kernels.pad_nucleus); present only under top-p replay, where every log-prob is taken over it.
+NUCLEUS_IDS = "rollout_top_p_token_ids"
 
 
 def build_batch(
@@ -32,6 +36,8 @@ def build_batch(
     pad_token_id: int,
     require_rollout_log_probs: bool = False,
     reward_key: str | None = None,
+    top_p_replay: bool = False,
+    teacher_log_probs: bool = False,
 ) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
@@ -48,6 +54,13 @@ def build_batch(
 
     ``require_rollout_log_probs`` (set it when ``--use-tis`` is on): a sample without ``rollout_log_probs`` raises
     instead of getting zeros, which the importance weights would silently read as probability 1.
+
+    ``top_p_replay`` (``--rollout-top-p`` below 1): ``NUCLEUS_IDS`` [B, T, K] from each sample's
+    ``rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets`` (slime's layout: ``response_length + 1`` offsets);
+    a sample without them raises.
+
+    ``teacher_log_probs`` (``--opd-type sglang``): ``teacher_log_probs`` [B, T] float32 from each sample's
+    ``teacher_log_probs`` (0 on padding); a sample without them raises.
     """
     if not samples:
         raise ValueError("samples must hold at least one Sample, got none")
@@ -87,14 +100,34 @@ def build_batch(
                 )
             rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
     rollout_index = rollout_indices(samples)
+    nuclei = [_nucleus(i, s) for i, s in enumerate(samples)] if top_p_replay else []
     row_tokens = mask.sum(-1)
     rollout_tokens = torch.zeros(int(rollout_index.max()) + 1, dtype=torch.long).index_add_(
         0, rollout_index, row_tokens
     )
     first = torch.ones(n, dtype=torch.long)
     first[1:] = (rollout_index[1:] != rollout_index[:-1]).long()
+    extra = {}
+    if teacher_log_probs:
+        extra[keys.TEACHER_LOG_PROBS] = torch.zeros((n, horizon), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            values = s.teacher_log_probs
+            if values is None or len(values) != s.response_length:
+                raise ValueError(
+                    f"sample {i} (index {s.index}) has {'no' if values is None else len(values)} teacher_log_probs "
+                    f"for its {s.response_length} response tokens, which --opd-type sglang needs: the reward "
+                    "function (slime.rollout.on_policy_distillation.reward_func) sets them from the teacher server; "
+                    "see reward/errors if it failed"
+                )
+            extra[keys.TEACHER_LOG_PROBS][i, : s.response_length] = torch.as_tensor(values, dtype=torch.float32)
+    if nuclei:
+        width = max(max(x.shape[1] for x in nuclei), 1)
+        extra[NUCLEUS_IDS] = torch.full((n, horizon, width), -1, dtype=torch.int32)
+        for i, x in enumerate(nuclei):
+            extra[NUCLEUS_IDS][i, : x.shape[0], : x.shape[1]] = x
     return TensorDict(
         {
+            **extra,
             TOKENS: tokens,
             ROLLOUT_INDEX: rollout_index,
             keys.SEQ_TOKEN_COUNTS: rollout_tokens[rollout_index],
@@ -109,6 +142,23 @@ def build_batch(
         },
         batch_size=[n],
     )
+
+
+def _nucleus(i: int, s: Sample) -> torch.Tensor:
+    """Sample ``s``'s nuclei ``[response_length, K]`` (:func:`rlcore.kernels.pad_nucleus`)."""
+    ids, offsets = s.rollout_top_p_token_ids, s.rollout_top_p_token_offsets
+    if ids is None or offsets is None:
+        raise ValueError(
+            f"sample {i} (index {s.index}) has no rollout_top_p_token_ids/_offsets, which top-p replay "
+            "(--rollout-top-p below 1) needs: the embedded engine reports them; a custom generate function must "
+            "set them (runtime.rollout.apply_generation does), or add --no-rollout-top-p-replay"
+        )
+    if len(offsets) != s.response_length + 1:
+        raise ValueError(
+            f"sample {i} (index {s.index}): rollout_top_p_token_offsets has {len(offsets)} entries, response_length "
+            f"+ 1 = {s.response_length + 1} expected"
+        )
+    return pad_nucleus(torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(offsets, dtype=torch.long))
 
 
 def rollout_indices(samples: Sequence[Sample]) -> torch.Tensor:

@@ -46,6 +46,40 @@ def _global_abs_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGro
     return _global_mean(x.abs(), mask, group)
 
 
+QUARTERS = (25, 50, 75, 100)
+
+
+def correct_sample_sums(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    max_response_len: int,
+) -> torch.Tensor:
+    """slime's ``--log-correct-samples`` counts over the correct samples (reward exactly 1) of a shard, to be summed
+    over ranks: ``[6]`` float64, how many of their response lengths fall in each quarter of ``max_response_len``
+    (``(0, 25%]``, ``(25%, 50%]``, ``(50%, 75%]``, ``(75%, max]``), how many there are, and the sum of their token
+    means of ``-log_probs`` over ``mask``. rewards and response_lengths ``[B]``, log_probs and mask ``[B, T]``."""
+    correct = rewards == 1
+    cuts = torch.tensor([max_response_len * q / 100 for q in QUARTERS[:-1]] + [max_response_len], dtype=torch.float64)
+    quarter = torch.searchsorted(cuts, response_lengths[correct].double(), right=False)
+    counts = torch.bincount(quarter.clamp(max=len(QUARTERS)), minlength=len(QUARTERS) + 1)[: len(QUARTERS)]
+    m = mask[correct]
+    nll = torch.where(m, -log_probs[correct].double(), 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+    return torch.cat([counts.double(), torch.tensor([float(correct.sum()), float(nll.sum())], dtype=torch.float64)])
+
+
+def correct_sample_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The metrics of :func:`correct_sample_sums` summed over ranks: ``rollout/correct_length/p25`` .. ``p100``, the
+    fraction of correct samples in each quarter (slime's names), and ``rollout/correct_entropy``, their mean token
+    mean of ``-log_prob`` (0 when none is correct)."""
+    n = float(sums[len(QUARTERS)])
+    out = {f"rollout/correct_length/p{q}": float(sums[i]) / (n + 1e-9) for i, q in enumerate(QUARTERS)}
+    out["rollout/correct_entropy"] = float(sums[len(QUARTERS) + 1]) / n if n else 0.0
+    return out
+
+
 def train_rollout(
     backend: TrainBackend,
     batch: TensorDict,
@@ -127,6 +161,17 @@ def train_rollout(
         metrics["perf/log_probs_time"] = log_probs_time
     if keys.ADVANTAGES in shard.keys():
         metrics["advantage_abs_mean"] = _global_abs_mean(shard[keys.ADVANTAGES], shard[keys.MASK], group)
+    if getattr(hooks.args, "log_correct_samples", False) and keys.OLD_LOG_PROBS in shard.keys():
+        sums = correct_sample_sums(
+            shard[keys.REWARDS],
+            shard[RESPONSE_LENGTHS],
+            shard[keys.OLD_LOG_PROBS],
+            shard[keys.MASK],
+            max_response_len=hooks.args.rollout_max_response_len,
+        )
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        metrics.update(correct_sample_metrics(sums))
     if adv_cfg.opd_kl_coef > 0:
         # slime's opd_reverse_kl: the student's log-prob minus the teacher's, over the valid tokens (its mean).
         reverse_kl = shard[keys.OLD_LOG_PROBS] - shard[keys.TEACHER_LOG_PROBS]

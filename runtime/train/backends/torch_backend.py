@@ -12,7 +12,8 @@ a plain linear layer, it is never applied to all positions: the model's root for
 identity (so FSDP2's root hooks gather the head's weight, as when the head runs inside), the response positions are
 picked from the final hidden states, and :func:`rlcore.kernels.linear_rl_loss` computes the loss inside the LM head
 (:func:`rlcore.kernels.linear_logprobs_entropy` for the old and reference recompute). With a LoRA adapter on the LM
-head, or a final logit soft-cap, the full logits of each micro-batch are materialised.
+head, a final logit soft-cap, or top-p replay (the batch's ``NUCLEUS_IDS``), the full logits of each micro-batch are
+materialised.
 
 Speed options (docs/runtime.md): packed micro-batches (``--use-dynamic-batch-size``, ``runtime.train.packing``),
 activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation, and
@@ -38,7 +39,7 @@ from tensordict import TensorDict
 from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
-from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy
+from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy, nucleus_log_probs
 from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_loss, sft_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
@@ -46,7 +47,7 @@ from runtime.engines.hf_engine import load_untied_state_dict, pick_device, resto
 from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
-from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
@@ -401,22 +402,49 @@ class TorchTrainer:
 
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
         """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
-        the model's full logits."""
+        the model's full logits. Under top-p replay (``NUCLEUS_IDS`` in ``mb``) the log-probs are renormalised over
+        each token's nucleus (:func:`rlcore.kernels.nucleus_log_probs`); the entropy stays the full
+        distribution's, as in slime."""
         inputs = self._inputs(mb)
+        # Top-p replay: the nucleus ids are range-checked where they arrive (the host), not with a device sync.
+        host_nucleus = mb[NUCLEUS_IDS] if NUCLEUS_IDS in mb.keys() else None
         mb = mb.to(self.device)
         with self._autocast():
             logits = model(**inputs.model_kwargs(), use_cache=False).logits
         response = mb[RESPONSE_TOKENS]
         # ``picked`` is a fresh copy nothing else reads (index_select's backward does not need its output), so the
-        # backward may write d(logits) into it instead of allocating another [b * T, V] buffer.
+        # backward may write d(logits) into it instead of allocating another [b * T, V] buffer (not when the nucleus
+        # replay reads it too).
         picked = logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.picks.reshape(-1))
-        log_probs, entropy = logprobs_entropy(
-            picked,
-            response.reshape(-1),
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            inplace_backward=True,
-        )
+        if host_nucleus is None:
+            log_probs, entropy = logprobs_entropy(
+                picked,
+                response.reshape(-1),
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                inplace_backward=True,
+            )
+        else:
+            vocab = logits.shape[-1]
+            if host_nucleus.device.type == "cpu" and bool(((host_nucleus < -1) | (host_nucleus >= vocab)).any()):
+                raise ValueError(f"{NUCLEUS_IDS}: ids must be in [0, {vocab}) or -1 (padding)")
+            nucleus = mb[NUCLEUS_IDS]
+            log_probs = nucleus_log_probs(
+                picked,
+                response.reshape(-1),
+                nucleus.reshape(-1, nucleus.shape[-1]),
+                temperature=self.temperature,
+                validate=host_nucleus.device.type != "cpu",
+            ).float()
+            entropy = None
+            if with_entropy:  # the full distribution's, as in slime
+                _, entropy = logprobs_entropy(
+                    picked,
+                    response.reshape(-1),
+                    temperature=self.temperature,
+                    with_entropy=True,
+                    inplace_backward=False,
+                )
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
@@ -602,7 +630,7 @@ class TorchTrainer:
         return self._in_row_order(td, torch.cat(parts).cpu())
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
-        if self._fused_head(model):
+        if self._fused_head(model) and NUCLEUS_IDS not in mb.keys():
             hidden, weight, targets = self._response_hidden(model, mb)
             log_probs, _ = linear_logprobs_entropy(
                 hidden, weight, targets, temperature=self.temperature, with_entropy=False
@@ -692,7 +720,7 @@ class TorchTrainer:
                     metrics = {"loss": loss.detach()}
                 elif loss_type == "custom_loss":
                     loss, metrics = self._custom_loss(batch, norm)
-                elif self._fused_head(self.model) and reducer is None and tis is None:
+                elif self._fused_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
                     hidden, weight, targets = self._response_hidden(self.model, mb)
                     loss, metrics = linear_rl_loss(
                         hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
