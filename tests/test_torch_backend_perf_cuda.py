@@ -1,4 +1,5 @@
-"""The torch backend's speed options on one GPU: packed micro-batches (SDPA, or flex_attention when named),
+"""The torch backend's speed options on one GPU: packed micro-batches (varlen attention by default, SDPA or
+flex_attention when named),
 activation recompute and the bf16 step. Skipped without CUDA (``pytest -q tests/test_torch_backend_perf_cuda.py``
 on a GPU machine)."""
 
