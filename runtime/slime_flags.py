@@ -31,7 +31,7 @@ YES, DIFFERS, REFUSED, ELSEWHERE = "yes", "differs", "refused", "elsewhere"
 STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
 
 # Why a flag is refused, by what it needs.
-MEGATRON = "needs --train-backend megatron (issue 11: the Megatron backend)"
+MEGATRON = "not built in rlcore's Megatron backend yet (issue 11, still open)"
 HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 LATER = "not built yet in rlcore-run (issue 13, still open)"

@@ -156,7 +156,7 @@ def test_docs_table_is_the_generated_one():
 
 def test_help_lists_refused_flags_with_their_reason():
     text = " ".join(build_parser().format_help().split())
-    assert "--use-routing-replay" in text and "refused: needs --train-backend megatron" in text
+    assert "--use-routing-replay" in text and "refused: not built in rlcore's Megatron backend yet" in text
 
 
 # ---------------------------------------------------------------- slime's run scripts
