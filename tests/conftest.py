@@ -2,6 +2,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# Every Ray the tests start listens on 127.0.0.1, as rlcore-run's own does (runtime/cluster/loopback.py): servers
+# launched on a Ray node bind the node's address, and traffic to the machine's routable address may not reach them.
+# Set before any test module imports Ray, which reads it then.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 settings.register_profile(
     "ci",
     max_examples=40,
