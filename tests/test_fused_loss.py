@@ -445,3 +445,51 @@ def test_non_finite_batch_value_at_a_valid_position_is_named():
     td.set(keys.ADVANTAGES, advantages)
     with pytest.raises(ValueError, match=r"advantages has a non-finite value at valid position \(0, 0\)"):
         linear_rl_loss(hidden, weight, targets, td, LossConfig())
+
+
+def test_lengths_from_the_host_give_the_counted_result():
+    """``seq_lengths`` (the caller's host copy of ``mask.sum(-1)``) changes nothing but the host sync: padding rows,
+    the mismatch weights and every aggregation input come out the same, bit for bit."""
+    hidden, weight, targets, td = make_case(21, batch=3, seq_len=5, hidden_size=8, vocab=131)
+    cfg = LossConfig(use_tis=True, tis_mode="icepop", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
+    lengths = td[keys.MASK].sum(-1).tolist()
+    assert sum(lengths) < td[keys.MASK].numel()  # the gather of valid rows runs
+    results = []
+    for host in (None, lengths):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, metrics = linear_rl_loss(h, w, targets, td, cfg, chunk_bytes=SMALL_CHUNK, seq_lengths=host)
+        loss.backward()
+        results.append((loss.detach(), metrics, h.grad, w.grad))
+    (loss, metrics, grad_h, grad_w), (loss2, metrics2, grad_h2, grad_w2) = results
+    assert torch.equal(loss, loss2) and torch.equal(grad_h, grad_h2) and torch.equal(grad_w, grad_w2)
+    assert all(torch.equal(metrics[k], metrics2[k]) for k in metrics.keys())
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [
+        ([1, 2], "3 ints in"),
+        ([1, 2, 9], r"3 ints in \[0, 5\]"),
+        ([1, 2, -1], "3 ints in"),
+        ("mask", "do not match the valid tokens of mask"),
+    ],
+)
+def test_wrong_lengths_from_the_host_are_refused(lengths, match):
+    hidden, weight, targets, td = make_case(22, batch=3, seq_len=5, hidden_size=8, vocab=131)
+    if lengths == "mask":
+        lengths = td[keys.MASK].sum(-1).tolist()
+        lengths[1] = (lengths[1] + 1) % 6
+    with pytest.raises(ValueError, match=match):
+        linear_rl_loss(hidden, weight, targets, td, LossConfig(), seq_lengths=lengths)
+
+
+@pytest.mark.parametrize("key", [keys.ROLLOUT_LOG_PROBS, keys.OLD_LOG_PROBS])
+def test_non_finite_mismatch_input_at_a_valid_position_is_named(key):
+    """The mismatch weights are taken without a host sync; their inputs are still checked, naming the position."""
+    hidden, weight, targets, td = make_case(23, batch=2, seq_len=4, hidden_size=8, vocab=129)
+    td = td.clone()
+    values = td[key].clone()
+    values[0, 0] = float("nan")
+    td.set(key, values)
+    with pytest.raises(ValueError, match=rf"{key} has a non-finite value at valid position \(0, 0\)"):
+        linear_rl_loss(hidden, weight, targets, td, LossConfig(use_tis=True))

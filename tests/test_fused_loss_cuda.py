@@ -129,3 +129,29 @@ def test_cuda_bf16_fused_equals_unfused(name, options):
         assert abs(ratio - 1) < BF16_GRAD_NORM_RTOL, ratio
         cosine = torch.nn.functional.cosine_similarity(actual.float().flatten(), expected.float().flatten(), dim=0)
         assert float(cosine) > 0.999
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_forward_queues_its_work_without_a_host_sync(name):
+    """With ``seq_lengths`` from the host, the forward (every chunk's three matmuls, the statistics, the mismatch
+    weights) is queued without waiting for the device: CUDA's sync debug mode raises on any synchronising call. The
+    checks that read device values wait on events after everything is queued, and equal the counted path."""
+    cfg = CONFIGS[name]
+    hidden, weight, targets, td = make_case(4, 300, 256, 32007, torch.bfloat16, seed=11)
+    lengths = td[keys.MASK].sum(-1).tolist()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    linear_rl_loss(h, w, targets, td, cfg, seq_lengths=lengths, chunk_bytes=128 * 32007 * 2)  # warm: compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics = linear_rl_loss(h, w, targets, td, cfg, seq_lengths=lengths, chunk_bytes=128 * 32007 * 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    loss.backward()
+    counted, _, grad_h, grad_w = run_fused(hidden, weight, targets, td, cfg, chunk_bytes=128 * 32007 * 2)
+    torch.testing.assert_close(loss.detach(), counted, rtol=0, atol=0)
+    torch.testing.assert_close(h.grad, grad_h, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, grad_w, rtol=0, atol=0)
+    wrong = [lengths[0] + 1, *lengths[1:]]
+    with pytest.raises(ValueError, match="seq_lengths"):
+        linear_rl_loss(hidden, weight, targets, td, cfg, seq_lengths=wrong)

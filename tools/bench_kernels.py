@@ -235,9 +235,13 @@ def fused_loss(hidden, weight, targets, *, td, cfg, **options):
 
 
 def fused_loss_methods(td, cfg):
-    fused = functools.partial(fused_loss, td=td, cfg=cfg)
+    # As the torch backend calls it: the per-sample lengths from the host, so no host sync before the first matmul.
+    lengths = td[keys.MASK].sum(-1).tolist()
+    counted = functools.partial(fused_loss, td=td, cfg=cfg)
+    fused = functools.partial(counted, seq_lengths=lengths)
     methods = {
         "rlcore linear_rl_loss (fused)": fused,
+        "linear_rl_loss, lengths counted on the GPU": counted,
         "linear_rl_loss, chunks of 2048 rows": functools.partial(fused, chunk_bytes=2048 * LINEAR_SHAPE[2] * 2),
         "linear_rl_loss, fp32 d(weight) accumulator": functools.partial(fused, grad_weight_dtype=torch.float32),
         "linear_rl_loss, fp32 logits": functools.partial(fused, float32_logits=True),

@@ -36,7 +36,7 @@ float32 and rounds once when added, so a bf16 gradient carries ~``sqrt(chunks) *
 end). The hidden gradient of a row is one matmul over the whole vocabulary: one rounding.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,7 +56,8 @@ from rlcore.kernels._stats import (
 )
 from rlcore.kernels.linear import linear_logprobs_entropy
 from rlcore.kernels.logprobs import backend_ops
-from rlcore.losses import LossConfig, Normalizer, mismatch_weights, rl_loss
+from rlcore.losses import LossConfig, Normalizer, rl_loss
+from rlcore.losses.mismatch import mismatch_weights_unchecked
 
 # 1.25 GiB of logits per chunk: 4096 rows of a 151936-token vocabulary in bf16, four chunks at N = 16384.
 DEFAULT_CHUNK_BYTES = 5 << 28
@@ -104,7 +105,9 @@ def aggregation_weights(
     device = mask.device
 
     def count(value) -> Tensor:
-        return torch.as_tensor(value, device=device, dtype=torch.float32)
+        if isinstance(value, Tensor):
+            return value.to(device=device, dtype=torch.float32)
+        return torch.full((), float(value), device=device, dtype=torch.float32)  # no copy from the host: no sync
 
     if mode == "token_mean":
         per_row = count(norm.num_tokens).clamp_min(1).reciprocal().expand(mask.shape[0])
@@ -295,15 +298,16 @@ def _read(td: TensorDictBase, key: str, mask: Tensor, finite: _Finite, *, needed
 
 
 def mismatch(td: TensorDictBase, cfg: LossConfig, mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """``mismatch_weights``' ``(weights, keep)`` for ``cfg.use_tis`` (it checks its inputs with a host sync: called
-    before the pass, not while the device works), else ``None``."""
+    """``mismatch_weights``' ``(weights, keep)`` for ``cfg.use_tis``, else ``None``. Without a host sync: the
+    log-probs' finiteness at valid positions is checked by the caller's :class:`_Finite` (``token_inputs`` reads both
+    through it)."""
     if not cfg.use_tis:
         return None
     old = masked_fill_zero(_check_key(td, keys.OLD_LOG_PROBS, mask, needed_by="use_tis").detach().float(), mask)
     rollout = masked_fill_zero(
         _check_key(td, keys.ROLLOUT_LOG_PROBS, mask, needed_by="use_tis").detach().float(), mask
     )
-    return mismatch_weights(
+    return mismatch_weights_unchecked(
         old, rollout, mask, mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low, high=cfg.tis_clip
     )
 
@@ -336,7 +340,11 @@ def token_inputs(
     if tis is not None:
         tis, keep = tis
         c_pg = weight * tis.float()
-        num_tokens = torch.as_tensor(norm.num_tokens, device=mask.device).clamp_min(1)
+        num_tokens = norm.num_tokens
+        if isinstance(num_tokens, Tensor):
+            num_tokens = num_tokens.to(mask.device).clamp_min(1)
+        else:
+            num_tokens = torch.full((), max(1, num_tokens), device=mask.device)
         metrics["tis_weight_mean"] = tis.float().sum() / num_tokens
         metrics["tis_weight_max"] = tis.float().amax() if tis.numel() else tis.new_zeros((), dtype=torch.float32)
         metrics["tis_masked_frac"] = (mask & ~keep).sum() / num_tokens
@@ -355,6 +363,45 @@ def token_inputs(
         seq_lengths=mask.sum(-1).clamp_min(1).float(),
     )
     return inputs, metrics
+
+
+def _host_lengths(seq_lengths: Sequence[int] | None, mask: Tensor) -> tuple[list[int], Callable[[], None]]:
+    """The per-sample valid-token counts on the host, and ``verify()``, which raises unless they equal ``mask``'s.
+
+    ``None`` counts them from ``mask`` (a host sync; nothing to verify). Given ones are checked for length and sign at
+    once, and against ``mask`` through an asynchronous copy, as ``check_targets`` checks the ids' range."""
+    if seq_lengths is None:
+        return mask.sum(-1).tolist(), lambda: None
+    lengths = list(seq_lengths)
+    if len(lengths) != mask.shape[0] or not all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= mask.shape[1] for n in lengths
+    ):
+        raise ValueError(
+            f"seq_lengths must be {mask.shape[0]} ints in [0, {mask.shape[1]}] (one per row of mask "
+            f"{tuple(mask.shape)}), got {lengths[:8]}{' ...' if len(lengths) > 8 else ''}"
+        )
+    given = torch.tensor(lengths, dtype=torch.int64)
+    if mask.is_cuda:
+        given = given.pin_memory()  # a copy from pageable memory could wait for the stream
+    wrong = (mask.sum(-1) != given.to(mask.device, non_blocking=True)).any()
+    done = None
+    if wrong.is_cuda:
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(wrong, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        wrong = host
+
+    def verify() -> None:
+        if done is not None:
+            done.synchronize()
+        if bool(wrong):
+            raise ValueError(
+                f"seq_lengths {lengths[:8]}{' ...' if len(lengths) > 8 else ''} do not match the valid tokens of "
+                f"mask per row {mask.sum(-1).tolist()[:8]}"
+            )
+
+    return lengths, verify
 
 
 def plan_chunks(
@@ -573,6 +620,7 @@ def linear_rl_loss(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     grad_weight_dtype: torch.dtype | None = None,
     float32_logits: bool = False,
+    seq_lengths: Sequence[int] | None = None,
 ) -> tuple[Tensor, TensorDict]:
     """``rl_loss`` of the policy ``softmax(hidden @ weight^T / temperature)``, never holding the [N, V] logits.
 
@@ -608,6 +656,10 @@ def linear_rl_loss(
         float32_logits: keep the logits in float32 instead of rounding them to the input dtype (verl's and CCE's
             convention; half as many rows per chunk for the same ``chunk_bytes``). CUDA or float32 inputs only
             matter: on the CPU the product is float32 either way.
+        seq_lengths: the valid tokens of each sample (``mask.sum(-1)``) as host integers, from a caller that has
+            them (a trainer's batch keeps its lengths on the host); ``None`` counts them on the device, a host
+            sync before the first matmul. Given, the op queues all its work without waiting for the device, and
+            checks them against ``mask`` afterwards (a mismatch raises, naming both).
 
     Returns:
         ``(loss, metrics)`` as ``rl_loss``: a 0-dim float32 loss, differentiable with respect to ``hidden`` and
@@ -669,12 +721,13 @@ def linear_rl_loss(
         full.set(keys.ENTROPY, entropy.view(batch, seq_len))
         return loss_fn(full) if loss_fn is not None else rl_loss(full, cfg, norm=norm)
 
+    lengths, verify_lengths = _host_lengths(seq_lengths, mask)
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     term = PolicyTerm(cfg.policy_loss, float(cfg.eps_clip), float(eps_high), cfg.eps_clip_c, cispo_eps_clip)
     settings = _Settings(
         cfg=cfg,
         term=term,
-        seq_lengths=mask.sum(-1).tolist(),
+        seq_lengths=lengths,
         col_offset=rank * weight.shape[0],
         inv_temperature=inv_temperature,
         group=group,
@@ -684,16 +737,19 @@ def linear_rl_loss(
     )
     # Only valid tokens go through the matmuls: padding costs a gather of its hidden states, not three matmuls.
     rows = torch.arange(mask.numel(), device=mask.device)
-    if sum(settings.seq_lengths) < mask.numel():
-        rows = mask.flatten().nonzero().squeeze(1)
+    if sum(lengths) < mask.numel():
+        # nonzero_static: the count is known, so no wait for the device (a wrong count is caught by verify_lengths).
+        rows = torch.nonzero_static(mask.flatten(), size=sum(lengths), fill_value=0).squeeze(1)
         hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     for key, needed_by in _needed_keys(cfg, td):
         _check_key(td, key, mask, needed_by=needed_by)
+    if cfg.use_tis:
+        _check_key(td, keys.OLD_LOG_PROBS, mask, needed_by="use_tis")
     finite = _Finite(mask)
-    tis = mismatch(td, cfg, mask)
     prepared = {}
 
     def prepare() -> TokenInputs:
+        tis = mismatch(td, cfg, mask)
         prepared["inputs"], prepared["metrics"] = token_inputs(td, cfg, mask, norm, rows, finite, tis)
         prepared["verify"] = finite.verify_later()
         return prepared["inputs"]
@@ -708,6 +764,7 @@ def linear_rl_loss(
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
     )
+    verify_lengths()
     verify_targets()
     prepared["verify"]()
     metrics = _metrics(cfg, prepared["inputs"], norm, loss, sums, ratio_max, prepared["metrics"], device=hidden.device)

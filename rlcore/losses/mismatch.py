@@ -68,6 +68,24 @@ def mismatch_weights(
     check_choice("level", level, MISMATCH_LEVELS)
     check_finite_where("old_log_probs", old_log_probs, mask)
     check_finite_where("rollout_log_probs", rollout_log_probs, mask)
+    return mismatch_weights_unchecked(
+        old_log_probs, rollout_log_probs, mask, mode=mode, level=level, low=low, high=high
+    )
+
+
+def mismatch_weights_unchecked(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    mode: str,
+    level: str,
+    low: float | None,
+    high: float,
+) -> tuple[Tensor, Tensor]:
+    """:func:`mismatch_weights` without its tensor checks, which wait for the device (the finiteness of the log-probs
+    at valid positions): for callers that check them without a host sync (``rlcore.kernels.linear_rl_loss``). The
+    bounds are still checked, on the host."""
     if not isinstance(high, int | float) or not high > 0:
         raise ValueError(f"high must be a positive number, got {high!r}")
     if mode == "icepop" and low is None:

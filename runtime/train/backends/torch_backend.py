@@ -112,6 +112,13 @@ def _compile_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
     return count
 
 
+def _host_lengths(mb: TensorDict) -> list[int] | None:
+    """Each row's valid response tokens, counted where the micro-batch lives if that is the host (then the fused
+    loss queues its work without waiting for the device); ``None`` for a batch already on the device."""
+    mask = mb[keys.MASK]
+    return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
+
+
 def _is_max_metric(name: str) -> bool:
     """rl_loss's maxima over tokens (``*_max``) combine over micro-batches and ranks by max; its means by sum."""
     return name.endswith("_max")
@@ -723,7 +730,14 @@ class TorchTrainer:
                 elif self._fused_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
                     hidden, weight, targets = self._response_hidden(self.model, mb)
                     loss, metrics = linear_rl_loss(
-                        hidden, weight, targets, batch, self.loss_cfg, norm=norm, temperature=self.temperature
+                        hidden,
+                        weight,
+                        targets,
+                        batch,
+                        self.loss_cfg,
+                        norm=norm,
+                        temperature=self.temperature,
+                        seq_lengths=_host_lengths(mb),
                     )
                 else:
                     log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
