@@ -97,6 +97,14 @@ class PolicyTerm(NamedTuple):
     cispo_eps_low: float | None
 
 
+def _count(value: Tensor | int, device: torch.device) -> Tensor:
+    """A count of a ``Normalizer`` as a float32 0-dim tensor on ``device``. A host number is filled in on the device:
+    ``torch.as_tensor(n, device=cuda)`` copies from pageable host memory, which waits for the device."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.full((), float(value), device=device, dtype=torch.float32)
+
+
 def aggregation_weights(
     mask: Tensor, mode: str, norm: Normalizer, *, seq_token_counts: Tensor | None = None
 ) -> Tensor:
@@ -105,9 +113,7 @@ def aggregation_weights(
     device = mask.device
 
     def count(value) -> Tensor:
-        if isinstance(value, Tensor):
-            return value.to(device=device, dtype=torch.float32)
-        return torch.full((), float(value), device=device, dtype=torch.float32)  # no copy from the host: no sync
+        return _count(value, device)
 
     if mode == "token_mean":
         per_row = count(norm.num_tokens).clamp_min(1).reciprocal().expand(mask.shape[0])
@@ -340,11 +346,7 @@ def token_inputs(
     if tis is not None:
         tis, keep = tis
         c_pg = weight * tis.float()
-        num_tokens = norm.num_tokens
-        if isinstance(num_tokens, Tensor):
-            num_tokens = num_tokens.to(mask.device).clamp_min(1)
-        else:
-            num_tokens = torch.full((), max(1, num_tokens), device=mask.device)
+        num_tokens = _count(norm.num_tokens, mask.device).clamp_min(1)
         metrics["tis_weight_mean"] = tis.float().sum() / num_tokens
         metrics["tis_weight_max"] = tis.float().amax() if tis.numel() else tis.new_zeros((), dtype=torch.float32)
         metrics["tis_masked_frac"] = (mask & ~keep).sum() / num_tokens
@@ -773,7 +775,7 @@ def linear_rl_loss(
 
 def _metrics(cfg, inputs: TokenInputs, norm: Normalizer, loss, sums, ratio_max, metrics, *, device) -> TensorDict:
     """``rl_loss``'s metrics from the fused pass's sums (token means divide by the global token count)."""
-    num_tokens = torch.as_tensor(norm.num_tokens, device=device).clamp_min(1)
+    num_tokens = _count(norm.num_tokens, device).clamp_min(1)
     total = dict(zip(SUMS, sums.unbind(), strict=True))
     metrics = {
         **metrics,

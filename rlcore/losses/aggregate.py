@@ -68,11 +68,13 @@ class Normalizer:
         check_mask(mask)
         check_tensor("mask", mask, ndim=2)
         if seq_counts is None:
-            num_seqs = torch.tensor(mask.shape[0], device=mask.device)
+            # torch.full, not torch.tensor: a copy from the host would wait for the device.
+            num_seqs = torch.full((), mask.shape[0], dtype=torch.int64, device=mask.device)
         else:
             _check_row_counts("seq_counts", seq_counts, mask)
             num_seqs = seq_counts.sum().to(mask.device)
-        return cls(num_tokens=mask.sum(), num_seqs=num_seqs, max_len=torch.tensor(mask.shape[-1], device=mask.device))
+        max_len = torch.full((), mask.shape[-1], dtype=torch.int64, device=mask.device)
+        return cls(num_tokens=mask.sum(), num_seqs=num_seqs, max_len=max_len)
 
     def __add__(self, other: "Normalizer") -> "Normalizer":
         if not isinstance(other, Normalizer):
