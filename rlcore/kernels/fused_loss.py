@@ -592,12 +592,10 @@ class LinearRLLoss(torch.autograd.Function):
         if grad_hidden is None and grad_weight is None:
             raise RuntimeError("linear_rl_loss's backward already ran: its gradients were handed out")
         ctx.grads = (None, None)
-        # Scaled in place on the device, whatever the upstream gradient (1 from loss.backward() is exact): reading it
-        # on the host would wait for the whole op, and the caller's next work could not be queued behind it.
-        if grad_loss is not None:
-            for grad in (grad_hidden, grad_weight):
-                if grad is not None:
-                    grad.mul_(grad_loss.to(grad.dtype))
+        # One host sync, after the forward did all the work: a loss.backward() upstream gradient of 1 costs no pass.
+        if grad_loss is not None and float(grad_loss) != 1.0:
+            grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
+            grad_weight = None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
