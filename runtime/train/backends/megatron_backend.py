@@ -95,6 +95,22 @@ def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _torn_down_on_failure(init: Any) -> Any:
+    """``MegatronTrainer.__init__`` that, when it raises, first undoes what it set up: Megatron's parallel groups and
+    the process group it created. Otherwise the next trainer of this process (or a retry) would find them initialised
+    and wait on peers that are gone."""
+
+    @functools.wraps(init)
+    def wrapper(self: MegatronTrainer, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    return wrapper
+
+
 class _NoDropoutRNG:
     """Stands in for megatron-core's CUDA RNG tracker on the CPU: it forks an RNG state only around dropout, which
     this backend never applies (dropout is 0)."""
@@ -175,22 +191,6 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
     if setting in ("true", "false"):
         return setting == "true"
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
-def _torn_down_on_failure(init: Any) -> Any:
-    """``MegatronTrainer.__init__`` that, when it raises, first undoes what it set up: Megatron's parallel groups and
-    the process group it created. Otherwise the next trainer of this process (or a retry) would find them initialised
-    and wait on peers that are gone."""
-
-    @functools.wraps(init)
-    def wrapper(self: MegatronTrainer, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    return wrapper
 
 
 class MegatronTrainer:
