@@ -481,13 +481,13 @@ class TrainConfig:
     )
     log_probs_max_tokens_per_gpu: int | None = field(
         default=None,
-        metadata=_help("token budget of a log-prob pass's micro-batch (torch backend); unset: --max-tokens-per-gpu"),
+        metadata=_help("token budget of a log-prob pass's micro-batch; unset: --max-tokens-per-gpu"),
     )
     use_dynamic_batch_size: bool = field(
         default=False,
         metadata=_help(
-            "pack micro-batches by --max-tokens-per-gpu real tokens, sequences concatenated without padding "
-            "(torch backend)"
+            "micro-batches of at most --max-tokens-per-gpu real tokens: the torch backend concatenates each one's "
+            "sequences without padding, the Megatron backend pads each to its longest row (no Transformer Engine)"
         ),
     )
     lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
@@ -2134,11 +2134,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(
             "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
             "Megatron backend's loss and log-prob passes do not call them yet)"
-        )
-    if t.use_dynamic_batch_size:
-        problems.append(
-            "--use-dynamic-batch-size: the Megatron backend does not pack (THD) micro-batches yet (issue 11); the "
-            "torch backend does"
         )
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")

@@ -325,7 +325,8 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "--use-dynamic-batch-size",
         "data",
         DIFFERS,
-        "torch backend: a packed row per micro-batch (attention split by position ids); megatron refuses it (#11)",
+        "torch backend: a packed row per micro-batch (attention split by position ids); megatron: rows grouped by "
+        "real tokens, each group padded (no THD packing without Transformer Engine)",
     ),
     _f(
         "--max-tokens-per-gpu",
@@ -339,7 +340,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "data",
         None,
         DIFFERS,
-        "torch backend; counted as --max-tokens-per-gpu is (real tokens with --use-dynamic-batch-size)",
+        "both backends; counted as --max-tokens-per-gpu is (real tokens with --use-dynamic-batch-size)",
         **_OPT_INT,
     ),
     # eval

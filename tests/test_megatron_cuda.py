@@ -126,7 +126,7 @@ def test_weights_to_the_engine_equal_the_trainers(tmp_path):
         mega.shutdown()
 
 
-def _parallel_worker(rank, world, port, path, tmp, out, tp, pp):
+def _parallel_worker(rank, world, port, path, tmp, out, tp, pp, knobs=None):
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = job(
@@ -136,6 +136,7 @@ def _parallel_worker(rank, world, port, path, tmp, out, tp, pp):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         actor_num_gpus_per_node=world,
+        **(knobs or {}),
     )
     mega = trainer("megatron", path, cfg, rank=rank, world_size=world, master_port=port, device=f"cuda:{rank}")
     td = make_batch(203)
@@ -175,6 +176,46 @@ def test_two_gpus_equal_one(tp, pp, tmp_path):
         for name, value in weights.items():
             torch.testing.assert_close(
                 two["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    finally:
+        one.shutdown()
+
+
+DYNAMIC = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=12)
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp",
+    [(1, 1, 1), pytest.param(2, 1, 2, marks=two_gpus), pytest.param(2, 1, 1, marks=two_gpus)],
+    ids=["one_gpu", "pp2", "dp2"],
+)
+def test_dynamic_batch_size_equals_fixed_micro_batches_on_one_gpu(world, tp, pp, tmp_path):
+    """--use-dynamic-batch-size (rows grouped by real tokens, each group padded) under Megatron's DDP and optimizer,
+    on one GPU, through PP=2's schedule (each stage runs the same count) and DP=2 (the count all-reduced): the fixed
+    micro-batches' step on one GPU."""
+    import torch.multiprocessing as mp
+
+    path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False)
+    out = str(tmp_path / "dynamic.pt")
+    if world == 1:
+        _parallel_worker(0, 1, _free_port(), path, tmp_path, out, tp, pp, DYNAMIC)
+    else:
+        mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp, DYNAMIC), nprocs=world)
+    dynamic = torch.load(out, weights_only=False)
+    cfg = job(tmp_path, bf16="false", train_backend="megatron")
+    one = trainer("megatron", path, cfg, device="cuda:0")
+    try:
+        td = make_batch(203)
+        mask = td[keys.MASK]
+        log_probs = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        got = dynamic["log_probs"][keys.OLD_LOG_PROBS][mask]
+        torch.testing.assert_close(got, log_probs[mask], rtol=1e-5, atol=2e-5)
+        metrics = train_once(one, cfg, td)
+        assert dynamic["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
+        assert dynamic["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        for name, value in one.get_weights().items():
+            torch.testing.assert_close(
+                dynamic["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
             )
     finally:
         one.shutdown()

@@ -117,14 +117,9 @@ def packed_inputs(
     return ModelInputs(input_ids[None], None, position_ids[None], starts[:, None] + within, cu_seq_lens, max(host))
 
 
-def pack_by_tokens(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
-    """Partition rows of ``lengths`` tokens into micro-batches of at most ``max_tokens`` real tokens each.
-
-    As slime's dynamic batch size: the number of micro-batches is what first fit in row order needs, and the rows
-    are then spread over that many so their token counts are balanced (longest first, each to the least-loaded
-    micro-batch it fits; a row that fits none opens another). Returns row indices, ascending within each
-    micro-batch, micro-batches ordered by their first row. A row longer than ``max_tokens`` raises.
-    """
+def min_micro_batches(lengths: list[int], *, max_tokens: int) -> int:
+    """How many micro-batches of at most ``max_tokens`` real tokens first fit in row order makes of rows of
+    ``lengths`` tokens (slime's ``get_minimum_num_micro_batch_size``). A row longer than ``max_tokens`` raises."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     for i, length in enumerate(lengths):
@@ -138,8 +133,23 @@ def pack_by_tokens(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
                 break
         else:
             first_fit.append(length)
-    loads = [0] * len(first_fit)
-    bins: list[list[int]] = [[] for _ in first_fit]
+    return len(first_fit)
+
+
+def pack_by_tokens(lengths: list[int], *, max_tokens: int, at_least: int = 1) -> list[list[int]]:
+    """Partition rows of ``lengths`` tokens into micro-batches of at most ``max_tokens`` real tokens each.
+
+    As slime's dynamic batch size: the number of micro-batches is :func:`min_micro_batches`, raised to ``at_least``
+    (what the other data-parallel ranks need; never more than one per row), and the rows are then spread over that
+    many so their token counts are balanced (longest first, each to the least-loaded micro-batch it fits; a row that
+    fits none opens another). Returns row indices, ascending within each micro-batch, micro-batches ordered by their
+    first row. A row longer than ``max_tokens`` raises.
+    """
+    if at_least < 1:
+        raise ValueError(f"at_least must be >= 1, got {at_least}")
+    count = max(min_micro_batches(lengths, max_tokens=max_tokens), min(at_least, len(lengths)))
+    loads = [0] * count
+    bins: list[list[int]] = [[] for _ in range(count)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         fits = [j for j in range(len(bins)) if loads[j] + lengths[i] <= max_tokens]
         if not fits:

@@ -15,14 +15,19 @@ On GPUs the model is wrapped in Megatron's ``DistributedDataParallel`` and train
 distributed optimizer unless ``--no-use-distributed-optimizer``; mixed precision with float32 master weights under
 ``--bf16``), with its LR schedule (``OptimizerParamScheduler``); pipelines run Megatron's 1F1B schedule. On the CPU
 (tests, gloo) megatron-core needs two shims (:func:`_cpu_shims`: it asks ``torch.cuda`` for the current device and
-for dropout RNG states, and there is no dropout here), gradients are all-reduced over DP by this module, the
-optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and clipping over the model-parallel group, and
-pipeline parallelism is refused (Megatron's schedules allocate on ``"cuda"``).
+for dropout RNG states, and there is no dropout here), gradients are averaged over DP by this module (as Megatron's
+DDP averages them), the optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and clipping over the
+model-parallel group, and pipeline parallelism is refused (Megatron's schedules allocate on ``"cuda"``).
+
+``--use-dynamic-batch-size`` groups rows into micro-batches of at most ``--max-tokens-per-gpu`` real tokens, as slime
+does, each right-padded to its own longest row: packing them into one THD sequence (``packed_seq_params``) needs
+Transformer Engine's attention, which the local spec does without.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -46,6 +51,7 @@ from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
+from runtime.train.packing import min_micro_batches, pack_by_tokens
 from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
@@ -87,6 +93,22 @@ def load_distributed_optimizer(distributed: Any, state: dict[str, Any]) -> None:
 
 # How the distributed optimizer's state is laid out in a torch_dist checkpoint (megatron-core's metadata).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _torn_down_on_failure(init: Any) -> Any:
+    """``MegatronTrainer.__init__`` that, when it raises, first undoes what it set up: Megatron's parallel groups and
+    the process group it created. Otherwise the next trainer of this process (or a retry) would find them initialised
+    and wait on peers that are gone."""
+
+    @functools.wraps(init)
+    def wrapper(self: MegatronTrainer, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    return wrapper
 
 
 class _NoDropoutRNG:
@@ -174,6 +196,7 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
 class MegatronTrainer:
     """One rank of the megatron backend. Every public method is called on all ranks at once."""
 
+    @_torn_down_on_failure
     def __init__(
         self,
         model_path: str,
@@ -492,8 +515,47 @@ class MegatronTrainer:
         shape = response.shape
         return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
-    def _micro_batches(self, td: TensorDict) -> list[TensorDict]:
-        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_gpu)
+    def _micro_batches(self, td: TensorDict, *, log_probs: bool = False) -> list[TensorDict]:
+        """``td``'s rows in micro-batches, each right-padded to its own longest row by :meth:`_inputs`: grouped by
+        real tokens with ``--use-dynamic-batch-size`` (:meth:`_token_groups`: rows regrouped), else consecutive rows
+        by ``--micro-batch-size`` or the rows x longest budget. The budget is ``--max-tokens-per-gpu``, or for a
+        log-prob pass (``log_probs``, no gradient) ``--log-probs-max-tokens-per-gpu`` where set."""
+        if self.cfg.use_dynamic_batch_size:
+            return [td[torch.tensor(rows)] for rows in self._token_groups(td, log_probs=log_probs)]
+        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self._budget(log_probs))
+
+    def _budget(self, log_probs: bool) -> int | None:
+        if log_probs and self.cfg.log_probs_max_tokens_per_gpu is not None:
+            return self.cfg.log_probs_max_tokens_per_gpu
+        return self.cfg.max_tokens_per_gpu
+
+    def _token_groups(self, td: TensorDict, *, log_probs: bool) -> list[list[int]]:
+        """Row indices of ``td``'s micro-batches under ``--use-dynamic-batch-size``, at most the budget's real tokens
+        each (:func:`runtime.train.packing.pack_by_tokens`). As slime, every DP rank runs as many micro-batches: the
+        most any rank needs (first fit), over which each rank balances its rows. A rank with fewer rows than that
+        count (uneven shards of multi-row rollouts) runs one per row; that is harmless, since gradients are reduced
+        once per step, after the last micro-batch (Megatron's DDP without overlap, and the CPU path alike), and the
+        stages of one pipeline share their rows and so their count."""
+        budget = self._budget(log_probs)
+        if budget is None:
+            raise ValueError("--use-dynamic-batch-size groups micro-batches by --max-tokens-per-gpu: set it")
+        lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
+        count = self._dp_max(min_micro_batches(lengths, max_tokens=budget))
+        while True:
+            groups = pack_by_tokens(lengths, max_tokens=budget, at_least=count)
+            # Balancing can open a micro-batch that first fit did not need: agree on the count again.
+            most = self._dp_max(len(groups))
+            if most == count:
+                return groups
+            count = most
+
+    def _dp_max(self, value: int) -> int:
+        group = self.dp_group()
+        if group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t)
 
     # ------------------------------------------------------------------ protocol
 
@@ -510,11 +572,20 @@ class MegatronTrainer:
         self._check_resident()
         models = {ACTOR.writes: self.model, **self.frozen}
         out: dict[str, torch.Tensor] = {}
+        if self.cfg.use_dynamic_batch_size:
+            groups = self._token_groups(td, log_probs=True)
+            parts = [td[torch.tensor(rows)] for rows in groups]
+            order = torch.tensor([i for rows in groups for i in rows])
+        else:
+            parts, order = self._micro_batches(td, log_probs=True), None
         with self._shims():
             for key, model in models.items():
                 self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
-                parts = self._run(model, self._micro_batches(td), forward_only=True)
-                out[key] = torch.cat([p["log_probs"] for p in parts]).float().cpu()
+                outputs = self._run(model, parts, forward_only=True)
+                values = torch.cat([p["log_probs"] for p in outputs]).float().cpu()
+                if order is not None:  # back in td's row order
+                    values = torch.empty_like(values).index_copy_(0, order, values)
+                out[key] = values
         return TensorDict(out, batch_size=td.batch_size)
 
     def _run(
@@ -539,7 +610,7 @@ class MegatronTrainer:
         loss, metrics = loss_fn(logits, mb)
         if not forward_only:
             # Each DP rank's loss is its share of the global batch's (a global Normalizer): gradients must add up
-            # over DP ranks, and Megatron's DDP averages them.
+            # over DP ranks, and Megatron's DDP averages them (the CPU path too: _optimizer_step).
             (loss * self.dp_size).backward()
         return metrics
 
@@ -717,6 +788,8 @@ class MegatronTrainer:
                 # ranks (Megatron's finalize_model_grads does the same).
                 dist.all_reduce(p.grad, group=self.tp_group)
             if group is not None:
+                # As Megatron's DDP (average_in_collective off): scaled by 1 / DP size, then summed over DP ranks.
+                p.grad.mul_(1.0 / self.dp_size)
                 dist.all_reduce(p.grad, group=group)
         grad_norm = self._grad_norm(params)
         if self.cfg.clip_grad > 0 and grad_norm > self.cfg.clip_grad:
@@ -992,9 +1065,11 @@ class MegatronTrainer:
         restore_rng_state(state, self.device)
 
     def shutdown(self) -> None:
-        if self.ps.model_parallel_is_initialized():
+        """Destroy Megatron's parallel groups and the process group this trainer created (safe on a trainer whose
+        ``__init__`` failed part way)."""
+        if hasattr(self, "ps") and self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
-        if self._own_group and dist.is_initialized():
+        if getattr(self, "_own_group", False) and dist.is_initialized():
             dist.destroy_process_group()
             self._own_group = False
 
