@@ -33,8 +33,10 @@ def test_flops_per_token_of_the_qwen3_shapes():
 def test_the_cpu_smoke_run_prints_every_path(capsys):
     pytest.importorskip("megatron.core")
     argv = ["--preset", "tiny", "--samples", "8", "--seq-len", "32", "--prompt-len", "8", "--peak-tflops", "1"]
-    assert bench_train.main(argv + ["--micro-batch-size", "4", "--warmup", "0", "--repeats", "1"]) == 0
+    extra = ["--micro-batch-size", "4", "--warmup", "0", "--repeats", "1", "--profile", "--profile-rows", "3"]
+    assert bench_train.main(argv + extra) == 0
     out = capsys.readouterr().out
     for path in bench_train.PATHS:
         assert f"| {path} | " in out
+        assert f"profile of one train step ({path}, rank 0)" in out
     assert "measured float32 512^3 matmul" in out

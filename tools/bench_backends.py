@@ -18,7 +18,8 @@ MFU is model FLOPs over ``N x --peak-tflops``, two ways: ``6 x params x tokens``
 forward), and with causal attention added: per token and layer ``2 x seq x heads x head_dim`` FLOPs forward (QK^T and
 AV over half the positions on average), three times that for a train step. ``params`` are the HF model's, tied
 embeddings once. The measured bf16 matmul rate (an 8192^3 GEMM on the device; float32 512^3 on the CPU) is printed
-beside the peak used.
+beside the peak used. ``--profile`` adds, per path, the kernels of one more train step on rank 0 that took the most
+device time, and the fraction of the step's wall time the device was busy.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ def measure(
             logprob_s.append(mid - start)
             train_s.append(end - mid)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    if args.profile:
+        _profile_step(trainer, compute(td, advantage_config(cfg)), rows, args, f"{path_name}, rank {rank}", rank == 0)
     trainer.shutdown()
     lp, tr = statistics.median(logprob_s), statistics.median(train_s)
     flops = model_flops_per_token(config, seq_len=args.seq_len)
@@ -199,6 +202,35 @@ def measure(
         "train_mfu_attn": (flops["dense"] + flops["attn"]) * tokens / tr / peak_flops,
         "peak_gib": peak,
     }
+
+
+def _profile_step(trainer, td, rows: int, args: argparse.Namespace, label: str, show: bool) -> None:
+    """One more train step (every rank takes it: it is a collective), under ``torch.profiler`` where ``show``: the
+    kernels that took the most device time, and how busy the device was over the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not show:
+        trainer.train(td, per_step_rows=rows)
+        return
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        _sync(trainer.device)
+        start = time.perf_counter()
+        trainer.train(td, per_step_rows=rows)
+        _sync(trainer.device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6
+    print(
+        f"\nprofile of one train step ({label}): wall {wall:.3f} s, {'GPU kernels' if cuda else 'CPU ops'} "
+        f"{busy:.3f} s ({busy / wall:.0%} busy)",
+        flush=True,
+    )
+    for event in sorted(events, key=lambda e: getattr(e, key), reverse=True)[: args.profile_rows]:
+        share = getattr(event, key) / 1e6
+        print(f"  {share:8.3f} s {share / max(busy, 1e-9):6.1%} {event.count:6d}x  {event.key[:100]}", flush=True)
 
 
 def _worker(rank: int, world: int, port: int, path: str, args: argparse.Namespace, name: str, out: str) -> None:
@@ -246,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"
     )
+    parser.add_argument("--profile", action="store_true", help="profile one more train step per path (rank 0)")
+    parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed by --profile")
     args = parser.parse_args(argv)
     names = args.paths.split(",")
     unknown = sorted(set(names) - set(PATHS))
