@@ -1588,6 +1588,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tree_value(tree: Mapping[str, Any], key: str) -> Any:
+    """The value a YAML config tree (flat, or nested by section; dashes or underscores) sets for ``key``, or None."""
+    section = _SPECS[key][0]
+    for raw, value in tree.items():
+        name = raw.replace("-", "_") if isinstance(raw, str) else raw
+        if name == key:
+            return value
+        if name == section and isinstance(value, Mapping):
+            for sub_raw, sub_value in value.items():
+                if isinstance(sub_raw, str) and sub_raw.replace("-", "_") == key:
+                    return sub_value
+    return None
+
+
 # Keys of a --megatron-config-path entry that slime ignores (GPU allocation follows the command line).
 _MEGATRON_ROLE_IGNORED = ("num_nodes", "num_gpus_per_node")
 
@@ -1683,7 +1697,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                 else:
                     extras[key] = value
             namespace["custom_args"] = extras
-        megatron_path = namespace.get("megatron_config_path", tree.get("megatron_config_path"))
+        megatron_path = namespace.get("megatron_config_path", _tree_value(tree, "megatron_config_path"))
         if megatron_path is not None:
             # slime's actor role args: the entry's overrides win over the command line.
             namespace.update(megatron_role_overrides(megatron_path, role="actor"))
@@ -2295,6 +2309,12 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             )
         except ValueError as err:
             problems.append(str(err))
+    if t.megatron_config_path is not None:
+        # parse_args applied the actor entry; a Config built otherwise still has its file checked.
+        try:
+            megatron_role_overrides(t.megatron_config_path, role="actor")
+        except ConfigError as err:
+            problems.extend(err.problems)
     if t.model_name is not None:
         try:
             if shape is None:

@@ -380,6 +380,12 @@ def test_the_actor_entry_overrides_the_trainers_flags(tmp_path):
     assert parse_args([*MEGA, "--megatron-config-path", args_form]).train.adam_beta2 == 0.95
     with pytest.raises(ConfigError, match="--megatron-config-path: a flag of slime's Megatron backend"):
         parse_args(["--megatron-config-path", args_form])
+    # Named in a --config YAML (nested by section) instead of on the command line: the same.
+    import yaml
+
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(yaml.safe_dump({"train": {"train_backend": "megatron", "megatron_config_path": args_form}}))
+    assert parse_args(["--config", str(job_yaml)]).train.adam_beta2 == 0.95
 
 
 @pytest.mark.parametrize(

@@ -258,9 +258,8 @@ class MegatronTrainer:
         self.device = pick_device(device)
         self.cpu = self.device.type == "cpu"
         self.shape = self._with_padding(_read_shape(model_path))
-        self.weight_mapping = mc.weight_mapping(
-            train_cfg.model_name or mc.default_model_name(self.shape.model_type), self.shape
-        )
+        # --model-name (slime's name rules) must name a mapping that exports every tensor of this model.
+        mc.weight_mapping(train_cfg.model_name or mc.default_model_name(self.shape.model_type), self.shape)
         paths = dict(role_paths or {})
         for role in roles:
             if role != ACTOR and role.name in paths:
