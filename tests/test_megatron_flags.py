@@ -210,6 +210,26 @@ def test_padded_vocab_rows_start_at_zero_and_exports_cut_them_off(tmp_path):
         convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_moe"), model_name="qwen3moe")
 
 
+def test_save_hf_of_a_padded_vocab_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "tiny", alphabet=task.ALPHABET))
+    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mega = trainer("megatron", path, job(tmp_path, train_backend="megatron", padded_vocab_size=512), roles=(ACTOR,))
+    try:
+        assert mega._module(mega.model).embedding.word_embeddings.weight.shape[0] == 512
+        mega.save_hf(str(tmp_path / "export"))
+    finally:
+        mega.shutdown()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    assert exported.config.vocab_size == original.config.vocab_size < 512
+    for name, value in original.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value), name
+
+
 # -- --distributed-backend / --distributed-timeout-minutes --------------------------------------------------------
 
 
@@ -315,7 +335,8 @@ def _train_and_count_saved(tmp_path, path, td, *, recompute: bool):
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             metrics = train_once(mega, cfg, td)
-        return metrics, mega.get_weights(), sum(saved)
+        grads = {name: p.grad.clone() for name, p in mega._module(mega.model).named_parameters()}
+        return metrics, grads, mega.get_weights(), sum(saved)
     finally:
         mega.shutdown()
 
@@ -323,9 +344,12 @@ def _train_and_count_saved(tmp_path, path, td, *, recompute: bool):
 def test_recomputing_the_loss_gives_bitwise_the_same_step_and_keeps_less_for_backward(tmp_path):
     path = save_model("qwen2", tmp_path / "m")
     td = make_batch(VOCAB)
-    off, weights_off, saved_off = _train_and_count_saved(tmp_path, path, td, recompute=False)
-    on, weights_on, saved_on = _train_and_count_saved(tmp_path, path, td, recompute=True)
+    off, grads_off, weights_off, saved_off = _train_and_count_saved(tmp_path, path, td, recompute=False)
+    on, grads_on, weights_on, saved_on = _train_and_count_saved(tmp_path, path, td, recompute=True)
     assert on == off  # loss, its terms and the gradient norm, bit for bit
+    assert grads_on.keys() == grads_off.keys()
+    for name, grad in grads_off.items():
+        assert grad.abs().sum() > 0 and torch.equal(grads_on[name], grad), name
     for name, value in weights_off.items():
         assert torch.equal(weights_on[name], value), name
     # The loss's intermediates (a float32 softmax over the vocabulary per token) are not kept for backward.
@@ -354,6 +378,36 @@ def test_opd_teacher_ckpt_step_picks_a_step_of_the_teacher_save_root(tmp_path):
         parse_args([*opd])
     with pytest.raises(ConfigError, match="take effect with --use-opd only"):
         parse_args([*MEGA, "--opd-teacher-ckpt-step", "3"])
+
+
+def test_the_teacher_loads_the_step_opd_teacher_ckpt_step_names(tmp_path):
+    from runtime.train.algo import role_paths
+    from runtime.train.roles import TEACHER
+
+    root, td = tmp_path / "teacher", make_batch(VOCAB)
+    want = {}
+    for step, seed in ((3, 1), (9, 2)):  # two teachers of other weights than the student's, at steps 3 and 9
+        path = save_model("qwen3", tmp_path / f"teacher{seed}", seed=seed)
+        teacher = trainer("megatron", path, job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
+        try:
+            want[step] = teacher.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+            teacher.save_model(str(mck.iteration_folder(root, step)))
+        finally:
+            teacher.shutdown()
+    (root / mck.TRACKER).write_text("9")
+    opd = [*MEGA, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(root)]
+    student = save_model("qwen3", tmp_path / "student", seed=0)
+    for argv, step in ((["--opd-teacher-ckpt-step", "3"], 3), ([], 9)):
+        paths = role_paths(parse_args([*opd, *argv]))
+        cfg = job(tmp_path, train_backend="megatron")
+        mega = trainer("megatron", student, cfg, roles=(ACTOR, TEACHER), role_paths=paths)
+        try:
+            got = mega.compute_log_probs(td)[keys.TEACHER_LOG_PROBS]
+        finally:
+            mega.shutdown()
+        mask = td[keys.MASK]
+        torch.testing.assert_close(got[mask], want[step][mask], rtol=0, atol=1e-6)
+        assert not torch.allclose(got[mask], want[12 - step][mask], atol=1e-3)
 
 
 # -- --megatron-config-path ---------------------------------------------------------------------------------------
