@@ -2193,7 +2193,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
                     "--rm-url http://<teacher>/generate (as slime's examples)"
                 )
         elif a.opd_teacher_load is None:
-            problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
+            problems.append(
+                "--opd-type megatron needs --opd-teacher-load (the teacher's HF folder; with --train-backend megatron "
+                "also a torch_dist checkpoint)"
+            )
         else:
             _check_opd_teacher(problems, cfg)
     elif a.opd_type is not None or a.opd_teacher_load is not None or a.opd_teacher_ckpt_step is not None:

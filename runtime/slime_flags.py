@@ -193,9 +193,9 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "--release-train",
         "train",
         REFUSED,
-        "kills and recreates the trainer actors around every rollout, reloading them from a --save each step; "
-        "rlcore's trainers are long-lived actors that keep their process groups and optimizer state in memory "
-        "(they release memory instead: --offload-train)",
+        "kills the trainer actors after each weight sync and recreates them before the next train step, reloading "
+        "them from the step's --save (slime needs full disk weight sync for it); rlcore's trainers are long-lived "
+        "actors that keep their process groups, optimizer state and RNG in memory across steps",
     ),
     _f(
         "--update-weight-disk-dir",
