@@ -210,6 +210,58 @@ def test_padded_vocab_rows_start_at_zero_and_exports_cut_them_off(tmp_path):
         convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_moe"), model_name="qwen3moe")
 
 
+def _padded_tp_worker(rank, world, port, path, tmp, out):
+    cfg = job(
+        tmp,
+        train_backend="megatron",
+        tensor_model_parallel_size=2,
+        actor_num_gpus_per_node=2,
+        padded_vocab_size=320,
+        distributed_timeout_minutes=4,
+    )
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,), rank=rank, world_size=world, master_port=port)
+    try:
+        shard = mega._module(mega.model).embedding.word_embeddings.weight.detach().clone()
+        result = {
+            "shard": shard,
+            "log_probs": mega.compute_log_probs(make_batch(VOCAB))[keys.OLD_LOG_PROBS],
+            "timeout": _timeout(mega.ps.get_tensor_model_parallel_group()),
+            "weights": mega.get_weights(),
+        }
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        mega.shutdown()
+
+
+def test_a_padded_vocab_splits_over_two_tensor_parallel_ranks(tmp_path):
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+    from test_megatron_backend import LOGP_TOL, _free_port
+
+    path = save_model("llama", tmp_path / "m")
+    out = str(tmp_path / "tp2.pt")
+    mp.spawn(_padded_tp_worker, args=(2, _free_port(), path, tmp_path, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    saved = load_file(f"{path}/model.safetensors")
+    # 320 rows, 160 per rank: rank 1 holds tokens 160..202, then zero rows up to 319.
+    assert ranks[0]["shard"].shape == ranks[1]["shard"].shape == (160, 48)
+    assert torch.equal(ranks[0]["shard"], saved["model.embed_tokens.weight"][:160])
+    assert torch.equal(ranks[1]["shard"][: VOCAB - 160], saved["model.embed_tokens.weight"][160:])
+    assert torch.equal(ranks[1]["shard"][VOCAB - 160 :], torch.zeros(320 - VOCAB, 48))
+    assert all(r["timeout"] == datetime.timedelta(minutes=4) for r in ranks)
+    assert ranks[1]["weights"] is None and set(ranks[0]["weights"]) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(ranks[0]["weights"][name], value), name
+    td = make_batch(VOCAB)
+    one = trainer("megatron", path, job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
+    try:
+        want = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+    finally:
+        one.shutdown()
+    mask = td[keys.MASK]
+    torch.testing.assert_close(ranks[0]["log_probs"][mask], want[mask], **LOGP_TOL)
+
+
 def test_save_hf_of_a_padded_vocab_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
