@@ -289,6 +289,18 @@ def _timeout(group) -> datetime.timedelta:
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
+@pytest.mark.parametrize(
+    ("flag_value", "device", "backend"),
+    [("nccl", "cuda", "nccl"), ("gloo", "cuda", "gloo"), ("nccl", "cpu", "gloo"), ("gloo", "cpu", "gloo")],
+)
+def test_the_distributed_backend_is_the_flags_on_gpus_and_gloo_on_the_cpu(flag_value, device, backend):
+    from runtime.train.backends.megatron_backend import process_group_backend
+
+    assert process_group_backend(flag_value, device=torch.device(device)) == backend
+    with pytest.raises(ValueError, match="--distributed-backend must be nccl or gloo"):
+        process_group_backend("mpi", device=torch.device(device))
+
+
 def test_the_timeout_reaches_the_process_group_and_megatrons_groups(tmp_path):
     path = save_model("qwen3", tmp_path / "m")
     cfg = job(tmp_path, train_backend="megatron", distributed_timeout_minutes=3, distributed_backend="nccl")

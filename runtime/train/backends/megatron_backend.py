@@ -103,6 +103,14 @@ def call_model_provider(
     return model
 
 
+def process_group_backend(distributed_backend: str, *, device: torch.device) -> str:
+    """The trainers' ``torch.distributed`` backend: ``--distributed-backend`` (nccl or gloo) on GPUs, gloo on the CPU
+    (the only backend of CPU tensors)."""
+    if distributed_backend not in ("nccl", "gloo"):
+        raise ValueError(f"--distributed-backend must be nccl or gloo (Megatron's), got {distributed_backend!r}")
+    return distributed_backend if device.type == "cuda" else "gloo"
+
+
 def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """AdamW's starting state (zero moments, step 0) for every parameter of ``optimizer`` that has none yet."""
     for group in optimizer.param_groups:
@@ -343,8 +351,7 @@ class MegatronTrainer:
         # --distributed-timeout-minutes bounds every collective, of the default group and of Megatron's.
         timeout = datetime.timedelta(minutes=self.cfg.distributed_timeout_minutes)
         if not dist.is_initialized():
-            # --distributed-backend on GPUs; gloo is the only backend of CPU tensors.
-            backend = self.cfg.distributed_backend if self.device.type == "cuda" else "gloo"
+            backend = process_group_backend(self.cfg.distributed_backend, device=self.device)
             if is_loopback(master_addr):
                 confine_collectives()
                 store = rendezvous_store(master_port, rank=self.rank, world_size=self.world_size, timeout=timeout)
