@@ -388,7 +388,15 @@ class AlgoConfig:
     )
     opd_kl_coef: float = field(default=1.0, metadata=_help("weight of the distillation term"))
     opd_teacher_load: str | None = field(
-        default=None, metadata=_help("the teacher model (an HF folder), for --opd-type megatron")
+        default=None,
+        metadata=_help(
+            "the teacher model for --opd-type megatron: an HF folder; with --train-backend megatron also a torch_dist "
+            "checkpoint or save root"
+        ),
+    )
+    opd_teacher_ckpt_step: int | None = field(
+        default=None,
+        metadata=_help("--train-backend megatron: the step of a Megatron --opd-teacher-load save root (iter_NNNNNNN)"),
     )
     disable_grpo_std_normalization: bool = field(
         default=False, metadata=_help("grpo/gspo/cispo: centre rewards on the group mean only (Dr. GRPO)")
@@ -567,6 +575,45 @@ class TrainConfig:
     )
     use_distributed_optimizer: bool = field(
         default=True, metadata=_help("Megatron: shard optimizer state over data-parallel ranks (slime forces it on)")
+    )
+    # slime's flags of its Megatron backend (docs/runtime.md, "The Megatron backend"); the torch backend refuses them
+    # away from their defaults, naming the flag.
+    distributed_backend: Literal["nccl", "gloo"] = field(
+        default="nccl",
+        metadata=_help("Megatron: the trainers' torch.distributed backend (on the CPU always gloo, whatever given)"),
+    )
+    distributed_timeout_minutes: int = field(
+        default=10,
+        metadata=_help("Megatron: timeout of the trainers' collectives (the process group and Megatron's groups)"),
+    )
+    padded_vocab_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "Megatron: rows of the embedding and output layer (the padding rows start at zero; exports cut them "
+            "off); unset: the vocabulary rounded up to a multiple of 128 x TP"
+        ),
+    )
+    model_name: str | None = field(
+        default=None,
+        metadata=_help(
+            "the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one); unset: "
+            "config.json's model class"
+        ),
+    )
+    custom_model_provider_path: str | None = field(
+        default=None,
+        metadata=_hook_help(
+            "fn(pre_process, post_process, vp_stage=None) -> GPTModel, in place of the model the Megatron backend "
+            "builds (runtime.train.backends.megatron_backend.provider_context() gives its config and layer spec)"
+        ),
+    )
+    recompute_loss_function: bool = field(
+        default=False,
+        metadata=_help("Megatron: recompute the loss in backward, keeping only the logits (same loss and gradients)"),
+    )
+    megatron_config_path: str | None = field(
+        default=None,
+        metadata=_help("YAML of per-role Megatron overrides (slime's megatron: [{role: actor, overrides: {...}}])"),
     )
     # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
     lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
@@ -1541,6 +1588,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tree_value(tree: Mapping[str, Any], key: str) -> Any:
+    """The value a YAML config tree (flat, or nested by section; dashes or underscores) sets for ``key``, or None."""
+    section = _SPECS[key][0]
+    for raw, value in tree.items():
+        name = raw.replace("-", "_") if isinstance(raw, str) else raw
+        if name == key:
+            return value
+        if name == section and isinstance(value, Mapping):
+            for sub_raw, sub_value in value.items():
+                if isinstance(sub_raw, str) and sub_raw.replace("-", "_") == key:
+                    return sub_value
+    return None
+
+
+# Keys of a --megatron-config-path entry that slime ignores (GPU allocation follows the command line).
+_MEGATRON_ROLE_IGNORED = ("num_nodes", "num_gpus_per_node")
+
+
+def megatron_role_overrides(path: str, *, role: str = "actor") -> dict[str, Any]:
+    """The settings a ``--megatron-config-path`` YAML file (slime's ``megatron: [{name, role, overrides}]``; ``args``
+    in place of ``overrides`` too) sets for ``role``, by field name; ``{}`` when it has no entry for the role.
+
+    rlcore's Megatron backend trains the actor only, so the actor's entry is applied to the job (its keys must be
+    flags of the train or algo section: the trainers'), and a critic entry is refused. ``ConfigError`` naming the
+    flag and the key."""
+    name = "--megatron-config-path"
+    tree = read_yaml_tree(path, flag_name=name)
+    entries = tree.get("megatron")
+    if not isinstance(entries, list) or not all(isinstance(e, Mapping) for e in entries):
+        raise ConfigError(
+            [f"{name} {path}: needs a top-level 'megatron' list, e.g. megatron: [{{role: actor, overrides: {{...}}}}]"]
+        )
+    problems = []
+    roles = [e.get("role") for e in entries]
+    for other in sorted({str(r) for r in roles} - {"actor"}):
+        if other == "critic":
+            problems.append(
+                f"{name} {path}: a critic entry, but rlcore's Megatron backend runs no critic (--advantage-estimator "
+                "ppo is built for --train-backend torch)"
+            )
+        else:
+            problems.append(f"{name} {path}: role {other!r} is neither actor nor critic (slime's roles)")
+    if roles.count(role) > 1:
+        problems.append(f"{name} {path}: {roles.count(role)} entries with role {role}, slime takes at most one")
+    out: dict[str, Any] = {}
+    for entry in entries:
+        if entry.get("role") != role:
+            continue
+        overrides = entry.get("overrides") or entry.get("args") or {}
+        if not isinstance(overrides, Mapping):
+            problems.append(f"{name} {path}: the {role} entry's overrides must be a mapping")
+            continue
+        for raw_key, value in overrides.items():
+            key = _normalise_key(raw_key)
+            if key in _MEGATRON_ROLE_IGNORED:
+                continue
+            if key not in _SPECS:
+                problems.append(f"{name} {path}: the {role} entry sets {raw_key!r}, which is no flag of rlcore-run")
+            elif _SPECS[key][0] not in ("train", "algo"):
+                problems.append(
+                    f"{name} {path}: the {role} entry sets {flag(key)}, a flag of the {_SPECS[key][0]} section; a "
+                    "role's overrides take the trainers' flags (train and algo sections)"
+                )
+            elif key == "megatron_config_path":
+                problems.append(f"{name} {path}: the {role} entry cannot set {name} itself")
+            else:
+                out[key] = value
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """Parse ``rlcore-run``'s command line (``sys.argv[1:]`` when None) into a validated ``Config``.
 
@@ -1578,6 +1697,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                 else:
                     extras[key] = value
             namespace["custom_args"] = extras
+        megatron_path = namespace.get("megatron_config_path", _tree_value(tree, "megatron_config_path"))
+        if megatron_path is not None:
+            # slime's actor role args: the entry's overrides win over the command line.
+            namespace.update(megatron_role_overrides(megatron_path, role="actor"))
         cfg = from_dict(tree, **namespace)
         validate(cfg)
     except ConfigError as err:
@@ -1895,6 +2018,40 @@ def _check_checkpoints(problems: list[str], cfg: Config) -> None:
         problems.append(f"--save {cfg.ckpt.save}: {problem}")
 
 
+def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
+    """``--opd-teacher-load`` (with ``--opd-teacher-ckpt-step``): an HF folder, or under --train-backend megatron a
+    torch_dist checkpoint, or the save root holding the step asked for (slime's)."""
+    a = cfg.algo
+    load, step = a.opd_teacher_load, a.opd_teacher_ckpt_step
+    megatron = cfg.train.train_backend == "megatron"
+    if step is not None:
+        if not megatron:
+            problems.append(
+                "--opd-teacher-ckpt-step picks a step of a Megatron --opd-teacher-load save root: it needs "
+                "--train-backend megatron"
+            )
+            return
+        from runtime.train.backends.megatron_checkpoint import find_checkpoint
+
+        try:
+            find_checkpoint(load, step=step, flag="--opd-teacher-load")
+        except ValueError as err:
+            problems.append(f"{err} (--opd-teacher-ckpt-step {step})")
+        return
+    if os.path.isfile(os.path.join(load, "config.json")):
+        return
+    if not megatron:
+        problems.append(
+            f"--opd-teacher-load: {load!r} is not an HF model folder (no config.json); Megatron torch_dist "
+            "checkpoints need --train-backend megatron"
+        )
+    elif not _is_megatron_checkpoint(load, "--opd-teacher-load", problems):
+        problems.append(
+            f"--opd-teacher-load {load!r} is neither an HF folder (config.json) nor a Megatron torch_dist checkpoint "
+            "(metadata.json, or a save root with latest_checkpointed_iteration.txt)"
+        )
+
+
 def _is_megatron_checkpoint(path: str, flag_name: str, problems: list[str]) -> bool:
     """Whether ``path`` is a Megatron torch_dist checkpoint (folder or save root); a save root naming a missing folder
     is a problem of its own."""
@@ -2036,11 +2193,14 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
                     "--rm-url http://<teacher>/generate (as slime's examples)"
                 )
         elif a.opd_teacher_load is None:
-            problems.append("--opd-type megatron needs --opd-teacher-load (the teacher's HF folder)")
-        elif not os.path.isfile(os.path.join(a.opd_teacher_load, "config.json")):
-            problems.append(f"--opd-teacher-load: {a.opd_teacher_load!r} is not an HF model folder (no config.json)")
-    elif a.opd_type is not None or a.opd_teacher_load is not None:
-        problems.append("--opd-type and --opd-teacher-load take effect with --use-opd only")
+            problems.append(
+                "--opd-type megatron needs --opd-teacher-load (the teacher's HF folder; with --train-backend megatron "
+                "also a torch_dist checkpoint)"
+            )
+        else:
+            _check_opd_teacher(problems, cfg)
+    elif a.opd_type is not None or a.opd_teacher_load is not None or a.opd_teacher_ckpt_step is not None:
+        problems.append("--opd-type, --opd-teacher-load and --opd-teacher-ckpt-step take effect with --use-opd only")
     if a.num_critic_only_steps and a.advantage_estimator != "ppo":
         problems.append(
             f"--num-critic-only-steps {a.num_critic_only_steps} trains the critic, which only --advantage-estimator "
@@ -2084,6 +2244,16 @@ MEGATRON_TRAIN_FIELDS = (
     "accumulate_allreduce_grads_in_fp32",
     "use_distributed_optimizer",
 )
+# slime's flags of its Megatron backend that rlcore builds for --train-backend megatron only.
+MEGATRON_SLIME_FIELDS = (
+    "distributed_backend",
+    "distributed_timeout_minutes",
+    "padded_vocab_size",
+    "model_name",
+    "custom_model_provider_path",
+    "recompute_loss_function",
+    "megatron_config_path",
+)
 MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
 
 
@@ -2124,7 +2294,38 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         for name in MEGATRON_TRAIN_FIELDS:
             if getattr(t, name) != getattr(defaults, name):
                 problems.append(f"{flag(name)}: a Megatron flag, used by --train-backend megatron only")
+        for name in MEGATRON_SLIME_FIELDS:
+            if getattr(t, name) != getattr(defaults, name):
+                problems.append(
+                    f"{flag(name)}: a flag of slime's Megatron backend, built for --train-backend megatron only"
+                )
         return
+    if t.distributed_timeout_minutes <= 0:
+        problems.append(f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
+    if t.padded_vocab_size is not None and t.padded_vocab_size < 1:
+        problems.append(f"--padded-vocab-size must be >= 1, got {t.padded_vocab_size}")
+    elif shape is not None and t.padded_vocab_size is not None:
+        try:
+            megatron_config.vocab_rows(
+                dataclasses.replace(shape, padded_vocab_size=t.padded_vocab_size),
+                tp_size=max(t.tensor_model_parallel_size, 1),
+            )
+        except ValueError as err:
+            problems.append(str(err))
+    if t.megatron_config_path is not None:
+        # parse_args applied the actor entry; a Config built otherwise still has its file checked.
+        try:
+            megatron_role_overrides(t.megatron_config_path, role="actor")
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if t.model_name is not None:
+        try:
+            if shape is None:
+                megatron_config.mapping_of_name(t.model_name)
+            else:
+                megatron_config.weight_mapping(t.model_name, shape)
+        except ValueError as err:
+            problems.append(str(err))
     if cfg.algo.loss_type == "custom_loss" or cfg.algo.custom_pg_loss_reducer_function_path is not None:
         problems.append(
             "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "

@@ -34,6 +34,7 @@ STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
 MEGATRON = "not built in rlcore's Megatron backend yet (issue 11, still open)"
 HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
+MEGATRON_ONLY = "--train-backend megatron only (the torch backend refuses it)"
 LATER = "not built yet in rlcore-run (issue 13, still open)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
 TEXT_ONLY = (
@@ -188,7 +189,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         DIFFERS,
         "unset: nccl for SGLang engines, the object store for the embedded engine",
     ),
-    _true("--release-train", "train", REFUSED, MEGATRON),
+    _true(
+        "--release-train",
+        "train",
+        REFUSED,
+        "kills the trainer actors after each weight sync and recreates them before the next train step, reloading "
+        "them from the step's --save (slime needs full disk weight sync for it); rlcore's trainers are long-lived "
+        "actors that keep their process groups, optimizer state and RNG in memory across steps",
+    ),
     _f(
         "--update-weight-disk-dir",
         "train",
@@ -214,8 +222,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         REFUSED,
         "engines fill it through /pull_weights, an endpoint of slime's patched SGLang that SGLang 0.5.23 lacks",
     ),
-    _f("--custom-model-provider-path", "train", None, REFUSED, MEGATRON),
-    _true("--recompute-loss-function", "train", REFUSED, MEGATRON),
+    _f(
+        "--custom-model-provider-path",
+        "train",
+        None,
+        DIFFERS,
+        f"{MEGATRON_ONLY}; the returned GPTModel is checked tensor by tensor against --hf-checkpoint",
+    ),
+    _true("--recompute-loss-function", "train", DIFFERS, MEGATRON_ONLY),
     _f(
         "--log-probs-chunk-size",
         "train",
@@ -225,10 +239,23 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     ),
     _f("--only-train-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
     _f("--freeze-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
-    _true("--allgather-cp", "train", REFUSED, MEGATRON),
+    _true(
+        "--allgather-cp",
+        "train",
+        REFUSED,
+        "all-gathers the context-parallel sequence for DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5); "
+        "rlcore builds dense Llama/Qwen models and no context parallelism (--context-parallel-size is refused)",
+    ),
     # rollout
     _f("--hf-checkpoint", "rollout", None, YES, "unset: the built-in tiny model"),
-    _f("--model-name", "rollout", None, REFUSED, MEGATRON + " (Megatron-to-HF weight names)"),
+    _f(
+        "--model-name",
+        "rollout",
+        None,
+        DIFFERS,
+        f"{MEGATRON_ONLY}: picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3); MoE and "
+        "other families' names are refused",
+    ),
     _f(
         "--rollout-function-path",
         "rollout",
@@ -384,7 +411,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     ),
     _f("--save-hf", "algo", None, YES),
     _f("--num-critic-only-steps", "algo", 0, YES),
-    _f("--megatron-config-path", "algo", None, REFUSED, MEGATRON),
+    _f(
+        "--megatron-config-path",
+        "algo",
+        None,
+        DIFFERS,
+        f"{MEGATRON_ONLY}; the actor entry's overrides take the trainers' flags (train and algo sections); a critic "
+        "entry is refused (the Megatron backend runs no critic)",
+    ),
     _f("--eps-clip", "algo", 0.2, YES),
     _f("--eps-clip-high", "algo", None, YES),
     _f("--eps-clip-c", "algo", None, YES),
@@ -437,8 +471,21 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "on_policy_distillation reward pair",
     ),
     _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
-    _f("--opd-teacher-load", "on_policy_distillation", None, DIFFERS, "an HF folder (slime: a Megatron checkpoint)"),
-    _f("--opd-teacher-ckpt-step", "on_policy_distillation", None, REFUSED, MEGATRON, **_OPT_INT),
+    _f(
+        "--opd-teacher-load",
+        "on_policy_distillation",
+        None,
+        DIFFERS,
+        "an HF folder; with --train-backend megatron also a torch_dist checkpoint (slime: a Megatron checkpoint)",
+    ),
+    _f(
+        "--opd-teacher-ckpt-step",
+        "on_policy_distillation",
+        None,
+        DIFFERS,
+        f"{MEGATRON_ONLY}: iter_NNNNNNN of a --opd-teacher-load save root",
+        **_OPT_INT,
+    ),
     # wandb
     _true("--use-wandb", "wandb", YES),
     _f("--wandb-mode", "wandb", None, YES),
@@ -577,9 +624,21 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "of regular servers, from --rollout-num-gpus and the --sglang-* flags",
     ),
     # Megatron flags whose defaults slime resets (reset_arg)
-    _f("--distributed-backend", "megatron (reset by slime)", "nccl", REFUSED, MEGATRON),
-    _f("--distributed-timeout-minutes", "megatron (reset by slime)", 10, REFUSED, MEGATRON),
-    _true("--freeze-indexer", "megatron (reset by slime)", REFUSED, MEGATRON),
+    _f(
+        "--distributed-backend",
+        "megatron (reset by slime)",
+        "nccl",
+        DIFFERS,
+        f"{MEGATRON_ONLY}; trainers on the CPU use gloo whatever is given",
+    ),
+    _f("--distributed-timeout-minutes", "megatron (reset by slime)", 10, DIFFERS, MEGATRON_ONLY),
+    _true(
+        "--freeze-indexer",
+        "megatron (reset by slime)",
+        REFUSED,
+        "freezes the indexer of DeepSeek sparse attention (DSA), a module of models rlcore does not build (dense "
+        "Llama/Qwen only); --freeze-params-name-list freezes parameters by name",
+    ),
     _f("--global-batch-size", "megatron (reset by slime)", None, YES, "unset: rollout x n / steps per rollout"),
     _f("--micro-batch-size", "megatron (reset by slime)", 1, YES, "built-in job: 8"),
     _f("--eval-interval", "megatron (reset by slime)", None, YES),
@@ -593,7 +652,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     ),
     _f("--save", "megatron (reset by slime)", None, YES),
     _f("--save-interval", "megatron (reset by slime)", None, YES),
-    _true("--async-save", "megatron (reset by slime)", REFUSED, MEGATRON),
+    _true(
+        "--async-save",
+        "megatron (reset by slime)",
+        REFUSED,
+        "Megatron-LM's asynchronous save (megatron.training.async_utils, a background writer finalised at the next "
+        "save): rlcore saves synchronously, so a checkpoint's latest pointer and manifest name only finished files",
+    ),
     _true("--no-save-optim", "megatron (reset by slime)", YES),
     _f("--seed", "megatron (reset by slime)", 1234, YES),
     _f("--clip-grad", "megatron (reset by slime)", 1.0, YES),
@@ -608,7 +673,14 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         YES,
         "its keys override the command line; the ones that are no flag reach hooks as args.<key>",
     ),
-    _f("--padded-vocab-size", "megatron (reset by slime)", None, REFUSED, MEGATRON, **_OPT_INT),
+    _f(
+        "--padded-vocab-size",
+        "megatron (reset by slime)",
+        None,
+        DIFFERS,
+        f"{MEGATRON_ONLY}; exports cut the padding off; smaller than the vocabulary is refused",
+        **_OPT_INT,
+    ),
 )
 BY_NAME: dict[str, SlimeFlag] = {f.name: f for f in SLIME_FLAGS}
 if len(BY_NAME) != len(SLIME_FLAGS):

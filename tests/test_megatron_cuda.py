@@ -353,3 +353,46 @@ def test_the_converters_round_trip_and_the_checkpoint_loads_on_the_gpu(tmp_path)
         loaded.shutdown()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert math.isfinite(metrics["loss"])
+
+
+def test_slimes_megatron_flags_on_the_gpu(tmp_path):
+    """--recompute-loss-function gives the same bf16 step (Megatron's DDP and distributed optimizer) as without it,
+    under --padded-vocab-size (the padding rows stay zero and the export cuts them off) over nccl with
+    --distributed-timeout-minutes."""
+    import datetime
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    path = save_model("qwen3", tmp_path / "m")
+    td = make_batch(203)
+    saved = load_file(f"{path}/model.safetensors")
+    runs = {}
+    for recompute in (False, True):
+        cfg = job(
+            tmp_path,
+            bf16="true",
+            train_backend="megatron",
+            use_kl_loss=False,
+            padded_vocab_size=384,
+            distributed_timeout_minutes=5,
+            recompute_loss_function=recompute,
+        )
+        mega = trainer("megatron", path, cfg, roles=(ACTOR,), device="cuda")
+        try:
+            assert dist.get_backend() == "nccl"
+            default_group = dist.distributed_c10d._get_default_group()
+            assert default_group._get_backend(torch.device("cuda")).options._timeout == datetime.timedelta(minutes=5)
+            embedding = mega._module(mega.model).embedding.word_embeddings.weight
+            assert embedding.shape[0] == 384 and not embedding[203:].any()
+            exported = mega.get_weights()
+            # bf16 parameters: the checkpoint's weights rounded to bf16, the padding rows cut off.
+            want = saved["model.embed_tokens.weight"].bfloat16().float()
+            assert torch.equal(exported["model.embed_tokens.weight"], want)
+            runs[recompute] = train_once(mega, cfg, td), mega.get_weights()
+        finally:
+            mega.shutdown()
+    (off, weights_off), (on, weights_on) = runs[False], runs[True]
+    assert on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"]
+    for name, value in weights_off.items():
+        assert torch.equal(weights_on[name], value), name

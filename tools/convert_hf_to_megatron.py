@@ -20,11 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SHAPE_ONLY = "the model is built from config.json"
+# slime's converter flags that are rlcore-run's train flags too: the weight mapping's name and the vocabulary rows.
+CONVERTER_TRAIN_FIELDS = ("model_name", "padded_vocab_size")
 
 
 def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
-    """``(hf_checkpoint, save, model-shape flags given, force, notes)``; ``SystemExit(2)`` with one line per
-    problem."""
+    """``(hf_checkpoint, save, model flags given, force, notes)``: the model flags are the shape flags and slime's
+    ``--model-name`` and ``--padded-vocab-size``; ``SystemExit(2)`` with one line per problem."""
     from runtime import slime_flags
     from runtime.config import MODEL_SHAPE_FIELDS, build_parser
 
@@ -44,7 +46,7 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
     for name in ("hf_checkpoint", "save"):
         if given.get(name) is None:
             problems.append(f"--{name.replace('_', '-')} is required")
-    used = {"hf_checkpoint", "save", "force", *MODEL_SHAPE_FIELDS}
+    used = {"hf_checkpoint", "save", "force", *MODEL_SHAPE_FIELDS, *CONVERTER_TRAIN_FIELDS}
     layout = {"tensor_model_parallel_size", "pipeline_model_parallel_size"}  # torch_dist is layout-free
     ignored = sorted(set(given) - used - layout)
     if ignored:
@@ -52,7 +54,7 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
     if problems:
         print("convert_hf_to_megatron.py: " + "\n  ".join(problems), file=sys.stderr)
         raise SystemExit(2)
-    shape_flags = {name: given[name] for name in MODEL_SHAPE_FIELDS if name in given}
+    shape_flags = {name: given[name] for name in (*MODEL_SHAPE_FIELDS, *CONVERTER_TRAIN_FIELDS) if name in given}
     return given["hf_checkpoint"], given["save"], shape_flags, bool(given.get("force")), notes
 
 
@@ -74,7 +76,9 @@ def convert(hf_checkpoint: str, save: str, *, shape_flags: dict | None = None, f
         raise ValueError(f"--hf-checkpoint {hf_checkpoint}: no config.json")
     with open(source) as fh:
         shape = mc.shape_from_hf(json.load(fh), source=source)
-    problems = mc.shape_flag_problems(shape_flags or {}, shape, source=source)
+    shape_flags = dict(shape_flags or {})
+    train_flags = {name: shape_flags.pop(name) for name in CONVERTER_TRAIN_FIELDS if name in shape_flags}
+    problems = mc.shape_flag_problems(shape_flags, shape, source=source)
     if problems:
         raise ValueError("; ".join(problems))
     root = Path(save)
@@ -82,7 +86,7 @@ def convert(hf_checkpoint: str, save: str, *, shape_flags: dict | None = None, f
         if not force:
             raise ValueError(f"--save {save} exists and is not empty (add -f to replace it)")
         shutil.rmtree(root)
-    cfg = from_dict(None, train_backend="megatron", hf_checkpoint=hf_checkpoint)
+    cfg = from_dict(None, train_backend="megatron", hf_checkpoint=hf_checkpoint, **train_flags)
     trainer = MegatronTrainer(
         hf_checkpoint,
         train_cfg=cfg.train,

@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--origin-hf-dir", default=None, help="HF folder whose config.json, tokenizer and other files go along"
     )
-    parser.add_argument("--model-name", default=None, help="slime's: the model_type, checked against config.json")
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="slime's: the weight mapping by slime's name rules (llama, qwen2, qwen3; e.g. qwen3config), checked "
+        "against config.json; MoE names are refused",
+    )
     parser.add_argument("-f", "--force", action="store_true", help="replace --output-dir if it exists")
     parser.add_argument(
         "--chunk-size", type=int, default=5 * 1024**3, help="bytes per safetensors file (default 5 GiB)"
@@ -111,13 +116,13 @@ def convert(
     if folder is None:
         raise ValueError(f"--input-dir {input_dir}: no torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
     config = _hf_config(folder, origin_hf_dir)
-    if model_name is not None and model_name != config.get("model_type"):
-        raise ValueError(
-            f"--model-name {model_name} disagrees with config.json's model_type {config.get('model_type')!r}"
-        )
+    if model_name is not None:
+        mc.mapping_of_name(model_name)  # a family rlcore does not build is refused before config.json is read
     if vocab_size is not None:
         config = {**config, "vocab_size": vocab_size}
     shape = mc.shape_from_hf(config, source=f"{origin_hf_dir or folder}/config.json")
+    if model_name is not None:
+        mc.weight_mapping(model_name, shape)
     state = mck.hf_state_from_checkpoint(folder, shape)
     if dtype is not None:
         import torch

@@ -196,13 +196,14 @@ def actor_start(
     return None
 
 
-def reference_path(*, ref_load: str, ref_ckpt_step: int | None) -> str:
-    """The folder the reference loads: ``ref_load``, or its Megatron ``iter_{ref_ckpt_step:07d}`` when given."""
+def reference_path(*, ref_load: str, ref_ckpt_step: int | None, flag: str = "--ref-load") -> str:
+    """The folder a frozen model (the reference, the OPD teacher: ``flag``) loads: ``ref_load``, or its Megatron
+    ``iter_{ref_ckpt_step:07d}`` when given."""
     if ref_ckpt_step is None:
         return ref_load
     from runtime.train.backends.megatron_checkpoint import find_checkpoint
 
-    return str(find_checkpoint(ref_load, step=ref_ckpt_step, flag="--ref-load"))
+    return str(find_checkpoint(ref_load, step=ref_ckpt_step, flag=flag))
 
 
 def load(path: str | os.PathLike[str], *, trainers: Any, engines: Any, feed: Any) -> int:

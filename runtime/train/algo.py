@@ -101,10 +101,15 @@ def model_roles(cfg: Config) -> tuple[ModelRole, ...]:
 
 def role_paths(cfg: Config) -> dict[str, str]:
     """The models of roles that are not ``--hf-checkpoint``: the reference's ``--ref-load``, the OPD teacher's
-    ``--opd-teacher-load``, and the actor's Megatron checkpoint when it starts from one
-    (:func:`runtime.cluster.checkpoint.actor_start`)."""
+    ``--opd-teacher-load`` (its ``--opd-teacher-ckpt-step``), and the actor's Megatron checkpoint when it starts
+    from one (:func:`runtime.cluster.checkpoint.actor_start`)."""
     a = cfg.algo
-    paths = {TEACHER.name: a.opd_teacher_load} if a.use_opd and a.opd_teacher_load else {}
+    paths = {}
+    if a.use_opd and a.opd_teacher_load:
+        # --opd-teacher-ckpt-step: slime's step of a Megatron save root (iter_NNNNNNN).
+        paths[TEACHER.name] = reference_path(
+            ref_load=a.opd_teacher_load, ref_ckpt_step=a.opd_teacher_ckpt_step, flag="--opd-teacher-load"
+        )
     c = cfg.ckpt
     if c.ref_load is not None:
         paths[REFERENCE.name] = reference_path(ref_load=c.ref_load, ref_ckpt_step=c.ref_ckpt_step)

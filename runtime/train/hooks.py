@@ -55,6 +55,7 @@ TRAINER_HOOK_FIELDS = (
     "custom_megatron_init_path",
     "custom_megatron_before_log_prob_hook_path",
     "custom_megatron_before_train_step_hook_path",
+    "custom_model_provider_path",
 )
 
 # slime's store prefixes, by the key a model's log-probs are written to: "" for the actor, "ref_" for the reference,

@@ -27,17 +27,20 @@ Transformer Engine's attention, which the local spec does without.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
+import datetime
 import functools
+import inspect
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
 from rlcore.kernels import logprobs_entropy
@@ -55,6 +58,63 @@ from runtime.train.packing import min_micro_batches, pack_by_tokens
 from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
 
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderContext:
+    """What a ``--custom-model-provider-path`` function gets to build the model this backend would build:
+    megatron-core's ``TransformerConfig``, the layer spec, the other ``GPTModel`` arguments (vocabulary rows,
+    positions, rotary, tied embeddings), the checkpoint's :class:`~runtime.train.backends.megatron_config.ModelShape`
+    and the job's config (slime's ``args``)."""
+
+    config: Any
+    layer_spec: Any
+    gpt_model_kwargs: dict[str, Any]
+    shape: mc.ModelShape
+    args: Any
+
+
+_PROVIDER_CONTEXT: contextvars.ContextVar[ProviderContext] = contextvars.ContextVar("megatron_provider_context")
+
+
+def provider_context() -> ProviderContext:
+    """The :class:`ProviderContext` of the model being built, inside a ``--custom-model-provider-path`` call (slime's
+    providers read Megatron's global ``get_args()`` instead, which rlcore does not set up)."""
+    try:
+        return _PROVIDER_CONTEXT.get()
+    except LookupError:
+        raise RuntimeError(
+            "provider_context() is available only inside a --custom-model-provider-path call of the megatron backend"
+        ) from None
+
+
+def call_model_provider(
+    provider: Callable[..., Any], context: ProviderContext, *, pre_process: bool, post_process: bool
+) -> torch.nn.Module:
+    """``provider(pre_process=, post_process=[, vp_stage=None])`` as slime calls it (``vp_stage`` only when the
+    function takes it), with ``context`` readable through :func:`provider_context` during the call."""
+    kwargs: dict[str, Any] = {"pre_process": pre_process, "post_process": post_process}
+    if "vp_stage" in inspect.signature(provider).parameters:
+        kwargs["vp_stage"] = None
+    token = _PROVIDER_CONTEXT.set(context)
+    try:
+        model = provider(**kwargs)
+    finally:
+        _PROVIDER_CONTEXT.reset(token)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"--custom-model-provider-path returned {type(model).__name__}, not a megatron-core GPTModel (a "
+            "torch.nn.Module)"
+        )
+    return model
+
+
+def process_group_backend(distributed_backend: str, *, device: torch.device) -> str:
+    """The trainers' ``torch.distributed`` backend: ``--distributed-backend`` (nccl or gloo) on GPUs, gloo on the CPU
+    (the only backend of CPU tensors)."""
+    if distributed_backend not in ("nccl", "gloo"):
+        raise ValueError(f"--distributed-backend must be nccl or gloo (Megatron's), got {distributed_backend!r}")
+    return distributed_backend if device.type == "cuda" else "gloo"
 
 
 def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -228,7 +288,9 @@ class MegatronTrainer:
         self.rank, self.world_size = rank, world_size
         self.device = pick_device(device)
         self.cpu = self.device.type == "cpu"
-        self.shape = _read_shape(model_path)
+        self.shape = self._with_padding(_read_shape(model_path))
+        # --model-name (slime's name rules) must name a mapping that exports every tensor of this model.
+        mc.weight_mapping(train_cfg.model_name or mc.default_model_name(self.shape.model_type), self.shape)
         paths = dict(role_paths or {})
         for role in roles:
             if role != ACTOR and role.name in paths:
@@ -261,7 +323,7 @@ class MegatronTrainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
-        self.padded_vocab = mc.padded_vocab_size(self.shape.vocab_size, tp_size=self.tp)
+        self.padded_vocab = mc.vocab_rows(self.shape, tp_size=self.tp)
         with self._shims():
             # The actor starts from a Megatron checkpoint when the job names one (runtime.cluster.checkpoint).
             self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True)
@@ -291,9 +353,17 @@ class MegatronTrainer:
         naming the tensor)."""
         folder = mck.find_checkpoint(path)
         if folder is None:
-            return _read_shape(path)
+            return self._with_padding(_read_shape(path))
         hf = mck.read_common(folder).get("hf_config")
-        return self.shape if hf is None else mc.shape_from_hf(hf, source=f"{folder}/common.pt")
+        return self.shape if hf is None else self._with_padding(mc.shape_from_hf(hf, source=f"{folder}/common.pt"))
+
+    def _with_padding(self, shape: mc.ModelShape) -> mc.ModelShape:
+        """``shape`` with ``--padded-vocab-size`` (checked against its vocabulary and TP) when given."""
+        if self.cfg.padded_vocab_size is None:
+            return shape
+        shape = dataclasses.replace(shape, padded_vocab_size=self.cfg.padded_vocab_size)
+        mc.vocab_rows(shape, tp_size=self.cfg.tensor_model_parallel_size)
+        return shape
 
     def _shims(self) -> contextlib.AbstractContextManager[None]:
         return _cpu_shims() if self.cpu else contextlib.nullcontext()
@@ -301,20 +371,23 @@ class MegatronTrainer:
     def _init_distributed(self, master_addr: str, master_port: int) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # --distributed-timeout-minutes bounds every collective, of the default group and of Megatron's.
+        timeout = datetime.timedelta(minutes=self.cfg.distributed_timeout_minutes)
         if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            backend = process_group_backend(self.cfg.distributed_backend, device=self.device)
             if is_loopback(master_addr):
                 confine_collectives()
-                store = rendezvous_store(
-                    master_port, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout
+                store = rendezvous_store(master_port, rank=self.rank, world_size=self.world_size, timeout=timeout)
+                dist.init_process_group(
+                    backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
                 )
-                dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
             else:
                 dist.init_process_group(
                     backend,
                     init_method=f"tcp://{master_addr}:{master_port}",
                     rank=self.rank,
                     world_size=self.world_size,
+                    timeout=timeout,
                 )
             self._own_group = True
         from megatron.core import parallel_state as ps
@@ -325,6 +398,7 @@ class MegatronTrainer:
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             create_gloo_process_groups=self.device.type == "cuda",
+            distributed_timeout_minutes=self.cfg.distributed_timeout_minutes,
         )
         torch.manual_seed(self.seed)
         if self.device.type == "cuda":
@@ -378,17 +452,26 @@ class MegatronTrainer:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
         config = self._transformer_config()
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization=shape.normalization)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            pre_process=self.first_stage,
-            post_process=self.last_stage,
-            **mc.gpt_model_kwargs(shape, tp_size=self.tp),
-        )
+        kwargs = mc.gpt_model_kwargs(shape, tp_size=self.tp)
+        provider = self._hook.get("custom_model_provider_path")
+        if provider is None:
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                pre_process=self.first_stage,
+                post_process=self.last_stage,
+                **kwargs,
+            )
+            what = f"the Megatron model of {path}"
+        else:
+            context = ProviderContext(
+                config=config, layer_spec=spec, gpt_model_kwargs=kwargs, shape=shape, args=self.hooks.args
+            )
+            model = call_model_provider(provider, context, pre_process=self.first_stage, post_process=self.last_stage)
+            hook_path = self.hooks.paths["custom_model_provider_path"]
+            what = f"--custom-model-provider-path {hook_path}: the model for {path}"
         params = dict(model.named_parameters())
-        mw.check_megatron_state(
-            params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=f"the Megatron model of {path}"
-        )
+        mw.check_megatron_state(params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=what)
         if folder is not None:
             state = mck.load_sharded({"model": model.sharded_state_dict()}, folder, vocab_size=shape.vocab_size)
             model.load_state_dict(state["model"], strict=True)
@@ -607,7 +690,7 @@ class MegatronTrainer:
         if loss_fn is None:
             log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
             return {"log_probs": log_probs.detach()}
-        loss, metrics = loss_fn(logits, mb)
+        loss, metrics = self._loss(loss_fn, logits, mb)
         if not forward_only:
             # Each DP rank's loss is its share of the global batch's (a global Normalizer): gradients must add up
             # over DP ranks, and Megatron's DDP averages them (the CPU path too: _optimizer_step).
@@ -629,7 +712,7 @@ class MegatronTrainer:
                 if loss_fn is None:
                     log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
                     return logits.new_zeros(()), {"log_probs": log_probs.detach()}
-                loss, metrics = loss_fn(logits, mb)
+                loss, metrics = self._loss(loss_fn, logits, mb)
                 # The schedule divides by the micro-batch count; the loss is already this one's global share.
                 return loss * count * self.dp_size, metrics
 
@@ -673,6 +756,16 @@ class MegatronTrainer:
                 dist.broadcast(values, src=src, group=group)
                 out.append(dict(zip(names, values, strict=True)))
         return out
+
+    def _loss(self, loss_fn: Any, logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, Any]:
+        """``loss_fn(logits, mb)``; with ``--recompute-loss-function`` under activation checkpointing (slime's), so
+        that backward keeps only the logits and recomputes the loss's intermediates (the float32 softmax over the
+        vocabulary among them): the same operations on the same inputs, so the same loss and gradients."""
+        if not self.cfg.recompute_loss_function or not torch.is_grad_enabled():
+            return loss_fn(logits, mb)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(loss_fn, logits, mb, use_reentrant=False)
 
     def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
         norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)

@@ -163,8 +163,8 @@ def load_sharded(sharded: dict[str, Any], folder: str | os.PathLike[str], *, voc
             raise ValueError(
                 f"{folder}: {leaf.key} is the distributed optimizer's state of a vocabulary padded to {have[0]} rows "
                 f"(another TP), this layout pads to {want[0]}: Megatron's flattened optimizer shards cannot be "
-                "re-padded; resume at a TP whose padded vocabulary matches (or from a checkpoint saved without the "
-                "optimizer, --no-save-optim)"
+                f"re-padded; resume with --padded-vocab-size {have[0]} (when it splits over this TP), at a TP whose "
+                "padded vocabulary matches, or from a checkpoint saved without the optimizer (--no-save-optim)"
             )
         refit[path] = leaf
         # Every rank reads the whole tensor: one of them (rank 0) is its main replica, the others copies.

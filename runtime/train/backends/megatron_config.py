@@ -52,6 +52,8 @@ class ModelShape:
     swiglu: bool = True
     add_bias_linear: bool = False
     position_embedding_type: str = "rope"
+    # --padded-vocab-size: rows of the embedding and output layer; None pads as Megatron does (vocab_rows).
+    padded_vocab_size: int | None = None
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -99,6 +101,9 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         problems.append("mlp_bias true")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window true")
+    elif hf.get("sliding_window") is not None and "use_sliding_window" not in hf:
+        # Mistral's layout: a window given without a use_sliding_window switch is in use on every layer.
+        problems.append(f"sliding_window {hf['sliding_window']} (attention over a sliding window, Mistral-style)")
     if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
         problems.append(f"partial_rotary_factor {hf['partial_rotary_factor']}")
     if hf.get("pretraining_tp", 1) not in (1, None):
@@ -191,6 +196,94 @@ def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = VOCA
     return -(-vocab_size // multiple) * multiple
 
 
+def vocab_rows(shape: ModelShape, *, tp_size: int) -> int:
+    """The rows of the embedding and output layer: ``--padded-vocab-size`` when given (``shape.padded_vocab_size``),
+    else Megatron's :func:`padded_vocab_size`. ``ValueError`` when the given size is below the vocabulary or does not
+    split evenly over ``tp_size`` ranks."""
+    if shape.padded_vocab_size is None:
+        return padded_vocab_size(shape.vocab_size, tp_size=tp_size)
+    rows = shape.padded_vocab_size
+    if rows < shape.vocab_size:
+        raise ValueError(
+            f"--padded-vocab-size {rows} is smaller than the vocabulary ({shape.vocab_size}, config.json's "
+            "vocab_size): every token needs a row"
+        )
+    if rows % tp_size:
+        raise ValueError(
+            f"--padded-vocab-size {rows} does not split over --tensor-model-parallel-size {tp_size} (each rank holds "
+            "an equal vocabulary shard)"
+        )
+    return rows
+
+
+# slime's Megatron-to-HF dispatch by --model-name (slime/backends/megatron_utils/megatron_to_hf/__init__.py): the
+# name lowercased without "_" and "-", the first fragment it contains wins. Each entry: the mapping rlcore uses for
+# it, or None and why rlcore cannot export that family.
+_MOE = "a mixture-of-experts model (experts and a router), which rlcore's Megatron backend does not build"
+MODEL_NAME_RULES: tuple[tuple[str, str | None, str], ...] = (
+    ("minimaxm2", None, _MOE),
+    ("glm4moelite", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
+    ("deepseekv3", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
+    ("deepseekv32", None, _MOE + " (DeepSeek-V3.2: MLA and sparse attention)"),
+    ("glmmoedsa", None, _MOE + " (sparse attention)"),
+    ("kimi", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
+    ("glm4moe", None, _MOE),
+    ("glm4", None, "GLM-4's layers (extra post-norms, partial rotary), which rlcore's Megatron backend lacks"),
+    ("qwen3next", None, _MOE + " (Qwen3-Next: linear attention too)"),
+    ("qwen35", None, "Qwen3.5's gated and linear attention, which rlcore's Megatron backend does not build"),
+    ("qwen3vl", None, "a vision-language model; rlcore is text only"),
+    ("qwen2moe", None, _MOE),
+    ("qwen3moe", None, _MOE),
+    ("qwen2", "qwen2", ""),
+    ("qwen3", "qwen2", ""),
+    ("llama", "llama", ""),
+    ("mimo", None, "MiMo's multi-token-prediction layers, which rlcore's Megatron backend does not build"),
+)
+# What each mapping exports beyond Llama's tensors (slime's convert_llama_to_hf maps neither).
+MAPPING_EXTRAS: dict[str, tuple[bool, bool]] = {"llama": (False, False), "qwen2": (True, True)}
+
+
+def default_model_name(model_type: str) -> str:
+    """slime's default ``--model-name``: the HF config class's name, lowercased (``qwen3`` -> ``qwen3config``)."""
+    return model_type.replace("_", "").replace("-", "").lower() + "config"
+
+
+def mapping_of_name(model_name: str, *, flag: str = "--model-name") -> str:
+    """The mapping (``llama`` or ``qwen2``) slime's name rules pick for ``model_name``; ``ValueError`` naming ``flag``
+    and why for a family rlcore does not build, or a name no rule matches."""
+    key = model_name.lower().replace("_", "").replace("-", "")
+    for fragment, mapping, reason in MODEL_NAME_RULES:
+        if fragment in key:
+            if mapping is None:
+                raise ValueError(f"{flag} {model_name}: {reason}")
+            return mapping
+    raise ValueError(
+        f"{flag} {model_name}: no weight mapping of slime's has this name (rlcore builds llama, qwen2 and qwen3)"
+    )
+
+
+def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-name") -> str:
+    """The Megatron-to-HF mapping (``llama`` or ``qwen2``) that slime's name rules pick for ``model_name``;
+    ``ValueError`` naming ``flag`` for a family rlcore does not build, an unknown name, or a mapping that lacks a
+    tensor of ``shape`` (Llama's has no q/k/v bias and no QK-norm)."""
+    mapping = mapping_of_name(model_name, flag=flag)
+    bias, qk_norm = MAPPING_EXTRAS[mapping]
+    lacking = [
+        what
+        for what, needed, present in (
+            ("the q/k/v biases (self_attn.*_proj.bias)", shape.add_qkv_bias, bias),
+            ("the QK-norms (self_attn.q_norm / k_norm)", shape.qk_layernorm, qk_norm),
+        )
+        if needed and not present
+    ]
+    if lacking:
+        raise ValueError(
+            f"{flag} {model_name}: slime's {mapping} mapping has no name for {' and '.join(lacking)} of this "
+            f"{shape.model_type} model (use --model-name {shape.model_type})"
+        )
+    return mapping
+
+
 def parallel_problems(shape: ModelShape, *, tp_size: int, pp_size: int, source: str = "config.json") -> list[str]:
     """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways, naming the flag and the HF field."""
     problems = []
@@ -247,7 +340,7 @@ def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
 def gpt_model_kwargs(shape: ModelShape, *, tp_size: int) -> dict[str, Any]:
     """The ``GPTModel`` arguments for ``shape`` besides its config and layer spec."""
     return {
-        "vocab_size": padded_vocab_size(shape.vocab_size, tp_size=tp_size),
+        "vocab_size": vocab_rows(shape, tp_size=tp_size),
         "max_sequence_length": shape.max_position_embeddings,
         "position_embedding_type": shape.position_embedding_type,
         "rotary_base": shape.rotary_base,
@@ -258,13 +351,18 @@ def gpt_model_kwargs(shape: ModelShape, *, tp_size: int) -> dict[str, Any]:
 
 __all__ = [
     "FAMILIES",
+    "MODEL_NAME_RULES",
     "SHAPE_FLAGS",
     "ModelShape",
+    "default_model_name",
     "gpt_model_kwargs",
+    "mapping_of_name",
     "padded_vocab_size",
     "parallel_problems",
     "shape_flag_problems",
     "shape_from_hf",
     "stage_layers",
     "transformer_config_kwargs",
+    "vocab_rows",
+    "weight_mapping",
 ]

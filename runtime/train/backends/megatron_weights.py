@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from runtime.train.backends.megatron_config import ModelShape, padded_vocab_size, stage_layers
+from runtime.train.backends.megatron_config import ModelShape, stage_layers, vocab_rows
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -147,7 +147,7 @@ def to_megatron(
     (checked against ``shape`` first). Tensors are new (clones); dtypes are kept."""
     check_hf_state(hf, shape)
     out: dict[str, torch.Tensor] = {}
-    padded = padded_vocab_size(shape.vocab_size, tp_size=tp_size)
+    padded = vocab_rows(shape, tp_size=tp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     if first:
         out["embedding.word_embeddings.weight"] = _split(_pad_vocab(hf[EMBED], padded), 0, tp_rank, tp_size)
