@@ -274,3 +274,32 @@ def test_recompute_runs_in_training_steps_and_changes_nothing(tmp_path):
         assert metrics["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-6), recompute
         for name, value in weights.items():
             torch.testing.assert_close(value, want_weights[name], rtol=0, atol=1e-6)
+
+
+def test_bf16_logits_stay_bf16_and_give_the_float32_cast_log_probs(tmp_path):
+    """Under bf16 the logits reach rlcore's log-prob kernel in bf16 (no float32 copy from Megatron's Float16Module):
+    the log-probs equal those of the same logits cast to float32, exactly."""
+    from rlcore.kernels import logprobs_entropy
+    from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS
+
+    path = save_model("qwen3", tmp_path / "qwen3", num_attention_heads=4, num_key_value_heads=2)
+    td = make_batch(203)
+    cfg = job(tmp_path, train_backend="megatron", bf16="true")
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+    try:
+        got = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        with torch.no_grad(), _cpu_shims():
+            logits = mega._logits(mega.model, td)
+            tokens, positions, mask = mega._inputs(td)
+            fp32_logits = mega.model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+    finally:
+        mega.shutdown()
+    assert logits.dtype == torch.bfloat16 and fp32_logits.dtype == torch.float32
+    torch.testing.assert_close(fp32_logits, logits.float(), rtol=0, atol=0)
+    response = td[RESPONSE_TOKENS]
+    at = (td[PROMPT_LENGTHS][:, None] - 1 + torch.arange(response.shape[1])).clamp(max=logits.shape[1] - 1)
+    # Megatron pads the vocabulary (203 -> 256 columns); the padding columns are no tokens.
+    picked = fp32_logits[..., :203].gather(1, at[..., None].expand(-1, -1, 203))
+    want, _ = logprobs_entropy(picked.reshape(-1, 203), response.reshape(-1), temperature=0.9, with_entropy=False)
+    mask = td[keys.MASK]
+    torch.testing.assert_close(got[mask], want.view(response.shape)[mask], rtol=0, atol=0)

@@ -467,9 +467,12 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ forward
 
     def _logits(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
-        """``[b, width, V / TP]``: this rank's vocab shard of the logits of micro-batch ``mb`` (last stage only)."""
+        """``[b, width, V / TP]``: this rank's vocab shard of the logits of micro-batch ``mb`` (last stage only), in
+        the model's dtype: under bf16 Megatron's ``Float16Module`` would copy them to float32, which
+        :func:`rlcore.kernels.logprobs_entropy` does not need (it accumulates in float32)."""
         tokens, positions, mask = self._inputs(mb)
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+        half = {"fp32_output": False} if self.bf16 else {}
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **half)
 
     def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
