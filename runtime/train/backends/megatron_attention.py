@@ -31,8 +31,9 @@ SDPA, UNFUSED = "sdpa", "unfused"
 ATTENTION_IMPLEMENTATIONS: dict[str, str] = {"auto": SDPA, "flash": SDPA, "local": UNFUSED, "unfused": UNFUSED}
 assert set(ATTENTION_IMPLEMENTATIONS) == set(MEGATRON_ATTENTION_BACKENDS)
 
-# Dtypes of PyTorch's CUDA flash kernel, the one SDPA kernel that takes grouped key/value heads itself.
+# Dtypes and head sizes of PyTorch's CUDA flash kernel, the one SDPA kernel that takes grouped key/value heads itself.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
 
 
 def sdpa_core_attention(
@@ -56,8 +57,8 @@ def sdpa_core_attention(
         mask: optional bool mask broadcastable to [b, np, sq, sk], True where a query must NOT attend (Megatron's
             convention). A row masked everywhere gives NaN (Megatron's unfused softmax gives a uniform row).
         native_gqa: hand the grouped key/value heads to the kernel (``enable_gqa``) instead of repeating them.
-            None: only where PyTorch's flash kernel runs it (CUDA, float16/bfloat16, no mask); its other kernels
-            would fall back to the math kernel, which materialises the scores.
+            None: only where PyTorch's flash kernel runs it (CUDA, float16/bfloat16, no mask, head size up to 256,
+            flash enabled); its other kernels would fall back to the math kernel, which materialises the scores.
 
     Returns:
         [sq, b, np * hn], the attention output of every head, heads outermost in the last dimension.
@@ -76,7 +77,13 @@ def sdpa_core_attention(
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(f"mask must be bool (True: masked out), got {mask.dtype}")
     if native_gqa is None:
-        native_gqa = query.is_cuda and query.dtype in _FLASH_DTYPES and mask is None
+        native_gqa = (
+            query.is_cuda
+            and query.dtype in _FLASH_DTYPES
+            and mask is None
+            and dim <= _FLASH_MAX_HEAD_DIM
+            and torch.backends.cuda.flash_sdp_enabled()
+        )
     # [s, b, n, h] -> [b, n, s, h]: the kernels take strided inputs whose last dimension is contiguous.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     if groups != heads and not native_gqa:
