@@ -34,6 +34,8 @@ from runtime.train.backends import TRAIN_BACKENDS, lora
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
+# --attention-backend under --train-backend megatron (runtime.train.backends.megatron_attention maps each).
+MEGATRON_ATTENTION_BACKENDS = ("auto", "flash", "local", "unfused")
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
@@ -548,6 +550,13 @@ class TrainConfig:
         metadata=_help(
             "activation recompute: Megatron's full layers or selective core attention; the torch backend: full "
             "(every decoder layer checkpointed)"
+        ),
+    )
+    attention_backend: Literal[MEGATRON_ATTENTION_BACKENDS] = field(
+        default="auto",
+        metadata=_help(
+            "Megatron: core attention; auto/flash: PyTorch's scaled_dot_product_attention (flash or memory-efficient "
+            "kernels on GPUs), local/unfused: Megatron's unfused DotProductAttention (materialises seq x seq scores)"
         ),
     )
     recompute_method: Literal["uniform", "block"] | None = field(
@@ -2228,6 +2237,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
 # TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
 MEGATRON_TRAIN_FIELDS = (
     "tensor_model_parallel_size",
+    "attention_backend",
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "sequence_parallel",

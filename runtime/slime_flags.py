@@ -704,7 +704,7 @@ MEGATRON_PARSED = frozenset(
     --group-query-attention --num-query-groups --kv-channels --qk-layernorm --swiglu --rotary-base --rotary-percent
     --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
     --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
-    --use-distributed-optimizer
+    --use-distributed-optimizer --attention-backend
     """.split()
 )
 # Megatron's other flags that slime's run scripts use (expert parallelism, MoE, FP8, MLA, ...): refused, naming them.
@@ -714,7 +714,7 @@ MEGATRON_FLAGS = frozenset(
     --expert-model-parallel-size --expert-tensor-parallel-size --decoder-first-pipeline-num-layers
     --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --optimizer-cpu-offload
     --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer --use-rotary-position-embeddings
-    --attention-backend --attention-softmax-in-fp32 --attention-dropout --hidden-dropout --moe-ffn-hidden-size
+    --attention-softmax-in-fp32 --attention-dropout --hidden-dropout --moe-ffn-hidden-size
     --moe-shared-expert-intermediate-size --moe-router-topk --num-experts --moe-grouped-gemm
     --moe-token-dispatcher-type --moe-router-score-function --moe-router-dtype --moe-aux-loss-coeff
     --moe-router-load-balancing-type --moe-layer-freq --moe-router-enable-expert-bias --moe-router-bias-update-rate

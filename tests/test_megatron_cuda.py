@@ -7,6 +7,13 @@ used: no Transformer Engine, apex or flash-attn.
 Tolerances: float32, the same as on the CPU (log-probs 2e-5 absolute; loss and gradient norm 1e-4 relative; TF32 is
 off); bf16 against the float32 torch backend: log-probs 0.1 absolute on average, loss 5e-2 and gradient norm 1e-1
 relative (bf16 keeps 8 bits of mantissa).
+
+The SDPA core attention (``--attention-backend auto``) against Megatron's unfused one (``local``), bf16: each is
+measured against a float64 attention of the same inputs; SDPA's mean error (outputs and input gradients) must be at
+most 1.25 x the unfused one's plus 1e-4 (both round one result to bf16; the flash kernel accumulates in float32), and
+the two outputs (of unit scale) differ by at most 5e-3 on average and 1e-1 per element. Through a whole trainer:
+float32 SDPA and unfused agree to the CPU tolerances; bf16 log-probs of each are measured against the float32
+trainer's, SDPA's mean error at most 1.25 x the unfused one's plus 1e-3.
 """
 
 from __future__ import annotations
@@ -396,3 +403,156 @@ def test_slimes_megatron_flags_on_the_gpu(tmp_path):
     assert on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"]
     for name, value in weights_off.items():
         assert torch.equal(weights_on[name], value), name
+
+
+@pytest.fixture
+def one_rank_model_parallel():
+    """One NCCL rank with megatron-core's parallel state and its CUDA RNG tracker (DotProductAttention needs both)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _attention_pair(*, heads: int, groups: int, head_dim: int):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from runtime.train.backends.megatron_attention import SDPADotProductAttention
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        masked_softmax_fusion=False,
+        attention_softmax_in_fp32=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(config, **kw), SDPADotProductAttention(config, **kw)
+
+
+def _float64_attention(q, k, v):
+    """Causal softmax attention in float64, [sq, b, np, hn] in and [sq, b, np * hn] out (key/value groups repeated)."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    seq = q.shape[2]
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    out = torch.softmax(scores, -1) @ v
+    return out.permute(2, 0, 1, 3).reshape(seq, q.shape[0], -1)
+
+
+@pytest.mark.parametrize("heads,groups", [(32, 8), (16, 16)])
+def test_sdpa_attention_equals_the_unfused_one_in_bf16(one_rank_model_parallel, heads, groups):
+    """bf16 on the GPU, Qwen3-4B's head layout (32 query heads, 8 key/value groups, 128 dims) and multi-head: the
+    SDPA attention is as close to a float64 attention as Megatron's unfused one, with input gradients as close, and
+    it runs on PyTorch's flash kernel (the call fails if that kernel cannot take it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    unfused, sdpa = _attention_pair(heads=heads, groups=groups, head_dim=128)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq, batch = 1000, 2
+    q = torch.randn(seq, batch, heads, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(seq, batch, groups, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(seq, batch, groups, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    causal = torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1)[None, None]
+    upstream = torch.randn(seq, batch, heads * 128, device="cuda", generator=gen).bfloat16()
+
+    def run(module, mask):
+        out = module(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), upstream)
+        return out, grads
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = _float64_attention(q64, k64, v64)
+    want_grads = torch.autograd.grad(want, (q64, k64, v64), upstream.double())
+    got_unfused, grads_unfused = run(unfused, causal)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        got_sdpa, grads_sdpa = run(sdpa, None)
+    assert got_sdpa.dtype == torch.bfloat16 and got_sdpa.shape == (seq, batch, heads * 128)
+
+    def mean_error(got, ref):
+        return (got.double() - ref).abs().mean().item()
+
+    assert mean_error(got_sdpa, want) <= 1.25 * mean_error(got_unfused, want) + 1e-4
+    for g_sdpa, g_unfused, g_want in zip(grads_sdpa, grads_unfused, want_grads, strict=True):
+        assert mean_error(g_sdpa, g_want) <= 1.25 * mean_error(g_unfused, g_want) + 1e-4
+    difference = (got_sdpa.float() - got_unfused.float()).abs()
+    assert difference.mean().item() <= 5e-3 and difference.max().item() <= 1e-1
+
+
+def test_sdpa_attention_keeps_no_score_matrix(one_rank_model_parallel):
+    """Forward and backward at 4,096 tokens: the unfused attention's peak holds the [b, heads, s, s] scores (bf16) and
+    their float32 softmax; SDPA's stays under a tenth of it."""
+    unfused, sdpa = _attention_pair(heads=32, groups=8, head_dim=128)
+    seq, batch = 4096, 1
+    q = torch.randn(seq, batch, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(seq, batch, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(seq, batch, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1)[None, None]
+    peaks = {}
+    for name, module, mask in (("unfused", unfused, causal), ("sdpa", sdpa, None)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        module(q, k, v, mask).float().sum().backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        q.grad = k.grad = v.grad = None
+    scores = batch * 32 * seq * seq * 2
+    assert peaks["unfused"] >= scores, peaks
+    assert peaks["sdpa"] < 0.1 * peaks["unfused"], peaks
+
+
+def _trainer_log_probs(path, tmp_path, td, **settings):
+    cfg = job(tmp_path, train_backend="megatron", **settings)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,), device="cuda")
+    try:
+        log_probs = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        metrics = train_once(mega, cfg, td)
+        return log_probs, metrics
+    finally:
+        mega.shutdown()
+
+
+def test_trainer_log_probs_with_sdpa_and_unfused_attention(tmp_path):
+    """The whole Megatron trainer (Qwen3, grouped-query attention, padded rows of varied lengths): float32 SDPA and
+    unfused agree to the CPU tolerances (log-probs, loss, gradient norm); in bf16, SDPA's log-probs are as close to
+    the float32 trainer's as the unfused attention's; selective recompute with SDPA changes nothing."""
+    path = save_model("qwen3", tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    td = make_batch(203, n=8)
+    mask = td[keys.MASK]
+    common = dict(use_kl_loss=False)
+    lp32_sdpa, m32_sdpa = _trainer_log_probs(path, tmp_path, td, bf16="false", attention_backend="auto", **common)
+    lp32_unf, m32_unf = _trainer_log_probs(path, tmp_path, td, bf16="false", attention_backend="local", **common)
+    torch.testing.assert_close(lp32_sdpa[mask], lp32_unf[mask], rtol=1e-5, atol=2e-5)
+    assert m32_sdpa["loss"] == pytest.approx(m32_unf["loss"], rel=1e-4, abs=1e-6)
+    assert m32_sdpa["grad_norm"] == pytest.approx(m32_unf["grad_norm"], rel=1e-4)
+    lp16_sdpa, m16_sdpa = _trainer_log_probs(path, tmp_path, td, bf16="true", attention_backend="auto", **common)
+    lp16_unf, m16_unf = _trainer_log_probs(path, tmp_path, td, bf16="true", attention_backend="local", **common)
+    err_sdpa = (lp16_sdpa[mask] - lp32_unf[mask]).abs().mean().item()
+    err_unf = (lp16_unf[mask] - lp32_unf[mask]).abs().mean().item()
+    assert err_sdpa <= 1.25 * err_unf + 1e-3, (err_sdpa, err_unf)
+    assert m16_sdpa["grad_norm"] == pytest.approx(m16_unf["grad_norm"], rel=1e-1)
+    _, m32_recompute = _trainer_log_probs(
+        path, tmp_path, td, bf16="false", attention_backend="auto", recompute_granularity="selective", **common
+    )
+    assert m32_recompute["loss"] == pytest.approx(m32_sdpa["loss"], rel=1e-5, abs=1e-7)
+    assert m32_recompute["grad_norm"] == pytest.approx(m32_sdpa["grad_norm"], rel=1e-5)

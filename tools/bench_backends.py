@@ -10,9 +10,10 @@ Every sample is ``--seq-len`` tokens (``--prompt-len`` of prompt, the rest respo
 step over all of them in micro-batches of ``--micro-batch-size``; loss PPO clip with GRPO advantages, no KL.
 Paths: ``fused`` (torch backend through ``rlcore.kernels.linear_rl_loss``, the LM head never applied to all
 positions), ``unfused`` (torch backend, full logits), ``megatron`` (megatron-core ``GPTModel``, local spec, bf16 with
-float32 main weights and Megatron's distributed optimizer on GPUs; ``--tensor-model-parallel-size`` and
-``--recompute-granularity`` are its). With ``--nproc N`` each path runs on N processes (one device each, data
-parallel for the torch backend's FSDP2 and for Megatron beyond its TP x PP); tokens/s count the global batch.
+float32 main weights and Megatron's distributed optimizer on GPUs; ``--tensor-model-parallel-size``,
+``--recompute-granularity`` and ``--attention-backend`` are its). With ``--nproc N`` each path runs on N processes
+(one device each, data parallel for the torch backend's FSDP2 and for Megatron beyond its TP x PP); tokens/s count
+the global batch.
 
 MFU is model FLOPs over ``N x --peak-tflops``, two ways: ``6 x params x tokens`` for a train step (``2 x`` for the
 forward), and with causal attention added: per token and layer ``2 x seq x heads x head_dim`` FLOPs forward (QK^T and
@@ -113,6 +114,7 @@ def _config(path: str, args: argparse.Namespace, world: int, path_name: str):
             "train_backend": "megatron",
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "recompute_granularity": args.recompute_granularity,
+            "attention_backend": args.attention_backend,
         }
         if args.recompute_granularity == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
@@ -263,6 +265,8 @@ def build_model(args: argparse.Namespace, folder: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.config import MEGATRON_ATTENTION_BACKENDS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3-0.6b", choices=[*SHAPES, "tiny"])
     parser.add_argument("--samples", type=int, default=64)
@@ -280,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="profile one more train step per path (rank 0)")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed by --profile")
+    parser.add_argument(
+        "--attention-backend",
+        choices=MEGATRON_ATTENTION_BACKENDS,
+        default="auto",
+        help="megatron's core attention: auto (PyTorch SDPA) or local (Megatron's unfused)",
+    )
     args = parser.parse_args(argv)
     names = args.paths.split(",")
     unknown = sorted(set(names) - set(PATHS))

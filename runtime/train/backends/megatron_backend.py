@@ -1,5 +1,6 @@
-"""The ``megatron`` training backend: a megatron-core ``GPTModel`` (local layer spec) with tensor, pipeline and data
-parallelism, built from the HF checkpoint's ``config.json`` and loaded from its weights.
+"""The ``megatron`` training backend: a megatron-core ``GPTModel`` (local layer spec; its core attention PyTorch's
+SDPA unless ``--attention-backend local``, :mod:`runtime.train.backends.megatron_attention`) with tensor, pipeline and
+data parallelism, built from the HF checkpoint's ``config.json`` and loaded from its weights.
 
 One :class:`MegatronTrainer` runs per rank (a Ray actor). Ranks form one ``torch.distributed`` group and
 megatron-core's ``parallel_state`` splits it into tensor-parallel (TP), pipeline (PP) and data-parallel (DP) groups;
@@ -173,10 +174,16 @@ def _torn_down_on_failure(init: Any) -> Any:
 
 class _NoDropoutRNG:
     """Stands in for megatron-core's CUDA RNG tracker on the CPU: it forks an RNG state only around dropout, which
-    this backend never applies (dropout is 0)."""
+    this backend never applies (dropout is 0), and has no state for activation recompute to save and restore."""
 
     def fork(self, name: str | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def get_states(self) -> dict[str, Any]:
+        return {}
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        pass
 
     def is_initialized(self) -> bool:
         return True
@@ -186,7 +193,8 @@ class _NoDropoutRNG:
 def _cpu_shims() -> Iterator[None]:
     """megatron-core on the CPU: ``torch.cuda.current_device()`` reads as ``"cpu"`` (megatron-core allocates
     buffers on it), ``torch.cuda.synchronize()`` does nothing (dist_checkpointing's writer calls it) and the dropout
-    RNG tracker is :class:`_NoDropoutRNG`, for the duration of the block."""
+    RNG tracker is :class:`_NoDropoutRNG`, for the duration of the block; activation recompute saves and restores no
+    CUDA RNG state."""
     import megatron.core.tensor_parallel.random as mrandom
 
     saved = (
@@ -194,16 +202,21 @@ def _cpu_shims() -> Iterator[None]:
         torch.cuda.synchronize,
         mrandom._CUDA_RNG_STATE_TRACKER,
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        mrandom._get_cuda_rng_state,
+        mrandom._set_cuda_rng_state,
     )
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None  # dist_checkpointing's writer waits for the device
     mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRNG()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
         yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved[0], saved[1]
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved[2], saved[3]
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved[4], saved[5]
 
 
 class LazyHFState(Mapping[str, torch.Tensor]):
@@ -444,14 +457,19 @@ class MegatronTrainer:
     def _build(self, path: str, *, trainable: bool) -> torch.nn.Module:
         """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training."""
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from runtime.train.backends.megatron_attention import local_layer_spec
 
         folder = mck.find_checkpoint(path)
         shape = self._path_shape(path)
         if shape != self.shape and trainable:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
         config = self._transformer_config()
-        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization=shape.normalization)
+        spec = local_layer_spec(
+            attention_backend=self.cfg.attention_backend,
+            qk_layernorm=shape.qk_layernorm,
+            normalization=shape.normalization,
+        )
         kwargs = mc.gpt_model_kwargs(shape, tp_size=self.tp)
         provider = self._hook.get("custom_model_provider_path")
         if provider is None:
@@ -555,11 +573,14 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ forward
 
     def _logits(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
-        """``[b, width, V / TP]``: this rank's vocab shard of the logits of micro-batch ``mb`` (last stage only)."""
+        """``[b, width, V / TP]``: this rank's vocab shard of the logits of micro-batch ``mb`` (last stage only), in
+        the model's dtype: under bf16 Megatron's ``Float16Module`` would copy them to float32, which
+        :func:`rlcore.kernels.logprobs_entropy` does not need (it accumulates in float32)."""
         tokens, positions, mask = self._inputs(mb)
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+        half = {"fp32_output": False} if self.bf16 else {}
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **half)
 
-    def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
         width = int(seq_lens.max())
         if self.cfg.sequence_parallel and width % self.tp:
@@ -568,9 +589,10 @@ class MegatronTrainer:
         if tokens.shape[1] < width:
             tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]))
         positions = torch.arange(width, device=self.device)[None, :].expand(tokens.shape[0], -1)
-        # Right padding under a causal mask: real tokens never see the padding, so no padding mask is needed.
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)[None, None]
-        return tokens, positions, causal
+        from runtime.train.backends.megatron_attention import causal_attention_mask
+
+        mask = causal_attention_mask(width, attention_backend=self.cfg.attention_backend, device=self.device)
+        return tokens, positions, mask
 
     def _response_log_probs(
         self, logits: torch.Tensor, mb: TensorDict, *, with_entropy: bool
@@ -832,7 +854,13 @@ class MegatronTrainer:
     def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
         self._zero_grad()
-        outputs = self._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
+        # Megatron recomputes activations (--recompute-granularity) in training mode only; with no dropout the
+        # forward is the same in either mode.
+        self.model.train()
+        try:
+            outputs = self._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
+        finally:
+            self.model.eval()
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         for metrics in outputs:
