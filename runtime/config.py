@@ -539,7 +539,10 @@ class TrainConfig:
     tensor_model_parallel_size: int = field(default=1, metadata=_help("Megatron: tensor-parallel ranks per model"))
     pipeline_model_parallel_size: int = field(default=1, metadata=_help("Megatron: pipeline stages"))
     context_parallel_size: int = field(default=1, metadata=_help("Megatron: context-parallel ranks (needs TE)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("Megatron: sequence parallelism within TP"))
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=_help("Megatron: sequence parallelism within TP (off at TP 1, which Megatron-LM turns it off at)"),
+    )
     recompute_granularity: Literal["full", "selective"] | None = field(
         default=None,
         metadata=_help(
@@ -2218,10 +2221,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide the trainer "
             f"processes ({procs}: --actor-num-nodes x --actor-num-gpus-per-node)"
-        )
-    if t.sequence_parallel and tp == 1:
-        problems.append(
-            "--sequence-parallel splits sequences within tensor parallelism: it needs --tensor-model-parallel-size > 1"
         )
     if t.recompute_granularity == "full" and (t.recompute_method is None or t.recompute_num_layers is None):
         problems.append(

@@ -210,6 +210,19 @@ def test_transformer_config_carries_the_megatron_flags(job, bf16):
     assert (tc.num_layers, tc.hidden_size, tc.num_query_groups) == (2, 64, 2)
 
 
+def test_sequence_parallel_at_tp1_is_off_as_megatron_lm_turns_it_off(job):
+    from runtime.train.backends.megatron_backend import transformer_config
+
+    shape = mc.shape_from_hf(QWEN3)
+    at_tp1 = parse_args([*job, *MEGATRON, "--sequence-parallel"])
+    assert at_tp1.train.sequence_parallel  # as given, and accepted
+    assert not transformer_config(shape, at_tp1.train, bf16=False, cpu=True).sequence_parallel
+    at_tp2 = parse_args(
+        [*job, *MEGATRON, "--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+    )
+    assert transformer_config(shape, at_tp2.train, bf16=False, cpu=True).sequence_parallel
+
+
 def test_optimizer_config_carries_the_cpu_offload_flags(job):
     from runtime.train.backends.megatron_backend import optimizer_config
 

@@ -191,7 +191,8 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         },
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        sequence_parallel=cfg.sequence_parallel,
+        # Megatron-LM turns sequence parallelism off at TP 1 (slime's scripts pass it there too).
+        sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
@@ -289,7 +290,7 @@ class MegatronTrainer:
             problems.append(f"{world_size} ranks are not a multiple of TP {self.tp} x PP {self.pp}")
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
-        if self.cpu and train_cfg.sequence_parallel:
+        if self.cpu and train_cfg.sequence_parallel and self.tp > 1:
             problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
         if self.cpu and train_cfg.optimizer_cpu_offload:
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
