@@ -202,6 +202,19 @@ def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
     assert checkpoint.resolve(root) == step and checkpoint.resolve(step) == step
 
 
+def test_a_fresh_load_reaches_a_data_source_as_given(tmp_path):
+    """slime's data sources look for their state under args.load themselves; a --load folder that does not exist yet
+    is handed to them as it is (a checkpoint's is its root)."""
+    from runtime.loop import job_data_source
+    from runtime.rollout.plugins import load_rollout_hooks
+
+    fresh = str(tmp_path / "fresh")
+    source = "tests/fixtures/slime_style_plugin.py:CountingDataSource"
+    cfg = parse_args(["--data-source-path", source, "--load", fresh, "--save", fresh])
+    _, data_source = job_data_source(cfg, None, load_rollout_hooks(cfg))
+    assert data_source.args.ckpt.load == fresh
+
+
 def test_flags_reach_their_fields():
     cfg = parse_args(
         [
