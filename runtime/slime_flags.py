@@ -684,7 +684,9 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         True, "the backend always runs the attention softmax in float32 (TransformerConfig.attention_softmax_in_fp32)"
     ),
     "--use-checkpoint-opt_param-scheduler": MegatronFlag(
-        True, "a resume (--load of rlcore's checkpoint) restores the LR scheduler's state from the checkpoint"
+        True,
+        "the backend's OptimizerParamScheduler always takes the LR schedule's values from the checkpoint on a resume "
+        "(use_checkpoint_opt_param_scheduler=True)",
     ),
     "--use-precision-aware-optimizer": MegatronFlag(
         False,
@@ -859,8 +861,8 @@ def render_markdown() -> str:
         lines.append(f"| {f.group} | `{f.name}` | {_cell(f.default)} | {_STATUS_WORDS[f.status]} | {note} |")
     lines += [
         "",
-        f"Megatron's other flags in slime's run scripts ({len(MEGATRON_FLAGS)}; the ones rlcore-run parses are in "
-        "the tables above and below): every one is refused under --train-backend torch.",
+        f"Megatron's other flags in slime's run scripts ({len(MEGATRON_FLAGS)}; those rlcore-run parses as settings "
+        "are in the Megatron backend's flag table): every one is refused under --train-backend torch.",
         "",
         "| flag | --train-backend megatron | why |",
         "| --- | --- | --- |",

@@ -276,3 +276,24 @@ def test_the_megatron_trainer_refuses_cpu_optimizer_offload_on_the_cpu(job):
             seed=0,
             device="cpu",
         )
+
+
+def test_the_flags_reach_the_megatron_trainers_model_and_schedule(tmp_path):
+    """Through the backend itself (a tiny Qwen3 on the CPU): the model's TransformerConfig carries the flags, and
+    the LR schedule takes its values from a checkpoint (--use-checkpoint-opt_param-scheduler)."""
+    from megatron.core.transformer.enums import AttnBackend
+    from test_megatron_backend import job as backend_job
+    from test_megatron_backend import save_model, trainer
+
+    path = save_model("qwen3", tmp_path / "qwen3")
+    cfg = backend_job(
+        tmp_path, train_backend="megatron", attention_backend="unfused", deterministic_mode=True, hidden_dropout=0.0
+    )
+    mega = trainer("megatron", path, cfg)
+    try:
+        config = mega._module(mega.model).config
+        assert config.attention_backend == AttnBackend.unfused and config.deterministic_mode
+        assert (config.hidden_dropout, config.attention_dropout, config.attention_softmax_in_fp32) == (0.0, 0.0, True)
+        assert mega.scheduler.use_checkpoint_opt_param_scheduler
+    finally:
+        mega.shutdown()

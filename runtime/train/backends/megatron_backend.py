@@ -469,6 +469,8 @@ class MegatronTrainer:
             end_wd=c.weight_decay,
             wd_incr_steps=max(steps, 1),
             wd_incr_style="constant",
+            # A resume takes the schedule's values from the checkpoint (slime's --use-checkpoint-opt_param-scheduler).
+            use_checkpoint_opt_param_scheduler=True,
         )
         return optimizer, scheduler
 
