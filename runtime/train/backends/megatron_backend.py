@@ -173,8 +173,7 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
 
 def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool) -> Any:
     """megatron-core's ``TransformerConfig`` of ``shape`` trained as ``cfg`` (its Megatron flags: parallelism,
-    recompute, dropout, attention backend, deterministic mode) in bf16 or float32, with CPU initialisation."""
-    from megatron.core.transformer.enums import AttnBackend
+    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recompute = {}
@@ -211,7 +210,10 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        attention_backend=AttnBackend[cfg.attention_backend],
+        # --attention-backend is not passed on: megatron-core reads TransformerConfig.attention_backend only to set
+        # Transformer Engine's NVTE_*_ATTN variables, process-wide (a second model of another backend in the same
+        # process then fails its check), and the local spec reads neither; the backend picks its core attention
+        # from cfg.attention_backend itself (auto, local or unfused: the values it builds).
         deterministic_mode=cfg.deterministic_mode,
         **recompute,
     )
