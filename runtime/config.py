@@ -34,8 +34,8 @@ from runtime.train.backends import TRAIN_BACKENDS, lora
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
-# --attention-backend under --train-backend megatron (runtime.train.backends.megatron_attention maps each).
-MEGATRON_ATTENTION_BACKENDS = ("auto", "flash", "local", "unfused")
+# Megatron's --attention-backend choices (megatron.core.transformer.enums.AttnBackend).
+MEGATRON_ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
@@ -107,6 +107,9 @@ class ModelConfig:
     swiglu: bool | None = field(default=None, metadata=_help("Megatron: SwiGLU MLP (hidden_act silu)"))
     disable_bias_linear: bool | None = field(default=None, metadata=_help("Megatron: no bias on linear layers"))
     position_embedding_type: str | None = field(default=None, metadata=_help("Megatron: rope"))
+    use_rotary_position_embeddings: bool | None = field(
+        default=None, metadata=_help("Megatron: rotary position embeddings (--position-embedding-type rope)")
+    )
 
 
 @dataclass(frozen=True)
@@ -544,7 +547,10 @@ class TrainConfig:
     tensor_model_parallel_size: int = field(default=1, metadata=_help("Megatron: tensor-parallel ranks per model"))
     pipeline_model_parallel_size: int = field(default=1, metadata=_help("Megatron: pipeline stages"))
     context_parallel_size: int = field(default=1, metadata=_help("Megatron: context-parallel ranks (needs TE)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("Megatron: sequence parallelism within TP"))
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=_help("Megatron: sequence parallelism within TP (off at TP 1, which Megatron-LM turns it off at)"),
+    )
     recompute_granularity: Literal["full", "selective"] | None = field(
         default=None,
         metadata=_help(
@@ -623,6 +629,27 @@ class TrainConfig:
     megatron_config_path: str | None = field(
         default=None,
         metadata=_help("YAML of per-role Megatron overrides (slime's megatron: [{role: actor, overrides: {...}}])"),
+    )
+    attention_dropout: float = field(
+        default=0.0, metadata=_help("Megatron: attention dropout, 0.0 only (ours: default 0.0; Megatron 0.1)")
+    )
+    hidden_dropout: float = field(
+        default=0.0, metadata=_help("Megatron: hidden-state dropout, 0.0 only (ours: default 0.0; Megatron 0.1)")
+    )
+    expert_model_parallel_size: int = field(default=1, metadata=_help("Megatron: expert-parallel ranks (1: dense)"))
+    expert_tensor_parallel_size: int = field(
+        default=1, metadata=_help("Megatron: tensor-parallel ranks of the experts (1: dense, which has none)")
+    )
+    deterministic_mode: bool = field(
+        default=False, metadata=_help("Megatron: TransformerConfig.deterministic_mode (deterministic kernels only)")
+    )
+    optimizer_cpu_offload: bool = field(
+        default=False,
+        metadata=_help("Megatron: the optimizer's state and step on the CPU (all of it; GPUs only, not GPU-tested)"),
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = field(
+        default=False,
+        metadata=_help("Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)"),
     )
     # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
     lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
@@ -1592,6 +1619,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             group.add_argument(flag(name), dest=name, type=_arg_type(name, inner, optional), help=help_text)
     slime_flags.add_refused_arguments(parser)
+    slime_flags.add_megatron_switches(parser)
     sglang_flags.add_passthrough_flags(parser, "server")
     sglang_flags.add_passthrough_flags(parser, "router")
     return parser
@@ -1682,6 +1710,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     if extras and not problems:
         problems.append(f"unexpected arguments {' '.join(extras)!r} (every value belongs to a --flag)")
     refused = {dest: namespace.pop(dest) for dest in list(namespace) if dest in slime_flags.REFUSED_BY_DEST}
+    switches = slime_flags.pop_megatron_switches(namespace)
     problems += slime_flags.refused_problems(refused)
     namespace.pop("dry_run", None)  # the CLI's business (runtime.cli), not the job's
     config_path = namespace.pop("config", None)
@@ -1711,6 +1740,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             # slime's actor role args: the entry's overrides win over the command line.
             namespace.update(megatron_role_overrides(megatron_path, role="actor"))
         cfg = from_dict(tree, **namespace)
+        problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
         validate(cfg)
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
@@ -1998,9 +2028,10 @@ def _check_paths(problems: list[str], cfg: Config) -> None:
 
 def _check_checkpoints(problems: list[str], cfg: Config) -> None:
     """``--load`` is a complete checkpoint whose files match its manifest and that has steps left to run (or, with
-    --train-backend megatron, where the actor's weights start: :func:`runtime.cluster.checkpoint.actor_start`);
-    ``--save`` is a directory that exists or can be created."""
-    from runtime.cluster.checkpoint import CheckpointError, actor_start, resolve, verify
+    --train-backend megatron, where the actor's weights start: :func:`runtime.cluster.checkpoint.actor_start`), or a
+    folder that does not exist yet or is empty (the job starts afresh, as slime's); ``--save`` is a directory that
+    exists or can be created."""
+    from runtime.cluster.checkpoint import CheckpointError, actor_start, resolve, starts_fresh, verify
 
     try:
         start = actor_start(
@@ -2012,7 +2043,7 @@ def _check_checkpoints(problems: list[str], cfg: Config) -> None:
     except ValueError as err:
         problems.append(str(err))
         return
-    if cfg.ckpt.load is not None and start is None:
+    if cfg.ckpt.load is not None and start is None and not starts_fresh(cfg.ckpt.load):
         try:
             step = verify(resolve(cfg.ckpt.load))
         except (FileNotFoundError, CheckpointError) as err:
@@ -2253,6 +2284,14 @@ MEGATRON_TRAIN_FIELDS = (
     "min_lr",
     "accumulate_allreduce_grads_in_fp32",
     "use_distributed_optimizer",
+    "attention_backend",
+    "attention_dropout",
+    "hidden_dropout",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "deterministic_mode",
+    "optimizer_cpu_offload",
+    "overlap_cpu_optimizer_d2h_h2d",
 )
 # slime's flags of its Megatron backend that rlcore builds for --train-backend megatron only.
 MEGATRON_SLIME_FIELDS = (
@@ -2264,6 +2303,24 @@ MEGATRON_SLIME_FIELDS = (
     "recompute_loss_function",
     "megatron_config_path",
 )
+_DENSE = "expert parallelism splits MoE experts, and the Megatron backend builds dense models only"
+_NO_DROPOUT = (
+    "the Megatron backend trains with dropout off, so that its old and new log-probs are computed alike (slime's "
+    "scripts pass 0.0)"
+)
+# The values of Megatron's flags that the Megatron backend builds (TrainConfig field -> (values, why no other)): one
+# table, read by the validation and by the tests.
+MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "attention_backend": (
+        ("auto", "flash", "local", "unfused"),
+        "fused is Transformer Engine's cuDNN attention, which is not installed (auto and flash run PyTorch's "
+        "scaled_dot_product_attention, its flash kernel on GPUs; local and unfused megatron-core's own)",
+    ),
+    "attention_dropout": ((0.0,), _NO_DROPOUT),
+    "hidden_dropout": ((0.0,), _NO_DROPOUT),
+    "expert_model_parallel_size": ((1,), _DENSE),
+    "expert_tensor_parallel_size": ((1,), _DENSE),
+}
 MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
 
 
@@ -2363,10 +2420,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide the trainer "
             f"processes ({procs}: --actor-num-nodes x --actor-num-gpus-per-node)"
         )
-    if t.sequence_parallel and tp == 1:
-        problems.append(
-            "--sequence-parallel splits sequences within tensor parallelism: it needs --tensor-model-parallel-size > 1"
-        )
     if t.recompute_granularity == "full" and (t.recompute_method is None or t.recompute_num_layers is None):
         problems.append(
             "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers"
@@ -2381,6 +2434,13 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
     if t.lr_decay_style != "constant" and t.lr_decay_iters is None:
         problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout to derive it)")
+    for name, (values, why) in MEGATRON_VALUES_BUILT.items():
+        value = getattr(t, name)
+        if value not in values:
+            shown = ", ".join(map(str, values))
+            problems.append(f"{flag(name)} {value}: {why} (takes {shown})")
+    if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
+        problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
     if t.lora_rank > 0:
         problems.append("--lora-rank: LoRA is built for --train-backend torch only")
     if cfg.algo.advantage_estimator == "ppo":

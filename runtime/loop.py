@@ -135,16 +135,20 @@ def restart_config(cfg: Config, err: TrainerDied, *, restarts: int) -> tuple[Con
         folder = None  # died before the first save: from where the job started
     load = save if folder is not None else cfg.ckpt.load
     try:
-        # A --load that is no rlcore checkpoint (a Megatron one the actor starts from) restarts at step 0.
+        # A --load that is no rlcore checkpoint (a Megatron one the actor starts from, or a folder that does not
+        # exist yet or is empty: slime starts afresh) restarts at step 0.
         fresh = load is None or (
             folder is None
-            and checkpoint.actor_start(
-                backend=cfg.train.train_backend,
-                load=load,
-                ref_load=cfg.ckpt.ref_load,
-                ref_ckpt_step=cfg.ckpt.ref_ckpt_step,
+            and (
+                checkpoint.starts_fresh(load)
+                or checkpoint.actor_start(
+                    backend=cfg.train.train_backend,
+                    load=load,
+                    ref_load=cfg.ckpt.ref_load,
+                    ref_ckpt_step=cfg.ckpt.ref_ckpt_step,
+                )
+                is not None
             )
-            is not None
         )
         step = 0 if fresh else checkpoint.verify(folder if folder is not None else checkpoint.resolve(load))
     except (checkpoint.CheckpointError, FileNotFoundError) as bad:
@@ -503,7 +507,7 @@ def job_data_source(cfg: Config, dataset: Any, hooks: RolloutHooks) -> tuple[Any
     slime's hooks are handed: ``--data-source-path``'s class built as ``cls(args)`` (the feed draws from it), or the
     prompt data with a buffer over the feed (the buffer alone with ``--disable-rollout-global-dataset``)."""
     if hooks.data_source_cls is not None:
-        if cfg.ckpt.load is not None:
+        if cfg.ckpt.load is not None and checkpoint.is_job_checkpoint(cfg.ckpt.load):
             # slime's data sources read their state from args.load/rollout/...: the checkpoint root, also when
             # --load names one step's folder.
             root = checkpoint.resolve(cfg.ckpt.load).parent

@@ -25,7 +25,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 YES, DIFFERS, REFUSED, ELSEWHERE = "yes", "differs", "refused", "elsewhere"
 STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
@@ -694,7 +694,8 @@ _OWNED_PREFIXES = (
     ("--router-", "not a flag of sglang-router's RouterArgs (runtime/engines/sglang_flags.json)"),
 )
 # Megatron's own flags that rlcore-run parses (``runtime/config.py``: the train section's for --train-backend
-# megatron, the model section's shape flags checked against config.json), under Megatron's names and meanings.
+# megatron, the model section's shape flags checked against config.json), under Megatron's names and meanings. The
+# values the Megatron backend builds are ``runtime.config.MEGATRON_VALUES_BUILT``'s.
 MEGATRON_PARSED = frozenset(
     """
     --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
@@ -704,29 +705,116 @@ MEGATRON_PARSED = frozenset(
     --group-query-attention --num-query-groups --kv-channels --qk-layernorm --swiglu --rotary-base --rotary-percent
     --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
     --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
-    --use-distributed-optimizer --attention-backend
+    --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
+    --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
+    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
     """.split()
 )
-# Megatron's other flags that slime's run scripts use (expert parallelism, MoE, FP8, MLA, ...): refused, naming them.
-# --weight-decay and --bf16 are rlcore's own too (the torch backend's), so they are parsed, not refused.
-MEGATRON_FLAGS = frozenset(
-    """
-    --expert-model-parallel-size --expert-tensor-parallel-size --decoder-first-pipeline-num-layers
-    --decoder-last-pipeline-num-layers --num-layers-per-virtual-pipeline-stage --optimizer-cpu-offload
-    --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer --use-rotary-position-embeddings
-    --attention-softmax-in-fp32 --attention-dropout --hidden-dropout --moe-ffn-hidden-size
-    --moe-shared-expert-intermediate-size --moe-router-topk --num-experts --moe-grouped-gemm
+
+
+class MegatronFlag(NamedTuple):
+    """What rlcore-run does with one of Megatron's other flags: ``accepted`` switches are taken by --train-backend
+    megatron, whose backend already does what they ask (``reason`` says how); the others are refused, naming
+    ``reason``. Every one is refused under the torch backend."""
+
+    accepted: bool
+    reason: str
+
+
+UNFUSED = (
+    "the local layer spec runs this path unfused anyway (the fused kernels need apex or Transformer Engine), so the "
+    "switch changes nothing"
+)
+MOE = "MoE layers: rlcore's Megatron backend builds dense models (Llama, Qwen2, Qwen3) only"
+FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
+MLA = "multi-latent attention (DeepSeek, Kimi) is not built: the families built are Llama, Qwen2 and Qwen3"
+GLM4 = "GLM-4's layer layout is not built: the families built are Llama, Qwen2 and Qwen3"
+STAGES = "the backend splits the layers into equal pipeline stages, without virtual stages"
+FRESH = (
+    "rlcore's --load resumes a job whole; a torch_dist --load (or --ref-load) already starts the optimizer, RNG "
+    "and step afresh, as slime does"
+)
+_MOE_FLAGS = """
+    --moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-router-topk --num-experts --moe-grouped-gemm
     --moe-token-dispatcher-type --moe-router-score-function --moe-router-dtype --moe-aux-loss-coeff
     --moe-router-load-balancing-type --moe-layer-freq --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor --moe-enable-deepep --moe-permute-fusion --spec --fp16 --fp8-format
-    --fp8-recipe --fp8-param-gather --deterministic-mode --no-gradient-accumulation-fusion
-    --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --use-flash-attn
-    --transformer-impl --make-vocab-size-divisible-by --seq-length --init-method-std --log-interval --q-lora-rank
-    --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --multi-latent-attention --no-load-optim
-    --no-load-rng --finetune --ckpt-format --use-checkpoint-opt_param-scheduler --post-self-attn-layernorm
-    --post-mlp-layernorm --rotary-interleaved
-    """.split()
-)
+    --moe-router-topk-scaling-factor --moe-enable-deepep --moe-permute-fusion
+""".split()
+# Megatron's other flags that slime's run scripts use. --weight-decay and --bf16 are rlcore's own too (the torch
+# backend's), so they are parsed, not listed here.
+MEGATRON_FLAGS: dict[str, MegatronFlag] = {
+    **{
+        name: MegatronFlag(True, UNFUSED)
+        for name in (
+            "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-rope-fusion",
+        )
+    },
+    "--attention-softmax-in-fp32": MegatronFlag(
+        True, "the backend always runs the attention softmax in float32 (TransformerConfig.attention_softmax_in_fp32)"
+    ),
+    "--use-checkpoint-opt_param-scheduler": MegatronFlag(
+        True,
+        "the backend's OptimizerParamScheduler always takes the LR schedule's values from the checkpoint on a resume "
+        "(use_checkpoint_opt_param_scheduler=True)",
+    ),
+    "--use-precision-aware-optimizer": MegatronFlag(
+        False,
+        "megatron-core 0.16.1's OptimizerConfig needs Transformer Engine for it (its FusedAdam and version), which "
+        "is not installed; with --optimizer-cpu-offload too",
+    ),
+    **{name: MegatronFlag(False, MOE) for name in _MOE_FLAGS},
+    **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
+    **{
+        name: MegatronFlag(False, MLA)
+        for name in (
+            "--q-lora-rank",
+            "--kv-lora-rank",
+            "--qk-head-dim",
+            "--qk-pos-emb-head-dim",
+            "--v-head-dim",
+            "--multi-latent-attention",
+        )
+    },
+    **{
+        name: MegatronFlag(False, GLM4 + f" ({what})")
+        for name, what in (
+            ("--post-self-attn-layernorm", "a norm after self-attention"),
+            ("--post-mlp-layernorm", "a norm after the MLP"),
+            ("--rotary-interleaved", "interleaved rotary pairs"),
+        )
+    },
+    **{
+        name: MegatronFlag(False, STAGES)
+        for name in (
+            "--decoder-first-pipeline-num-layers",
+            "--decoder-last-pipeline-num-layers",
+            "--num-layers-per-virtual-pipeline-stage",
+        )
+    },
+    **{name: MegatronFlag(False, FRESH) for name in ("--no-load-optim", "--no-load-rng", "--finetune")},
+    "--spec": MegatronFlag(
+        False, "a layer spec of slime's plugins: the backend builds megatron-core's local GPT layer spec"
+    ),
+    "--transformer-impl": MegatronFlag(
+        False, "the backend builds megatron-core's local layer spec (Transformer Engine is not installed)"
+    ),
+    "--use-flash-attn": MegatronFlag(
+        False, "flash attention through Megatron needs Transformer Engine, which is not installed"
+    ),
+    "--fp16": MegatronFlag(False, "float16 training needs a loss scaler the backend does not build; use --bf16"),
+    "--ckpt-format": MegatronFlag(False, "the backend reads and writes torch_dist checkpoints only"),
+    "--make-vocab-size-divisible-by": MegatronFlag(
+        False, "the backend pads the vocabulary to Megatron's default multiple (128 x TP)"
+    ),
+    "--seq-length": MegatronFlag(False, "sequences are as long as each sample (slime sets it for Megatron only)"),
+    "--init-method-std": MegatronFlag(False, "the weights always come from the checkpoint"),
+    "--log-interval": MegatronFlag(False, "rlcore-run logs every step"),
+}
+_SWITCH_PREFIX = "megatron_switch:"
 
 
 def unknown_flag_problem(arg: str) -> str:
@@ -738,7 +826,7 @@ def unknown_flag_problem(arg: str) -> str:
         if name.startswith(prefix):
             return f"{name}: {reason}"
     if name in MEGATRON_FLAGS:
-        return f"{name}: a Megatron flag; {MEGATRON}"
+        return f"{name}: a Megatron flag rlcore's Megatron backend does not take: {MEGATRON_FLAGS[name].reason}"
     return f"{name}: unrecognized argument (neither rlcore's nor slime's)"
 
 
@@ -765,6 +853,32 @@ def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(f.name, dest=f.dest, action="append", type=f.type, help=help_text)
         else:
             group.add_argument(f.name, dest=f.dest, type=f.type, help=help_text)
+
+
+def add_megatron_switches(parser: argparse.ArgumentParser) -> None:
+    """Add the Megatron switches that --train-backend megatron accepts (``MEGATRON_FLAGS``), in a group of their own;
+    :func:`pop_megatron_switches` takes them back out of the parsed namespace."""
+    group = parser.add_argument_group(
+        "Megatron switches that --train-backend megatron accepts",
+        "Its backend already does what they ask; the torch backend refuses them.",
+    )
+    for name, entry in MEGATRON_FLAGS.items():
+        if entry.accepted:
+            group.add_argument(name, dest=_SWITCH_PREFIX + name, action="store_true", help=f"accepted: {entry.reason}")
+
+
+def pop_megatron_switches(namespace: dict[str, Any]) -> list[str]:
+    """The accepted Megatron switches given (by name), removed from ``namespace`` (argparse's, as a dict)."""
+    return [
+        key[len(_SWITCH_PREFIX) :] for key in list(namespace) if key.startswith(_SWITCH_PREFIX) and namespace.pop(key)
+    ]
+
+
+def megatron_switch_problems(names: Iterable[str], *, backend: str) -> list[str]:
+    """Problems for the accepted Megatron switches ``names`` under ``backend``: none under megatron."""
+    if backend == "megatron":
+        return []
+    return [f"{name}: a Megatron flag, taken by --train-backend megatron only ({backend} backend)" for name in names]
 
 
 def refused_problems(values: dict[str, Any]) -> list[str]:
@@ -818,6 +932,16 @@ def render_markdown() -> str:
     for f in SLIME_FLAGS:
         note = f.note.replace("|", "\\|")
         lines.append(f"| {f.group} | `{f.name}` | {_cell(f.default)} | {_STATUS_WORDS[f.status]} | {note} |")
+    lines += [
+        "",
+        f"Megatron's other flags in slime's run scripts ({len(MEGATRON_FLAGS)}; those rlcore-run parses as settings "
+        "are in the Megatron backend's flag table): every one is refused under --train-backend torch.",
+        "",
+        "| flag | --train-backend megatron | why |",
+        "| --- | --- | --- |",
+    ]
+    for name, entry in sorted(MEGATRON_FLAGS.items()):
+        lines.append(f"| `{name}` | {'accepted' if entry.accepted else 'refused'} | {entry.reason} |")
     lines += ["", _DOC_END]
     return "\n".join(lines)
 

@@ -206,8 +206,8 @@ def test_config_takes_the_attention_backend(tmp_path):
     assert job(tmp_path).train.attention_backend == "auto"
     assert job(tmp_path, attention_backend="local").train.attention_backend == "local"
     # Megatron's fused (Transformer Engine) attention is not one of the choices.
-    with pytest.raises(ConfigError, match="attention-backend must be one of auto, flash, local, unfused; got 'fused'"):
-        validate(job(tmp_path, attention_backend="fused"))
+    with pytest.raises(ConfigError, match="--attention-backend fused: fused is Transformer Engine's cuDNN attention"):
+        validate(job(tmp_path, attention_backend="fused", train_backend="megatron"))
     with pytest.raises(ConfigError, match="--attention-backend: a Megatron flag, used by --train-backend megatron"):
         validate(job(tmp_path, attention_backend="local", train_backend="torch"))
 

@@ -244,8 +244,12 @@ def test_ref_load_and_load_take_megatron_checkpoints_by_slimes_rule(tmp_path):
         "reference": str(hf),
         "actor": str(start),
     }
-    with pytest.raises(ConfigError, match="--load: .*does not exist"):
-        _parse(*mega, "--load", missing)
+    # A --load folder that does not exist yet starts afresh, as slime's; a folder holding something else is refused.
+    assert _parse(*mega, "--load", missing).ckpt.load == missing
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match="--load: .*junk' is neither a checkpoint folder nor a --save root"):
+        _parse(*mega, "--load", str(tmp_path / "junk"))
     root = tmp_path / "root"
     root.mkdir()
     (root / mck.TRACKER).write_text("7")
@@ -263,6 +267,11 @@ def test_a_trainer_restart_before_the_first_save_starts_a_megatron_load_afresh(t
     cfg = _parse("--train-backend", "megatron", "--load", str(start), "--save", str(tmp_path / "save"))
     again, step = restart_config(cfg, TrainerDied(0, RuntimeError("killed")), restarts=0)
     assert step == 0 and again.ckpt.load == str(start)
+    # A --load that does not exist yet (slime's first run of a script whose --load is its --save): step 0 again.
+    fresh = str(tmp_path / "fresh")
+    cfg = _parse("--load", fresh, "--save", str(tmp_path / "save"))
+    again, step = restart_config(cfg, TrainerDied(0, RuntimeError("killed")), restarts=0)
+    assert step == 0 and again.ckpt.load == fresh
 
 
 @pytest.mark.slow

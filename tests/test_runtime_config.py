@@ -179,8 +179,13 @@ def test_trainers_on_several_nodes_are_rejected_before_start_unless_a_ray_cluste
 
 
 def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
+    # slime starts afresh from a --load folder that does not exist or is empty (and --save may write there).
     (tmp_path / "empty").mkdir()
-    assert "--load" in _problems(["--load", str(tmp_path / "empty")])
+    for fresh in (tmp_path / "empty", tmp_path / "missing"):
+        assert parse_args(["--load", str(fresh), "--save", str(fresh)]).ckpt.load == str(fresh)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    assert "neither a checkpoint folder nor a --save root" in _problems(["--load", str(tmp_path / "other")])
     root = tmp_path / "ckpt"
     step = checkpoint.step_dir(root, 3)
     step.mkdir(parents=True)
@@ -195,6 +200,19 @@ def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
     checkpoint.write_manifest(step, 3)
     assert parse_args(["--load", str(root)]).ckpt.load == str(root)
     assert checkpoint.resolve(root) == step and checkpoint.resolve(step) == step
+
+
+def test_a_fresh_load_reaches_a_data_source_as_given(tmp_path):
+    """slime's data sources look for their state under args.load themselves; a --load folder that does not exist yet
+    is handed to them as it is (a checkpoint's is its root)."""
+    from runtime.loop import job_data_source
+    from runtime.rollout.plugins import load_rollout_hooks
+
+    fresh = str(tmp_path / "fresh")
+    source = "tests/fixtures/slime_style_plugin.py:CountingDataSource"
+    cfg = parse_args(["--data-source-path", source, "--load", fresh, "--save", fresh])
+    _, data_source = job_data_source(cfg, None, load_rollout_hooks(cfg))
+    assert data_source.args.ckpt.load == fresh
 
 
 def test_flags_reach_their_fields():
@@ -380,8 +398,9 @@ def test_rule_missing_files(tmp_path):
             "--load", str(tmp_path / "no_ckpt"),
         ]
     )  # fmt: skip
-    for name in ("--prompt-data", "--eval-prompt-data", "--hf-checkpoint", "--load"):
+    for name in ("--prompt-data", "--eval-prompt-data", "--hf-checkpoint"):
         assert f"{name}:" in text
+    assert "--load:" not in text  # a --load folder that does not exist yet: the job starts afresh, as slime's
     (tmp_path / "model").mkdir()
     assert "has no config.json" in _problems(["--hf-checkpoint", str(tmp_path / "model")])
     (tmp_path / "p.csv").write_text("x")

@@ -1,6 +1,7 @@
 """slime's flags: the table (runtime/slime_flags.py) against the parser and the docs, every refusal, and slime's own
 run scripts through ``rlcore-run --dry-run``."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 
 from runtime import slime_flags
 from runtime.cli import EXIT_BAD_INPUT, main
-from runtime.config import _SPECS, Config, ConfigError, build_parser, flag, parse_args
+from runtime.config import _SPECS, MEGATRON_VALUES_BUILT, Config, ConfigError, build_parser, flag, parse_args
 from runtime.slime_flags import DIFFERS, ELSEWHERE, REFUSED, SLIME_FLAGS, YES
+from runtime.train.backends import megatron_checkpoint as mck
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "slime_scripts"
@@ -70,7 +72,7 @@ def test_every_config_field_is_a_slime_flag_or_one_of_ours():
     megatron = {name[2:].replace("-", "_") for name in slime_flags.MEGATRON_PARSED}
     assert set(_SPECS) == supported | OURS | megatron
     assert not supported & OURS and not megatron & (supported | OURS)
-    assert not slime_flags.MEGATRON_PARSED & slime_flags.MEGATRON_FLAGS
+    assert not slime_flags.MEGATRON_PARSED & slime_flags.MEGATRON_FLAGS.keys()
     # Refused flags are parsed beside the config's, never as one of its fields.
     assert not set(slime_flags.REFUSED_BY_DEST) & set(_SPECS)
 
@@ -162,8 +164,11 @@ def test_help_lists_refused_flags_with_their_reason():
 # ---------------------------------------------------------------- slime's run scripts
 
 
-def _local_files(tmp_path, args):
-    """Make the model folders and prompt files a script names, under tmp_path; return the args with their paths."""
+def _local_files(tmp_path, args, hf_config=None):
+    """Make the model folders and prompt files a script names, under tmp_path; return the args with their paths.
+
+    ``--hf-checkpoint`` gets ``hf_config`` as its config.json (the model's own, so the model-shape flags are checked
+    against it); ``--ref-load`` gets a Megatron save root (a tracker naming ``iter_0000000``, a torch_dist folder)."""
     models, data = tmp_path / "models", tmp_path / "data"
     data.mkdir()
     rows = [{"prompt": "1+1", "label": "2", "messages": [{"role": "user", "content": "1+1"}]}] * 4
@@ -180,7 +185,14 @@ def _local_files(tmp_path, args):
     for i, arg in enumerate(out[:-1]):
         if arg == "--hf-checkpoint":
             Path(out[i + 1]).mkdir(parents=True, exist_ok=True)
-            (Path(out[i + 1]) / "config.json").write_text("{}")
+            (Path(out[i + 1]) / "config.json").write_text(json.dumps(hf_config or {}))
+        if arg == "--ref-load":
+            root = Path(out[i + 1])
+            folder = mck.iteration_folder(root, 0)
+            folder.mkdir(parents=True)
+            (root / mck.TRACKER).write_text("0")
+            (folder / mck.FORMAT_FILE).write_text(json.dumps({"sharded_backend": "torch_dist"}))
+            (folder / ".metadata").write_bytes(b"")
     return out
 
 
@@ -202,15 +214,16 @@ def _flag_of(problem):
 SCRIPTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
 # What rlcore-run refuses in a slime script beyond the table's flags, each with the reason its message gives.
 VALUE_REFUSALS = {
-    "--load": "does not exist",  # slime starts fresh from an empty --load folder; rlcore needs a checkpoint
     "--use-wandb": "needs the wandb package",  # where it is not installed
+    # --no-offload-train/-rollout beside it: SGLang servers hold a fixed fraction of their GPU (slime honours them).
+    "--colocate": "hold a fixed fraction of their GPU",
 }
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    args = _local_files(tmp_path, fixture["args"])
+    args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
     assert main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     problems = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
@@ -225,6 +238,8 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
             assert entry.note in problem
         elif name in VALUE_REFUSALS:
             assert VALUE_REFUSALS[name] in problem
+        elif name in slime_flags.MEGATRON_FLAGS and not slime_flags.MEGATRON_FLAGS[name].accepted:
+            assert slime_flags.MEGATRON_FLAGS[name].reason in problem
         else:
             # A Megatron flag with the issue that brings it or the backend that takes it, or an SGLang flag its
             # pinned version does not have.
@@ -243,18 +258,64 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    args = _local_files(tmp_path, fixture["args"])
+    args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
-    refused = {_flag_of(p) for p in problems} - {"--colocate"}
+    refused = {_flag_of(p) for p in problems}
     assert refused
     rest = _strip(args, refused)
-    # --rollout-num-gpus is left as the script has it: under --colocate it is derived from the trainers, as in slime.
     argv = [*rest, "--dry-run", "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "[dry run: placement plan]" in out and "rlcore-run: dry run, nothing started" in out
     assert not (tmp_path / "out").exists()
+
+
+# Why --train-backend megatron refuses a script's flag where the flag is no entry of slime_flags' tables: the words
+# its message carries.
+MEGATRON_REFUSALS = {
+    "--context-parallel-size": "needs Transformer Engine's attention",
+    "--hf-checkpoint": "model_type 'glm4' is not one --train-backend megatron builds",
+    "--sglang-cuda-graph-bs": "not a flag of SGLang",
+    **VALUE_REFUSALS,
+}
+
+
+def _megatron_reason(name):
+    if name in slime_flags.MEGATRON_FLAGS:
+        return slime_flags.MEGATRON_FLAGS[name].reason
+    field = name[2:].replace("-", "_")
+    if field in MEGATRON_VALUES_BUILT:
+        return MEGATRON_VALUES_BUILT[field][1]
+    return MEGATRON_REFUSALS[name]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(script, tmp_path, capsys):
+    fixture = json.loads((FIXTURES / f"{script}.json").read_text())
+    args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
+    megatron = ["--train-backend", "megatron", "--dry-run", "--output-dir", str(tmp_path / "out")]
+    expected = set(fixture["megatron_refusals"])
+    if importlib.util.find_spec("wandb") is not None:
+        expected.discard("--use-wandb")
+    if expected:
+        assert main([*args, *megatron]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err.splitlines()
+        # Several problems come as a list; a lone one (--use-wandb without wandb) as one line.
+        problems = [line[4:] for line in err if line.startswith("  - ")] or [
+            line.removeprefix("rlcore-run: ") for line in err if line.startswith("rlcore-run: --")
+        ]
+        assert {_flag_of(p) for p in problems} == expected, problems
+        for problem in problems:
+            assert _megatron_reason(_flag_of(problem)) in problem, problem
+    # Every other flag of the script (the accepted Megatron switches, dropout 0.0, --load of a folder that does not
+    # exist yet beside a torch_dist --ref-load, the model-shape flags against config.json) passes.
+    rest = _strip(args, expected)
+    if "--hf-checkpoint" in expected:
+        return  # the model itself is not built (GLM-4); nothing is left to run
+    assert main([*rest, *megatron]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "[dry run: placement plan]" in out and not (tmp_path / "out").exists()
 
 
 def test_dry_run_of_the_builtin_job_prints_the_resolved_config_and_plan(capsys, tmp_path):

@@ -36,7 +36,7 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
     parser.add_argument("-f", "--force", action="store_true", help="replace --save if it exists")
     parsed, extras = parser.parse_known_args(argv)
     given = vars(parsed)
-    problems, notes = [], []
+    problems, notes = [], slime_flags.pop_megatron_switches(given)
     for arg in slime_flags.unknown_flags(extras):
         name = arg.split("=", 1)[0]
         if name in slime_flags.MEGATRON_FLAGS:

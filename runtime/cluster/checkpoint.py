@@ -172,6 +172,13 @@ def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+def starts_fresh(load: str | os.PathLike[str]) -> bool:
+    """Whether ``--load`` names a folder that does not exist or is empty: as in slime, the job then starts afresh
+    (at step 0, from --hf-checkpoint or a torch_dist --ref-load), and its --save may be that folder."""
+    path = Path(load)
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
 def actor_start(
     *, backend: str, load: str | None, ref_load: str | None, ref_ckpt_step: int | None = None
 ) -> str | None:

@@ -23,13 +23,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from runtime.config import MEGATRON_ATTENTION_BACKENDS
+from runtime.config import MEGATRON_VALUES_BUILT
 
 SDPA, UNFUSED = "sdpa", "unfused"
 
 # --attention-backend -> the core attention the local spec is built with.
 ATTENTION_IMPLEMENTATIONS: dict[str, str] = {"auto": SDPA, "flash": SDPA, "local": UNFUSED, "unfused": UNFUSED}
-assert set(ATTENTION_IMPLEMENTATIONS) == set(MEGATRON_ATTENTION_BACKENDS)
+# The values the validation lets through (runtime.config.MEGATRON_VALUES_BUILT; "fused", Transformer Engine's, is not).
+assert set(ATTENTION_IMPLEMENTATIONS) == set(MEGATRON_VALUES_BUILT["attention_backend"][0])
 
 # Dtypes and head sizes of PyTorch's CUDA flash kernel, the one SDPA kernel that takes grouped key/value heads itself.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)

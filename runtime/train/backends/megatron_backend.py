@@ -266,6 +266,77 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool) -> Any:
+    """megatron-core's ``TransformerConfig`` of ``shape`` trained as ``cfg`` (its Megatron flags: parallelism,
+    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    recompute = {}
+    if cfg.recompute_granularity is not None:
+        recompute["recompute_granularity"] = cfg.recompute_granularity
+    if cfg.recompute_method is not None:
+        recompute["recompute_method"] = cfg.recompute_method
+        recompute["recompute_num_layers"] = cfg.recompute_num_layers
+    return TransformerConfig(
+        **{
+            **mc.transformer_config_kwargs(shape),
+            "hidden_dropout": cfg.hidden_dropout,
+            "attention_dropout": cfg.attention_dropout,
+        },
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        # Megatron-LM turns sequence parallelism off at TP 1 (slime's scripts pass it there too).
+        sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        use_cpu_initialization=cpu,
+        # The weights are overwritten from the checkpoint, but megatron-core marks a parameter as tensor-parallel
+        # (which the gradient norm and the optimizer read) only while initialising it.
+        perform_initialization=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # checked even for dense models with variable lengths
+        # The fused kernels need apex or Transformer Engine, which the local spec does without (slime's
+        # --no-*-fusion switches ask for this).
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        # --attention-backend is not passed on: megatron-core reads TransformerConfig.attention_backend only to set
+        # Transformer Engine's NVTE_*_ATTN variables, process-wide (a second model of another backend in the same
+        # process then fails its check), and the local spec reads neither; the backend picks its core attention
+        # from cfg.attention_backend itself (auto, local or unfused: the values it builds).
+        deterministic_mode=cfg.deterministic_mode,
+        **recompute,
+    )
+
+
+def optimizer_config(cfg: TrainConfig, *, bf16: bool) -> Any:
+    """megatron-core's ``OptimizerConfig`` of ``cfg`` (Adam, its schedule's bounds, clipping, the distributed
+    optimizer and --optimizer-cpu-offload, all of the state on the CPU) in bf16 or float32."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        optimizer_cpu_offload=cfg.optimizer_cpu_offload,
+        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+    )
+
+
 class MegatronTrainer:
     """One rank of the megatron backend. Every public method is called on all ranks at once."""
 
@@ -319,8 +390,10 @@ class MegatronTrainer:
             problems.append(f"{world_size} ranks are not a multiple of TP {self.tp} x PP {self.pp}")
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
-        if self.cpu and train_cfg.sequence_parallel:
+        if self.cpu and train_cfg.sequence_parallel and self.tp > 1:
             problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
+        if self.cpu and train_cfg.optimizer_cpu_offload:
+            problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
         if train_cfg.context_parallel_size != 1:
             problems.append("--context-parallel-size > 1 needs Transformer Engine (not used by the local spec)")
         if problems:
@@ -420,39 +493,7 @@ class MegatronTrainer:
             model_parallel_cuda_manual_seed(self.seed)
 
     def _transformer_config(self) -> Any:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        c = self.cfg
-        recompute = {}
-        if c.recompute_granularity is not None:
-            recompute["recompute_granularity"] = c.recompute_granularity
-        if c.recompute_method is not None:
-            recompute["recompute_method"] = c.recompute_method
-            recompute["recompute_num_layers"] = c.recompute_num_layers
-        return TransformerConfig(
-            **mc.transformer_config_kwargs(self.shape),
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            sequence_parallel=c.sequence_parallel,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            bf16=self.bf16,
-            use_cpu_initialization=self.cpu,
-            # The weights are overwritten from the checkpoint, but megatron-core marks a parameter as tensor-parallel
-            # (which the gradient norm and the optimizer read) only while initialising it.
-            perform_initialization=True,
-            variable_seq_lengths=True,
-            moe_token_dispatcher_type="alltoall",  # checked even for dense models with variable lengths
-            # The fused kernels need apex or Transformer Engine, which the local spec does without.
-            bias_dropout_fusion=False,
-            bias_activation_fusion=False,
-            apply_rope_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
-            attention_softmax_in_fp32=True,
-            **recompute,
-        )
+        return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu)
 
     def _build(self, path: str, *, trainable: bool) -> torch.nn.Module:
         """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training."""
@@ -537,22 +578,9 @@ class MegatronTrainer:
                 weight_decay=c.weight_decay,
             )
         else:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.optimizer import get_megatron_optimizer
 
-            opt_cfg = OptimizerConfig(
-                optimizer=c.optimizer,
-                lr=c.lr,
-                min_lr=c.min_lr,
-                weight_decay=c.weight_decay,
-                adam_beta1=c.adam_beta1,
-                adam_beta2=c.adam_beta2,
-                adam_eps=c.adam_eps,
-                clip_grad=c.clip_grad,
-                bf16=self.bf16,
-                params_dtype=torch.float32,
-                use_distributed_optimizer=c.use_distributed_optimizer,
-            )
-            optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+            optimizer = get_megatron_optimizer(optimizer_config(c, bf16=self.bf16), [self.model])
         steps = c.lr_decay_iters or 1
         warmup = round(c.lr_warmup_fraction * steps) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
         scheduler = OptimizerParamScheduler(
@@ -567,6 +595,8 @@ class MegatronTrainer:
             end_wd=c.weight_decay,
             wd_incr_steps=max(steps, 1),
             wd_incr_style="constant",
+            # A resume takes the schedule's values from the checkpoint (slime's --use-checkpoint-opt_param-scheduler).
+            use_checkpoint_opt_param_scheduler=True,
         )
         return optimizer, scheduler
 

@@ -165,6 +165,7 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "swiglu": (lambda s: s.swiglu, "hidden_act"),
     "disable_bias_linear": (lambda s: not s.add_bias_linear, "attention_bias / mlp_bias"),
     "position_embedding_type": (lambda s: s.position_embedding_type, "model_type (rope)"),
+    "use_rotary_position_embeddings": (lambda s: s.position_embedding_type == "rope", "model_type (rope)"),
 }
 
 
