@@ -2177,10 +2177,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout to derive it)")
     if t.lora_rank > 0:
         problems.append("--lora-rank: LoRA is built for --train-backend torch only")
-    if cfg.algo.advantage_estimator == "ppo" and pp > 1:
-        from runtime.train.backends.megatron_critic import PIPELINE_REFUSAL
-
-        problems.append(PIPELINE_REFUSAL)
     if t.keep_old_actor:
         problems.append("--keep-old-actor is built for --train-backend torch only")
     if shape is not None:

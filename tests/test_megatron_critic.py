@@ -20,7 +20,7 @@ from test_megatron_backend import _free_port, job, make_batch, save_model, train
 
 from rlcore import keys  # noqa: E402
 from rlcore.advantages import compute  # noqa: E402
-from runtime.config import ConfigError, validate  # noqa: E402
+from runtime.config import validate  # noqa: E402
 from runtime.train.algo import advantage_config  # noqa: E402
 from runtime.train.backends import megatron_checkpoint as mck  # noqa: E402
 from runtime.train.backends import megatron_critic as mcritic  # noqa: E402
@@ -200,10 +200,13 @@ def test_value_head_is_slimes_and_the_same_as_the_torch_critics(tmp_path):
         torch_backend.shutdown()
 
 
-def test_what_is_not_built_is_refused_naming_the_flag(tmp_path):
-    cfg = ppo_job(tmp_path, train_backend="megatron", pipeline_model_parallel_size=2, actor_num_gpus_per_node=2)
-    with pytest.raises(ConfigError, match=r"--advantage-estimator ppo with --pipeline-model-parallel-size > 1"):
-        validate(cfg)
+def test_what_is_not_built_is_refused(tmp_path):
+    # ppo is taken at any Megatron layout (pipeline stages on GPUs).
+    layout = dict(train_backend="megatron", pipeline_model_parallel_size=2, actor_num_gpus_per_node=2)
+    assert (
+        validate(ppo_job(tmp_path, micro_batch_size=2, kl_loss_coef=0.0, **layout)).train.pipeline_model_parallel_size
+        == 2
+    )
     path = save_model("llama", tmp_path / "m")
     mega = trainer("megatron", path, ppo_job(tmp_path), roles=(ACTOR,))
     try:
@@ -220,9 +223,13 @@ def test_what_is_not_built_is_refused_naming_the_flag(tmp_path):
         mega.shutdown()
 
 
-def _parallel_worker(rank, world, port, path, tmp, out, overrides):
-    cfg = ppo_job(tmp, train_backend="megatron", actor_num_gpus_per_node=world, **overrides)
-    mega = trainer("megatron", path, cfg, roles=ROLES, rank=rank, world_size=world, master_port=port)
+def _parallel_worker(rank, world, port, path, tmp, out, overrides, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        device = f"cuda:{rank}"
+    cfg = ppo_job(tmp, bf16="false", train_backend="megatron", actor_num_gpus_per_node=world, **overrides)
+    mega = trainer("megatron", path, cfg, roles=ROLES, rank=rank, world_size=world, master_port=port, device=device)
     td = make_batch(203)
     dp_rank, dp_size = mega.dp_info()
     rows = slice(dp_rank * 8 // dp_size, (dp_rank + 1) * 8 // dp_size)
@@ -234,18 +241,32 @@ def _parallel_worker(rank, world, port, path, tmp, out, overrides):
     mega.shutdown()
 
 
-@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {}], ids=["tp2", "dp2"])
-def test_two_ranks_equal_one(layout, tmp_path):
+TP2, PP2, DP2 = {"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}, {}
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.parametrize(
+    "layout,device",
+    [
+        (TP2, "cpu"),
+        (DP2, "cpu"),
+        pytest.param(TP2, "cuda", marks=TWO_GPUS),
+        pytest.param(PP2, "cuda", marks=TWO_GPUS),
+        pytest.param(DP2, "cuda", marks=TWO_GPUS),
+    ],
+    ids=["tp2", "dp2", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
+)
+def test_two_ranks_equal_one(layout, device, tmp_path):
     import torch.multiprocessing as mp
 
     path = save_model("qwen3", tmp_path / "m")
     out = str(tmp_path / "rank{rank}.pt")
-    mp.spawn(_parallel_worker, args=(2, _free_port(), path, tmp_path, out, layout), nprocs=2, join=True)
+    mp.spawn(_parallel_worker, args=(2, _free_port(), path, tmp_path, out, layout, device), nprocs=2, join=True)
     ranks = [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
-    cfg = ppo_job(tmp_path, train_backend="megatron")
+    cfg = ppo_job(tmp_path, bf16="false", train_backend="megatron")
     td = make_batch(203)
     mask = td[keys.MASK]
-    one = trainer("megatron", path, cfg, roles=ROLES)
+    one = trainer("megatron", path, cfg, roles=ROLES, device="cuda:0" if device == "cuda" else "cpu")
     try:
         values = one.compute_log_probs(td)[keys.VALUES]
         metrics = one.train_critic(critic_batch(td, values, cfg), per_step_rows=8)

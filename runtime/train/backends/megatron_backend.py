@@ -229,8 +229,6 @@ class MegatronTrainer:
             problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
         if train_cfg.context_parallel_size != 1:
             problems.append("--context-parallel-size > 1 needs Transformer Engine (not used by the local spec)")
-        if CRITIC in roles and self.pp > 1:
-            problems.append(mcritic.PIPELINE_REFUSAL)
         if problems:
             raise ValueError("; ".join(problems))
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)

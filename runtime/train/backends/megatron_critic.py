@@ -12,8 +12,9 @@ are the value head's outputs at the positions that predict each response token, 
 :func:`rlcore.losses.critic_loss` (``--value-clip``, the job's aggregation over the whole global batch), and its
 checkpoint a ``torch_dist`` folder of its own (model, optimizer, LR schedule) inside the actor's, :data:`CRITIC_DIR`.
 
-Not built: the critic over pipeline stages (``--pipeline-model-parallel-size`` > 1, :data:`PIPELINE_REFUSAL`) and a
-critic started from a Megatron checkpoint (it starts from the HF model, as the torch backend's does).
+Over pipeline stages (GPUs only) the value head is on the last stage, the micro-batches run Megatron's 1F1B schedule
+as the actor's, and the values are broadcast from the last stage. Not built: a critic started from a Megatron
+checkpoint (it starts from the HF model, as the torch backend's does).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlcore import keys
-from rlcore.losses import critic_loss
+from rlcore.losses import Normalizer, critic_loss
 from runtime.train.backends import megatron_checkpoint as mck
 from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.megatron_config import ModelShape
@@ -43,10 +44,6 @@ CRITIC_DIR = "critic"
 HEAD_NAMES = ("output_layer.weight", "output_layer.bias")
 # The critic's GPTModel has no LM head to tie to the embedding (its output layer is the value head).
 GPT_KWARGS = {"share_embeddings_and_output_weights": False}
-PIPELINE_REFUSAL = (
-    "--advantage-estimator ppo with --pipeline-model-parallel-size > 1: the Megatron critic runs on one pipeline "
-    "stage (not built over stages yet); use --pipeline-model-parallel-size 1 or --train-backend torch"
-)
 
 
 def checkpoint_start_refusal(path: str) -> str:
@@ -134,22 +131,51 @@ class MegatronCritic:
         self.model = trainer._build(path, trainable=True, value_head=True)
         self.optimizer, self.scheduler = trainer._build_optimizer(self.model)
 
-    def _values(self, mb: TensorDict) -> torch.Tensor:
-        t = self.trainer
-        output = t._logits(self.model, mb)
-        return response_values(output, mb[PROMPT_LENGTHS], mb[RESPONSE_TOKENS].shape[1])
-
     @torch.no_grad()
     def values(self, td: TensorDict) -> torch.Tensor:
-        """``[B, T]`` float32 values (on the CPU) of this rank's shard ``td``, for the rollout's ``values``."""
-        return torch.cat([self._values(mb) for mb in self.trainer._micro_batches(td)]).cpu()
+        """``[B, T]`` float32 values (on the CPU) of this rank's shard ``td``, for the rollout's ``values``; over
+        pipeline stages the last stage's, broadcast to the others."""
+        t = self.trainer
+        parts = t._micro_batches(td)
+        kept: list[torch.Tensor] = []
+
+        def keep(output: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            kept.append(response_values(output, mb[PROMPT_LENGTHS], mb[RESPONSE_TOKENS].shape[1]))
+            return output.new_zeros(()), {"micro_batches": output.new_ones(())}
+
+        t._run(self.model, parts, forward_only=True, loss_fn=keep)
+        if t.pp > 1:
+            group = t.ps.get_pipeline_model_parallel_group()
+            src = t.ps.get_pipeline_model_parallel_last_rank()
+            for i, mb in enumerate(parts):
+                if not t.last_stage:
+                    kept.append(torch.empty(mb[RESPONSE_TOKENS].shape, dtype=torch.float32, device=t.device))
+                dist.broadcast(kept[i], src=src, group=group)
+        return torch.cat(kept).cpu()
+
+    def _loss(self, norm: Normalizer) -> Any:
+        """The value loss of one micro-batch as the backend's ``_run`` takes it: ``(output [b, width, 1], mb) ->
+        (loss, metrics)``, aggregated over the global batch's ``norm``."""
+        t = self.trainer
+
+        def loss_fn(output: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            batch = mb.to(t.device).clone(recurse=False)
+            batch.set(keys.VALUES, response_values(output, mb[PROMPT_LENGTHS], mb[RESPONSE_TOKENS].shape[1]))
+            loss, metrics = critic_loss(
+                batch, clip=t.loss_cfg.value_clip, loss_agg_mode=t.loss_cfg.loss_agg_mode, norm=norm
+            )
+            return loss, dict(metrics.items())
+
+        return loss_fn
 
     def train(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
         """Optimizer steps over this rank's shard ``td``, ``per_step_rows`` rows each, on slime's value loss.
 
         ``td`` carries ``mask``, ``old_values`` and ``returns`` (:func:`runtime.train.step.critic_targets`). Returns
         the torch backend's ``critic/``-prefixed metrics averaged over the steps: ``value_loss``,
-        ``value_clipfrac``, ``values_mean`` (token means of each global batch), ``grad_norm`` and ``num_steps``."""
+        ``value_clipfrac``, ``values_mean`` (token means of each global batch), ``grad_norm`` and ``num_steps``. The
+        micro-batches run as the actor's (each DP rank's loss its share of the global batch's; Megatron's 1F1B
+        schedule over pipeline stages)."""
         t = self.trainer
         n = td.batch_size[0]
         if not isinstance(per_step_rows, int) or per_step_rows < 1 or n % per_step_rows:
@@ -158,17 +184,10 @@ class MegatronCritic:
         totals: dict[str, float] = {}
         for step in range(steps):
             parts = t._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
-            norm = t._global_normalizer(parts)
             t._zero_grad(self.model, self.optimizer)
+            outputs = t._run(self.model, parts, forward_only=False, loss_fn=self._loss(t._global_normalizer(parts)))
             sums: dict[str, float] = {}
-            for mb in parts:
-                batch = mb.to(t.device).clone(recurse=False)
-                batch.set(keys.VALUES, self._values(mb))
-                loss, metrics = critic_loss(
-                    batch, clip=t.loss_cfg.value_clip, loss_agg_mode=t.loss_cfg.loss_agg_mode, norm=norm
-                )
-                # Each DP rank's loss is its share of the global batch's, as the actor's (MegatronTrainer._finish).
-                (loss * t.dp_size).backward()
+            for metrics in outputs:
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + float(value)
             step_metrics = t._all_reduce(sums, dist.ReduceOp.SUM)
@@ -230,7 +249,6 @@ class MegatronCritic:
 
 __all__ = [
     "CRITIC_DIR",
-    "PIPELINE_REFUSAL",
     "MegatronCritic",
     "ValueHead",
     "check_critic_state",
