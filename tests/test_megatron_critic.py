@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
@@ -42,6 +44,24 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=4),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_response_values_reads_the_position_before_each_response_token(lengths, extra, seed):
+    prompts = torch.tensor([p for p, _ in lengths])
+    response_len = max(r for _, r in lengths) + extra
+    width = int(max(p + r for p, r in lengths))
+    output = torch.randn(len(lengths), width, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    got = mcritic.response_values(output, prompts, response_len)
+    assert got.shape == (len(lengths), response_len) and got.dtype == torch.float32
+    for b, (prompt, _) in enumerate(lengths):
+        for t in range(response_len):
+            position = min(prompt - 1 + t, width - 1)
+            assert got[b, t] == output[b, position, 0].float()
 
 
 def ppo_job(tmp_path, **overrides):

@@ -47,6 +47,7 @@ GPT_KWARGS = {"share_embeddings_and_output_weights": False}
 
 
 def checkpoint_start_refusal(path: str) -> str:
+    """The error for a critic asked to start from the Megatron checkpoint ``path``."""
     return (
         f"the Megatron critic starts from the HF model (a fresh value head over its weights); {path} is a Megatron "
         "checkpoint, which it cannot start from (resume a job's critic with --load of its --save folder)"
