@@ -180,6 +180,9 @@ def test_a_resumed_critic_trains_on_exactly_as_an_uninterrupted_one(tmp_path):
 
         saved = dist_checkpointing.load_tensors_metadata(str(tmp_path / "no_optim" / mcritic.CRITIC_DIR))
         assert "output_layer.weight" in saved and not [k for k in saved if k.startswith("optimizer.")]
+        assert fresh.critic.optimizer.state
+        fresh.reset_optimizer()  # --reset-optimizer-states: the critic's moments go too
+        assert not fresh.critic.optimizer.state and not fresh.optimizer.state
     finally:
         fresh.shutdown()
     partial = _resume_run(path, cfg, td, ckpt=str(tmp_path / "no_optim"), steps=2, load=True)
