@@ -1662,8 +1662,8 @@ def megatron_role_overrides(path: str, *, role: str = "actor") -> dict[str, Any]
     for other in sorted({str(r) for r in roles} - {"actor"}):
         if other == "critic":
             problems.append(
-                f"{name} {path}: a critic entry, but rlcore's Megatron backend runs no critic (--advantage-estimator "
-                "ppo is built for --train-backend torch)"
+                f"{name} {path}: a critic entry, but rlcore's Megatron critic trains with the actor's flags "
+                "(per-role overrides for it are not built)"
             )
         else:
             problems.append(f"{name} {path}: role {other!r} is neither actor nor critic (slime's roles)")
@@ -2443,8 +2443,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
     if t.lora_rank > 0:
         problems.append("--lora-rank: LoRA is built for --train-backend torch only")
-    if cfg.algo.advantage_estimator == "ppo":
-        problems.append("--advantage-estimator ppo: its critic is built for --train-backend torch only")
     if t.keep_old_actor:
         problems.append("--keep-old-actor is built for --train-backend torch only")
     if shape is not None:

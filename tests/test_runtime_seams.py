@@ -25,7 +25,7 @@ from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
 from runtime.cluster.weight_sync import WEIGHT_SYNCS, WeightSync, make_weight_sync
-from runtime.config import SECTIONS, ConfigError, from_dict, validate
+from runtime.config import SECTIONS, from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines.registry import ROLLOUT_ENGINES, engine_kind
@@ -120,17 +120,14 @@ def test_model_roles_follow_the_algorithm(tmp_path):
 
 @pytest.mark.parametrize("backend", list(TRAIN_BACKENDS))
 def test_every_train_backend_method(backend, model_path, tmp_path):
-    # ppo with a KL loss: the actor, the reference and the critic (where the backend has one: else grpo, and ppo is
-    # refused at validation).
+    # ppo with a KL loss: the actor, the reference and the critic, which every backend runs (and validation takes).
     cls = backend_class(backend)
-    critic = CRITIC in importlib.import_module(cls.__module__).SUPPORTED_ROLES
-    if not critic:
-        with pytest.raises(ConfigError, match="ppo"):
-            validate(
-                from_dict(None, output_dir=str(tmp_path), train_backend=backend, advantage_estimator="ppo", **SMALL)
-            )
-    estimator = "ppo" if critic else "grpo"
-    cfg = validate(from_dict(None, output_dir=str(tmp_path), use_kl_loss=True, advantage_estimator=estimator, **SMALL))
+    assert CRITIC in importlib.import_module(cls.__module__).SUPPORTED_ROLES
+    cfg = validate(
+        from_dict(
+            None, output_dir=str(tmp_path), train_backend=backend, use_kl_loss=True, advantage_estimator="ppo", **SMALL
+        )
+    )
     with pytest.raises(ValueError, match="the actor always"):
         cls(model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, seed=0, roles=(CRITIC,))
     # --ref-load: the reference from another folder (same tokenizer), so its log-probs differ from the actor's.
@@ -171,20 +168,15 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     assert call("dp_info") == (0, 1) and call("dp_group") is None
     td = _batch(model_path)
     logps = call("compute_log_probs", td)
-    with_critic = CRITIC in model_roles(cfg)
-    assert set(logps.keys()) == {keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS} | ({keys.VALUES} if with_critic else set())
+    assert CRITIC in model_roles(cfg)
+    assert set(logps.keys()) == {keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS, keys.VALUES}
     torch.testing.assert_close(logps[keys.OLD_LOG_PROBS], logps[keys.REF_LOG_PROBS])  # nothing trained yet
     td.update(logps)
-    if with_critic:
-        critic = call(
-            "train_critic", critic_targets(compute(td, advantage_config(cfg)), advantage_config(cfg)), per_step_rows=8
-        )
-        assert critic["critic/num_steps"] == 1 and critic["critic/grad_norm"] > 0
-        assert not torch.equal(trainer.compute_log_probs(td)[keys.VALUES], logps[keys.VALUES])
-    else:
-        # A backend without a critic: ppo is refused at validation, naming the backend (checked below).
-        with pytest.raises(RuntimeError):
-            call("train_critic", td, per_step_rows=8)
+    critic = call(
+        "train_critic", critic_targets(compute(td, advantage_config(cfg)), advantage_config(cfg)), per_step_rows=8
+    )
+    assert critic["critic/num_steps"] == 1 and critic["critic/grad_norm"] > 0
+    assert not torch.equal(trainer.compute_log_probs(td)[keys.VALUES], logps[keys.VALUES])
     before = {
         k: v.clone()
         for bucket in call("weight_buckets", dtype=torch.float32, bucket_bytes=1)
@@ -242,7 +234,7 @@ def test_every_train_backend_method(backend, model_path, tmp_path):
     trainer = keeper
     start = keeper.compute_log_probs(td)[keys.OLD_LOG_PROBS]
     keeper.train(compute(td, advantage_config(cfg)), per_step_rows=8)
-    if not critic:  # (a backend without the torch backend's extras refuses them; validation refuses the flags)
+    if backend != "torch":  # (--keep-old-actor is the torch backend's; validation refuses the flag elsewhere)
         with pytest.raises(RuntimeError):
             call("advance_old_actor")
     else:

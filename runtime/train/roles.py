@@ -2,7 +2,7 @@
 
 The loop asks for models by role (:func:`roles_for` of the job's config), never with flags like ``need_ref``. A role
 says whether its weights train and which batch-contract key its forward pass fills on a rollout batch; a backend
-builds one model per role it is given and refuses the roles it cannot run, naming them. The torch backend runs the
+builds one model per role it is given and refuses the roles it cannot run, naming them. Both backends run the
 actor, the reference, the on-policy-distillation teacher and the critic (a value-head copy of the model, trained
 with its own optimizer) in the same processes, as slime keeps its reference in the actor's and places its critic on
 the actor's GPUs.

@@ -23,6 +23,9 @@ model-parallel group, and pipeline parallelism is refused (Megatron's schedules 
 ``--use-dynamic-batch-size`` groups rows into micro-batches of at most ``--max-tokens-per-gpu`` real tokens, as slime
 does, each right-padded to its own longest row: packing them into one THD sequence (``packed_seq_params``) needs
 Transformer Engine's attention, which the local spec does without.
+
+With ``--advantage-estimator ppo`` each rank also runs the critic (:mod:`megatron_critic`): a second ``GPTModel`` whose
+output layer is slime's value head, with its own optimizer and LR schedule.
 """
 
 from __future__ import annotations
@@ -51,14 +54,15 @@ from runtime.config import TrainConfig
 from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train.backends import megatron_checkpoint as mck
 from runtime.train.backends import megatron_config as mc
+from runtime.train.backends import megatron_critic as mcritic
 from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
 from runtime.train.packing import min_micro_batches, pack_by_tokens
-from runtime.train.roles import ACTOR, REFERENCE, TEACHER, ModelRole
+from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
-SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER)
+SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,11 +420,13 @@ class MegatronTrainer:
             self.frozen = {
                 role.writes: self._build(paths.get(role.name, model_path), trainable=False)
                 for role in roles
-                if role != ACTOR
+                if role not in (ACTOR, CRITIC)
             }
             if self.hooks.only_train or self.hooks.freeze:
                 freeze_parameters(self.model, only_train=self.hooks.only_train, freeze=self.hooks.freeze)
             self.optimizer, self.scheduler = self._build_optimizer()
+            # slime's critic (--advantage-estimator ppo): the model with a value head, its own optimizer and schedule.
+            self.critic = mcritic.MegatronCritic(self, paths.get(CRITIC.name, model_path)) if CRITIC in roles else None
         self.released = False
         init = self._hook.get("custom_megatron_init_path")
         if init is not None:
@@ -495,13 +501,16 @@ class MegatronTrainer:
     def _transformer_config(self) -> Any:
         return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu)
 
-    def _build(self, path: str, *, trainable: bool) -> torch.nn.Module:
-        """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training."""
+    def _build(self, path: str, *, trainable: bool, value_head: bool = False) -> torch.nn.Module:
+        """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training; with
+        ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused."""
         from megatron.core.models.gpt import GPTModel
 
         from runtime.train.backends.megatron_attention import local_layer_spec
 
         folder = mck.find_checkpoint(path)
+        if value_head and folder is not None:
+            raise ValueError(mcritic.checkpoint_start_refusal(path))
         shape = self._path_shape(path)
         if shape != self.shape and trainable:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
@@ -511,8 +520,8 @@ class MegatronTrainer:
             qk_layernorm=shape.qk_layernorm,
             normalization=shape.normalization,
         )
-        kwargs = mc.gpt_model_kwargs(shape, tp_size=self.tp)
-        provider = self._hook.get("custom_model_provider_path")
+        kwargs = {**mc.gpt_model_kwargs(shape, tp_size=self.tp), **(mcritic.GPT_KWARGS if value_head else {})}
+        provider = None if value_head else self._hook.get("custom_model_provider_path")
         if provider is None:
             model = GPTModel(
                 config=config,
@@ -521,7 +530,7 @@ class MegatronTrainer:
                 post_process=self.last_stage,
                 **kwargs,
             )
-            what = f"the Megatron model of {path}"
+            what = f"the Megatron {'critic' if value_head else 'model'} of {path}"
         else:
             context = ProviderContext(
                 config=config, layer_spec=spec, gpt_model_kwargs=kwargs, shape=shape, args=self.hooks.args
@@ -529,8 +538,12 @@ class MegatronTrainer:
             model = call_model_provider(provider, context, pre_process=self.first_stage, post_process=self.last_stage)
             hook_path = self.hooks.paths["custom_model_provider_path"]
             what = f"--custom-model-provider-path {hook_path}: the model for {path}"
+        if value_head and self.last_stage:
+            model.output_layer = mcritic.ValueHead(config.hidden_size, seed=self.seed, config=config)
         params = dict(model.named_parameters())
-        mw.check_megatron_state(params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=what)
+        (mcritic.check_critic_state if value_head else mw.check_megatron_state)(
+            params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=what
+        )
         if folder is not None:
             state = mck.load_sharded({"model": model.sharded_state_dict()}, folder, vocab_size=shape.vocab_size)
             model.load_state_dict(state["model"], strict=True)
@@ -540,7 +553,8 @@ class MegatronTrainer:
             )
             with torch.no_grad():
                 for name, param in params.items():
-                    param.copy_(shard[name])
+                    if not (value_head and name in mcritic.HEAD_NAMES):
+                        param.copy_(shard[name])
         model.to(self.device)
         if self.bf16:
             from megatron.core.transformer.module import Float16Module
@@ -560,13 +574,15 @@ class MegatronTrainer:
         model.eval()  # no dropout anyway; eval keeps old and new log-probs computed alike
         return model
 
-    def _build_optimizer(self) -> tuple[Any, Any]:
+    def _build_optimizer(self, model: torch.nn.Module | None = None) -> tuple[Any, Any]:
+        """The optimizer and LR schedule of ``model`` (the actor by default) from the job's optimizer flags."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        model = model if model is not None else self.model
         c = self.cfg
         if self.cpu:
             decay, no_decay = [], []
-            for name, p in self.model.named_parameters():
+            for name, p in model.named_parameters():
                 # Megatron's default: no weight decay on biases and 1-D parameters (norms).
                 (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
             groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
@@ -580,7 +596,7 @@ class MegatronTrainer:
         else:
             from megatron.core.optimizer import get_megatron_optimizer
 
-            optimizer = get_megatron_optimizer(optimizer_config(c, bf16=self.bf16), [self.model])
+            optimizer = get_megatron_optimizer(optimizer_config(c, bf16=self.bf16), [model])
         steps = c.lr_decay_iters or 1
         warmup = round(c.lr_warmup_fraction * steps) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
         scheduler = OptimizerParamScheduler(
@@ -721,6 +737,11 @@ class MegatronTrainer:
                 if order is not None:  # back in td's row order
                     values = torch.empty_like(values).index_copy_(0, order, values)
                 out[key] = values
+            if self.critic is not None:
+                values = self.critic.values(td, parts=parts)
+                if order is not None:
+                    values = torch.empty_like(values).index_copy_(0, order, values)
+                out[CRITIC.writes] = values
         return TensorDict(out, batch_size=td.batch_size)
 
     def _run(
@@ -835,8 +856,12 @@ class MegatronTrainer:
         return loss_fn
 
     def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
-        """Not built for this backend: ``--advantage-estimator ppo`` is refused at validation."""
-        raise RuntimeError("train_critic: the megatron backend runs no critic (ppo is built for the torch backend)")
+        """Optimizer steps of the critic over this rank's shard ``td`` (:meth:`MegatronCritic.train`)."""
+        self._check_resident()
+        if self.critic is None:
+            raise RuntimeError("train_critic: this trainer runs no critic (--advantage-estimator ppo)")
+        with self._shims():
+            return self.critic.train(td, per_step_rows=per_step_rows)
 
     def advance_old_actor(self) -> None:
         """Not built for this backend: ``--keep-old-actor`` is refused at validation."""
@@ -913,22 +938,32 @@ class MegatronTrainer:
         dist.all_reduce(t, op=op, group=group)
         return dict(zip(names, t.tolist(), strict=True))
 
-    def _zero_grad(self) -> None:
+    def _zero_grad(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> None:
+        """Zero the gradients of ``model`` and ``optimizer`` (the actor's by default)."""
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
         if self.cpu:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         else:
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(
+        self, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None
+    ) -> float:
+        """Reduce, clip and apply the gradients of ``model`` with ``optimizer`` and ``scheduler`` (the actor's by
+        default); the gradient norm before clipping."""
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
+        scheduler = self.scheduler if scheduler is None else scheduler
         if not self.cpu:
             from megatron.core.distributed import finalize_model_grads
 
-            finalize_model_grads([self.model])
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
+            finalize_model_grads([model])
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
             return float(grad_norm)
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         group = self.dp_group()
         for name, p in named:
@@ -939,15 +974,15 @@ class MegatronTrainer:
                 # ranks (Megatron's finalize_model_grads does the same).
                 dist.all_reduce(p.grad, group=self.tp_group)
             if group is not None:
-                # As Megatron's DDP (average_in_collective off): scaled by 1 / DP size, then summed over DP ranks.
-                p.grad.mul_(1.0 / self.dp_size)
+                # The mean over DP ranks, as Megatron's DDP takes it: each rank's loss was scaled by the DP size.
                 dist.all_reduce(p.grad, group=group)
+                p.grad.div_(self.dp_size)
         grad_norm = self._grad_norm(params)
         if self.cfg.clip_grad > 0 and grad_norm > self.cfg.clip_grad:
             for p in params:
                 p.grad.mul_(self.cfg.clip_grad / (grad_norm + 1e-6))
-        self.optimizer.step()
-        self.scheduler.step(increment=1)
+        optimizer.step()
+        scheduler.step(increment=1)
         return grad_norm
 
     def _grad_norm(self, params: list[torch.nn.Parameter]) -> float:
@@ -1099,18 +1134,19 @@ class MegatronTrainer:
                 )
         return state
 
-    def _cpu_optimizer_state(self, model_sd: dict[str, Any]) -> dict[str, Any]:
-        """The CPU AdamW's state as shards of the parameters' layout (Megatron's ``optimizer.state.exp_avg.*``
-        names), its step count once (``common_step``). Parameters without state yet get zero moments at step 0,
-        which is what AdamW starts from."""
+    def _cpu_optimizer_state(self, model_sd: dict[str, Any], optimizer: Any = None) -> dict[str, Any]:
+        """The CPU AdamW's state (``optimizer``, the actor's by default) as shards of the parameters' layout
+        (Megatron's ``optimizer.state.exp_avg.*`` names), its step count once (``common_step``). Parameters without
+        state yet get zero moments at step 0, which is what AdamW starts from."""
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
         )
 
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        start_adam_state(self.optimizer)
-        state = self.optimizer.state_dict()
+        optimizer = self.optimizer if optimizer is None else optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        start_adam_state(optimizer)
+        state = optimizer.state_dict()
         step = max((float(slot["step"]) for slot in state["state"].values()), default=0.0)
         optim_state_to_sharding_state(
             state, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",)
@@ -1125,6 +1161,8 @@ class MegatronTrainer:
         TP/PP layout, and slime's ``convert_torch_dist_to_hf.py`` reads it."""
         with self._shims():
             mck.save_sharded(self._sharded_state(with_optimizer=with_optimizer, is_loading=False), path)
+            if self.critic is not None:
+                self.critic.save(os.path.join(path, mcritic.CRITIC_DIR), with_optimizer=with_optimizer)
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def save_model(self, path: str) -> None:
@@ -1158,20 +1196,26 @@ class MegatronTrainer:
                     self.scheduler.load_state_dict(state["opt_param_scheduler"])
             elif not self.cpu:
                 self.optimizer.reload_model_params()  # the float32 main weights from the loaded ones
+            if self.critic is not None:
+                self.critic.load(os.path.join(folder, mcritic.CRITIC_DIR))
         rng_path = os.path.join(folder, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
 
-    def _start_optimizer_state(self) -> None:
-        """Give every main-weight shard of a trainer that has not stepped yet AdamW's starting state (zero moments,
-        step 0). Megatron's distributed optimizer builds the state dict it loads into from its current one, and
-        without Apex or Transformer Engine (torch's Adam) it requires one step count shared by all parameters."""
-        for distributed in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+    def _start_optimizer_state(self, optimizer: Any = None) -> None:
+        """Give every main-weight shard of an optimizer (the actor's by default) that has not stepped yet AdamW's
+        starting state (zero moments, step 0). Megatron's distributed optimizer builds the state dict it loads into
+        from its current one, and without Apex or Transformer Engine (torch's Adam) it requires one step count shared
+        by all parameters."""
+        optimizer = self.optimizer if optimizer is None else optimizer
+        for distributed in getattr(optimizer, "chained_optimizers", [optimizer]):
             start_adam_state(distributed.optimizer)
 
-    def _load_optimizer(self, state: dict[str, Any]) -> None:
+    def _load_optimizer(self, state: dict[str, Any], optimizer: Any = None) -> None:
+        """Load ``state`` (:meth:`_sharded_state`'s optimizer part) into ``optimizer``, the actor's by default."""
+        optimizer = self.optimizer if optimizer is None else optimizer
         if not self.cpu:
-            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            chained = getattr(optimizer, "chained_optimizers", [optimizer])
             parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
             for distributed, part in zip(chained, parts, strict=True):
                 load_distributed_optimizer(distributed, part)
@@ -1179,7 +1223,7 @@ class MegatronTrainer:
         step = torch.tensor(float(state.pop("common_step")), dtype=torch.float32)
         for slot in state["state"].values():
             slot["step"] = step.clone()
-        self.optimizer.load_state_dict(state)
+        optimizer.load_state_dict(state)
 
     # ------------------------------------------------------------------ the rest of the protocol
 
@@ -1192,9 +1236,10 @@ class MegatronTrainer:
             reference[name].copy_(param)
 
     def reset_optimizer(self) -> None:
-        """Drop the optimizer's moments and step counts."""
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        inner.state.clear()
+        """Drop the actor's optimizer moments and step counts, and the critic's (as the torch backend)."""
+        for optimizer in (self.optimizer, *([self.critic.optimizer] if self.critic is not None else [])):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            inner.state.clear()
 
     def release_memory(self) -> None:
         """Marks the trainer released; its device memory stays. Megatron's DDP and distributed optimizer hold views of
