@@ -509,7 +509,7 @@ def test_the_actor_entry_overrides_the_trainers_flags(tmp_path):
 @pytest.mark.parametrize(
     ("entries", "problem"),
     [
-        ([{"role": "critic", "overrides": {"lr": 1e-5}}], "a critic entry, but rlcore's Megatron critic trains with the actor's flags"),
+        ([{"role": "critic", "overrides": {"lr": 1e-5}}], "Megatron critic trains with the actor's flags"),
         ([{"role": "actor", "overrides": {"rollout_batch_size": 4}}], "--rollout-batch-size, a flag of the rollout"),
         ([{"role": "actor", "overrides": {"no_such_flag": 1}}], "sets 'no_such_flag', which is no flag"),
         ([{"role": "actor"}, {"role": "actor"}], "2 entries with role actor"),
