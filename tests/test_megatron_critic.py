@@ -348,3 +348,34 @@ def test_a_ppo_job_through_rlcore_run_resumes_as_the_uninterrupted_one(tmp_path)
     resumed = job_run("first", "--num-rollout", "3", "--save", ckpt, "--load", ckpt)
     for name in ("train/critic/value_loss", "train/critic/values_mean", "train/critic/grad_norm", "train/pg_loss"):
         assert resumed[2][name] == pytest.approx(whole[2][name], rel=1e-5, abs=1e-7), name
+
+
+def test_dynamic_micro_batches_keep_the_values_in_row_order_and_the_critic_trains_in_training_mode(tmp_path):
+    """Under --use-dynamic-batch-size the rows are regrouped: the critic's values come back in the batch's row order
+    (from compute_log_probs and from MegatronCritic.values alike), equal to fixed micro-batches'. Its optimizer steps
+    run the model in training mode, where Megatron recomputes activations (as the actor's do)."""
+    path = save_model("qwen3", tmp_path / "m")
+    td = make_batch(203)
+    fixed = trainer("megatron", path, ppo_job(tmp_path, bf16="false"), roles=ROLES)
+    try:
+        want = fixed.compute_log_probs(td)[keys.VALUES]
+    finally:
+        fixed.shutdown()
+    cfg = ppo_job(tmp_path, bf16="false", use_dynamic_batch_size=True, max_tokens_per_gpu=12)
+    mega = trainer("megatron", path, cfg, roles=ROLES)
+    try:
+        groups = mega._token_groups(td, log_probs=True)
+        assert [i for rows in groups for i in rows] != list(range(td.batch_size[0]))  # the rows are regrouped
+        mask = td[keys.MASK]
+        torch.testing.assert_close(mega.compute_log_probs(td)[keys.VALUES][mask], want[mask], rtol=0, atol=1e-6)
+        with mega._shims():
+            torch.testing.assert_close(mega.critic.values(td)[mask], want[mask], rtol=0, atol=1e-6)
+        modes = []
+        hook = mega.critic.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+        try:
+            mega.train_critic(critic_batch(td, want, cfg), per_step_rows=8)
+        finally:
+            hook.remove()
+        assert modes and all(modes) and not mega.critic.model.training
+    finally:
+        mega.shutdown()

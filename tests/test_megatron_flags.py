@@ -350,6 +350,12 @@ def wider_vocab(pre_process, post_process):
 
 def not_a_model(pre_process, post_process):
     return "model"
+
+
+def counted(pre_process, post_process):
+    with open(__file__ + ".calls", "a") as calls:
+        calls.write("call ")
+    return model_provider(pre_process, post_process)
 """
 
 
@@ -534,3 +540,28 @@ def test_the_hf_to_megatron_converter_takes_model_name_and_padded_vocab_size(tmp
     assert mck.read_model_tensors(folder)["embedding.word_embeddings.weight"].shape == (384, 48)
     with pytest.raises(ValueError, match="--model-name llama: .*no name for the QK-norms"):
         convert(path, str(tmp_path / "other"), shape_flags={"model_name": "llama"})
+
+
+def test_the_critic_is_built_by_the_custom_model_provider_too(tmp_path):
+    """slime builds the critic through --custom-model-provider-path as well, then swaps its output layer for the
+    value head: with roles actor and critic the provider is called twice, and the critic's values equal those of the
+    critic rlcore builds itself."""
+    from runtime.train.roles import CRITIC
+
+    path = save_model("qwen3", tmp_path / "m")
+    td = make_batch(VOCAB)
+    ppo = dict(advantage_estimator="ppo", use_kl_loss=False, train_backend="megatron")
+    plain = trainer("megatron", path, job(tmp_path, **ppo), roles=(ACTOR, CRITIC))
+    try:
+        want = plain.compute_log_probs(td)[keys.VALUES]
+    finally:
+        plain.shutdown()
+    hooks = tmp_path / "providers.py"
+    hooks.write_text(PROVIDERS)
+    cfg = job(tmp_path, custom_model_provider_path=f"{hooks}:counted", **ppo)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR, CRITIC), hooks=train_hooks(cfg))
+    try:
+        assert (tmp_path / "providers.py.calls").read_text().count("call") == 2
+        assert torch.equal(mega.compute_log_probs(td)[keys.VALUES], want)
+    finally:
+        mega.shutdown()

@@ -521,7 +521,8 @@ class MegatronTrainer:
             normalization=shape.normalization,
         )
         kwargs = {**mc.gpt_model_kwargs(shape, tp_size=self.tp), **(mcritic.GPT_KWARGS if value_head else {})}
-        provider = None if value_head else self._hook.get("custom_model_provider_path")
+        # slime builds the critic through the custom provider too, then swaps its output layer for the value head.
+        provider = self._hook.get("custom_model_provider_path")
         if provider is None:
             model = GPTModel(
                 config=config,
@@ -537,7 +538,7 @@ class MegatronTrainer:
             )
             model = call_model_provider(provider, context, pre_process=self.first_stage, post_process=self.last_stage)
             hook_path = self.hooks.paths["custom_model_provider_path"]
-            what = f"--custom-model-provider-path {hook_path}: the model for {path}"
+            what = f"--custom-model-provider-path {hook_path}: the {'critic' if value_head else 'model'} for {path}"
         if value_head and self.last_stage:
             model.output_layer = mcritic.ValueHead(config.hidden_size, seed=self.seed, config=config)
         params = dict(model.named_parameters())
@@ -675,6 +676,14 @@ class MegatronTrainer:
             return [td[torch.tensor(rows)] for rows in self._token_groups(td, log_probs=log_probs)]
         return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self._budget(log_probs))
 
+    def _log_prob_parts(self, td: TensorDict) -> tuple[list[TensorDict], torch.Tensor | None]:
+        """The micro-batches of a no-gradient pass over ``td``, and the row order to undo on their concatenated
+        outputs (``None``: already ``td``'s; ``--use-dynamic-batch-size`` regroups rows)."""
+        if not self.cfg.use_dynamic_batch_size:
+            return self._micro_batches(td, log_probs=True), None
+        groups = self._token_groups(td, log_probs=True)
+        return [td[torch.tensor(rows)] for rows in groups], torch.tensor([i for rows in groups for i in rows])
+
     def _budget(self, log_probs: bool) -> int | None:
         if log_probs and self.cfg.log_probs_max_tokens_per_gpu is not None:
             return self.cfg.log_probs_max_tokens_per_gpu
@@ -723,12 +732,7 @@ class MegatronTrainer:
         self._check_resident()
         models = {ACTOR.writes: self.model, **self.frozen}
         out: dict[str, torch.Tensor] = {}
-        if self.cfg.use_dynamic_batch_size:
-            groups = self._token_groups(td, log_probs=True)
-            parts = [td[torch.tensor(rows)] for rows in groups]
-            order = torch.tensor([i for rows in groups for i in rows])
-        else:
-            parts, order = self._micro_batches(td, log_probs=True), None
+        parts, order = self._log_prob_parts(td)
         with self._shims():
             for key, model in models.items():
                 self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))

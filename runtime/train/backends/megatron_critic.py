@@ -134,11 +134,13 @@ class MegatronCritic:
 
     @torch.no_grad()
     def values(self, td: TensorDict, *, parts: list[TensorDict] | None = None) -> torch.Tensor:
-        """``[B, T]`` float32 values (on the CPU) of this rank's shard ``td``, for the rollout's ``values``, in the
-        order of the micro-batches ``parts`` (default: the trainer's of ``td``); over pipeline stages the last
-        stage's, broadcast to the others."""
+        """``[B, T]`` float32 values (on the CPU) of this rank's shard ``td``, for the rollout's ``values``: in
+        ``td``'s row order, or in the order of the micro-batches ``parts`` where given (the caller undoes any
+        regrouping); over pipeline stages the last stage's, broadcast to the others."""
         t = self.trainer
-        parts = t._micro_batches(td, log_probs=True) if parts is None else parts
+        order = None
+        if parts is None:
+            parts, order = t._log_prob_parts(td)
         kept: list[torch.Tensor] = []
 
         def keep(output: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -153,7 +155,8 @@ class MegatronCritic:
                 if not t.last_stage:
                     kept.append(torch.empty(mb[RESPONSE_TOKENS].shape, dtype=torch.float32, device=t.device))
                 dist.broadcast(kept[i], src=src, group=group)
-        return torch.cat(kept).cpu()
+        values = torch.cat(kept).cpu()
+        return values if order is None else torch.empty_like(values).index_copy_(0, order, values)
 
     def _loss(self, norm: Normalizer) -> Any:
         """The value loss of one micro-batch as the backend's ``_run`` takes it: ``(output [b, width, 1], mb) ->
@@ -187,7 +190,12 @@ class MegatronCritic:
         for step in range(steps):
             parts = t._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
             t._zero_grad(self.model, self.optimizer)
-            outputs = t._run(self.model, parts, forward_only=False, loss_fn=self._loss(t._global_normalizer(parts)))
+            loss_fn = self._loss(t._global_normalizer(parts))
+            self.model.train()  # Megatron recomputes activations in training mode only, as in the actor's _step
+            try:
+                outputs = t._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
+            finally:
+                self.model.eval()
             sums: dict[str, float] = {}
             for metrics in outputs:
                 for name, value in metrics.items():
