@@ -35,7 +35,6 @@ MEGATRON = "not built in rlcore's Megatron backend yet (issue 11, still open)"
 HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 MEGATRON_ONLY = "--train-backend megatron only (the torch backend refuses it)"
-LATER = "not built yet in rlcore-run (issue 13, still open)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
 TEXT_ONLY = (
     "rlcore-run is text only: it has no image/audio/video processors or vision-language models to feed media to "
@@ -417,7 +416,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         None,
         DIFFERS,
         f"{MEGATRON_ONLY}; the actor entry's overrides take the trainers' flags (train and algo sections); a critic "
-        "entry is refused (the Megatron backend runs no critic)",
+        "entry is refused (the Megatron critic trains with the actor's flags)",
     ),
     _f("--eps-clip", "algo", 0.2, YES),
     _f("--eps-clip-high", "algo", None, YES),
