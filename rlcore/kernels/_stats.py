@@ -111,6 +111,24 @@ def group_layout(group: object) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def host_later(x: Tensor) -> Callable[[], Tensor]:
+    """``x`` copied to the host without waiting for the device: a CUDA tensor goes to pinned memory asynchronously,
+    behind the work queued so far. The returned function gives the host copy, waiting for that copy alone (the ops
+    check device values this way after queuing their kernels). A CPU tensor is given as it is."""
+    if not x.is_cuda:
+        return lambda: x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def get() -> Tensor:
+        done.synchronize()
+        return host
+
+    return get
+
+
 def check_targets(
     targets: object, *, rows: int, rows_name: str, vocab: int, device: torch.device
 ) -> tuple[Tensor, Callable[[], None]]:
@@ -131,19 +149,10 @@ def check_targets(
         raise ValueError(f"targets is on {targets.device} but {rows_name} is on {device}")
     if not rows:
         return targets.to(torch.int64).contiguous(), lambda: None
-    bounds = torch.stack(torch.aminmax(targets))
-    done = None
-    if bounds.is_cuda:
-        host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
-        host.copy_(bounds, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        bounds = host
+    bounds = host_later(torch.stack(torch.aminmax(targets)))
 
     def verify() -> None:
-        if done is not None:
-            done.synchronize()
-        low, high = bounds.tolist()
+        low, high = bounds().tolist()
         if low < 0 or high >= vocab:
             raise ValueError(
                 f"targets must lie in [0, {vocab}) (the full vocabulary); got ids from {low} to {high} "

@@ -52,6 +52,7 @@ from rlcore.kernels._stats import (
     check_targets,
     check_temperature,
     group_layout,
+    host_later,
     outputs,
 )
 from rlcore.kernels.linear import linear_logprobs_entropy
@@ -256,19 +257,10 @@ class _Finite:
     def verify_later(self):
         if not self.checked:
             return lambda: None
-        flags = torch.stack([(self.mask & ~torch.isfinite(x)).any() for x in self.checked.values()])
-        done = None
-        if flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            flags = host
+        flags = host_later(torch.stack([(self.mask & ~torch.isfinite(x)).any() for x in self.checked.values()]))
 
         def verify() -> None:
-            if done is not None:
-                done.synchronize()
-            for (name, x), bad in zip(self.checked.items(), flags.tolist(), strict=True):
+            for (name, x), bad in zip(self.checked.items(), flags().tolist(), strict=True):
                 if bad:
                     check_finite_where(name, x, self.mask)  # raises, naming the first bad position
 
@@ -385,19 +377,10 @@ def _host_lengths(seq_lengths: Sequence[int] | None, mask: Tensor) -> tuple[list
     given = torch.tensor(lengths, dtype=torch.int64)
     if mask.is_cuda:
         given = given.pin_memory()  # a copy from pageable memory could wait for the stream
-    wrong = (mask.sum(-1) != given.to(mask.device, non_blocking=True)).any()
-    done = None
-    if wrong.is_cuda:
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(wrong, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        wrong = host
+    wrong = host_later((mask.sum(-1) != given.to(mask.device, non_blocking=True)).any())
 
     def verify() -> None:
-        if done is not None:
-            done.synchronize()
-        if bool(wrong):
+        if bool(wrong()):
             raise ValueError(
                 f"seq_lengths {lengths[:8]}{' ...' if len(lengths) > 8 else ''} do not match the valid tokens of "
                 f"mask per row {mask.sum(-1).tolist()[:8]}"
