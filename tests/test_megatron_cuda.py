@@ -39,12 +39,7 @@ from runtime.train.roles import ACTOR, REFERENCE  # noqa: E402
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("no_tf32")  # float32 matmuls in true float32 (tests/conftest.py)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -165,6 +160,27 @@ def _parallel_worker(rank, world, port, path, tmp, out, tp, pp, knobs=None):
     mega.shutdown()
 
 
+def _assert_equals_one_gpu(run, path, tmp_path):
+    """``run`` (what ``_parallel_worker``'s rank 0 saved) has one GPU's log-probs, loss, gradient norm and weights
+    after a step, at fixed micro-batches."""
+    cfg = job(tmp_path, bf16="false", lr=STEP_LR, train_backend="megatron")
+    one = trainer("megatron", path, cfg, device="cuda:0")
+    try:
+        td = make_batch(203)
+        mask = td[keys.MASK]
+        log_probs = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+        torch.testing.assert_close(run["log_probs"][keys.OLD_LOG_PROBS][mask], log_probs[mask], rtol=1e-5, atol=2e-5)
+        metrics = train_once(one, cfg, td)
+        assert run["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
+        assert run["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        for name, value in one.get_weights().items():
+            torch.testing.assert_close(
+                run["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    finally:
+        one.shutdown()
+
+
 @two_gpus
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_two_gpus_equal_one(tp, pp, tmp_path):
@@ -177,25 +193,9 @@ def test_two_gpus_equal_one(tp, pp, tmp_path):
     mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp), nprocs=world, join=True)
     two = torch.load(out, weights_only=False)
     assert two["dp"] == ((0, 1) if tp * pp == 2 else (0, 2))
-    cfg = job(tmp_path, bf16="false", lr=STEP_LR, train_backend="megatron")
-    one = trainer("megatron", path, cfg, device="cuda:0")
-    try:
-        td = make_batch(203)
-        mask = td[keys.MASK]
-        log_probs = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
-        # Data parallelism gives each rank the same rows here: the global normaliser halves each rank's share and
-        # the gradients add up, so it equals one rank too.
-        torch.testing.assert_close(two["log_probs"][keys.OLD_LOG_PROBS][mask], log_probs[mask], rtol=1e-5, atol=2e-5)
-        metrics = train_once(one, cfg, td)
-        assert two["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
-        assert two["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
-        weights = one.get_weights()
-        for name, value in weights.items():
-            torch.testing.assert_close(
-                two["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
-            )
-    finally:
-        one.shutdown()
+    # Data parallelism gives each rank the same rows here: the global normaliser halves each rank's share and the
+    # gradients add up, so it equals one rank too.
+    _assert_equals_one_gpu(two, path, tmp_path)
 
 
 DYNAMIC = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=12)
@@ -218,24 +218,7 @@ def test_dynamic_batch_size_equals_fixed_micro_batches_on_one_gpu(world, tp, pp,
         _parallel_worker(0, 1, _free_port(), path, tmp_path, out, tp, pp, DYNAMIC)
     else:
         mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp, DYNAMIC), nprocs=world)
-    dynamic = torch.load(out, weights_only=False)
-    cfg = job(tmp_path, bf16="false", lr=STEP_LR, train_backend="megatron")
-    one = trainer("megatron", path, cfg, device="cuda:0")
-    try:
-        td = make_batch(203)
-        mask = td[keys.MASK]
-        log_probs = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
-        got = dynamic["log_probs"][keys.OLD_LOG_PROBS][mask]
-        torch.testing.assert_close(got, log_probs[mask], rtol=1e-5, atol=2e-5)
-        metrics = train_once(one, cfg, td)
-        assert dynamic["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
-        assert dynamic["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
-        for name, value in one.get_weights().items():
-            torch.testing.assert_close(
-                dynamic["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
-            )
-    finally:
-        one.shutdown()
+    _assert_equals_one_gpu(torch.load(out, weights_only=False), path, tmp_path)
 
 
 def test_grpo_steps_through_rlcore_run(tmp_path):
