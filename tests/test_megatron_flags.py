@@ -29,6 +29,16 @@ MEGA = ("--train-backend", "megatron")
 VOCAB = 203  # the tiny models' (test_megatron_mapping.hf_config): padded to 256 rows at TP=1
 
 
+def _plain(path, tmp_path, td, key=keys.OLD_LOG_PROBS, *, roles=(ACTOR,), **settings):
+    """``key`` of ``td`` from a Megatron trainer of ``path`` without the flags under test (the reference a test
+    compares with), shut down after."""
+    plain = trainer("megatron", path, job(tmp_path, **{"train_backend": "megatron", **settings}), roles=roles)
+    try:
+        return plain.compute_log_probs(td)[key]
+    finally:
+        plain.shutdown()
+
+
 def _real_job(tmp_path, model_type: str = "qwen3", **overrides) -> list[str]:
     """A command line of a real job (HF checkpoint, prompt file) whose config.json is ``model_type``'s."""
     folder = tmp_path / f"hf_{model_type}"
@@ -179,11 +189,7 @@ def test_padded_vocab_rows_start_at_zero_and_exports_cut_them_off(tmp_path):
 
     path = save_model("llama", tmp_path / "m")  # untied: the embedding and the output layer are padded
     td = make_batch(VOCAB)
-    plain = trainer("megatron", path, job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
-    try:
-        want = plain.compute_log_probs(td)[keys.OLD_LOG_PROBS]
-    finally:
-        plain.shutdown()
+    want = _plain(path, tmp_path, td)
     mega = trainer("megatron", path, job(tmp_path, train_backend="megatron", padded_vocab_size=320), roles=(ACTOR,))
     try:
         module = mega._module(mega.model)
@@ -253,11 +259,7 @@ def test_a_padded_vocab_splits_over_two_tensor_parallel_ranks(tmp_path):
     for name, value in saved.items():
         assert torch.equal(ranks[0]["weights"][name], value), name
     td = make_batch(VOCAB)
-    one = trainer("megatron", path, job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
-    try:
-        want = one.compute_log_probs(td)[keys.OLD_LOG_PROBS]
-    finally:
-        one.shutdown()
+    want = _plain(path, tmp_path, td)
     mask = td[keys.MASK]
     torch.testing.assert_close(ranks[0]["log_probs"][mask], want[mask], **LOGP_TOL)
 
@@ -371,11 +373,7 @@ def test_a_custom_model_provider_builds_the_model_with_rlcores_config_and_is_che
 
     path = save_model("qwen3", tmp_path / "m")
     td = make_batch(VOCAB)
-    plain = trainer("megatron", path, job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
-    try:
-        want = plain.compute_log_probs(td)[keys.OLD_LOG_PROBS]
-    finally:
-        plain.shutdown()
+    want = _plain(path, tmp_path, td)
     for fn in ("model_provider", "without_vp_stage"):
         mega = _provider_trainer(tmp_path, path, fn)
         try:
@@ -551,11 +549,7 @@ def test_the_critic_is_built_by_the_custom_model_provider_too(tmp_path):
     path = save_model("qwen3", tmp_path / "m")
     td = make_batch(VOCAB)
     ppo = dict(advantage_estimator="ppo", use_kl_loss=False, train_backend="megatron")
-    plain = trainer("megatron", path, job(tmp_path, **ppo), roles=(ACTOR, CRITIC))
-    try:
-        want = plain.compute_log_probs(td)[keys.VALUES]
-    finally:
-        plain.shutdown()
+    want = _plain(path, tmp_path, td, keys.VALUES, roles=(ACTOR, CRITIC), **ppo)
     hooks = tmp_path / "providers.py"
     hooks.write_text(PROVIDERS)
     cfg = job(tmp_path, custom_model_provider_path=f"{hooks}:counted", **ppo)
