@@ -591,6 +591,16 @@ class TrainConfig:
     use_distributed_optimizer: bool = field(
         default=True, metadata=_help("Megatron: shard optimizer state over data-parallel ranks (slime forces it on)")
     )
+    overlap_grad_reduce: bool = field(
+        default=False,
+        metadata=_help(
+            "Megatron: DDP reduces each gradient bucket during the last micro-batch's backward, as soon as it is ready"
+        ),
+    )
+    ddp_bucket_size: int | None = field(
+        default=None,
+        metadata=_help("Megatron: parameters per DDP gradient bucket (default: megatron-core's, 40M or 1M x DP)"),
+    )
     # slime's flags of its Megatron backend (docs/runtime.md, "The Megatron backend"); the torch backend refuses them
     # away from their defaults, naming the flag.
     distributed_backend: Literal["nccl", "gloo"] = field(
@@ -2284,6 +2294,8 @@ MEGATRON_TRAIN_FIELDS = (
     "min_lr",
     "accumulate_allreduce_grads_in_fp32",
     "use_distributed_optimizer",
+    "overlap_grad_reduce",
+    "ddp_bucket_size",
     "attention_backend",
     "attention_dropout",
     "hidden_dropout",
@@ -2367,6 +2379,8 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
                     f"{flag(name)}: a flag of slime's Megatron backend, built for --train-backend megatron only"
                 )
         return
+    if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
+        problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
     if t.distributed_timeout_minutes <= 0:
         problems.append(f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
     if t.padded_vocab_size is not None and t.padded_vocab_size < 1:

@@ -706,7 +706,7 @@ MEGATRON_PARSED = frozenset(
     --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
     --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
     --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
-    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --ddp-bucket-size
     """.split()
 )
 

@@ -151,6 +151,11 @@ def _parallel_worker(rank, world, port, path, tmp, out, tp, pp, knobs=None):
         **(knobs or {}),
     )
     mega = trainer("megatron", path, cfg, rank=rank, world_size=world, master_port=port, device=f"cuda:{rank}")
+    if cfg.train.overlap_grad_reduce:
+        # Several buckets, each reduced while the last micro-batch's backward runs (megatron-core gives later PP
+        # stages one bucket).
+        assert mega.model.ddp_config.overlap_grad_reduce
+        assert len(mega.model.bucket_groups) > 1 or mega.pp_rank > 0
     td = make_batch(203)
     log_probs = mega.compute_log_probs(td)
     metrics = train_once(mega, cfg, td)
@@ -181,16 +186,23 @@ def _assert_equals_one_gpu(run, path, tmp_path):
         one.shutdown()
 
 
+OVERLAP = dict(overlap_grad_reduce=True, ddp_bucket_size=20_000)
+
+
 @two_gpus
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
-def test_two_gpus_equal_one(tp, pp, tmp_path):
+@pytest.mark.parametrize(
+    "tp,pp,knobs",
+    [(2, 1, None), (1, 2, None), (1, 1, None), (1, 2, OVERLAP), (1, 1, OVERLAP)],
+    ids=["tp2", "pp2", "dp2", "pp2-overlap", "dp2-overlap"],
+)
+def test_two_gpus_equal_one(tp, pp, knobs, tmp_path):
     import torch.multiprocessing as mp
 
     path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False)
     out = str(tmp_path / "two.pt")
     # tp=pp=1 on two GPUs is data parallelism: each rank trains its half of the batch.
     world = 2
-    mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp), nprocs=world, join=True)
+    mp.spawn(_parallel_worker, args=(world, _free_port(), path, tmp_path, out, tp, pp, knobs), nprocs=world, join=True)
     two = torch.load(out, weights_only=False)
     assert two["dp"] == ((0, 1) if tp * pp == 2 else (0, 2))
     # Data parallelism gives each rank the same rows here: the global normaliser halves each rank's share and the

@@ -159,6 +159,18 @@ def test_use_rotary_position_embeddings_is_checked_against_config_json(job):
     assert mc.SHAPE_FLAGS["use_rotary_position_embeddings"][0](mc.shape_from_hf(QWEN3)) is True
 
 
+def test_overlap_grad_reduce_and_the_bucket_size_reach_megatrons_ddp_config(job):
+    cfg = parse_args([*job, *MEGATRON, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"])
+    assert cfg.train.overlap_grad_reduce and cfg.train.ddp_bucket_size == 20000
+    defaults = parse_args([*job, *MEGATRON])
+    assert not defaults.train.overlap_grad_reduce and defaults.train.ddp_bucket_size is None
+    assert any(
+        p.startswith("--ddp-bucket-size must be >= 1") for p in _problems([*job, *MEGATRON, "--ddp-bucket-size", "0"])
+    )
+    problems = _problems([*job, "--overlap-grad-reduce"])
+    assert "--overlap-grad-reduce: a Megatron flag, used by --train-backend megatron only" in problems
+
+
 def test_cpu_optimizer_offload_flags_go_together(job):
     problems = _problems([*job, *MEGATRON, "--overlap-cpu-optimizer-d2h-h2d"])
     assert any(

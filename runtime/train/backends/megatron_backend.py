@@ -569,9 +569,14 @@ class MegatronTrainer:
             ddp = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=self.cfg.accumulate_allreduce_grads_in_fp32,
                 use_distributed_optimizer=self.cfg.use_distributed_optimizer,
-                overlap_grad_reduce=False,
+                overlap_grad_reduce=self.cfg.overlap_grad_reduce,
+                bucket_size=self.cfg.ddp_bucket_size,
             )
             model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+            # Gradients accumulate over the micro-batches and are reduced after the last one's backward (with
+            # --overlap-grad-reduce, each bucket while that backward runs): the pipeline schedule holds the reduce
+            # back with no_sync, as _run does for PP=1.
+            config.no_sync_func = model.no_sync
         model.eval()  # no dropout anyway; eval keeps old and new log-probs computed alike
         return model
 
@@ -755,9 +760,11 @@ class MegatronTrainer:
         (``log_probs`` when ``loss_fn`` is None, else ``loss_fn``'s metrics) on every rank of the pipeline."""
         if self.pp == 1:
             results = []
-            for mb in parts:
-                logits = self._logits(model, mb)
-                results.append(self._finish(logits, mb, forward_only=forward_only, loss_fn=loss_fn))
+            no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
+            for i, mb in enumerate(parts):
+                with no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+                    logits = self._logits(model, mb)
+                    results.append(self._finish(logits, mb, forward_only=forward_only, loss_fn=loss_fn))
             return results
         return self._run_pipeline(model, parts, forward_only=forward_only, loss_fn=loss_fn)
 
@@ -851,7 +858,7 @@ class MegatronTrainer:
     def _rl_loss(self, norm: Normalizer) -> Any:
         def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             log_probs, entropy = self._response_log_probs(logits, mb, with_entropy=True)
-            batch = mb.to(self.device).clone(recurse=False)
+            batch = mb.to(self.device, non_blocking=False).clone(recurse=False)
             batch.set(keys.LOG_PROBS, log_probs)
             batch.set(keys.ENTROPY, entropy)
             loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
@@ -1132,7 +1139,10 @@ class MegatronTrainer:
                 state["optimizer"] = self._cpu_optimizer_state(model_sd)
             else:
                 # fully_reshardable: the canonical per-parameter state, so a checkpoint loads at another TP/PP/DP
-                # layout (megatron-core 0.16 refuses its old default, fully_sharded_model_space, at save).
+                # layout (megatron-core 0.16 refuses its old default, fully_sharded_model_space, at save). An actor
+                # that has not stepped yet (critic-only steps) gets AdamW's starting state first: megatron-core's
+                # state_dict asserts one shared step count, and at load it builds the state it loads into from it.
+                self._start_optimizer_state()
                 state["optimizer"] = self.optimizer.sharded_state_dict(
                     model_sd, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
                 )
@@ -1185,8 +1195,6 @@ class MegatronTrainer:
             raise ValueError(f"{path} is no Megatron torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
         saved = dist_checkpointing.load_tensors_metadata(str(folder))
         with_optimizer = any(key.startswith("optimizer.") for key in saved)
-        if with_optimizer and not self.cpu:
-            self._start_optimizer_state()
         with self._shims():
             state = mck.load_sharded(
                 self._sharded_state(with_optimizer=with_optimizer, is_loading=True),

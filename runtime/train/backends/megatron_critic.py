@@ -164,7 +164,7 @@ class MegatronCritic:
         t = self.trainer
 
         def loss_fn(output: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            batch = mb.to(t.device).clone(recurse=False)
+            batch = mb.to(t.device, non_blocking=False).clone(recurse=False)
             batch.set(keys.VALUES, response_values(output, mb[PROMPT_LENGTHS], mb[RESPONSE_TOKENS].shape[1]))
             loss, metrics = critic_loss(
                 batch, clip=t.loss_cfg.value_clip, loss_agg_mode=t.loss_cfg.loss_agg_mode, norm=norm
@@ -222,6 +222,7 @@ class MegatronCritic:
             if t.cpu:
                 state["optimizer"] = t._cpu_optimizer_state(model_sd, self.optimizer)
             else:
+                t._start_optimizer_state(self.optimizer)  # as the actor's (MegatronTrainer._sharded_state)
                 state["optimizer"] = self.optimizer.sharded_state_dict(
                     model_sd, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
                 )
@@ -244,8 +245,6 @@ class MegatronCritic:
             )
         saved = dist_checkpointing.load_tensors_metadata(path)
         with_optimizer = any(key.startswith("optimizer.") for key in saved)
-        if with_optimizer and not t.cpu:
-            t._start_optimizer_state(self.optimizer)
         state = mck.load_sharded(
             self._sharded_state(with_optimizer=with_optimizer, is_loading=True), path, vocab_size=t.shape.vocab_size
         )
