@@ -115,6 +115,7 @@ def _config(path: str, args: argparse.Namespace, world: int, path_name: str):
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "recompute_granularity": args.recompute_granularity,
             "attention_backend": args.attention_backend,
+            "overlap_grad_reduce": args.overlap_grad_reduce,
         }
         if args.recompute_granularity == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
@@ -292,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=MEGATRON_ATTENTION_BACKENDS,
         default="auto",
         help="megatron's core attention: auto (PyTorch SDPA) or local (Megatron's unfused)",
+    )
+    parser.add_argument(
+        "--overlap-grad-reduce", action="store_true", help="megatron's DDP reduces buckets during the backward"
     )
     args = parser.parse_args(argv)
     names = args.paths.split(",")
