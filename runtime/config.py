@@ -597,6 +597,13 @@ class TrainConfig:
             "Megatron: DDP reduces each gradient bucket during the last micro-batch's backward, as soon as it is ready"
         ),
     )
+    bias_swiglu_fusion: bool = field(
+        default=True,
+        metadata=_help(
+            "Megatron: SwiGLU as megatron-core's fused function (torch.compile'd, on GPUs; the CPU runs it eagerly); "
+            "--no-bias-swiglu-fusion turns it off"
+        ),
+    )
     ddp_bucket_size: int | None = field(
         default=None,
         metadata=_help("Megatron: parameters per DDP gradient bucket (default: megatron-core's, 40M or 1M x DP)"),
@@ -2296,6 +2303,7 @@ MEGATRON_TRAIN_FIELDS = (
     "use_distributed_optimizer",
     "overlap_grad_reduce",
     "ddp_bucket_size",
+    "bias_swiglu_fusion",
     "attention_backend",
     "attention_dropout",
     "hidden_dropout",

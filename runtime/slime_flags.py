@@ -707,6 +707,7 @@ MEGATRON_PARSED = frozenset(
     --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
     --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
     --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --ddp-bucket-size
+    --bias-swiglu-fusion
     """.split()
 )
 
@@ -747,7 +748,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         for name in (
             "--no-gradient-accumulation-fusion",
             "--no-masked-softmax-fusion",
-            "--no-bias-swiglu-fusion",
             "--no-bias-dropout-fusion",
             "--no-rope-fusion",
         )

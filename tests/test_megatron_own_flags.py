@@ -68,7 +68,6 @@ def test_the_table_names_the_switches_the_task_accepts_and_every_entry_says_why(
     assert set(ACCEPTED) == {
         "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion",
-        "--no-bias-swiglu-fusion",
         "--no-bias-dropout-fusion",
         "--no-rope-fusion",
         "--attention-softmax-in-fp32",
@@ -169,6 +168,21 @@ def test_overlap_grad_reduce_and_the_bucket_size_reach_megatrons_ddp_config(job)
     )
     problems = _problems([*job, "--overlap-grad-reduce"])
     assert "--overlap-grad-reduce: a Megatron flag, used by --train-backend megatron only" in problems
+
+
+def test_swiglu_fusion_is_megatrons_default_on_gpus_and_the_switch_turns_it_off(job):
+    from runtime.train.backends.megatron_backend import transformer_config
+
+    shape = mc.shape_from_hf(QWEN3)
+    on = parse_args([*job, *MEGATRON]).train
+    off = parse_args([*job, *MEGATRON, "--no-bias-swiglu-fusion"]).train
+    assert on.bias_swiglu_fusion and not off.bias_swiglu_fusion
+    assert transformer_config(shape, on, bf16=True, cpu=False).bias_activation_fusion
+    assert not transformer_config(shape, off, bf16=True, cpu=False).bias_activation_fusion
+    assert not transformer_config(shape, on, bf16=True, cpu=True).bias_activation_fusion  # the CPU runs it eagerly
+    assert "--bias-swiglu-fusion: a Megatron flag, used by --train-backend megatron only" in _problems(
+        [*job, "--no-bias-swiglu-fusion"]
+    )
 
 
 def test_cpu_optimizer_offload_flags_go_together(job):

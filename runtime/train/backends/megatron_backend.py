@@ -301,9 +301,11 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # checked even for dense models with variable lengths
         # The fused kernels need apex or Transformer Engine, which the local spec does without (slime's
-        # --no-*-fusion switches ask for this).
+        # --no-*-fusion switches ask for this). SwiGLU's is megatron-core's own torch.compile'd function: on GPUs
+        # unless --no-bias-swiglu-fusion (the CPU keeps the eager one: no compiler needed, and the CPU tests compare
+        # against the torch backend's eager SwiGLU).
         bias_dropout_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=cfg.bias_swiglu_fusion and not cpu,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
