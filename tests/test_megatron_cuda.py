@@ -132,8 +132,8 @@ def test_weights_to_the_engine_equal_the_trainers(tmp_path):
 # differently. Adam's first step moves a weight by about lr x g / (|g| + eps), so in a gradient near 0 (about 100 of
 # the tiny model's 126k here) that noise becomes a fraction of a step: at lr 1e-3 up to about 1e-4, beyond the weights'
 # 2e-5. At lr 1e-4 it stays within it; the loss and gradient norm (1e-4 relative) check the gradients' scale, which
-# Adam's first step does not see. (2026-11-26: TP=2 and the dynamic-batch tests failed at lr 1e-3 on two H200s (output not read); at
-# lr 1e-4 they pass on two H100s.)
+# Adam's first step does not see. (2026-11-26: TP=2 and the dynamic-batch tests failed at lr 1e-3 on two H200s; at
+# lr 1e-4 they pass on two H100s. The failures' output was not read.)
 STEP_LR = 1e-4
 
 
