@@ -398,8 +398,12 @@ def _fsdp_rank(rank, world_size, port, path, cfg, td, out_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 30, "recompute_granularity": "full"}],
-    ids=["padded", "packed+recompute"],
+    [
+        {},
+        {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 30, "recompute_granularity": "full"},
+        {"torch_compile": True},
+    ],
+    ids=["padded", "packed+recompute", "compiled"],
 )
 def test_two_fsdp_ranks_train_through_the_fused_head_as_one_process(qwen3_path, tmp_path, knobs):
     """Two gloo FSDP2 ranks (the LM head tied to the sharded embeddings) take the fused path and give the single
