@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_weights as mw
@@ -211,6 +213,41 @@ def test_megatron_shard_of_another_shape_is_refused():
     shard = mw.to_megatron(hf_state(config), shape, tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
     with pytest.raises(ValueError, match=r"word_embeddings.weight has shape \(128, 48\), the model wants \(256, 48\)"):
         mw.check_megatron_state(shard, shape, tp_size=1, pp_rank=0, pp_size=1, what="load")
+
+
+def test_check_shapes_names_the_missing_the_unexpected_and_the_misshapen_tensors():
+    expected = {"a": (2, 3), "b": (4,)}
+    mw.check_shapes({"a": torch.zeros(2, 3), "b": torch.zeros(4)}, expected, what="load", kind="tensors")
+    with pytest.raises(ValueError) as info:
+        mw.check_shapes({"a": torch.zeros(2, 3), "c": torch.zeros(1)}, expected, what="load", kind="Megatron tensors")
+    assert str(info.value) == "load: missing Megatron tensors ['b'] (1), unexpected ['c']"
+    with pytest.raises(ValueError) as info:
+        mw.check_shapes({"a": torch.zeros(3, 2), "b": torch.zeros(4)}, expected, what="x (critic)", kind="tensors")
+    assert str(info.value) == "x (critic): a has shape (3, 2), the model wants (2, 3)"
+
+
+SHAPES = st.dictionaries(
+    st.text("abcdef.", min_size=1, max_size=6),
+    st.lists(st.integers(1, 3), max_size=3).map(tuple),
+    max_size=5,
+)
+
+
+@given(expected=SHAPES, drop=st.integers(0, 4), grow=st.integers(0, 4))
+def test_check_shapes_accepts_exactly_the_expected_names_and_shapes(expected, drop, grow):
+    state = {name: torch.zeros(shape) for name, shape in expected.items()}
+    mw.check_shapes(state, expected, what="w", kind="tensors")
+    names = sorted(expected)
+    if names:
+        missing = {k: v for k, v in state.items() if k != names[drop % len(names)]}
+        with pytest.raises(ValueError, match=r"^w: missing tensors"):
+            mw.check_shapes(missing, expected, what="w", kind="tensors")
+        name = names[grow % len(names)]
+        grown = {**state, name: torch.zeros((*expected[name], 2))}
+        with pytest.raises(ValueError, match=r"the model wants"):
+            mw.check_shapes(grown, expected, what="w", kind="tensors")
+    with pytest.raises(ValueError, match=r"unexpected \['#'\]"):
+        mw.check_shapes({**state, "#": torch.zeros(1)}, expected, what="w", kind="tensors")
 
 
 # ---------------------------------------------------------------- the flags, through rlcore-run's parser

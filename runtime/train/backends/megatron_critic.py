@@ -104,12 +104,7 @@ def check_critic_state(
     """``ValueError`` unless ``state`` holds exactly the tensors and shapes of :func:`critic_shapes`; ``what`` names
     the side in the message."""
     expected = critic_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{what} (critic): missing tensors {missing[:4]} ({len(missing)}), unexpected {extra[:4]}")
-    for name, want in expected.items():
-        if tuple(state[name].shape) != want:
-            raise ValueError(f"{what} (critic): {name} has shape {tuple(state[name].shape)}, the model wants {want}")
+    mw.check_shapes(state, expected, what=f"{what} (critic)", kind="tensors")
 
 
 def response_values(output: torch.Tensor, prompt_lengths: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -193,9 +193,17 @@ def check_megatron_state(
     """``ValueError`` unless ``state`` (a model's parameters, or a shard to load) holds exactly the tensors and shapes
     of TP rank x stage ``pp_rank`` of ``shape``; ``what`` names the side in the message."""
     expected = megatron_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    check_shapes(state, expected, what=what, kind="Megatron tensors")
+
+
+def check_shapes(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], *, what: str, kind: str
+) -> None:
+    """``ValueError`` unless ``state`` holds exactly the names of ``expected`` with those shapes; the message starts
+    with ``what`` and calls the tensors ``kind``."""
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
-        raise ValueError(f"{what}: missing Megatron tensors {missing[:4]} ({len(missing)}), unexpected {extra[:4]}")
+        raise ValueError(f"{what}: missing {kind} {missing[:4]} ({len(missing)}), unexpected {extra[:4]}")
     for name, want in expected.items():
         if tuple(state[name].shape) != want:
             raise ValueError(f"{what}: {name} has shape {tuple(state[name].shape)}, the model wants {want}")
@@ -287,6 +295,7 @@ def to_hf(shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape: ModelSh
 __all__ = [
     "check_hf_state",
     "check_megatron_state",
+    "check_shapes",
     "hf_shapes",
     "megatron_shapes",
     "tensor_to_hf",
