@@ -728,8 +728,6 @@ def linear_rl_loss(
         hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     for key, needed_by in _needed_keys(cfg, td):
         _check_key(td, key, mask, needed_by=needed_by)
-    if cfg.use_tis:
-        _check_key(td, keys.OLD_LOG_PROBS, mask, needed_by="use_tis")
     finite = _Finite(mask)
     prepared = {}
 
