@@ -2285,7 +2285,6 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
 # TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
 MEGATRON_TRAIN_FIELDS = (
     "tensor_model_parallel_size",
-    "attention_backend",
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "sequence_parallel",

@@ -158,6 +158,15 @@ def test_use_rotary_position_embeddings_is_checked_against_config_json(job):
     assert mc.SHAPE_FLAGS["use_rotary_position_embeddings"][0](mc.shape_from_hf(QWEN3)) is True
 
 
+def test_a_megatron_field_away_from_its_default_is_refused_once_under_torch(job):
+    from runtime.config import MEGATRON_TRAIN_FIELDS
+
+    assert len(set(MEGATRON_TRAIN_FIELDS)) == len(MEGATRON_TRAIN_FIELDS)
+    assert _problems([*job, "--attention-backend", "local"]) == [
+        "--attention-backend: a Megatron flag, used by --train-backend megatron only"
+    ]
+
+
 def test_overlap_grad_reduce_and_the_bucket_size_reach_megatrons_ddp_config(job):
     cfg = parse_args([*job, *MEGATRON, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"])
     assert cfg.train.overlap_grad_reduce and cfg.train.ddp_bucket_size == 20000
