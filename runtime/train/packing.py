@@ -12,8 +12,12 @@ batch contract come out the same whatever the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -160,3 +164,20 @@ def pack_by_tokens(lengths: list[int], *, max_tokens: int, at_least: int = 1) ->
         bins[j].append(i)
         loads[j] += lengths[i]
     return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def token_budget(cfg: TrainConfig, *, log_probs: bool) -> int | None:
+    """A micro-batch's token budget: ``--max-tokens-per-gpu``, or for a log-prob pass (``log_probs``, no gradient)
+    ``--log-probs-max-tokens-per-gpu`` where set."""
+    if log_probs and cfg.log_probs_max_tokens_per_gpu is not None:
+        return cfg.log_probs_max_tokens_per_gpu
+    return cfg.max_tokens_per_gpu
+
+
+def in_row_order(values: torch.Tensor, groups: list[list[int]] | None) -> torch.Tensor:
+    """``values``, the rows of micro-batches ``groups`` (row indices each, as :func:`pack_by_tokens` gives them)
+    concatenated, back in the order of the rows they index; ``None`` groups: already in order."""
+    if groups is None:
+        return values
+    order = torch.tensor([i for rows in groups for i in rows], dtype=torch.int64, device=values.device)
+    return torch.empty_like(values).index_copy_(0, order, values)

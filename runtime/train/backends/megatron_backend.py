@@ -59,7 +59,7 @@ from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
-from runtime.train.packing import min_micro_batches, pack_by_tokens
+from runtime.train.packing import in_row_order, min_micro_batches, pack_by_tokens, token_budget
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
@@ -677,33 +677,32 @@ class MegatronTrainer:
     def _micro_batches(self, td: TensorDict, *, log_probs: bool = False) -> list[TensorDict]:
         """``td``'s rows in micro-batches, each right-padded to its own longest row by :meth:`_inputs`: grouped by
         real tokens with ``--use-dynamic-batch-size`` (:meth:`_token_groups`: rows regrouped), else consecutive rows
-        by ``--micro-batch-size`` or the rows x longest budget. The budget is ``--max-tokens-per-gpu``, or for a
-        log-prob pass (``log_probs``, no gradient) ``--log-probs-max-tokens-per-gpu`` where set."""
+        by ``--micro-batch-size`` or the rows x longest budget (:func:`runtime.train.packing.token_budget`;
+        ``log_probs``: a log-prob pass's)."""
         if self.cfg.use_dynamic_batch_size:
             return [td[torch.tensor(rows)] for rows in self._token_groups(td, log_probs=log_probs)]
-        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self._budget(log_probs))
+        return micro_batches(
+            td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=token_budget(self.cfg, log_probs=log_probs)
+        )
 
-    def _log_prob_parts(self, td: TensorDict) -> tuple[list[TensorDict], torch.Tensor | None]:
-        """The micro-batches of a no-gradient pass over ``td``, and the row order to undo on their concatenated
-        outputs (``None``: already ``td``'s; ``--use-dynamic-batch-size`` regroups rows)."""
+    def _log_prob_parts(self, td: TensorDict) -> tuple[list[TensorDict], list[list[int]] | None]:
+        """The micro-batches of a no-gradient pass over ``td``, and their rows for
+        :func:`runtime.train.packing.in_row_order` to undo ``--use-dynamic-batch-size``'s regrouping on their
+        concatenated outputs (``None``: consecutive rows)."""
         if not self.cfg.use_dynamic_batch_size:
             return self._micro_batches(td, log_probs=True), None
         groups = self._token_groups(td, log_probs=True)
-        return [td[torch.tensor(rows)] for rows in groups], torch.tensor([i for rows in groups for i in rows])
-
-    def _budget(self, log_probs: bool) -> int | None:
-        if log_probs and self.cfg.log_probs_max_tokens_per_gpu is not None:
-            return self.cfg.log_probs_max_tokens_per_gpu
-        return self.cfg.max_tokens_per_gpu
+        return [td[torch.tensor(rows)] for rows in groups], groups
 
     def _token_groups(self, td: TensorDict, *, log_probs: bool) -> list[list[int]]:
         """Row indices of ``td``'s micro-batches under ``--use-dynamic-batch-size``, at most the budget's real tokens
         each (:func:`runtime.train.packing.pack_by_tokens`). As slime, every DP rank runs as many micro-batches: the
         most any rank needs (first fit), over which each rank balances its rows. A rank with fewer rows than that
         count (uneven shards of multi-row rollouts) runs one per row; that is harmless, since gradients are reduced
-        once per step, after the last micro-batch (Megatron's DDP without overlap, and the CPU path alike), and the
+        once per step, in or after each rank's own last micro-batch (Megatron's DDP, bucket by bucket in the same
+        order on every rank under --overlap-grad-reduce, and the CPU path alike), and the
         stages of one pipeline share their rows and so their count."""
-        budget = self._budget(log_probs)
+        budget = token_budget(self.cfg, log_probs=log_probs)
         if budget is None:
             raise ValueError("--use-dynamic-batch-size groups micro-batches by --max-tokens-per-gpu: set it")
         lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
@@ -739,20 +738,14 @@ class MegatronTrainer:
         self._check_resident()
         models = {ACTOR.writes: self.model, **self.frozen}
         out: dict[str, torch.Tensor] = {}
-        parts, order = self._log_prob_parts(td)
+        parts, groups = self._log_prob_parts(td)
         with self._shims():
             for key, model in models.items():
                 self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
                 outputs = self._run(model, parts, forward_only=True)
-                values = torch.cat([p["log_probs"] for p in outputs]).float().cpu()
-                if order is not None:  # back in td's row order
-                    values = torch.empty_like(values).index_copy_(0, order, values)
-                out[key] = values
+                out[key] = in_row_order(torch.cat([p["log_probs"] for p in outputs]).float().cpu(), groups)
             if self.critic is not None:
-                values = self.critic.values(td, parts=parts)
-                if order is not None:
-                    values = torch.empty_like(values).index_copy_(0, order, values)
-                out[CRITIC.writes] = values
+                out[CRITIC.writes] = in_row_order(self.critic.values(td, parts=parts), groups)
         return TensorDict(out, batch_size=td.batch_size)
 
     def _run(

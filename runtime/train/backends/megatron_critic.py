@@ -34,6 +34,7 @@ from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.megatron_config import ModelShape
 from runtime.train.backends.torch_backend import VALUE_HEAD_INIT_STD
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS
+from runtime.train.packing import in_row_order
 
 if TYPE_CHECKING:
     from runtime.train.backends.megatron_backend import MegatronTrainer
@@ -133,9 +134,9 @@ class MegatronCritic:
         ``td``'s row order, or in the order of the micro-batches ``parts`` where given (the caller undoes any
         regrouping); over pipeline stages the last stage's, broadcast to the others."""
         t = self.trainer
-        order = None
+        groups = None
         if parts is None:
-            parts, order = t._log_prob_parts(td)
+            parts, groups = t._log_prob_parts(td)
         kept: list[torch.Tensor] = []
 
         def keep(output: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -151,7 +152,7 @@ class MegatronCritic:
                     kept.append(torch.empty(mb[RESPONSE_TOKENS].shape, dtype=torch.float32, device=t.device))
                 dist.broadcast(kept[i], src=src, group=group)
         values = torch.cat(kept).cpu()
-        return values if order is None else torch.empty_like(values).index_copy_(0, order, values)
+        return in_row_order(values, groups)
 
     def _loss(self, norm: Normalizer) -> Any:
         """The value loss of one micro-batch as the backend's ``_run`` takes it: ``(output [b, width, 1], mb) ->

@@ -58,7 +58,14 @@ from runtime.train.hooks import (
     sum_of_sample_mean,
 )
 from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
-from runtime.train.packing import ModelInputs, pack_by_tokens, packed_inputs, padded_inputs
+from runtime.train.packing import (
+    ModelInputs,
+    in_row_order,
+    pack_by_tokens,
+    packed_inputs,
+    padded_inputs,
+    token_budget,
+)
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
 # Where --use-rollout-entropy puts each log-prob pass's entropy (slime's "entropy" and "ref_entropy").
@@ -543,31 +550,23 @@ class TorchTrainer:
 
     def _micro_batches(self, td: TensorDict, *, log_probs: bool = False) -> list[TensorDict]:
         """``td``'s rows in micro-batches: packed by real tokens with ``--use-dynamic-batch-size`` (rows regrouped:
-        see :meth:`_in_row_order`), else consecutive rows by ``--micro-batch-size`` or the token budget. The budget
-        is ``--max-tokens-per-gpu``, or for a log-prob pass (``log_probs``, no gradient) ``--log-probs-max-tokens-
-        per-gpu`` where set."""
-        budget = self._budget(log_probs)
+        see :meth:`_parts_and_groups`), else consecutive rows by ``--micro-batch-size`` or the token budget
+        (:func:`runtime.train.packing.token_budget`; ``log_probs``: a log-prob pass's)."""
         if self.cfg.use_dynamic_batch_size:
-            return [td[torch.tensor(rows)] for rows in self._packed_rows(td, budget)]
-        return micro_batches(td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=budget)
+            return self._parts_and_groups(td, log_probs=log_probs)[0]
+        return micro_batches(
+            td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=token_budget(self.cfg, log_probs=log_probs)
+        )
 
-    def _budget(self, log_probs: bool) -> int | None:
-        if log_probs and self.cfg.log_probs_max_tokens_per_gpu is not None:
-            return self.cfg.log_probs_max_tokens_per_gpu
-        return self.cfg.max_tokens_per_gpu
-
-    def _packed_rows(self, td: TensorDict, budget: int) -> list[list[int]]:
-        lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
-        return pack_by_tokens(lengths, max_tokens=budget)
-
-    def _in_row_order(self, td: TensorDict, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (rows of a log-prob pass's :meth:`_micro_batches` concatenated) back in ``td``'s row order."""
+    def _parts_and_groups(self, td: TensorDict, *, log_probs: bool) -> tuple[list[TensorDict], list[list[int]] | None]:
+        """The micro-batches of a pass over ``td`` (``log_probs``: a log-prob pass, with its token budget), and
+        their rows for :func:`runtime.train.packing.in_row_order` to undo the regrouping of
+        ``--use-dynamic-batch-size`` on their concatenated outputs (``None``: consecutive rows)."""
         if not self.cfg.use_dynamic_batch_size:
-            return values
-        order = torch.tensor([i for rows in self._packed_rows(td, self._budget(True)) for i in rows])
-        out = torch.empty_like(values)
-        out[order] = values
-        return out
+            return self._micro_batches(td, log_probs=log_probs), None
+        lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
+        groups = pack_by_tokens(lengths, max_tokens=token_budget(self.cfg, log_probs=log_probs))
+        return [td[torch.tensor(rows)] for rows in groups], groups
 
     def dp_info(self) -> tuple[int, int]:
         """Every rank is a data-parallel shard (FSDP shards parameters, not data)."""
@@ -602,8 +601,9 @@ class TorchTrainer:
             del models[ACTOR.writes], out[ACTOR.writes]
         if self.critic is not None:
             out[CRITIC.writes] = []
+        parts, groups = self._parts_and_groups(td, log_probs=True)
         with self._step_scope():
-            for mb, real in self._balanced(self._micro_batches(td, log_probs=True)):
+            for mb, real in self._balanced(parts):
                 if self.critic is not None:
                     values = self._values(mb)
                     if real:
@@ -620,21 +620,22 @@ class TorchTrainer:
                         if entropy_key is not None:
                             out.setdefault(entropy_key, []).append(entropy.float())
         # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
-        logs = {k: self._in_row_order(td, torch.cat(v).cpu()) for k, v in out.items()}
+        logs = {k: in_row_order(torch.cat(v).cpu(), groups) for k, v in out.items()}
         if self.old_actor is not None:
             logs[ACTOR.writes] = old
         return TensorDict(logs, batch_size=td.batch_size)
 
     def _log_probs_of(self, model: torch.nn.Module, context: Any, td: TensorDict) -> torch.Tensor:
         """[B, T] float32 log-probs of ``model`` (under ``context()``) on this rank's shard ``td``."""
-        parts = []
+        parts, groups = self._parts_and_groups(td, log_probs=True)
+        outputs = []
         with self._step_scope():
-            for mb, real in self._balanced(self._micro_batches(td, log_probs=True)):
+            for mb, real in self._balanced(parts):
                 with context():
                     log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    parts.append(log_probs.float())
-        return self._in_row_order(td, torch.cat(parts).cpu())
+                    outputs.append(log_probs.float())
+        return in_row_order(torch.cat(outputs).cpu(), groups)
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
         if self._fused_head(model) and NUCLEUS_IDS not in mb.keys():
