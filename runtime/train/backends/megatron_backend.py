@@ -915,13 +915,7 @@ class MegatronTrainer:
     def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
         self._zero_grad()
-        # Megatron recomputes activations (--recompute-granularity) in training mode only; with no dropout the
-        # forward is the same in either mode.
-        self.model.train()
-        try:
-            outputs = self._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
-        finally:
-            self.model.eval()
+        outputs = self._train_run(self.model, parts, loss_fn)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         for metrics in outputs:
@@ -934,6 +928,18 @@ class MegatronTrainer:
         out["grad_norm"] = self._optimizer_step()
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return out
+
+    def _train_run(
+        self, model: torch.nn.Module, parts: list[TensorDict], loss_fn: Any
+    ) -> list[dict[str, torch.Tensor]]:
+        """:meth:`_run` with the backward, ``model`` (the actor or the critic) in training mode for it: Megatron
+        recomputes activations (--recompute-granularity) in training mode only; with no dropout the forward is the
+        same in either mode."""
+        model.train()
+        try:
+            return self._run(model, parts, forward_only=False, loss_fn=loss_fn)
+        finally:
+            model.eval()
 
     def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
         group = self.dp_group()

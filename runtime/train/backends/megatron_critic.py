@@ -187,11 +187,7 @@ class MegatronCritic:
             parts = t._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
             t._zero_grad(self.model, self.optimizer)
             loss_fn = self._loss(t._global_normalizer(parts))
-            self.model.train()  # Megatron recomputes activations in training mode only, as in the actor's _step
-            try:
-                outputs = t._run(self.model, parts, forward_only=False, loss_fn=loss_fn)
-            finally:
-                self.model.eval()
+            outputs = t._train_run(self.model, parts, loss_fn)
             sums: dict[str, float] = {}
             for metrics in outputs:
                 for name, value in metrics.items():
