@@ -7,6 +7,7 @@ Triton kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before tr
 """
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -224,6 +225,51 @@ def test_accumulated_pieces_equal_whole(n, cuts, with_entropy, seed):
     fields = ("lse", "mu", "entropy", "zt") if with_entropy else ("lse", "zt")
     for field in fields:
         torch.testing.assert_close(getattr(pieces, field), getattr(whole, field), rtol=1e-5, atol=1e-5)
+
+
+@given(
+    rows=st.integers(1, 100_000),
+    vocab=st.integers(1, 300_000),
+    block=st.sampled_from([128, 1024, 4096, 8192]),
+    programs=st.integers(1, 1 << 15),
+)
+def test_segments_cover_each_row_once(rows, vocab, block, programs):
+    """A split pass covers every column of a row exactly once, in whole blocks, and splits only short batches."""
+    segments, segment = logprobs_module._segments(rows, vocab, block, programs)
+    assert segments >= 1 and segment % block == 0
+    assert (segments - 1) * segment < vocab <= segments * segment
+    if rows >= programs:
+        assert segments == 1
+    if segments > 1:
+        assert rows * segments <= 2 * programs and segment >= logprobs_module._MIN_SEGMENT_BLOCKS * block
+
+
+@settings(deadline=None)
+@given(
+    n=st.integers(1, 6),
+    v=st.integers(1, 700),
+    inplace=st.booleans(),
+    with_accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_split_into_segments_equal_whole_rows(n, v, inplace, with_accumulate, seed):
+    """Statistics and gradients of a pass whose rows are split into column segments (each its own program, merged
+    afterwards) equal those of one program per row: the split is an implementation detail of short batches."""
+    logits = make_logits(n, v, torch.float32, seed=seed, kind="mixed")
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    g_lp, g_ent = torch.randn(n, dtype=torch.float64).float(), torch.randn(n, dtype=torch.float64).float()
+    partial_stats, _ = logprobs_module.backend_ops(logits)
+    results = []
+    for programs in (1, 1 << 20):
+        with mock.patch.dict(logprobs_module.SPLIT_PROGRAMS, stats=programs, grad=programs):
+            previous = partial_stats(logits[:, :1].contiguous(), targets, -v, 1.0, True) if with_accumulate else None
+            packed = partial_stats(logits, targets, 0, 1.0, True, None if previous is None else previous.clone())
+            x = logits.clone().requires_grad_()
+            log_probs, entropy = logprobs_entropy(x, targets, inplace_backward=inplace)
+            (grad,) = torch.autograd.grad([log_probs, entropy], x, [g_lp, g_ent])
+        results.append((packed, log_probs, entropy, grad))
+    for whole, split in zip(*results, strict=True):
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

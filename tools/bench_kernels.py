@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -317,6 +318,71 @@ def fused_loss_profile(hidden, weight, targets, td) -> list[str]:
     return lines
 
 
+def kernel_profile(step, steps: int = 5, top: int = 8) -> list[str]:
+    """GPU time per kernel name of ``step`` (averaged over ``steps`` runs), largest first, and the wall time."""
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    busy = sum(e.device_time_total for e in events) / steps / 1e3
+    lines = [f"  wall {start.elapsed_time(end) / steps:.3f} ms per step, GPU kernels {busy:.3f} ms"]
+    for event in events[:top]:
+        ms = event.device_time_total / steps / 1e3
+        lines.append(f"  {ms:8.3f} ms {event.count / steps:5.1f}x  {event.key[:80]}")
+    return lines
+
+
+def _forward_backward_ms(logits, targets, g_lp, g_ent) -> tuple[float, float]:
+    x = logits.detach().requires_grad_()
+    fwd = median_ms(lambda: logprobs_entropy(x, targets))
+    lp, ent = logprobs_entropy(x, targets)
+    bwd = median_ms(lambda: torch.autograd.grad([lp, ent], x, [g_lp, g_ent], retain_graph=True))
+    return fwd, bwd
+
+
+def breakdown(rate: float, bandwidth: float) -> list[str]:
+    """Where the time of the [4096, 151936] logits op and of the fused loss's matmuls goes."""
+    lines = []
+    n, v = LOGIT_SHAPES[0]
+    floor_ms = 3 * n * v * 2 / bandwidth * 1e3
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
+    targets = torch.randint(0, v, (n,), device="cuda")
+    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    step = logits_step(lambda x, t: logprobs_entropy(x, t, inplace_backward=True), logits, targets, g_lp, g_ent)
+    lines.append(f"logits op [{n}, {v}]: {median_ms(step):.3f} ms (floor {floor_ms:.3f} ms)")
+    lines += kernel_profile(step)
+    fwd, bwd = _forward_backward_ms(logits, targets, g_lp, g_ent)
+    lines.append(f"  forward alone {fwd:.3f} ms, backward alone {bwd:.3f} ms (1 pass floor {floor_ms / 3:.3f} ms)")
+    del logits
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows, h, v = 4096, LINEAR_SHAPE[1], LINEAR_SHAPE[2]
+    one_floor = 2 * rows * h * v / rate * 1e3
+    hidden = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    chunk = torch.randn(rows, v, device="cuda", dtype=torch.bfloat16)
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.randn_like(weight)
+    variants = {
+        "logits = hidden @ weight^T": lambda: torch.mm(hidden, weight.T, out=chunk),
+        "d(hidden) = dlogits @ weight": lambda: torch.mm(chunk, weight, out=grad_hidden),
+        "d(hidden)^T = weight^T @ dlogits^T": lambda: torch.mm(weight.T, chunk.T, out=grad_hidden.T),
+        "d(weight) = dlogits^T @ hidden": lambda: torch.mm(chunk.T, hidden, out=grad_weight),
+        "d(weight) += dlogits^T @ hidden": lambda: grad_weight.addmm_(chunk.T, hidden),
+        "d(weight)^T += hidden^T @ dlogits": lambda: grad_weight.T.addmm_(hidden.T, chunk),
+    }
+    lines.append(f"one matmul of a {rows}-row chunk, floor {one_floor:.2f} ms at {rate / 1e12:.0f} TFLOP/s:")
+    for name, fn in variants.items():
+        ms = median_ms(fn, rep_ms=800)
+        lines.append(f"  {name:40s} {ms:7.2f} ms  {ms / one_floor:.3f}x")
+    return lines
+
+
 def chunked_matmuls(hidden, weight, chunk_rows):
     """The fused loss's three matmuls and nothing else: logits, d(hidden), d(weight) accumulated in bf16."""
     grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
@@ -398,12 +464,53 @@ def sweep_logits_config(rows, bandwidth, block, warps):
     )
 
 
+def sweep_segments(rows, bandwidth):
+    """Each pass alone with its rows split into 1 to 8 column segments (``logprobs.SPLIT_PROGRAMS``), per row count."""
+    for n in (2048, 4096, 8192, 16384):
+        _sweep_segments_at(rows, bandwidth, n, LOGIT_SHAPES[0][1])
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _sweep_segments_at(rows, bandwidth, n, v):
+    default = logprobs_module._segments
+    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
+    targets = torch.randint(0, v, (n,), device="cuda")
+    lse, mu, g_lp, g_ent = torch.randn(4, n, device="cuda")
+    stats_pass = functools.partial(logprobs_module.triton_partial_stats, x, targets, 0, 1.0, True)
+    grad_pass = functools.partial(logprobs_module.triton_logits_grad, x, targets, 0, lse, mu, g_lp, g_ent, 1.0, x)
+    floor_ms = n * v * 2 / bandwidth * 1e3  # one pass over the logits
+    for count in (1, 2, 3, 4, 6, 8):
+        logprobs_module._segments = functools.partial(_fixed_segments, count=count)
+        try:
+            stats, grad = median_ms(stats_pass), median_ms(grad_pass)
+        finally:
+            logprobs_module._segments = default
+        rows.append(
+            (
+                f"sweep [{n}, {v}]",
+                f"{count} segments per row",
+                f"stats {stats:.3f}",
+                f"{stats / floor_ms:.3f}x",
+                f"grad {grad:.3f} ms, {grad / (2 * floor_ms):.3f}x",
+            )
+        )
+
+
+def _fixed_segments(rows, vocab, block, programs, *, count):
+    blocks = triton.cdiv(vocab, block)
+    per_segment = triton.cdiv(blocks, count)
+    return triton.cdiv(blocks, per_segment), per_segment * block
+
+
 def sweep(rows, bandwidth, rate):
-    """Launch configurations of the logits kernels, and chunk / stash / piece sizes of the fused linear op."""
+    """Launch configurations and row splits of the logits kernels, and chunk / stash / piece sizes of the fused
+    linear op."""
     for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
         sweep_logits_config(rows, bandwidth, block, warps)
         gc.collect()
         torch.cuda.empty_cache()
+    sweep_segments(rows, bandwidth)
     configs = {}
     for chunk, stash, split in [(12288, 0, 2), (12288, 1.5, 2), (12288, 1.85, 2), (8192, 1.75, 2)] + [
         (12288, 1.75, split) for split in (1, 2, 3)
@@ -429,6 +536,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     parser.add_argument("--no-linear", action="store_true")
     parser.add_argument("--fused-loss", action="store_true", help="only the RL loss inside the LM head")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="only where the time goes: the [4096, V] logits op, one matmul each"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -438,7 +548,9 @@ def main() -> None:
     rate = matmul_rate(LINEAR_SHAPE[0], LINEAR_SHAPE[1], DEFAULT_CHUNK)
     rows: list[tuple[str, str, str, str, str]] = []
     notes: list[str] = []
-    if args.fused_loss:
+    if args.breakdown:
+        notes = breakdown(rate, bandwidth)
+    elif args.fused_loss:
         notes = bench_fused_loss(rows, rate)
     else:
         if args.sweep:
