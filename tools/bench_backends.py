@@ -109,6 +109,8 @@ def _config(path: str, args: argparse.Namespace, world: int, path_name: str):
     from runtime.config import from_dict, validate
 
     overrides = {}
+    if args.torch_compile and path_name != "megatron":
+        overrides["torch_compile"] = True
     if path_name == "megatron":
         overrides = {
             "train_backend": "megatron",
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--overlap-grad-reduce", action="store_true", help="megatron's DDP reduces buckets during the backward"
+    )
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="the torch backend's --torch-compile (fused and unfused paths)"
     )
     args = parser.parse_args(argv)
     names = args.paths.split(",")
