@@ -2,7 +2,9 @@
 
 Forward (one program per token row): one pass over the row in blocks with an online max and sum-exp, the target's
 logit, and ``sum(exp(z - m) * (z - m))`` for the entropy; only per-token float32 ``lse`` and ``mu = sum(p * z)`` are
-kept for the backward. Backward (one pass): recompute ``p = exp(z - lse)`` and write
+kept for the backward. A short batch splits each row into column segments, one program each, whose statistics a
+small kernel merges (see ``SPLIT_PROGRAMS``). Backward (one pass, split the same way): recompute
+``p = exp(z - lse)`` and write
 
     d(logits) = [g_lp * (onehot - p) + g_ent * p * (mu - z)] / T
 
