@@ -244,32 +244,39 @@ def test_segments_cover_each_row_once(rows, vocab, block, programs):
         assert rows * segments <= 2 * programs and segment >= logprobs_module._MIN_SEGMENT_BLOCKS * block
 
 
+@pytest.mark.skipif(
+    not logprobs_module.INTERPRETED, reason="the CPU's torch ops do not split rows; test_kernels_interpret runs this"
+)
 @settings(deadline=None)
 @given(
     n=st.integers(1, 6),
     v=st.integers(1, 700),
     inplace=st.booleans(),
-    with_accumulate=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_rows_split_into_segments_equal_whole_rows(n, v, inplace, with_accumulate, seed):
+def test_rows_split_into_segments_equal_whole_rows(n, v, inplace, seed):
     """Statistics and gradients of a pass whose rows are split into column segments (each its own program, merged
-    afterwards) equal those of one program per row: the split is an implementation detail of short batches."""
-    logits = make_logits(n, v, torch.float32, seed=seed, kind="mixed")
-    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    afterwards) equal those of one program per row: the split is an implementation detail of short batches. Also
+    when the statistics are accumulated onto a previous vocabulary piece's, whose target logits count."""
+    wide = make_logits(n, 2 * v, torch.float32, seed=seed, kind="mixed")
+    targets = torch.randint(0, 2 * v, (n,), generator=torch.Generator().manual_seed(seed))
+    logits = wide[:, v:].contiguous()  # vocabulary ids [v, 2v); [0, v) is the previous piece
     g_lp, g_ent = torch.randn(n, dtype=torch.float64).float(), torch.randn(n, dtype=torch.float64).float()
     partial_stats, _ = logprobs_module.backend_ops(logits)
     results = []
-    for programs in (1, 1 << 20):
+    # One program per row; two segments of several blocks each; one block per segment.
+    for programs in (1, 2 * n, 1 << 20):
         with mock.patch.dict(logprobs_module.SPLIT_PROGRAMS, stats=programs, grad=programs):
-            previous = partial_stats(logits[:, :1].contiguous(), targets, -v, 1.0, True) if with_accumulate else None
-            packed = partial_stats(logits, targets, 0, 1.0, True, None if previous is None else previous.clone())
+            previous = partial_stats(wide[:, :v].contiguous(), targets, 0, 1.0, True)
+            accumulated = partial_stats(logits, targets, v, 1.0, True, previous)
+            alone = partial_stats(logits, targets % v, 0, 1.0, True)
             x = logits.clone().requires_grad_()
-            log_probs, entropy = logprobs_entropy(x, targets, inplace_backward=inplace)
+            log_probs, entropy = logprobs_entropy(x, targets % v, inplace_backward=inplace)
             (grad,) = torch.autograd.grad([log_probs, entropy], x, [g_lp, g_ent])
-        results.append((packed, log_probs, entropy, grad))
-    for whole, split in zip(*results, strict=True):
-        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+        results.append((accumulated, alone, log_probs, entropy, grad))
+    for split in results[1:]:
+        for whole, part in zip(results[0], split, strict=True):
+            torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

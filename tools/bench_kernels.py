@@ -12,7 +12,8 @@ floor: its three matmuls over the whole batch, back to back (on a power-capped H
 the short matmul that gives the rate above; that extrapolated floor is printed too). Then its numerics: the weight
 gradient's bf16 accumulation against a float32 accumulator, and bf16-rounded against float32 logits.
 
-Usage: python tools/bench_kernels.py [--quick] [--sweep] [--fused-loss] [--breakdown]   (Liger is optional: the ``bench`` extra)
+Usage: python tools/bench_kernels.py [--quick] [--sweep] [--fused-loss] [--breakdown]
+(Liger is optional: the ``bench`` extra)
 """
 
 import argparse
@@ -339,7 +340,8 @@ def three_matmuls(hidden, weight):
 def queued_median_ms(step, sleep_ms: float = 3.0) -> float:
     """``step``'s time with the GPU kept busy while the host queues it (as behind a model's forward in training): the
     median of a GPU sleep followed by ``step``, minus the sleep's own."""
-    cycles = int(sleep_ms * 1e-3 * torch.cuda.clock_rate() * 1e6)
+    probe = 1_000_000  # cycles; scaled to sleep_ms by its measured time (the clock varies, and NVML may be absent)
+    cycles = int(probe * sleep_ms / median_ms(lambda: torch.cuda._sleep(probe)))
     sleep_alone = median_ms(lambda: torch.cuda._sleep(cycles))
     return median_ms(lambda: (torch.cuda._sleep(cycles), step()), rep_ms=1500) - sleep_alone
 
@@ -540,7 +542,10 @@ def _sweep_segments_at(rows, bandwidth, n, v):
     stats_pass = functools.partial(logprobs_module.triton_partial_stats, x, targets, 0, 1.0, True)
     grad_pass = functools.partial(logprobs_module.triton_logits_grad, x, targets, 0, lse, mu, g_lp, g_ent, 1.0, x)
     floor_ms = n * v * 2 / bandwidth * 1e3  # one pass over the logits
+    blocks = {kind: logprobs_module._launch_config(v, x.element_size(), kind)[0] for kind in ("stats", "grad")}
     for count in (1, 2, 3, 4, 6, 8):
+        # The count asked for; a pass runs whole blocks per segment, so it may get a few fewer (printed).
+        got = {kind: _fixed_segments(n, v, block, 0, count=count)[0] for kind, block in blocks.items()}
         logprobs_module._segments = functools.partial(_fixed_segments, count=count)
         try:
             stats, grad = median_ms(stats_pass), median_ms(grad_pass)
@@ -549,7 +554,7 @@ def _sweep_segments_at(rows, bandwidth, n, v):
         rows.append(
             (
                 f"sweep [{n}, {v}]",
-                f"{count} segments per row",
+                f"segments per row: stats {got['stats']}, grad {got['grad']}",
                 f"stats {stats:.3f}",
                 f"{stats / floor_ms:.3f}x",
                 f"grad {grad:.3f} ms, {grad / (2 * floor_ms):.3f}x",

@@ -30,9 +30,10 @@ from rlcore.kernels._stats import (
 )
 
 
-# In both kernels the vocabulary size is a compile-time constant: under Triton's interpreter with NumPy >= 2.4 a
-# runtime scalar arrives as a 1-element array that cannot bound a Python range, and a training run sees one or two
-# sizes (the vocabulary, or a chunk and its tail), so one compilation each is cheap.
+# In both kernels the vocabulary size and the segment length are compile-time constants: under Triton's interpreter
+# with NumPy >= 2.4 a runtime scalar arrives as a 1-element array that cannot bound a Python range. A training run
+# sees one or two sizes (the vocabulary, or a chunk and its tail) and a few segment counts (powers of two), so
+# the compilations are few.
 @triton.jit
 def _stats_kernel(
     logits_ptr,
@@ -194,9 +195,10 @@ def _launch_config(vocab: int, element_size: int, kind: str) -> tuple[int, int]:
 
 # A pass over N rows splits each row into column segments, one program each, until it has about this many programs:
 # each program streams its columns with one block in flight, so with few long rows the SMs idle through the last
-# programs' tail. Swept on an H100 (bf16, V = 151936): at 4096 rows two segments took the statistics pass from 1.11x
-# to 1.08x its HBM floor and four the gradient pass from 1.075x to 1.06x; at 16384 rows one segment was best for
-# both. Under the interpreter a small number, so that the tests' short batches take both paths.
+# programs' tail. Swept on an H100 (bf16, V = 151936, tools/bench_kernels.py --sweep): at 4096 rows two segments
+# took the statistics pass from 1.11x to 1.08x its HBM floor and four the gradient pass from 1.08x to 1.07x; at 8192
+# and 16384 rows one and two segments were within run-to-run noise of each other (1.01-1.07x). Under the interpreter
+# a small number, so that the tests' short batches take both paths.
 SPLIT_PROGRAMS = {"stats": 8, "grad": 8} if INTERPRETED else {"stats": 8192, "grad": 16384}
 # Segments are whole blocks and at least this many of them, so a segment's loop amortises its start and end.
 _MIN_SEGMENT_BLOCKS = 1 if INTERPRETED else 4
@@ -204,11 +206,13 @@ _MIN_SEGMENT_BLOCKS = 1 if INTERPRETED else 4
 
 def _segments(rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
     """``(segments, columns per segment)`` of a pass over ``rows`` rows of ``vocab`` columns in ``block`` blocks that
-    aims at about ``programs`` programs."""
+    aims at about ``programs`` programs. The count is aimed at a power of two, so that the row counts of a run (its
+    micro-batches and chunks) compile few kernel variants."""
     blocks = triton.cdiv(vocab, block)
     wanted = min(triton.cdiv(programs, max(rows, 1)), blocks // _MIN_SEGMENT_BLOCKS)
     if wanted <= 1:
         return 1, blocks * block
+    wanted = 1 << (wanted.bit_length() - 1)
     per_segment = triton.cdiv(blocks, wanted)
     return triton.cdiv(blocks, per_segment), per_segment * block
 
