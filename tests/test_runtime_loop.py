@@ -346,6 +346,30 @@ def test_dropout_is_off_while_training(model_path, tokenizer, tmp_path):
     torch.testing.assert_close(new.detach(), old, atol=1e-6, rtol=0)
 
 
+def test_metrics_over_steps_are_means_and_maxima_stay_maxima(model_path, tokenizer, tmp_path):
+    """Two optimizer steps in one train() call report the mean of each step's token means and the largest of its
+    maxima (ratio_max): the same as the two steps run one call each, from the same start."""
+    samples = random_samples(tokenizer, 2, 4, seed=3)
+    td = build_batch(samples, pad_token_id=tokenizer.pad_token_id)
+    cfg = small_cfg(tmp_path)
+    probe = _trainer(model_path, cfg)
+    old = probe.compute_log_probs(td)[keys.OLD_LOG_PROBS]
+    g = torch.Generator().manual_seed(0)
+    mask = td[keys.MASK]
+    # Old log-probs off the current policy, so each step's ratios (and maxima) differ.
+    td.set(keys.OLD_LOG_PROBS, torch.where(mask, old + 0.3 * torch.randn(old.shape, generator=g), 0.0))
+    td.set(keys.ROLLOUT_LOG_PROBS, td[keys.OLD_LOG_PROBS].clone())
+    td.set(keys.REF_LOG_PROBS, torch.where(mask, old, 0.0))
+    td.set(keys.ADVANTAGES, torch.where(mask, torch.randn(old.shape, generator=g), 0.0))
+    apart = _trainer(model_path, cfg)
+    first, second = apart.train(td[:4], per_step_rows=4), apart.train(td[4:], per_step_rows=4)
+    together = _trainer(model_path, cfg).train(td, per_step_rows=4)
+    assert together["num_steps"] == 2 and first["ratio_max"] != second["ratio_max"]
+    assert together["ratio_max"] == pytest.approx(max(first["ratio_max"], second["ratio_max"]), rel=1e-6)
+    for name in ("pg_loss", "clipfrac", "ratio_mean", "grad_norm"):
+        assert together[name] == pytest.approx((first[name] + second[name]) / 2, rel=1e-5, abs=1e-7), name
+
+
 def _rollout(ctx, cfg, *, seed=0, **kwargs):
     hub = RewardHub(cfg.reward, args=cfg)
     pool = iter(range(10_000))

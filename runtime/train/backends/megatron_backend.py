@@ -37,7 +37,6 @@ import datetime
 import functools
 import inspect
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -59,6 +58,7 @@ from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
+from runtime.train.metrics import add_step, sums_and_maxima
 from runtime.train.packing import in_row_order, min_micro_batches, pack_by_tokens, token_budget
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
@@ -906,24 +906,14 @@ class MegatronTrainer:
                     loss_fn = self._sft_loss(norm, mode=self.loss_cfg.loss_agg_mode)
                 else:
                     loss_fn = self._rl_loss(norm)
-                metrics = self._step(parts, loss_fn)
-                for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + value / steps
+                add_step(totals, self._step(parts, loss_fn), steps=steps)
         totals["num_steps"] = steps
         return totals
 
     def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
         self._zero_grad()
-        outputs = self._train_run(self.model, parts, loss_fn)
-        sums: dict[str, float] = {}
-        maxes: dict[str, float] = {}
-        for metrics in outputs:
-            for name, value in metrics.items():
-                if name.endswith("_max"):
-                    maxes[name] = max(maxes.get(name, -math.inf), float(value))
-                else:
-                    sums[name] = sums.get(name, 0.0) + float(value)
+        sums, maxes = sums_and_maxima(self._train_run(self.model, parts, loss_fn))
         out = {**self._all_reduce(sums, dist.ReduceOp.SUM), **self._all_reduce(maxes, dist.ReduceOp.MAX)}
         out["grad_norm"] = self._optimizer_step()
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])

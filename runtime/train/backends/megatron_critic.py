@@ -34,6 +34,7 @@ from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.megatron_config import ModelShape
 from runtime.train.backends.torch_backend import VALUE_HEAD_INIT_STD
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS
+from runtime.train.metrics import add_step, sums_and_maxima
 from runtime.train.packing import in_row_order
 
 if TYPE_CHECKING:
@@ -187,15 +188,10 @@ class MegatronCritic:
             parts = t._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
             t._zero_grad(self.model, self.optimizer)
             loss_fn = self._loss(t._global_normalizer(parts))
-            outputs = t._train_run(self.model, parts, loss_fn)
-            sums: dict[str, float] = {}
-            for metrics in outputs:
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
+            sums, _ = sums_and_maxima(t._train_run(self.model, parts, loss_fn))
             step_metrics = t._all_reduce(sums, dist.ReduceOp.SUM)
             step_metrics["grad_norm"] = t._optimizer_step(self.model, self.optimizer, self.scheduler)
-            for name, value in step_metrics.items():
-                totals[name] = totals.get(name, 0.0) + value / steps
+            add_step(totals, step_metrics, steps=steps)
         totals["num_steps"] = steps
         return {f"critic/{name}": value for name, value in totals.items()}
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 import time
 import warnings
@@ -57,6 +56,7 @@ from runtime.train.hooks import (
     rollout_data_view,
     sum_of_sample_mean,
 )
+from runtime.train.metrics import add_step, sums_and_maxima
 from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import (
     ModelInputs,
@@ -124,11 +124,6 @@ def _host_lengths(mb: TensorDict) -> list[int] | None:
     loss queues its work without waiting for the device); ``None`` for a batch already on the device."""
     mask = mb[keys.MASK]
     return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
-
-
-def _is_max_metric(name: str) -> bool:
-    """rl_loss's maxima over tokens (``*_max``) combine over micro-batches and ranks by max; its means by sum."""
-    return name.endswith("_max")
 
 
 def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | None) -> list[TensorDict]:
@@ -684,8 +679,8 @@ class TorchTrainer:
         each step's own count).
 
         ``td`` carries the contract's ``mask``, ``advantages``, ``old_log_probs``, ``rollout_log_probs`` and, with a
-        reference model, ``ref_log_probs``. Returns metrics averaged over the steps (token means of the global
-        batches, maxima as maxima), plus ``grad_norm`` and ``num_steps``.
+        reference model, ``ref_log_probs``. Returns the global batches' metrics over the steps (token means
+        averaged, maxima the largest of any step: ``runtime.train.metrics``), plus ``grad_norm`` and ``num_steps``.
         """
         self._check_resident()
         n = td.batch_size[0]
@@ -711,11 +706,9 @@ class TorchTrainer:
         return totals
 
     def _train_step(self, td: TensorDict, steps: int, totals: dict[str, float]) -> None:
-        """One optimizer step over ``td``; adds its metrics divided by ``steps`` into ``totals``."""
+        """One optimizer step over ``td``; folds its metrics into ``totals`` (``runtime.train.metrics.add_step``)."""
         parts = self._micro_batches(td)
         norm = self._global_normalizer(parts)
-        sums: dict[str, float] = {}
-        maxes: dict[str, float] = {}
         pending: list[dict[str, Any]] = []
         with self._step_scope():
             for mb, real in self._balanced(parts):
@@ -751,17 +744,9 @@ class TorchTrainer:
                 if real:
                     # Read after the loop: a float() here would wait for each micro-batch's kernels.
                     pending.append({name: (v.detach() if torch.is_tensor(v) else v) for name, v in metrics.items()})
-        for metrics in pending:
-            for name, value in metrics.items():
-                value = float(value)
-                if _is_max_metric(name):
-                    maxes[name] = max(maxes.get(name, -math.inf), value)
-                else:
-                    sums[name] = sums.get(name, 0.0) + value
-        step_metrics = self._reduce_metrics(sums, maxes)
+        step_metrics = self._reduce_metrics(*sums_and_maxima(pending))
         step_metrics["grad_norm"] = self._optimizer_step()
-        for name, value in step_metrics.items():
-            totals[name] = totals.get(name, 0.0) + value / steps
+        add_step(totals, step_metrics, steps=steps)
 
     def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
         """Optimizer steps of the critic over this rank's shard ``td``, ``per_step_rows`` rows each, on slime's value
@@ -796,8 +781,7 @@ class TorchTrainer:
                             sums[name] = sums.get(name, 0.0) + float(value)
             step_metrics = self._reduce_metrics(sums, {})
             step_metrics["grad_norm"] = self._optimizer_step(self.critic, self.critic_optimizer)
-            for name, value in step_metrics.items():
-                totals[name] = totals.get(name, 0.0) + value / steps
+            add_step(totals, step_metrics, steps=steps)
         totals["num_steps"] = steps
         return {f"critic/{name}": value for name, value in totals.items()}
 
