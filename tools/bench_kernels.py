@@ -69,12 +69,19 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def matmul_rate(n: int, h: int, cols: int) -> float:
-    """bf16 FLOP/s of ``[n, h] @ [h, cols]``: the floor of the fused linear op is its matmuls at this rate."""
+def matmul_rate(n: int, h: int, cols: int, repeats: int = 1) -> float:
+    """bf16 FLOP/s of ``[n, h] @ [h, cols]``, ``repeats`` back to back per timed call: the floor of the fused linear
+    op is its matmuls at the rate of one; many show the clock a power-capped GPU holds through back-to-back
+    matmuls."""
     a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(cols, h, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b.T)
-    return 2 * n * h * cols / (ms * 1e-3)
+
+    def matmuls():
+        for _ in range(repeats):
+            torch.mm(a, b.T)
+
+    ms = median_ms(matmuls, rep_ms=400 if repeats == 1 else 2000)
+    return 2 * n * h * cols * repeats / (ms * 1e-3)
 
 
 def naive_logprobs_entropy(logits, targets):
@@ -318,10 +325,11 @@ def bench_fused_loss(rows, rate):
             "",
         )
     )
+    sustained = matmul_rate(n, h, DEFAULT_CHUNK, repeats=40)
     notes = [
         f"against the extrapolated floor ({extrapolated_ms:.1f} ms at {rate / 1e12:.0f} TFLOP/s): fused "
         + (f"{fused_ms / extrapolated_ms:.3f}x, queued {queued_ms / extrapolated_ms:.3f}x" if fused_ms else "n/a")
-        + f"; one matmul of that shape 40 times per call: {sustained_rate(n, h) / 1e12:.0f} TFLOP/s"
+        + f"; one matmul of that shape 40 times per call: {sustained / 1e12:.0f} TFLOP/s"
     ]
     try:
         return (
@@ -346,19 +354,6 @@ def queued_median_ms(step, sleep_ms: float = 3.0) -> float:
     return median_ms(lambda: (torch.cuda._sleep(cycles), step()), rep_ms=1500) - sleep_alone
 
 
-def sustained_rate(n: int, h: int, cols: int = DEFAULT_CHUNK, repeats: int = 40) -> float:
-    """bf16 FLOP/s of ``matmul_rate``'s matmul run ``repeats`` times per timed call: the clock a power-capped GPU holds
-    through back-to-back matmuls."""
-    a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(cols, h, device="cuda", dtype=torch.bfloat16)
-
-    def many():
-        for _ in range(repeats):
-            torch.mm(a, b.T)
-
-    return 2 * n * h * cols * repeats / (median_ms(many, rep_ms=2000) * 1e-3)
-
-
 def fused_loss_profile(hidden, weight, targets, td) -> list[str]:
     """Where one fused step's GPU time goes: CUDA time per kernel name over 3 steps, largest first."""
     hh, ww = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -366,18 +361,7 @@ def fused_loss_profile(hidden, weight, targets, td) -> list[str]:
     def step():
         return torch.autograd.grad(linear_rl_loss(hh, ww, targets, td, FUSED_LOSS_CONFIG)[0], [hh, ww])
 
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in events) / 3e3
-    lines = [f"profile of linear_rl_loss, per step: {total:.1f} ms of GPU kernels"]
-    for event in events[:8]:
-        lines.append(f"  {event.device_time_total / 3e3:7.2f} ms  {event.count // 3:4d}x  {event.key[:90]}")
-    return lines
+    return ["profile of linear_rl_loss:", *kernel_profile(step, steps=3)]
 
 
 def kernel_profile(step, steps: int = 5, top: int = 8) -> list[str]:

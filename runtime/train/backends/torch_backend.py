@@ -767,7 +767,7 @@ class TorchTrainer:
         for step in range(steps):
             parts = self._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
             norm = self._global_normalizer(parts)
-            sums: dict[str, float] = {}
+            pending: list[dict[str, Any]] = []
             with self._step_scope():
                 for mb, real in self._balanced(parts):
                     batch = mb.to(self.device).clone(recurse=False)
@@ -776,10 +776,9 @@ class TorchTrainer:
                         batch, clip=self.loss_cfg.value_clip, loss_agg_mode=self.loss_cfg.loss_agg_mode, norm=norm
                     )
                     self._backward(loss, real=real)
-                    if real:
-                        for name, value in metrics.items():
-                            sums[name] = sums.get(name, 0.0) + float(value)
-            step_metrics = self._reduce_metrics(sums, {})
+                    if real:  # read after the loop, as the actor's step does: no wait per micro-batch
+                        pending.append({name: v.detach() if torch.is_tensor(v) else v for name, v in metrics.items()})
+            step_metrics = self._reduce_metrics(*sums_and_maxima(pending))
             step_metrics["grad_norm"] = self._optimizer_step(self.critic, self.critic_optimizer)
             add_step(totals, step_metrics, steps=steps)
         totals["num_steps"] = steps
