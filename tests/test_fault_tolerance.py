@@ -199,9 +199,13 @@ def test_the_health_monitor_reports_unhealthy_and_silent_engines_and_pauses(ray_
         assert monitor.checks == checks
     finally:
         monitor.stop()
-    # A check of a dead actor says why.
+    # A check of a dead actor says why. ray.kill does not wait for the actor to die: a check sent before the kill has
+    # landed can still be answered, so check until the actor is gone (at most 30 s).
     ray.kill(actors[0])
-    assert monitor.check(actors[0]).startswith("the health check failed (ActorDiedError")
+    deadline = time.monotonic() + 30
+    while (reason := monitor.check(actors[0])) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert reason is not None and reason.startswith("the health check failed (ActorDiedError")
 
 
 def test_ledger_prompts_reads_each_steps_last_row(tmp_path):
