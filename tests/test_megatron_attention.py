@@ -278,7 +278,7 @@ def test_recompute_runs_in_training_steps_and_changes_nothing(tmp_path):
 
 def test_bf16_logits_stay_bf16_and_give_the_float32_cast_log_probs(tmp_path):
     """Under bf16 the logits reach rlcore's log-prob kernel in bf16 (no float32 copy from Megatron's Float16Module):
-    the log-probs equal those of the same logits cast to float32, exactly."""
+    the log-probs equal those of the same logits cast to float32, within one bf16 rounding of the logits."""
     from rlcore.kernels import logprobs_entropy
     from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS
 
@@ -302,7 +302,11 @@ def test_bf16_logits_stay_bf16_and_give_the_float32_cast_log_probs(tmp_path):
     picked = fp32_logits[..., :203].gather(1, at[..., None].expand(-1, -1, 203))
     want, _ = logprobs_entropy(picked.reshape(-1, 203), response.reshape(-1), temperature=0.9, with_entropy=False)
     mask = td[keys.MASK]
-    torch.testing.assert_close(got[mask], want.view(response.shape)[mask], rtol=0, atol=0)
+    # compute_log_probs runs the batch as micro-batches of other shapes than the whole-batch forward above, and a CPU's
+    # bf16 matmul (oneDNN) picks its blocking by shape and instruction set: a logit may land one bf16 rounding
+    # (relative 2**-8) apart. A log-softmax moves by at most twice its inputs' largest change, over the temperature.
+    atol = 2 * 2**-8 * fp32_logits[..., :203].abs().max().item() / 0.9
+    torch.testing.assert_close(got[mask], want.view(response.shape)[mask], rtol=0, atol=atol)
 
 
 def test_sdpa_at_tp2_equals_unfused_at_tp1(tmp_path):
