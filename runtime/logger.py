@@ -128,7 +128,8 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, axis)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=axis)
+            # The values TensorBoard gets (plain numbers), non-finite ones too (W&B plots them as gaps).
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=axis)
 
     def __enter__(self) -> MetricsLogger:
         return self
