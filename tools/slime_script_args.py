@@ -1,4 +1,4 @@
-"""Capture the command line one of slime's run scripts hands its entry point, as test data (tests/fixtures/slime_scripts).
+"""Capture the command line a slime run script hands its entry point, as test data (tests/fixtures/slime_scripts).
 
 The script runs under bash with ``ray``, ``pkill``, ``sleep`` and ``nvidia-smi`` replaced by shell functions: nothing
 starts, and ``ray job submit ... -- python3 train.py ARGS`` prints ARGS. Paths move under ``{models}`` (checkpoint
