@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from runtime.config import Config, ConfigError, eval_datasets, format_config, parse_args
+from runtime.config import Config, ConfigError, _tree_value, eval_datasets, format_config, parse_args, read_yaml_tree
 from runtime.errors import JobError
 from runtime.hooks import HookError
 from runtime.rollout.data import DataError
@@ -89,9 +89,11 @@ def dry_run_report(cfg: Config, *, argv: Sequence[str] = ()) -> str:
 def _train_backend(cfg: Config, argv: Sequence[str]) -> str:
     """The backend and why: given on the command line or in --config, or inferred as slime runs a script."""
     given = any(arg.split("=", 1)[0] == "--train-backend" for arg in argv)
+    config = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
+    if not given and config is not None and _tree_value(read_yaml_tree(config), "train_backend") is not None:
+        return f"{cfg.train.train_backend} (--train-backend given in --config)"
     choice = backend_choice(cfg, given=cfg.train.train_backend if given else None, switches=switches_in(argv))
-    why = choice.why if choice.name == cfg.train.train_backend else "--train-backend given (in --config)"
-    return f"{cfg.train.train_backend} ({why})"
+    return f"{choice.name} ({choice.why})"
 
 
 def _lr_decay_iters(cfg: Config) -> str:

@@ -258,3 +258,13 @@ def render_transformer_engine_flags() -> str:
     return "\n".join(
         f"- `{e.name}`: {'accepted' if e.accepted else 'refused'}: {e.reason}" for e in transformer_engine_flags()
     )
+
+
+def render_slime_paths() -> str:
+    """The markdown table of slime's module paths and what runs for each, that docs/runtime.md holds."""
+    rows = [f"| `{path}` | `{ours}` |" for path, ours in SLIME_COUNTERPARTS.items()]
+    for field, table in SLIME_SETTINGS.items():
+        for path, settings in table.items():
+            shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+            rows.append(f"| `{path}` (`--{field.replace('_', '-')}`) | the setting `{shown}` |")
+    return "\n".join(["| slime's path | what runs here |", "| --- | --- |", *rows])
