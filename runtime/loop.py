@@ -183,7 +183,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
-        params=sampling_params(cfg),
+        # None only for slime's SFT (runtime.slime_compat.is_sft_job), whose rollout generates nothing.
+        params=sampling_params(cfg) if r.rollout_max_response_len is not None else None,
         num_rollout=r.num_rollout,
         over_sampling_batch_size=r.over_sampling_batch_size,
         max_staleness=r.max_staleness,
