@@ -18,6 +18,9 @@ from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip, sequence_log_
 from rlcore.losses.value import value_loss
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# The metrics rl_loss (and the fused loss) report as maxima over tokens: they combine by max over micro-batches, ranks
+# and optimizer steps. Every other metric is a micro-batch's share of a global-batch token mean, which adds up.
+MAX_METRICS = frozenset({"ratio_max", "tis_weight_max"})
 
 
 @dataclass(frozen=True, kw_only=True)
