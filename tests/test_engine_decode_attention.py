@@ -1,5 +1,6 @@
 """The engine's decode attention (``runtime.engines.decode_attention``) against a float64 attention written row by
-row: each sample's query against its group's real prompt keys then its own real response keys.
+row: each sample's query against its group's real prompt keys then its own real response keys; and the engine's
+fused Triton norms, MLP and rotary (``runtime.engines.fused``) against transformers' own modules.
 
 The Triton kernel runs on a GPU, or on the CPU in Triton's interpreter: Triton fixes interpreter-or-compiler when
 it is imported, so ``test_triton_kernel_under_the_interpreter`` reruns this module in a fresh process with
@@ -133,6 +134,65 @@ def test_triton_kernel_never_reads_padding_or_unwritten_columns():
     torch.testing.assert_close(got.double().cpu(), _float64_rows(case, 0.3), rtol=0, atol=2e-5)
 
 
+def _tiny(family: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from runtime.engines.decode import ATTENTION, register_attention
+
+    sizes = {"vocab_size": 50, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[family](**sizes, **heads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    register_attention()
+    model.set_attn_implementation(ATTENTION)
+    return model
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
+    """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
+    the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
+    forward's to float32 rounding, and fusing off again restores the HF forwards."""
+    from runtime.engines.fused import fuse_model
+
+    device = "cpu" if INTERPRETED else "cuda"
+    model = _tiny(family).to(device)
+    ids = torch.randint(0, 50, (3, 7), device=device)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        fused_count = fuse_model(model)
+        fused = model(input_ids=ids, use_cache=False).logits
+        cached = model(input_ids=ids).logits  # through a DynamicCache, as generate() runs
+        assert fuse_model(model, on=False) == fused_count
+        assert not any("forward" in vars(m) for m in model.modules())
+    assert fused_count == (13 if family == "qwen3" else 9)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
+
+
+@needs_triton
+def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
+    """decode() with the fused model draws the tokens the HF modules draw (float32; log-probs to rounding)."""
+    from runtime.engines.decode import decode
+    from runtime.engines.fused import fuse_model
+
+    device = "cpu" if INTERPRETED else "cuda"
+    model = _tiny("qwen3").to(device)
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11], [8, 9, 10, 11]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], device=device)
+    kw = {"max_new_tokens": 6, "temperature": 0.9, "top_k": -1, "top_p": 1.0, "stop_ids": [], "pad_id": 0}
+    kw |= {"seeds": [1, 2, 3], "cuda_graph": False, "kernel": "torch"}
+    plain = decode(model, ids, mask, **kw)
+    fuse_model(model)
+    fused = decode(model, ids, mask, **kw)
+    for a, b in zip(plain.tokens, fused.tokens, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.log_probs, fused.log_probs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(INTERPRETED or triton is None, reason="this process already runs interpreted, or no Triton")
 def test_triton_kernel_under_the_interpreter():
     here = Path(__file__).resolve()
@@ -140,4 +200,4 @@ def test_triton_kernel_under_the_interpreter():
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
     result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "4 passed" in result.stdout, result.stdout[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]

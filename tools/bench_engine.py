@@ -8,8 +8,9 @@
 Decoders: ``graph`` is the engine as it runs on a GPU (the step's forward and its sampling replayed as CUDA graphs,
 the Triton decode attention, a group's prompt prefilled and cached once), ``graph-compile`` the same with the step's
 forward through ``torch.compile`` before capture, ``graph-unshared`` without sharing a group's prompt,
-``graph-torch-attention`` with the plain torch decode attention (reads every cache column), ``eager`` the same loop
-without the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
+``graph-torch-attention`` with the plain torch decode attention (reads every cache column), ``graph-unfused`` with
+transformers' own eager norms, MLP and rotary instead of the fused Triton kernels, ``eager`` the same loop without
+the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
 baseline, not an engine). The random-init preset never emits EOS, so every response runs to its length. Each
 (decoder, size) is run once untimed ("first call", which compiles for graph-compile), then timed (``--repeats``,
 median). Peak memory is the CUDA allocator's, reset per size; "beyond weights" subtracts the memory held before.
@@ -38,14 +39,16 @@ import time
 
 import torch
 
-# decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention kernel (None: the default))
+# decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention kernel (None: the default),
+# fused Triton norms/MLP/rotary)
 DECODERS = {
-    "graph": (True, False, True, None),
-    "graph-compile": (True, True, True, None),
-    "graph-unshared": (True, False, False, None),
-    "graph-torch-attention": (True, False, True, "torch"),
-    "eager": (False, False, True, None),
-    "hf-generate": (False, False, True, None),
+    "graph": (True, False, True, None, True),
+    "graph-compile": (True, True, True, None, True),
+    "graph-unshared": (True, False, False, None, True),
+    "graph-torch-attention": (True, False, True, "torch", True),
+    "graph-unfused": (True, False, True, None, False),
+    "eager": (False, False, True, None, True),
+    "hf-generate": (False, False, True, None, False),
 }
 
 
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.demo import task
     from runtime.demo.tiny_model import make_preset_model, make_tiny_model
     from runtime.engines import HFEngine, SamplingParams
+    from runtime.engines.fused import fuse_model
 
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     rows = []
@@ -95,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         for decoder in args.decoders.split(","):
             if decoder not in DECODERS:
                 parser.error(f"--decoders: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
-            graph, engine.compile, engine.share_prompts, engine.attention_kernel = DECODERS[decoder]
+            graph, engine.compile, engine.share_prompts, engine.attention_kernel, fused = DECODERS[decoder]
             engine.cuda_graph = cuda and graph
+            if cuda:
+                fuse_model(engine.model, on=fused)
             for slots in slot_counts if decoder != "hf-generate" else [None]:
                 engine.max_running_requests = slots
                 for n_prompts, new_tokens in sizes:

@@ -47,6 +47,7 @@ from runtime.engines.base import (
     stop_string_end,
 )
 from runtime.engines.decode import ATTENTION, decode, register_attention
+from runtime.engines.fused import fuse_model
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -214,6 +215,7 @@ class HFEngine:
         cuda_graph: bool = True,
         compile: bool = False,
         max_running_requests: int | None = None,
+        fused: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -235,6 +237,9 @@ class HFEngine:
         # A group's samples (equal runs of one prompt) share its prefill and cached keys; the decode attention is
         # runtime.engines.decode_attention's default for the device. Benchmarks turn these.
         self.share_prompts, self.attention_kernel = True, None
+        # On a GPU the Llama/Qwen norms, MLP and rotary run as fused Triton kernels with the HF modules' rounding
+        # (runtime.engines.fused): a decoding step of a small model is bound by its kernel count.
+        self.fused = self.device.type == "cuda" and fused and fuse_model(self.model) > 0
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
