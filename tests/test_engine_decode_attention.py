@@ -103,7 +103,19 @@ needs_triton = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "shape",
     [
-        {"groups": 2, "per_group": 3, "kv_heads": 2, "query_group": 2, "width": 40, "columns": 70, "dk": 16, "dv": 16},
+        pytest.param(
+            {
+                "groups": 2,
+                "per_group": 3,
+                "kv_heads": 2,
+                "query_group": 2,
+                "width": 40,
+                "columns": 70,
+                "dk": 16,
+                "dv": 16,
+            },
+            marks=pytest.mark.slow,  # about 15 s in Triton's interpreter
+        ),
         {"groups": 3, "per_group": 1, "kv_heads": 1, "query_group": 4, "width": 5, "columns": 7, "dk": 24, "dv": 20},
         {"groups": 1, "per_group": 8, "kv_heads": 2, "query_group": 2, "width": 3, "columns": 33, "dk": 16, "dv": 32},
     ],
@@ -150,7 +162,7 @@ def _tiny(family: str, dtype=torch.float32):
 
 
 @needs_triton
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
 def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
     """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
     the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
@@ -159,7 +171,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
 
     device = "cpu" if INTERPRETED else "cuda"
     model = _tiny(family).to(device)
-    ids = torch.randint(0, 50, (3, 7), device=device)
+    ids = torch.randint(0, 50, (2, 4), device=device)
     with torch.no_grad():
         plain = model(input_ids=ids, use_cache=False).logits
         fused_count = fuse_model(model)
@@ -172,6 +184,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
     torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # about 30 s in Triton's interpreter
 @needs_triton
 def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
     """decode() with the fused model draws the tokens the HF modules draw (float32; log-probs to rounding)."""
@@ -200,4 +213,4 @@ def test_triton_kernel_under_the_interpreter():
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
     result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "4 passed" in result.stdout, result.stdout[-2000:]

