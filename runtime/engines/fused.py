@@ -14,7 +14,10 @@ knows (tables below) for ones that run one kernel where eager runs many:
 Each kernel rounds where torch's eager ops round (RMSNorm: float32 math, downcast, then the weight product rounded
 in the output dtype; rotary: each product and the sum rounded to the input dtype; SiLU, then the product, each
 rounded), so the fused model computes what the trainer's HF model computes, up to float32 summation order inside a
-kernel. Weights stay the modules' own parameters, so weight updates reach the fused forwards unchanged.
+kernel and Triton's fast ``exp`` and ``rsqrt`` (relative errors near 1e-7, far below a bf16 step). Weights stay the
+modules' own parameters, so weight updates reach the fused forwards unchanged.
+(Triton's CPU interpreter rounds float32 to bfloat16 by truncation, so the bf16 rounding is checked on a GPU only,
+``tests/test_engine_decode_cuda.py``.)
 """
 
 from __future__ import annotations
@@ -157,9 +160,13 @@ if triton is not None:
         x = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, 0) / dim
-        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
+        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
         w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=real)
+        tl.store(
+            out_ptr + row * dim + cols,
+            (w * normed).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+            mask=real,
+        )
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -183,10 +190,14 @@ if triton is not None:
         s2 = tl.load(sin_ptr + token * dim + HALF + cols, mask=real, other=0.0).to(tl.float32)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         # rotate_half(x) = cat(-x2, x1): the first half pairs with -x2, the second with x1.
-        lo = (x1f * c1).to(dtype).to(tl.float32) + (-x2f * s1).to(dtype).to(tl.float32)
-        hi = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
-        tl.store(dst + cols, lo.to(dtype), mask=real)
-        tl.store(dst + HALF + cols, hi.to(dtype), mask=real)
+        lo = (x1f * c1).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) + (-x2f * s1).to(
+            dtype, fp_downcast_rounding="rtne"
+        ).to(tl.float32)
+        hi = (x2f * c2).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) + (x1f * s2).to(
+            dtype, fp_downcast_rounding="rtne"
+        ).to(tl.float32)
+        tl.store(dst + cols, lo.to(dtype, fp_downcast_rounding="rtne"), mask=real)
+        tl.store(dst + HALF + cols, hi.to(dtype, fp_downcast_rounding="rtne"), mask=real)
 
     @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -195,5 +206,5 @@ if triton is not None:
         g = tl.load(gate_ptr + at, mask=real, other=0.0)
         u = tl.load(up_ptr + at, mask=real, other=0.0).to(tl.float32)
         gf = g.to(tl.float32)
-        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        tl.store(out_ptr + at, (silu * u).to(g.dtype), mask=real)
+        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+        tl.store(out_ptr + at, (silu * u).to(g.dtype, fp_downcast_rounding="rtne"), mask=real)
