@@ -131,8 +131,9 @@ def test_the_triton_decode_attention_replays_the_torch_one(engine_and_prompts):
 
 def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     """Each fused kernel against the torch ops it replaces, in bf16 on the GPU: rotary bit for bit (products and sum
-    rounded alike); RMSNorm and SiLU x up at most one bf16 step apart, and rarely (the variance's float32 summation
-    order; libdevice's exp against torch's); the whole fused model's log-probs within bf16 rounding of the HF one."""
+    rounded alike, by integer arithmetic a compiler cannot fold); RMSNorm and SiLU x up at most one bf16 step apart,
+    and rarely (float32 summation order; Triton's fast exp and rsqrt); the whole fused model's log-probs within bf16
+    rounding of the HF one."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
     from runtime.engines.fused import fuse_model, rms_norm, rotary, silu_mul
