@@ -298,6 +298,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             use_wandb=lg.use_wandb,
             config=to_dict(cfg),
             start_step=start,
+            tensorboard_purge_step=axis_step(cfg, start),
             tensorboard_dir=tensorboard_dir(out, project=lg.tb_project_name, experiment=lg.tb_experiment_name),
             wandb_options=WandbOptions(
                 project=lg.wandb_project,
