@@ -1,5 +1,11 @@
 """Reliability findings of issue 29: resumes, exports, checkpoints, signals and errors that must be one line."""
 
+import os
+
+import pytest
+
+from runtime.cli import EXIT_BAD_INPUT, main
+from runtime.cluster import checkpoint
 from runtime.logger import MetricsLogger
 
 
@@ -32,3 +38,46 @@ def test_tensorboard_purges_at_the_axis_step_it_is_given(tmp_path):
     with MetricsLogger(tmp_path, use_tensorboard=True, start_step=2, tensorboard_purge_step=4) as resumed:
         resumed.log(2, {"x": 7.0}, axis_step=4)
     assert _tensorboard_scalars(tmp_path / "tensorboard", "x") == [(0, 0.0), (2, 1.0), (4, 7.0)]
+
+
+class _Trainers:
+    def save(self, path, *, with_optimizer=True):
+        os.makedirs(path)
+        with open(os.path.join(path, "shard.distcp"), "wb") as fh:
+            fh.write(b"w" * 100)
+
+
+class _Feed:
+    def state_dict(self):
+        return {"data": {}}
+
+
+class _Engines:
+    def get_rng_state(self):
+        return []
+
+
+def _save(root, step):
+    return checkpoint.save(root, step, trainers=_Trainers(), engines=_Engines(), feed=_Feed())
+
+
+def test_an_empty_latest_is_named_with_the_intact_checkpoint_to_load(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    _save(root, 2)
+    newest = _save(root, 4)
+    (root / checkpoint.LATEST).write_text("")  # what a crash between creating and writing the file leaves
+    message = f"--load: '{root}': its 'latest' file is empty .*; the newest intact checkpoint is '{newest}': --load it"
+    with pytest.raises(FileNotFoundError, match=message):
+        checkpoint.resolve(root)
+    # A checkpoint whose files no longer match its manifest is skipped.
+    (newest / checkpoint.TRAINER_DIR / "shard.distcp").write_bytes(b"w" * 99)
+    with pytest.raises(FileNotFoundError, match=f"newest intact checkpoint is '{root / 'step_000002'}'"):
+        checkpoint.resolve(root)
+    (root / checkpoint.LATEST).write_text("step_000007")
+    with pytest.raises(FileNotFoundError, match="'latest' file names 'step_000007', which is not a folder of it"):
+        checkpoint.resolve(root)
+    # The job stops on it before anything starts: one line, exit 2.
+    (root / checkpoint.LATEST).write_text("\n")
+    assert main(["--load", str(root), "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'latest' file is empty" in err and "step_000002" in err

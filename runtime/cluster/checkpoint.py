@@ -79,9 +79,7 @@ def save(
                 "removed"
             ) from err
         raise
-    tmp = Path(root) / f".{LATEST}.tmp"
-    tmp.write_text(folder.name)
-    os.replace(tmp, Path(root) / LATEST)
+    _write_durably(Path(root) / LATEST, folder.name)
     return folder
 
 
@@ -154,13 +152,59 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             raise FileNotFoundError(f"--load: {str(path)!r}: the checkpoint folder has no {', '.join(missing)}")
         return path
     if (path / LATEST).is_file():
-        folder = path / (path / LATEST).read_text().strip()
-        if missing := _missing(folder):
-            raise FileNotFoundError(
-                f"--load: {str(path)!r}: 'latest' names {folder.name!r}, which has no {', '.join(missing)}"
-            )
-        return folder
+        name = (path / LATEST).read_text().strip()
+        if not name:
+            problem = f"its {LATEST!r} file is empty (a save or a copy cut off while writing it)"
+        elif "/" in name or not (path / name).is_dir():
+            problem = f"its {LATEST!r} file names {name!r}, which is not a folder of it"
+        elif missing := _missing(path / name):
+            problem = f"{LATEST!r} names {name!r}, which has no {', '.join(missing)}"
+        else:
+            return path / name
+        intact = newest_intact(path)
+        raise FileNotFoundError(
+            f"--load: {str(path)!r}: {problem}; "
+            + (f"the newest intact checkpoint is {str(intact)!r}: --load it" if intact else "no intact checkpoint")
+        )
     raise FileNotFoundError(f"--load: {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
+
+
+def newest_intact(root: str | os.PathLike[str]) -> Path | None:
+    """The newest ``step_*`` folder under ``root`` whose files match its manifest, or None."""
+    steps = sorted(
+        (p for p in Path(root).glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+        reverse=True,
+    )
+    for folder in steps:
+        if not _missing(folder):
+            try:
+                verify(folder)
+            except CheckpointError:
+                continue
+            return folder
+    return None
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file that is fsynced before it replaces ``path`` (and the folder after),
+    so a crash leaves the old or the new content, never an empty file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
