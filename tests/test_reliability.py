@@ -1,5 +1,6 @@
 """Reliability findings of issue 29: resumes, exports, checkpoints, signals and errors that must be one line."""
 
+import errno
 import os
 
 import pytest
@@ -81,3 +82,30 @@ def test_an_empty_latest_is_named_with_the_intact_checkpoint_to_load(tmp_path, c
     assert main(["--load", str(root), "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'latest' file is empty" in err and "step_000002" in err
+
+
+class _FullDiskTrainers:
+    """A trainer rank whose torch.distributed.checkpoint save meets a full disk, as Ray hands it to the driver."""
+
+    def save(self, path, *, with_optimizer=True):
+        import ray.exceptions
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        os.makedirs(path)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, "__0_0.distcp"))
+        except OSError as err:
+            failure = CheckpointException("save failed", {0: _wrap_exception(err)})
+        raise ray.exceptions.RayTaskError("TrainerActor.call", "Traceback ...\n", failure).as_instanceof_cause()
+
+
+def test_a_full_disk_on_a_trainer_rank_is_a_one_line_save_error(tmp_path):
+    root = tmp_path / "ckpt"
+    _save(root, 2)
+    with pytest.raises(checkpoint.SaveError) as info:
+        checkpoint.save(root, 4, trainers=_FullDiskTrainers(), engines=_Engines(), feed=_Feed())
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith(f"--save {root}: saving step 4 failed (OSError: [Errno 28] No space left on device:")
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # the traceback chain is not printed
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]  # no partial folder left

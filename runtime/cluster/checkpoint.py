@@ -73,14 +73,36 @@ def save(
         os.replace(partial, folder)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, OSError):
+        # A full disk on a trainer rank arrives as RayTaskError(CheckpointException) holding each rank's OSError.
+        if (cause := os_error_in(err)) is not None:
             raise SaveError(
-                f"--save {root}: saving step {step} failed ({type(err).__name__}: {err}); its partial folder was "
+                f"--save {root}: saving step {step} failed ({type(cause).__name__}: {cause}); its partial folder was "
                 "removed"
-            ) from err
+            ) from None
         raise
     _write_durably(Path(root) / LATEST, folder.name)
     return folder
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``err`` or what it wraps: a Ray task error's cause, the per-rank failures of a
+    ``torch.distributed.checkpoint`` ``CheckpointException``, ``__cause__`` and ``__context__``; None if none."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            pending.append(cause)
+        pending += [e.__cause__, e.__context__]
+    return None
 
 
 def _sha256(path: Path) -> str:
