@@ -75,7 +75,7 @@ from runtime.rollout.plugins import (
     load_rollout_hooks,
 )
 from runtime.rollout.replay import ReplaySource, save_rollout_data
-from runtime.rollout.rewards import RewardHub, reward_error_rate
+from runtime.rollout.rewards import RewardHub, check_label_types, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
 from runtime.train.algo import (
@@ -671,15 +671,18 @@ class EvalSet:
         )
 
 
-def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
-    """The reward hub of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them, scoring
-    ``--eval-reward-key``."""
-    reward = dataclasses.replace(
+def eval_hub_config(cfg: Config, dataset: EvalDataset) -> Any:
+    """The reward settings of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them."""
+    return dataclasses.replace(
         cfg.reward,
         rm_type=dataset.rm_type or cfg.reward.rm_type,
         custom_rm_path=dataset.custom_rm_path or cfg.reward.custom_rm_path,
     )
-    return RewardHub(reward, args=cfg, seed=cfg.seed, evaluation=True)
+
+
+def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
+    """The reward hub of an evaluation dataset (:func:`eval_hub_config`), scoring ``--eval-reward-key``."""
+    return RewardHub(eval_hub_config(cfg, dataset), args=cfg, seed=cfg.seed, evaluation=True)
 
 
 def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
@@ -751,6 +754,9 @@ def prepare_model_and_data(
                 (d, PromptDataset(d.path, tokenizer, config, seed=cfg.data.rollout_seed, max_context=context))
             )
     datasets = (dataset, *(ds for _, ds in eval_sets))
+    check_label_types(dataset.labels(), cfg.reward, label_key=cfg.data.label_key, source=dataset.source)
+    for d, ds in eval_sets:
+        check_label_types(ds.labels(), eval_hub_config(cfg, d), label_key=d.label_key, source=ds.source)
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu

@@ -7,7 +7,10 @@ import pytest
 
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.cluster import checkpoint
+from runtime.config import DataConfig, RewardConfig
 from runtime.logger import MetricsLogger
+from runtime.rollout.data import DataError, PromptDataset
+from runtime.rollout.rewards import check_label_types
 
 
 def _tensorboard_scalars(folder, tag):
@@ -109,3 +112,40 @@ def test_a_full_disk_on_a_trainer_rank_is_a_one_line_save_error(tmp_path):
     assert message.startswith(f"--save {root}: saving step 4 failed (OSError: [Errno 28] No space left on device:")
     assert info.value.__cause__ is None and info.value.__suppress_context__  # the traceback chain is not printed
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]  # no partial folder left
+
+
+def _parquet(path, labels):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": [f"what is {i}?" for i in range(len(labels))], "label": labels}), path)
+    return str(path)
+
+
+def test_a_float_label_column_is_refused_for_a_reward_that_reads_text(tmp_path):
+    floats = _parquet(tmp_path / "floats.parquet", [314.0, 2.0])
+    dataset = PromptDataset(floats, None, DataConfig(input_key="prompt", label_key="label"), seed=0)
+    assert dataset.labels() == [314.0, 2.0]
+    for rm_type in ("exact_match", "boxed_exact_match", "f1"):
+        with pytest.raises(
+            DataError,
+            match=rf"^--label-key label: {floats} holds 2 float labels \(first: 314.0\), which --rm-type {rm_type} "
+            r"compares with the response as text and can never match: store the column as str or int",
+        ):
+            check_label_types(dataset.labels(), RewardConfig(rm_type=rm_type), label_key="label", source=floats)
+    # Rewards that read numbers as numbers, and custom rewards, take them.
+    for cfg in (RewardConfig(rm_type="math"), RewardConfig(rm_type="dapo"), RewardConfig(custom_rm_path="m:f")):
+        check_label_types(dataset.labels(), cfg, label_key="label", source=floats)
+    check_label_types(["314", 2, None], RewardConfig(rm_type="exact_match"), label_key="label", source="x")
+    with pytest.raises(DataError, match="1 bool labels"):
+        check_label_types([True, "a"], RewardConfig(rm_type="exact_match"), label_key="label", source="x")
+
+
+def test_a_job_with_float_labels_and_exact_match_stops_before_it_starts(tmp_path, capsys):
+    floats = _parquet(tmp_path / "floats.parquet", [314.0, 2.0, 5.0, 7.0])
+    argv = ["--prompt-data", floats, "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact_match"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4"]
+    argv += ["--rollout-max-response-len", "4", "--num-rollout", "1", "--actor-num-gpus-per-node", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--label-key label" in err and "float" in err and "exact_match" in err

@@ -107,6 +107,35 @@ _RULES: dict[str, Callable[..., Any]] = {"math": math_reward, "exact_match": exa
 RM_NAMES = ("builtin", *_RULES, "random", "remote_rm")
 
 
+# The label types a built-in reward can score, for those that read the label as text: a float64 column (314.0) is
+# "314.0" to them and never equals an answer of "314". Rewards not listed take any label (math-verify, dapo and gpqa
+# read numbers as numbers; custom and remote rewards decide for themselves).
+TEXT_LABEL_TYPES: tuple[type, ...] = (str, int)
+LABEL_TYPES: dict[str, tuple[type, ...]] = {"exact_match": TEXT_LABEL_TYPES, "f1": TEXT_LABEL_TYPES}
+
+
+def check_label_types(labels: Sequence[Any], cfg: RewardConfig, *, label_key: str | None, source: str) -> None:
+    """Raise ``DataError`` (one line: the column, the type, the reward) when ``labels`` hold a type the reward
+    ``cfg`` names cannot score (``LABEL_TYPES``); nothing for a custom reward (``--custom-rm-path``)."""
+    from runtime.rollout.data import DataError
+
+    if cfg.custom_rm_path is not None or label_key is None:
+        return
+    accepted = LABEL_TYPES.get(cfg.rm_type.removeprefix("boxed_"))
+    if accepted is None:
+        return
+    bad = [
+        label for label in labels if label is not None and (isinstance(label, bool) or not isinstance(label, accepted))
+    ]
+    if bad:
+        kinds = ", ".join(sorted({type(label).__name__ for label in bad}))
+        raise DataError(
+            f"--label-key {label_key}: {source} holds {len(bad)} {kinds} labels (first: {bad[0]!r}), which --rm-type "
+            f"{cfg.rm_type} compares with the response as text and can never match: store the column as "
+            f"{' or '.join(t.__name__ for t in accepted)} (or use --rm-type math)"
+        )
+
+
 def is_batched(fn: Callable[..., Any]) -> bool:
     """Whether a reward function takes a list of samples (slime's group RM) rather than one sample.
 
