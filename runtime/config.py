@@ -1001,8 +1001,9 @@ class SGLangConfig:
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
             "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
             "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
-            "Ray's object store for the embedded engine"
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
+            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
+            "object store for the embedded engine on the CPU"
         ),
     )
     check_weight_update_equal: bool = field(

@@ -146,7 +146,7 @@ class EngineGroup:
 
     def __init__(self, cfg: Config, placement: Placement, model_path: str):
         self.kind: EngineKind = engine_kind(cfg.rollout.rollout_engine)
-        self.weight_sync_kind = self.kind.weight_sync(cfg)
+        self.weight_sync_kind = self.kind.weight_sync(cfg, placement.use_gpu)
         remote_cls = engine_actor_class(self.kind.load())
         n = 0 if cfg.debug.train_only else self.kind.count(cfg)  # --debug-train-only runs no engine
         per = self.kind.bundles_per_engine(cfg)
