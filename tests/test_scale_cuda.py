@@ -74,7 +74,9 @@ def test_the_default_sync_between_gpus_is_nccl_and_the_engine_holds_the_trainers
     backend, two_gpu_ray, tmp_path
 ):
     path = str(make_tiny_model(tmp_path / "tiny", alphabet=task.ALPHABET, seed=0))
-    settings = {"hf_checkpoint": path, "train_backend": backend, "actor_num_gpus_per_node": 1, "num_rollout": 1}
+    # One trainer GPU, one engine GPU (a placement flag: the default plan would colocate them).
+    settings = {"hf_checkpoint": path, "train_backend": backend, "actor_num_gpus_per_node": 1, "rollout_num_gpus": 1}
+    settings["num_rollout"] = 1
     settings.update(rollout_max_response_len=8, rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16)
     cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **settings))
     placement = create_placement(cfg)
@@ -120,3 +122,16 @@ def test_one_step_async_pushes_mid_run_and_trains_one_version_behind(tmp_path):
     for row in rows[1:]:
         assert row["rollout/weight_version_lag_mean"] == 1 and row["rollout/weight_version_lag_max"] == 1
         assert row["perf/weight_sync_time"] < 1.0
+
+
+def test_the_default_plan_on_two_gpus_is_data_parallel_with_colocated_engines(tmp_path):
+    """No placement flag on a two-GPU machine: the measured-faster plan (runtime.cluster.plan.DEFAULT_PLAN)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    dry = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "--dry-run"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "2 trainer(s) with an engine colocated on each" in dry.stdout
+    assert "trainer bundles        [0, 1]" in dry.stdout
+    rows, _ = _run_cli(tmp_path, "--num-rollout", "2")
+    assert [r["step"] for r in rows] == [0, 1] and all(r["perf/offloaded"] == 1.0 for r in rows)
