@@ -30,6 +30,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -258,6 +259,7 @@ class BatchSource(_Source):
             return prompts
 
         async def produce() -> Rollout:
+            started = time.perf_counter()
             samples, metrics, outcomes = await collect_rollout(
                 self.ctx,
                 next_prompts,
@@ -272,6 +274,9 @@ class BatchSource(_Source):
                 sample_filter=self.sample_filter,
                 all_samples_process=self.all_samples_process,
             )
+            # The generation's own seconds: under one_step it overlaps training, and perf/rollout_wait_time does not
+            # show it.
+            metrics = {**metrics, "perf/rollout_time": time.perf_counter() - started}
             return Rollout(step, samples, metrics, handouts=taken, outcomes=outcomes)
 
         self._futures[step] = self.runner.submit(produce())
