@@ -35,3 +35,49 @@ def test_the_dry_run_prints_the_plan_and_the_rule(tmp_path):
     report = dry_run_report(validate(from_dict(None, output_dir=str(tmp_path))))
     line = next(line for line in report.splitlines() if line.strip().startswith("plan "))
     assert f"Default on N GPUs with no placement flag: {plan.DEFAULT_PLAN}" in line
+
+
+SMALL = {
+    "rollout_batch_size": 4,
+    "n_samples_per_prompt": 4,
+    "rollout_max_response_len": 5,
+    "global_batch_size": 16,
+    "micro_batch_size": 8,
+    "actor_num_gpus_per_node": 1,
+    "use_tensorboard": False,
+}
+
+
+@pytest.mark.slow  # about 80 s on 2 cores; tests/test_scale_cuda.py runs one_step on GPUs
+def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_path, monkeypatch):
+    """The embedded engine over a gloo weight-update group (--update-weight-transport nccl on the CPU), one_step: every
+    sync but the last is staged (sent while the next rollout samples, not after it) and swapped in before the rollout
+    after; each rollout is sampled whole by the weights one step behind (a swap that came late would show a lag of 2,
+    one that came mid-rollout a sample with two versions, whose lag counts the older)."""
+    import ray
+
+    from runtime.cluster.weight_sync import DistributedSync
+    from runtime.logger import METRICS_FILE, read_metrics
+    from runtime.loop import run
+
+    calls = []
+    for name in ("stage", "commit", "push"):
+        original = getattr(DistributedSync, name)
+
+        def spy(self, *args, _original=original, _name=name):
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(DistributedSync, name, spy)
+    settings = {"rollout_schedule": "one_step", "update_weight_transport": "nccl", "num_rollout": 4}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **settings, **SMALL))
+        rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    finally:
+        ray.shutdown()
+    # The first push (before training), staged syncs after steps 0-2, each swapped in before the next rollout starts
+    # (after step 2 no rollout is left to start), and the last step's pushed whole.
+    assert calls == ["push", "stage", "commit", "stage", "commit", "stage", "push"]
+    assert [r["rollout/weight_version_lag_max"] for r in rows] == [0, 1, 1, 1]
+    assert [r["rollout/weight_version_lag_mean"] for r in rows] == [0, 1, 1, 1]

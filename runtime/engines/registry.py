@@ -36,6 +36,9 @@ class EngineKind:
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
     restartable: bool = False
+    # Whether the engine receives a weight broadcast while it generates (``stage_weights_from_distributed``) and
+    # swaps it in between two rollouts (``commit_staged_weights``): one-step async then syncs without draining.
+    stages_weights: bool = False
 
     def load(self) -> type[Any]:
         module, _, attr = self.cls.partition(":")
@@ -88,6 +91,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "max_running_requests": cfg.rollout.engine_max_running_requests,
         },
         restartable=True,
+        stages_weights=True,
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",

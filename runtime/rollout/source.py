@@ -245,6 +245,17 @@ class BatchSource(_Source):
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead
         self._futures: dict[int, concurrent.futures.Future] = {}
+        self._before_next: Callable[[], Any] | None = None
+
+    def defer(self, swap: Callable[[], Any]) -> None:
+        """Run ``swap`` (a staged weight update's swap) once the rollout in flight is done and before the next one
+        starts: under one_step the weights are sent while that rollout samples, and no rollout mixes versions."""
+        self._before_next = swap
+
+    def _swap_pending(self) -> None:
+        swap, self._before_next = self._before_next, None
+        if swap is not None:
+            swap()
 
     def start(self, step: int) -> None:
         pass
@@ -283,10 +294,12 @@ class BatchSource(_Source):
 
     def get(self, step: int) -> Rollout:
         if step not in self._futures:
+            self._swap_pending()
             self._submit(step)
         rollout = self._futures.pop(step).result()
         ahead = step + self.lookahead
         if self.lookahead and ahead < self.settings.num_rollout and ahead not in self._futures:
+            self._swap_pending()
             self._submit(ahead)
         rollout.metrics.update(staleness_metrics(rollout.samples, step=step))
         return rollout
@@ -303,6 +316,7 @@ class BatchSource(_Source):
         for future in self._futures.values():
             future.cancel()
         self._futures.clear()
+        self._before_next = None
 
 
 @dataclass
