@@ -57,6 +57,7 @@ def dry_run_report(cfg: Config) -> str:
     """What a run would derive from ``cfg`` before starting anything: batch arithmetic, the algorithm's settings,
     the model roles and the placement plan."""
     from runtime.cluster.placement import plan_bundles
+    from runtime.cluster.plan import describe
 
     r, t, a = cfg.rollout, cfg.train, cfg.algo
     per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
@@ -74,6 +75,7 @@ def dry_run_report(cfg: Config) -> str:
         f"  model roles            {', '.join(role.name for role in model_roles(cfg))}",
         f"  evaluation             {_evaluation(cfg)}",
         "[dry run: placement plan]",
+        f"  plan                   {describe(cfg)}",
         f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
         f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
         f"  engine bundles         {plan.engine_bundles} ({cfg.rollout.rollout_engine} engine, share {plan.share})",

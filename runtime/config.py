@@ -1001,8 +1001,9 @@ class SGLangConfig:
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
             "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
             "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
-            "Ray's object store for the embedded engine"
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
+            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
+            "object store for the embedded engine on the CPU"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -1310,7 +1311,14 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         # These configure SGLang servers: as in slime (whose only engine SGLang is), they select it.
         flat["rollout_engine"] = "sglang"
     builtin_on_one_gpu = False
-    if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
+    builtin = flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None
+    if builtin or "actor_num_gpus_per_node" in flat:
+        # On N GPUs with no placement flag, the measured-faster plan (runtime.cluster.plan).
+        from runtime.cluster.plan import default_placement
+
+        for key, value in default_placement(flat, gpus=_local_gpus()).items():
+            flat.setdefault(key, value)
+    if builtin:
         builtin_on_one_gpu = _local_gpus() == 1 and "micro_batch_size" not in flat
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)

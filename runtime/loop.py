@@ -335,6 +335,14 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
+        # Engines that take weights while they generate, one rollout ahead and nothing offloaded: the sync does not
+        # wait for the rollout in flight (runtime.cluster.weight_sync.DistributedSync.stage).
+        staged_sync = (
+            getattr(weights, "can_stage", False)
+            and hasattr(source, "defer")
+            and getattr(source, "lookahead", 0) == 1
+            and not (offload.train or offload.rollout)
+        )
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
@@ -390,12 +398,19 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
-                source.pause()
-                engine_memory.resume(["weights"])
-                weights.push(done)
+                # The last step and an evaluated one need the new weights in the engines at once.
+                evaluated = evaluating and done % cfg.eval.eval_interval == 0
+                if staged_sync and done < r.num_rollout and not evaluated:
+                    # One-step async: sent while the next rollout samples, swapped in before the one after.
+                    weights.stage(done)
+                    source.defer(weights.commit)
+                else:
+                    source.pause()
+                    engine_memory.resume(["weights"])
+                    weights.push(done)
+                    source.resume(done)
                 if cfg.train.keep_old_actor:
                     trainers.call("advance_old_actor")
-                source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops

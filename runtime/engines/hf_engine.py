@@ -245,6 +245,9 @@ class HFEngine:
         self.weight_update = WeightUpdate(self.model)
         self._weight_version = 0
         self._weight_groups: dict[str, Any] = {}
+        # Weights received while generating (stage_weights_from_distributed), loaded by commit_staged_weights.
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: int | None = None
         self._released_tags: set[str] = set()
         self.released = False
         self.closed = False
@@ -412,6 +415,37 @@ class HFEngine:
         device = self.device if self.device.type == "cuda" else "cpu"
         bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
         self.load_weights(bucket, weight_version=weight_version)
+
+    def stage_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket as :meth:`update_weights_from_distributed` does, into a second buffer: the model keeps
+        sampling with its current weights (this runs beside ``generate``) until :meth:`commit_staged_weights`."""
+        if group_name not in self._weight_groups:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        device = self.device if self.device.type == "cuda" else "cpu"
+        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # received before the trainer is told so
+        self._staged.update(bucket)
+        if weight_version is not None:
+            self._staged_version = weight_version
+
+    def commit_staged_weights(self) -> int | None:
+        """Load the weights staged since the last commit (between two ``generate`` calls: it runs in their queue);
+        returns the version they carry, None when nothing was staged (a restarted engine got its weights whole)."""
+        if not self._staged:
+            return None
+        bucket, version = self._staged, self._staged_version
+        self._staged, self._staged_version = {}, None
+        self.load_weights(bucket, weight_version=version)
+        return version
 
     def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
         if group_name in self._weight_groups:
