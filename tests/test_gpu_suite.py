@@ -17,6 +17,7 @@ tests/test_x_cuda.py::test_c SKIPPED (needs two GPUs)                    [ 60%]
 tests/test_x_cuda.py::test_d XFAIL (flex bf16)                           [ 80%]
 tests/test_x_cuda.py::test_e PASSED                                      [100%]
 tests/test_x_cuda.py::test_e ERROR                                       [100%]
+tests/test_x_cuda.py::test_f[pp2-overlap]
 """
 
 
@@ -30,16 +31,19 @@ def test_a_pytest_log_is_counted_per_test_with_a_teardown_error_winning():
     counts, failed = gpu_suite.parse_pytest_log(LOG)
     assert counts == {"PASSED": 1, "FAILED": 1, "ERROR": 1, "SKIPPED": 1, "XFAIL": 1, "XPASS": 0}
     assert failed == ["tests/test_x_cuda.py::test_b[2-1-knobs0]", "tests/test_x_cuda.py::test_e"]
+    assert list(gpu_suite.test_outcomes(LOG).items())[-1] == ("tests/test_x_cuda.py::test_f[pp2-overlap]", "RUNNING")
 
 
 def test_the_results_file_has_a_row_per_file_and_each_bench_table():
     tests = gpu_suite.Result("test_x_cuda.py", ["py"], status="timed out (60 s)", seconds=60.4)
     tests.counts, tests.failed = gpu_suite.parse_pytest_log(LOG)
+    tests.outcomes = gpu_suite.test_outcomes(LOG)
     bench = gpu_suite.Result("logprob_gap", ["py", "tools/bench_logprob_gap.py"], status="finished", seconds=3)
     bench.output = "row | mean\ntrainer | 6.4e-03\n"
     text = gpu_suite.render([tests, bench], header={"date": "d", "machine": "m", "commit": "c"})
     assert "| `test_x_cuda.py` | timed out (60 s) | 1 | 1 | 1 | 1 | 1 | 60 |" in text
-    assert "- `tests/test_x_cuda.py::test_b[2-1-knobs0]`" in text
+    assert "- `tests/test_x_cuda.py::test_b[2-1-knobs0]` FAILED" in text
+    assert "- `tests/test_x_cuda.py::test_f[pp2-overlap]` RUNNING" in text
     assert "### bench logprob_gap" in text and "trainer | 6.4e-03" in text
     assert "- **commit**: c" in text
 

@@ -47,6 +47,7 @@ BENCHES = (
 
 OUTCOME = re.compile(r"^(?P<test>\S+::\S+(?:\[.*?\])?)\s+(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+STARTED = re.compile(r"^(?P<test>\S+::\S+(?:\[.*?\])?)\s*$")
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Result:
     seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
+    outcomes: dict[str, str] = field(default_factory=dict)
     output: str = ""
 
 
@@ -67,12 +69,20 @@ def test_files(root: Path = ROOT) -> list[Path]:
     return sorted(files, key=lambda p: (rank.get(p.name, len(rank)), p.name))
 
 
-def parse_pytest_log(text: str) -> tuple[dict[str, int], list[str]]:
-    """Each outcome's count and the names of the failed (or erroring) tests, from ``pytest -v`` output."""
+def test_outcomes(text: str) -> dict[str, str]:
+    """Each test's outcome in ``pytest -v`` output, in order; a test cut off by a timeout is ``RUNNING``."""
     outcomes: dict[str, str] = {}
     for line in text.splitlines():
         if m := OUTCOME.match(line.strip()):
             outcomes[m["test"]] = m["outcome"]  # a test's teardown ERROR after its PASSED counts as the ERROR
+        elif (m := STARTED.match(line.strip())) and m["test"] not in outcomes:
+            outcomes[m["test"]] = "RUNNING"  # its outcome follows on the same line unless the run stopped here
+    return outcomes
+
+
+def parse_pytest_log(text: str) -> tuple[dict[str, int], list[str]]:
+    """Each outcome's count and the names of the failed (or erroring) tests, from ``pytest -v`` output."""
+    outcomes = test_outcomes(text)
     counts = {o: sum(v == o for v in outcomes.values()) for o in OUTCOMES}
     return counts, [t for t, o in outcomes.items() if o in ("FAILED", "ERROR")]
 
@@ -144,9 +154,10 @@ def render(results: list[Result], *, header: dict[str, str]) -> str:
             f"| `{r.name}` | {r.status} | {c.get('PASSED', 0)} | {c.get('FAILED', 0)} | {c.get('ERROR', 0)} | "
             f"{c.get('SKIPPED', 0)} | {c.get('XFAIL', 0) + c.get('XPASS', 0)} | {r.seconds:.0f} |"
         )
-    failed = [(r.name, t) for r in tests for t in r.failed]
-    if failed:
-        lines += ["", "Failed or erroring tests:", ""] + [f"- `{t}`" for _, t in failed]
+    lines += ["", "Each test's outcome (`RUNNING`: cut off by the file's timeout):", ""]
+    for r in tests:
+        for test, outcome in r.outcomes.items():
+            lines.append(f"- `{test}` {outcome}")
     lines += ["", "## Benches", ""]
     for r in results:
         if r.name.endswith(".py"):
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated test file and bench names")
     parser.add_argument("--no-benches", action="store_true")
     parser.add_argument("--commit", default=None, help="the commit under test (default: git rev-parse HEAD)")
+    parser.add_argument("--note", default=None, help="a line for the results' header (why a run was cut short, say)")
     parser.add_argument("--list", action="store_true", help="print the items and their commands; run nothing")
     args = parser.parse_args(argv)
 
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": args.commit or commit_of(),
         "command": "python tools/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    if args.note:
+        header["note"] = args.note
     out, logs = Path(args.out), Path(args.log_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
@@ -206,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         result.status, result.seconds, result.output = run_item(cmd, timeout_s=limit, log=logs / f"{result.name}.log")
         if result.name.endswith(".py"):
             result.counts, result.failed = parse_pytest_log(result.output)
+            result.outcomes = test_outcomes(result.output)
         print(f"{result.name}: {result.status} in {result.seconds:.0f} s {result.counts or ''}", flush=True)
         out.write_text(render(results, header=header))
     out.write_text(render(results, header=header))
