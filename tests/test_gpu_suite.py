@@ -71,3 +71,26 @@ def test_only_naming_no_item_is_one_clear_error(capsys):
     with pytest.raises(SystemExit) as err:
         gpu_suite.main(["--only", "test_nothing_cuda.py", "--list"])
     assert err.value.code == 2 and "--only names no item: test_nothing_cuda.py" in capsys.readouterr().err
+
+
+def test_a_rerun_keeps_the_hand_kept_earlier_figures_and_replaces_the_rest(tmp_path):
+    out = tmp_path / "gpu-results.md"
+    earlier = "## Earlier figures\n\n| id | figure |\n| --- | --- |\n| E1 | 94 ms |\n"
+    out.write_text("# GPU results\n\n- **commit**: old\n\n" + earlier)
+    assert gpu_suite.earlier_section(out.read_text()) == earlier
+    argv = [
+        "--only",
+        "logprob_gap",
+        "--budget-s",
+        "0",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path),
+        "--commit",
+        "new",
+    ]
+    assert gpu_suite.main(argv) == 1
+    text = out.read_text()
+    assert "- **commit**: new" in text and "- **commit**: old" not in text
+    assert text.endswith(earlier) and "not run (budget)" in text

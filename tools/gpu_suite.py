@@ -10,9 +10,12 @@ parsed for each test's outcome, so a file cut off by its timeout still reports t
 prints a table; its output is copied into the results. The results file is rewritten after every item, so a run
 killed from outside still leaves a file that says what finished.
 
-The file is regenerated whole on each run (the previous one is in git history). README.md and docs/ cite its rows by
-the item names below (``test_megatron_cuda.py``, ``bench logprob_gap``); a claim whose code changed after the run's
-commit is marked "not rerun since" where it is made. Rerun at the end of each GPU change: ``make gpu-suite``.
+The file is regenerated on each run (the previous one is in git history), except its hand-kept last section,
+``## Earlier figures``, which is carried over as it is: GPU figures from runs made before this tool, or by commands
+it does not run, one row each (``E1``, ``E2``, ...) with machine, date and whether their code changed since. README.md
+and docs/ cite the rows by those ids or by this run's item names (``test_megatron_cuda.py``, ``bench logprob_gap``);
+a claim whose code changed after its run is marked "not rerun since" where it is made. Rerun at the end of each GPU
+change: ``make gpu-suite``.
 """
 
 from __future__ import annotations
@@ -137,7 +140,16 @@ def commit_of(root: Path = ROOT) -> str:
         return "unknown (no git checkout; pass --commit)"
 
 
-def render(results: list[Result], *, header: dict[str, str]) -> str:
+EARLIER = "## Earlier figures"
+
+
+def earlier_section(text: str) -> str:
+    """The hand-kept ``## Earlier figures`` section of a results file (to its end), or nothing."""
+    at = text.find("\n" + EARLIER)
+    return text[at + 1 :].rstrip() + "\n" if at >= 0 else ""
+
+
+def render(results: list[Result], *, header: dict[str, str], earlier: str = "") -> str:
     lines = [
         "# GPU results",
         "",
@@ -166,6 +178,8 @@ def render(results: list[Result], *, header: dict[str, str]) -> str:
         if r.output.strip():
             tail = "\n".join(r.output.rstrip().splitlines()[-40:])
             lines += ["```", tail, "```", ""]
+    if earlier:
+        lines += ["", earlier.rstrip()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -209,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     out, logs = Path(args.out), Path(args.log_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
+    earlier = earlier_section(out.read_text()) if out.is_file() else ""
     results = [Result(name, cmd) for name, cmd, _ in items]
     clock = time.monotonic()
     for result, (_, cmd, timeout) in zip(results, items, strict=True):
@@ -222,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             result.counts, result.failed = parse_pytest_log(result.output)
             result.outcomes = test_outcomes(result.output)
         print(f"{result.name}: {result.status} in {result.seconds:.0f} s {result.counts or ''}", flush=True)
-        out.write_text(render(results, header=header))
-    out.write_text(render(results, header=header))
+        out.write_text(render(results, header=header, earlier=earlier))
+    out.write_text(render(results, header=header, earlier=earlier))
     return 0 if all(r.status == "finished" for r in results) else 1
 
 
