@@ -78,6 +78,7 @@ from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub, check_label_types, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
+from runtime.slime_compat import num_rollout_of_epochs, train_iters
 from runtime.train.algo import (
     advantage_config,
     check_supported,
@@ -182,7 +183,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
-        params=sampling_params(cfg),
+        # None only for slime's SFT (runtime.slime_compat.is_sft_job), whose rollout generates nothing.
+        params=sampling_params(cfg) if r.rollout_max_response_len is not None else None,
         num_rollout=r.num_rollout,
         over_sampling_batch_size=r.over_sampling_batch_size,
         max_staleness=r.max_staleness,
@@ -701,19 +703,28 @@ def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
 
 
 def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
-    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass."""
-    r = cfg.rollout
+    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass; and
+    ``--lr-decay-iters``, when unset, derived from it as slime does (runtime.slime_compat.train_iters)."""
+    r, t = cfg.rollout, cfg.train
     if r.num_rollout is not None:
         return cfg
-    per_epoch = dataset_size // r.rollout_batch_size
-    if per_epoch == 0:
+    if dataset_size // r.rollout_batch_size == 0:
         raise ConfigError(
             [
                 f"--num-epoch: the prompt data holds {dataset_size} prompts, fewer than --rollout-batch-size "
                 f"{r.rollout_batch_size}: set --num-rollout"
             ]
         )
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
+    num_rollout = num_rollout_of_epochs(
+        num_epoch=r.num_epoch, dataset_size=dataset_size, rollout_batch_size=r.rollout_batch_size
+    )
+    sizes = dict(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt)
+    decay = t.lr_decay_iters or train_iters(num_rollout=num_rollout, global_batch_size=t.global_batch_size, **sizes)
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(r, num_rollout=num_rollout),
+        train=dataclasses.replace(t, lr_decay_iters=decay),
+    )
 
 
 def eval_data_config(cfg: Config, dataset: EvalDataset) -> DataConfig:
