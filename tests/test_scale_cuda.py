@@ -118,6 +118,8 @@ def test_one_step_async_pushes_mid_run_and_trains_one_version_behind(tmp_path):
         "--check-weight-update-equal",
     )  # fmt: skip
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:  # the step's parts, for the record (pytest -rA shows them)
+        print({k.removeprefix("perf/"): round(v, 3) for k, v in row.items() if k.startswith("perf/") and v})
     assert rows[0]["rollout/weight_version_lag_max"] == 0
     for row in rows[1:]:
         assert row["rollout/weight_version_lag_mean"] == 1 and row["rollout/weight_version_lag_max"] == 1
