@@ -230,6 +230,14 @@ def test_rl_loss_on_a_tiny_batch_by_hand():
     assert float(m["entropy"]) == pytest.approx(2.0)
 
 
+def test_every_policy_loss_has_one_term_in_the_table():
+    """rl_loss dispatches through a table; a name LossConfig accepts without a term would fail only at loss time."""
+    from rlcore.losses import POLICY_LOSSES
+    from rlcore.losses.rl_loss import _POLICY_TERMS
+
+    assert tuple(_POLICY_TERMS) == POLICY_LOSSES
+
+
 @given(shape=shapes, seed=seeds, policy=st.sampled_from(["gspo", "cispo"]), mode=st.sampled_from(AGG_MODES))
 def test_rl_loss_gspo_and_cispo_are_the_aggregated_tensor_losses(shape, seed, policy, mode):
     td = make_batch(seed, *shape)

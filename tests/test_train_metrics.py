@@ -17,6 +17,35 @@ metric_dicts = st.dictionaries(st.sampled_from(NAMES), values, min_size=1)
 def test_which_metrics_are_maxima():
     assert is_max_metric("ratio_max") and is_max_metric("tis_weight_max")
     assert not is_max_metric("ratio_mean") and not is_max_metric("max_len") and not is_max_metric("pg_loss")
+    # A hook's metric that only looks like a maximum by its name is summed, as its maker did not declare it one.
+    assert not is_max_metric("custom_max")
+
+
+def test_every_maximum_rl_loss_reports_is_declared():
+    """rl_loss's metrics that are maxima over tokens equal the largest masked token value; each is in MAX_METRICS,
+    and no declared name is missing from what rl_loss (with TIS on) reports."""
+    from tensordict import TensorDict
+
+    from rlcore import keys
+    from rlcore.losses import MAX_METRICS, LossConfig, rl_loss
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    old = -torch.rand(2, 3, generator=g) - 0.1
+    td = TensorDict(
+        {
+            keys.MASK: mask,
+            keys.LOG_PROBS: old + 0.1 * torch.randn(2, 3, generator=g),
+            keys.OLD_LOG_PROBS: old,
+            keys.ROLLOUT_LOG_PROBS: old + 0.1 * torch.randn(2, 3, generator=g),
+            keys.ADVANTAGES: torch.randn(2, 3, generator=g),
+        },
+        batch_size=[2],
+    )
+    _, metrics = rl_loss(td, LossConfig(use_tis=True, tis_clip=10.0))
+    ratio = torch.exp(td[keys.LOG_PROBS] - old)[mask]
+    assert float(metrics["ratio_max"]) == pytest.approx(float(ratio.max()), rel=1e-6)
+    assert MAX_METRICS <= set(metrics.keys())
 
 
 @given(st.lists(metric_dicts, max_size=6))

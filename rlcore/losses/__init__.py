@@ -5,7 +5,7 @@ from rlcore.losses.entropy import entropy_bonus
 from rlcore.losses.kl import KL_KINDS, approx_kl
 from rlcore.losses.mismatch import MISMATCH_LEVELS, MISMATCH_MODES, mismatch_weights
 from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip
-from rlcore.losses.rl_loss import POLICY_LOSSES, LossConfig, rl_loss
+from rlcore.losses.rl_loss import MAX_METRICS, POLICY_LOSSES, LossConfig, rl_loss
 from rlcore.losses.sft import sft_loss
 from rlcore.losses.value import critic_loss, value_loss
 
@@ -14,6 +14,7 @@ __all__ = [
     "KL_KINDS",
     "MISMATCH_LEVELS",
     "MISMATCH_MODES",
+    "MAX_METRICS",
     "POLICY_LOSSES",
     "LossConfig",
     "Normalizer",

@@ -18,6 +18,9 @@ from rlcore.losses.policy import cispo, gspo, opsm_keep, ppo_clip, sequence_log_
 from rlcore.losses.value import value_loss
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# The metrics rl_loss (and the fused loss) report as maxima over tokens: they combine by max over micro-batches, ranks
+# and optimizer steps. Every other metric is a micro-batch's share of a global-batch token mean, which adds up.
+MAX_METRICS = frozenset({"ratio_max", "tis_weight_max"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +133,43 @@ def _read(td: TensorDictBase, key: str, mask: Tensor, *, needed_by: str) -> Tens
     return masked_fill_zero(x, mask)
 
 
+def _ppo_term(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig):
+    pg, clipped = ppo_clip(
+        log_probs,
+        old_log_probs,
+        advantages,
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=_eps_high(cfg),
+        dual_clip=cfg.eps_clip_c,
+    )
+    return pg, clipped, torch.exp(log_probs - old_log_probs).detach()
+
+
+def _gspo_term(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig):
+    pg, clipped = gspo(log_probs, old_log_probs, advantages, mask, eps_clip=cfg.eps_clip, eps_clip_high=_eps_high(cfg))
+    ratio = torch.exp(sequence_log_ratio(log_probs, old_log_probs, mask))[:, None].expand_as(mask).detach()
+    return pg, clipped, ratio
+
+
+def _cispo_term(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig):
+    eps_low = cfg.eps_clip if cfg.cispo_clip_low else None
+    pg, clipped = cispo(log_probs, old_log_probs, advantages, eps_clip_high=_eps_high(cfg), eps_clip=eps_low)
+    return pg, clipped, torch.exp(log_probs - old_log_probs).detach()
+
+
+def _eps_high(cfg: LossConfig) -> float:
+    return cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+
+
+# One entry per policy loss: (log_probs, old_log_probs, advantages, mask, cfg) -> (per-token loss, clipped [B, T]
+# bool, ratio [B, T] reported as ``ratio_*``; GSPO's is the sequence ratio on every token of its sample).
+_POLICY_TERMS: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {
+    "ppo": _ppo_term,
+    "gspo": _gspo_term,
+    "cispo": _cispo_term,
+}
+
+
 def rl_loss(
     td: TensorDictBase,
     cfg: LossConfig,
@@ -212,24 +252,7 @@ def rl_loss(
         old_log_probs = log_probs.detach()
     log_ratio = (log_probs - old_log_probs).detach()
 
-    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    if cfg.policy_loss == "ppo":
-        pg, clipped = ppo_clip(
-            log_probs,
-            old_log_probs,
-            advantages,
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=eps_high,
-            dual_clip=cfg.eps_clip_c,
-        )
-        ratio = torch.exp(log_ratio)
-    elif cfg.policy_loss == "gspo":
-        pg, clipped = gspo(log_probs, old_log_probs, advantages, mask, eps_clip=cfg.eps_clip, eps_clip_high=eps_high)
-        ratio = torch.exp(sequence_log_ratio(log_probs, old_log_probs, mask))[:, None].expand_as(mask).detach()
-    else:
-        eps_low = cfg.eps_clip if cfg.cispo_clip_low else None
-        pg, clipped = cispo(log_probs, old_log_probs, advantages, eps_clip_high=eps_high, eps_clip=eps_low)
-        ratio = torch.exp(log_ratio)
+    pg, clipped, ratio = _POLICY_TERMS[cfg.policy_loss](log_probs, old_log_probs, advantages, mask, cfg)
     if cfg.use_opsm:
         opsm = opsm_keep(log_probs, old_log_probs, advantages, mask, delta=cfg.opsm_delta)
         pg = pg * opsm

@@ -1,9 +1,10 @@
 """How a trainer combines the loss's metrics: over micro-batches and ranks within an optimizer step, then over steps.
 
 Token means (``rl_loss``'s metrics of a micro-batch are its share of the global batch's token mean) add up over
-micro-batches and data-parallel ranks; maxima over tokens (``*_max``: ``ratio_max``, ``tis_weight_max``) combine by
-max. Over the optimizer steps of one rollout, means are averaged and maxima stay maxima, so ``ratio_max`` is the
-largest ratio any step saw, as its name says, not a mean of per-step maxima.
+micro-batches and data-parallel ranks; maxima over tokens combine by max. Which metrics are maxima is declared where
+they are made (``rlcore.losses.MAX_METRICS``), not read off their names. Over the optimizer steps of one rollout,
+means are averaged and maxima stay maxima, so ``ratio_max`` is the largest ratio any step saw, not a mean of per-step
+maxima.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from rlcore.losses import MAX_METRICS
+
 
 def is_max_metric(name: str) -> bool:
-    """Whether ``name`` is a maximum over tokens (``*_max``), which combines by max rather than by sum or mean."""
-    return name.endswith("_max")
+    """Whether ``name`` is a maximum over tokens (``rlcore.losses.MAX_METRICS``): it combines by max, not by sum."""
+    return name in MAX_METRICS
 
 
 def sums_and_maxima(micro_batches: Iterable[Mapping[str, object]]) -> tuple[dict[str, float], dict[str, float]]:
