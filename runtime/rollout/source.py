@@ -178,7 +178,7 @@ class RolloutSettings:
 
     rollout_batch_size: int
     n_samples: int
-    params: SamplingParams
+    params: SamplingParams | None  # None: the job generates nothing (slime's SFT rollout, no response length)
     num_rollout: int
     over_sampling_batch_size: int | None = None
     max_staleness: int = 1
