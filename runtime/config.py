@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -1575,6 +1576,28 @@ def _arg_type(name: str, inner: Any, optional: bool):
     return convert
 
 
+def negated(name: str) -> str:
+    """The flag that sets a boolean field False: ``use_tis`` -> ``--no-use-tis``, ``no_save_optim`` ->
+    ``--no-no-save-optim`` (the field's own flag ``--no-save-optim`` sets it True)."""
+    return "--no-" + name.replace("_", "-")
+
+
+class _Switch(argparse.Action):
+    """A boolean field's two flags: its own sets True, the ``--no-`` one False. Unlike argparse's
+    BooleanOptionalAction, which reads any flag starting ``--no-`` as False, a field named ``no_*`` (``--no-save-optim``)
+    is set True by its own flag."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.positive = option_strings[0]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string == self.positive)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
@@ -1620,7 +1643,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups[section]
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
-            group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag(name), negated(name), dest=name, action=_Switch, help=help_text)
         elif typing.get_origin(inner) is list and f.metadata.get("append"):
             group.add_argument(flag(name), dest=name, action="append", help=help_text)
         elif typing.get_origin(inner) is list:
@@ -1720,7 +1743,35 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     Precedence: defaults (the built-in job's for settings left unset when neither ``--hf-checkpoint`` nor
     ``--prompt-data`` is given), then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
     """
-    parsed, extras = build_parser().parse_known_args(argv)
+    cfg, problems = _resolve(argv)
+    if cfg is not None:
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def resolve_args(argv: Sequence[str] | None = None) -> Config:
+    """The ``Config`` a command line resolves to (YAML files read, flags applied, derived defaults filled), not
+    validated: ``parse_args`` is this plus ``validate``. Raises ``ConfigError`` for flags and keys it cannot take."""
+    cfg, problems = _resolve(argv)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    # Parsing does not change a parser: one per process serves every parse_args call.
+    return build_parser()
+
+
+def _resolve(argv: Sequence[str] | None) -> tuple[Config | None, list[str]]:
+    """The unvalidated ``Config`` of a command line (None when it cannot be built) and the problems found."""
+    parsed, extras = _cached_parser().parse_known_args(argv)
     namespace = vars(parsed)
     # Flags of slime's that this parser does not take (the SGLang fleet's, Megatron's) are named with their issue.
     problems = [slime_flags.unknown_flag_problem(arg) for arg in slime_flags.unknown_flags(extras)]
@@ -1757,13 +1808,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             # slime's actor role args: the entry's overrides win over the command line.
             namespace.update(megatron_role_overrides(megatron_path, role="actor"))
         cfg = from_dict(tree, **namespace)
-        problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
-        validate(cfg)
     except ConfigError as err:
-        raise ConfigError(problems + err.problems) from None
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+        return None, problems + err.problems
+    problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
+    return cfg, problems
 
 
 def _check_positive(problems: list[str], cfg: Config) -> None:

@@ -1,0 +1,143 @@
+"""Every flag of rlcore-run through the command line and through YAML: generated from the schema, so a field added
+later is covered without editing this file.
+
+Each boolean is set both ways; every other field to a valid value that differs from its default. The resolved
+config (``resolve_args``: flags and YAML applied, not validated, so that one field can change alone) must hold
+exactly that value in that field. Values are parsed from their text, and text round-trips exactly for the ints,
+strings and the binary fractions chosen for floats, so the comparisons are exact by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any, Literal
+
+import pytest
+import yaml
+
+from runtime.config import _SPECS, Config, _unwrap_optional, flag, negated, resolve_args
+
+# The fields whose value is given by another flag (passthrough dicts: one --sglang-*/--router-* flag per SGLang flag;
+# their own tests are tests/test_sglang_flags.py).
+_PASSTHROUGH = {name for name, (_, f, _) in _SPECS.items() if f.metadata.get("passthrough")}
+_DEFAULTS = Config()
+# Files that resolving reads (their own tests: tests/test_slime_flags*.py): these fields get a real file's path.
+_READ_FILES = {
+    "custom_config_path": "{}\n",
+    "megatron_config_path": "megatron: [{role: actor, overrides: {}}]\n",
+}
+# A flag with one choice (--optimizer adam: slime's other optimizers are not built) has no other value to set.
+_ONLY_CHOICE = object()
+
+
+def _other_value(name: str) -> Any:
+    """A valid value of field ``name`` different from its default."""
+    _, f, tp = _SPECS[name]
+    inner, optional = _unwrap_optional(tp)
+    default = getattr(_DEFAULTS, name)
+    if typing.get_origin(inner) is Literal:
+        return next((c for c in typing.get_args(inner) if c != default), _ONLY_CHOICE)
+    if typing.get_origin(inner) is list:
+        (item,) = typing.get_args(inner)
+        return [item(3), item(5)] if item is not str else ["a.jsonl", "b.jsonl"]
+    table = {
+        int: lambda: (default or 0) + 3,
+        # 0.375 and 0.625 are exact binary fractions: text and float agree exactly.
+        float: lambda: 0.375 if default != 0.375 else 0.625,
+        str: lambda: f"{name}-value",
+        dict: lambda: {"key": 1, "other": "text"},
+    }
+    return table[inner]()
+
+
+def _argv(name: str, value: Any) -> list[str]:
+    _, f, tp = _SPECS[name]
+    if isinstance(value, bool):
+        return [flag(name) if value else negated(name)]
+    if isinstance(value, list) and f.metadata.get("append"):
+        return [arg for item in value for arg in (flag(name), str(item))]
+    if isinstance(value, list):
+        return [flag(name), *map(str, value)]
+    if isinstance(value, dict):
+        return [flag(name), json.dumps(value)]
+    return [flag(name), str(value)]
+
+
+def _cases() -> list[tuple[str, Any]]:
+    cases = []
+    for name, (_, f, tp) in _SPECS.items():
+        if name in _PASSTHROUGH:
+            continue
+        inner, optional = _unwrap_optional(tp)
+        if inner is bool:
+            cases += [(name, True), (name, False)]
+        else:
+            value = _other_value(name)
+            cases += [(name, value if value is not _ONLY_CHOICE else getattr(_DEFAULTS, name))]
+            if optional and getattr(_DEFAULTS, name) is not None:
+                cases.append((name, None))
+    return cases
+
+
+CASES = _cases()
+
+
+def _with_files(tmp_path, name: str, value: Any) -> Any:
+    if name in _READ_FILES and value is not None:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(_READ_FILES[name])
+        return str(path)
+    return value
+
+
+def _ids(case: tuple[str, Any]) -> str:
+    return f"{case[0]}={case[1]!r}"
+
+
+def test_the_cases_cover_every_field_with_a_flag():
+    covered = {name for name, _ in CASES}
+    assert covered == set(_SPECS) - _PASSTHROUGH
+    bools = [name for name, (_, _, tp) in _SPECS.items() if _unwrap_optional(tp)[0] is bool]
+    assert all((name, True) in CASES and (name, False) in CASES for name in bools)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_every_flag_reaches_its_field_through_argv(tmp_path, case):
+    name, value = case
+    value = _with_files(tmp_path, name, value)
+    argv = _argv(name, value) if value is not None else [flag(name), "none"]
+    cfg = resolve_args(argv)
+    assert getattr(cfg, name) == value, argv
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_every_setting_reaches_its_field_through_yaml(tmp_path, layout):
+    # One file per case would be hundreds of files; a field's YAML key is its name, so all cases of one polarity go
+    # in two files (the first value of each field, then the second), each resolved once.
+    firsts: dict[str, Any] = {}
+    seconds: dict[str, Any] = {}
+    for name, value in CASES:
+        (seconds if name in firsts else firsts)[name] = _with_files(tmp_path, name, value)
+    for i, values in enumerate((firsts, seconds)):
+        tree: dict[str, Any] = {}
+        for name, value in values.items():
+            section = _SPECS[name][0]
+            if layout == "nested" and section is not None:
+                tree.setdefault(section, {})[name] = value
+            else:
+                tree[name] = value
+        path = tmp_path / f"{layout}{i}.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        cfg = resolve_args(["--config", str(path)])
+        wrong = {n: (getattr(cfg, n), v) for n, v in values.items() if getattr(cfg, n) != v}
+        assert not wrong, wrong
+
+
+def test_no_save_optim_is_set_by_its_own_flag_and_allows_stateless_adam():
+    # argparse's BooleanOptionalAction read any flag starting --no- as False: --no-save-optim resolved to False.
+    from runtime.config import parse_args
+
+    assert resolve_args(["--no-save-optim"]).ckpt.no_save_optim is True
+    assert resolve_args(["--no-no-save-optim"]).ckpt.no_save_optim is False
+    assert parse_args(["--use-stateless-adam", "--no-save-optim"]).ckpt.no_save_optim is True
