@@ -1584,8 +1584,8 @@ def negated(name: str) -> str:
 
 class _Switch(argparse.Action):
     """A boolean field's two flags: its own sets True, the ``--no-`` one False. Unlike argparse's
-    BooleanOptionalAction, which reads any flag starting ``--no-`` as False, a field named ``no_*`` (``--no-save-optim``)
-    is set True by its own flag."""
+    BooleanOptionalAction, which reads any flag starting ``--no-`` as False, a field named ``no_*``
+    (``--no-save-optim``) is set True by its own flag."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
         super().__init__(option_strings, dest, nargs=0, **kwargs)

@@ -33,8 +33,8 @@ _ONLY_CHOICE = object()
 
 def _other_value(name: str) -> Any:
     """A valid value of field ``name`` different from its default."""
-    _, f, tp = _SPECS[name]
-    inner, optional = _unwrap_optional(tp)
+    tp = _SPECS[name][2]
+    inner, _ = _unwrap_optional(tp)
     default = getattr(_DEFAULTS, name)
     if typing.get_origin(inner) is Literal:
         return next((c for c in typing.get_args(inner) if c != default), _ONLY_CHOICE)
@@ -52,7 +52,7 @@ def _other_value(name: str) -> Any:
 
 
 def _argv(name: str, value: Any) -> list[str]:
-    _, f, tp = _SPECS[name]
+    f = _SPECS[name][1]
     if isinstance(value, bool):
         return [flag(name) if value else negated(name)]
     if isinstance(value, list) and f.metadata.get("append"):
@@ -66,7 +66,7 @@ def _argv(name: str, value: Any) -> list[str]:
 
 def _cases() -> list[tuple[str, Any]]:
     cases = []
-    for name, (_, f, tp) in _SPECS.items():
+    for name, (_, _, tp) in _SPECS.items():
         if name in _PASSTHROUGH:
             continue
         inner, optional = _unwrap_optional(tp)
