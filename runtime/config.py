@@ -1576,6 +1576,24 @@ def _arg_type(name: str, inner: Any, optional: bool):
     return convert
 
 
+# slime's schedule switches, each the same as one --rollout-schedule.
+SCHEDULE_SHORTHANDS = {"--async": "one_step", "--fully-async": "fully_async"}
+
+
+def _schedule_problem(namespace: dict[str, Any]) -> str | None:
+    """Fold the schedule shorthands of a parsed command line into ``rollout_schedule``; a message naming both flags
+    when two of them (or one and ``--rollout-schedule``) ask for different schedules."""
+    given = list(dict(namespace.pop("schedule_shorthands", None) or []).items())
+    if "rollout_schedule" in namespace:
+        given.append((f"--rollout-schedule {namespace['rollout_schedule']}", namespace["rollout_schedule"]))
+    if len({schedule for _, schedule in given}) > 1:
+        (first, a), (second, b) = next((x, y) for i, x in enumerate(given) for y in given[i + 1 :] if x[1] != y[1])
+        return f"{first} and {second} ask for different rollout schedules ({a} and {b}): give one"
+    if given:
+        namespace["rollout_schedule"] = given[0][1]
+    return None
+
+
 def negated(name: str) -> str:
     """The flag that sets a boolean field False: ``use_tis`` -> ``--no-use-tis``, ``no_save_optim`` ->
     ``--no-no-save-optim`` (the field's own flag ``--no-save-optim`` sets it True)."""
@@ -1620,12 +1638,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ours: parse, validate and resolve the config, print it and the placement plan, and exit (no Ray)",
     )
-    for shorthand, schedule in (("--async", "one_step"), ("--fully-async", "fully_async")):
+    for shorthand, schedule in SCHEDULE_SHORTHANDS.items():
+        # Each given shorthand is recorded with its flag, so that two that disagree are named, not the last taken.
         parser.add_argument(
             shorthand,
-            dest="rollout_schedule",
-            action="store_const",
-            const=schedule,
+            dest="schedule_shorthands",
+            action="append_const",
+            const=(shorthand, schedule),
             help=f"--rollout-schedule {schedule}",
         )
     defaults = Config()
@@ -1781,6 +1800,9 @@ def _resolve(argv: Sequence[str] | None) -> tuple[Config | None, list[str]]:
     switches = slime_flags.pop_megatron_switches(namespace)
     problems += slime_flags.refused_problems(refused)
     namespace.pop("dry_run", None)  # the CLI's business (runtime.cli), not the job's
+    schedule_problem = _schedule_problem(namespace)
+    if schedule_problem is not None:
+        return None, [*problems, schedule_problem]
     config_path = namespace.pop("config", None)
     try:
         tree = read_yaml_tree(config_path) if config_path is not None else {}

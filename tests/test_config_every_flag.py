@@ -141,3 +141,31 @@ def test_no_save_optim_is_set_by_its_own_flag_and_allows_stateless_adam():
     assert resolve_args(["--no-save-optim"]).ckpt.no_save_optim is True
     assert resolve_args(["--no-no-save-optim"]).ckpt.no_save_optim is False
     assert parse_args(["--use-stateless-adam", "--no-save-optim"]).ckpt.no_save_optim is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--fully-async", "--rollout-schedule", "sync"], ("--fully-async", "--rollout-schedule sync")),
+        (["--rollout-schedule", "one_step", "--fully-async"], ("--fully-async", "--rollout-schedule one_step")),
+        (["--async", "--fully-async"], ("--async", "--fully-async")),
+    ],
+)
+def test_conflicting_schedule_flags_exit_2_with_one_line_naming_both(capsys, argv, named):
+    from runtime.cli import EXIT_BAD_INPUT, main
+
+    assert main([*argv, "--dry-run"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and all(name in err for name in named), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "schedule"),
+    [
+        (["--async"], "one_step"),
+        (["--async", "--async"], "one_step"),
+        (["--fully-async", "--rollout-schedule", "fully_async"], "fully_async"),
+    ],
+)
+def test_agreeing_schedule_flags_resolve(argv, schedule):
+    assert resolve_args(argv).rollout.rollout_schedule == schedule
