@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from runtime.config import Config, ConfigError, eval_datasets, format_config, parse_args
 from runtime.errors import JobError
 from runtime.hooks import HookError
-from runtime.rollout.data import DataError
 from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
 
 # Exit status of a job that could not start because of its inputs (argparse uses 2 for bad flags too).
@@ -38,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     from runtime.loop import run
+    from runtime.rollout.data import DataError
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def dry_run_report(cfg: Config) -> str:
     """What a run would derive from ``cfg`` before starting anything: batch arithmetic, the algorithm's settings,
     the model roles and the placement plan."""
-    from runtime.cluster.placement import plan_bundles
+    from runtime.cluster.bundles import plan_bundles
 
     r, t, a = cfg.rollout, cfg.train, cfg.algo
     per_rollout = r.rollout_batch_size * r.n_samples_per_prompt

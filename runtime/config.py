@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -26,12 +27,12 @@ from typing import Any, Literal
 
 import yaml
 
-from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
+from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_flags
 from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
-from runtime.train.backends import TRAIN_BACKENDS, lora
+from runtime.train.backends import TRAIN_BACKENDS, lora_options
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
@@ -1165,10 +1166,23 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
 
 
 def _local_gpus() -> int:
-    """CUDA devices this process sees (the built-in job runs on this machine alone)."""
-    import torch
-
-    return torch.cuda.device_count()
+    """NVIDIA devices this process sees (the built-in job runs on this machine alone): the driver's GPUs, as many as
+    ``CUDA_VISIBLE_DEVICES`` leaves. Read without torch, which the front end does not import (torch's own count
+    initialises CUDA's runtime for it)."""
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    # CUDA takes the listed devices up to the first that is no device (empty, or negative as in "-1").
+    listed = 0
+    for entry in visible.split(","):
+        if not entry.strip() or entry.strip().startswith("-"):
+            break
+        listed += 1
+    return min(present, listed)
 
 
 # slime's forge rollout function (--load-forge-rollout-data), by slime's path and ours.
@@ -1616,6 +1630,22 @@ class _Switch(argparse.Action):
         return " | ".join(self.option_strings)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout with a plain greedy word wrap: ``textwrap`` (argparse's) was most of ``--help``'s time over
+    the ~900 flags (rlcore's and SGLang's passthrough ones)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines: list[str] = []
+        line = ""
+        for word in text.split():
+            if line and len(line) + 1 + len(word) > width:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        return [*lines, line] if line else lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
@@ -1631,6 +1661,7 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         # A prefix of a flag must not silently select it: --rollout-max could mean two flags as new ones land.
         allow_abbrev=False,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
     parser.add_argument(
@@ -1964,7 +1995,7 @@ def _check_lora(problems: list[str], cfg: Config) -> None:
     if not 0 <= t.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {t.lora_dropout!r}")
     try:
-        lora.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
+        lora_options.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
     except ValueError as err:
         problems.append(str(err))
     if importlib.util.find_spec("peft") is None:
@@ -2158,7 +2189,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
                 "--train-backend megatron"
             )
             return
-        from runtime.train.backends.megatron_checkpoint import find_checkpoint
+        from runtime.train.backends.megatron_paths import find_checkpoint
 
         try:
             find_checkpoint(load, step=step, flag="--opd-teacher-load")
@@ -2182,7 +2213,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
 def _is_megatron_checkpoint(path: str, flag_name: str, problems: list[str]) -> bool:
     """Whether ``path`` is a Megatron torch_dist checkpoint (folder or save root); a save root naming a missing folder
     is a problem of its own."""
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     if not os.path.isdir(path):
         return False
@@ -2241,7 +2272,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
                 "--train-backend megatron"
             )
         else:
-            from runtime.train.backends.megatron_checkpoint import find_checkpoint
+            from runtime.train.backends.megatron_paths import find_checkpoint
 
             try:
                 find_checkpoint(ref_load, step=ref_step, flag="--ref-load")
@@ -2422,6 +2453,18 @@ def _read_config_json(path: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _installed(dotted: str) -> bool:
+    """Whether the module ``dotted`` can be imported, found without importing it or its parents (``find_spec`` of
+    ``a.b`` imports ``a``, and megatron's ``__init__`` imports torch)."""
+    top, *rest = dotted.split(".")
+    spec = importlib.util.find_spec(top)
+    for part in rest:
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
+
+
 def _check_megatron(problems: list[str], cfg: Config) -> None:
     """--train-backend megatron's flags: used only there, consistent, and (with the model shape flags, any backend)
     in agreement with --hf-checkpoint's config.json."""
@@ -2494,7 +2537,7 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
             "Megatron backend's loss and log-prob passes do not call them yet)"
         )
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    if not _installed("megatron.core"):
         problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
