@@ -32,7 +32,7 @@ from runtime import slime_flags
 from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
-from runtime.train.backends import TRAIN_BACKENDS, lora_options
+from runtime.train.backends import TRAIN_BACKENDS, backend_options, lora_options
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
@@ -1165,12 +1165,16 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
 }
 
 
+# One folder per NVIDIA GPU the driver has.
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
+
+
 def _local_gpus() -> int:
     """NVIDIA devices this process sees (the built-in job runs on this machine alone): the driver's GPUs, as many as
     ``CUDA_VISIBLE_DEVICES`` leaves. Read without torch, which the front end does not import (torch's own count
     initialises CUDA's runtime for it)."""
     try:
-        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+        present = len(os.listdir(NVIDIA_GPUS_DIR))
     except OSError:
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -2375,6 +2379,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "set, as in slime"
         )
     _check_megatron(problems, cfg)
+    _check_backend_fields(problems, cfg)
     _check_hook_combinations(problems, cfg)
     _check_sglang(problems, cfg)
     _check_schedule(problems, cfg)
@@ -2383,64 +2388,11 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
 
 
-# TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
-MEGATRON_TRAIN_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "recompute_method",
-    "recompute_num_layers",
-    "optimizer",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "lr_decay_style",
-    "lr_warmup_iters",
-    "lr_warmup_fraction",
-    "min_lr",
-    "accumulate_allreduce_grads_in_fp32",
-    "use_distributed_optimizer",
-    "overlap_grad_reduce",
-    "ddp_bucket_size",
-    "bias_swiglu_fusion",
-    "attention_backend",
-    "attention_dropout",
-    "hidden_dropout",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "deterministic_mode",
-    "optimizer_cpu_offload",
-    "overlap_cpu_optimizer_d2h_h2d",
+# The Megatron backend's own flags and the values it builds, declared beside it (re-exported for their readers).
+from runtime.train.backends.megatron_options import (  # noqa: E402
+    MEGATRON_VALUES_BUILT,
 )
-# slime's flags of its Megatron backend that rlcore builds for --train-backend megatron only.
-MEGATRON_SLIME_FIELDS = (
-    "distributed_backend",
-    "distributed_timeout_minutes",
-    "padded_vocab_size",
-    "model_name",
-    "custom_model_provider_path",
-    "recompute_loss_function",
-    "megatron_config_path",
-)
-_DENSE = "expert parallelism splits MoE experts, and the Megatron backend builds dense models only"
-_NO_DROPOUT = (
-    "the Megatron backend trains with dropout off, so that its old and new log-probs are computed alike (slime's "
-    "scripts pass 0.0)"
-)
-# The values of Megatron's flags that the Megatron backend builds (TrainConfig field -> (values, why no other)): one
-# table, read by the validation and by the tests.
-MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "attention_backend": (
-        ("auto", "flash", "local", "unfused"),
-        "fused is Transformer Engine's cuDNN attention, which is not installed (auto and flash run PyTorch's "
-        "scaled_dot_product_attention, its flash kernel on GPUs; local and unfused megatron-core's own)",
-    ),
-    "attention_dropout": ((0.0,), _NO_DROPOUT),
-    "hidden_dropout": ((0.0,), _NO_DROPOUT),
-    "expert_model_parallel_size": ((1,), _DENSE),
-    "expert_tensor_parallel_size": ((1,), _DENSE),
-}
+
 MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
 
 
@@ -2465,13 +2417,27 @@ def _installed(dotted: str) -> bool:
     return spec is not None
 
 
+def _check_backend_fields(problems: list[str], cfg: Config) -> None:
+    """A flag that another training backend declares as its own (``OWN_FIELDS`` of its options module, named in
+    ``runtime.train.backends.TRAIN_BACKEND_OPTIONS``), set away from its default, is refused: the chosen backend
+    would ignore it. Which flags belong to which backend is the backends' declaration, not a list kept here."""
+    chosen = cfg.train.train_backend
+    # The defaults of this kind of job (the built-in job has its own, --lora-modules-to-save among them).
+    defaults = from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data)
+    for owner in TRAIN_BACKENDS:
+        if owner == chosen:
+            continue
+        for name, what in backend_options(owner).OWN_FIELDS.items():
+            if getattr(cfg, name) != getattr(defaults, name):
+                problems.append(f"{flag(name)}: {what}, used by --train-backend {owner} only")
+
+
 def _check_megatron(problems: list[str], cfg: Config) -> None:
     """--train-backend megatron's flags: used only there, consistent, and (with the model shape flags, any backend)
     in agreement with --hf-checkpoint's config.json."""
     from runtime.train.backends import megatron_config
 
     t = cfg.train
-    defaults = TrainConfig()
     hf = _read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
     shape = None
     if hf is not None:
@@ -2490,14 +2456,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
                 "--recompute-granularity selective (Megatron's core-attention recompute): the torch backend "
                 "recomputes whole decoder layers only (full)"
             )
-        for name in MEGATRON_TRAIN_FIELDS:
-            if getattr(t, name) != getattr(defaults, name):
-                problems.append(f"{flag(name)}: a Megatron flag, used by --train-backend megatron only")
-        for name in MEGATRON_SLIME_FIELDS:
-            if getattr(t, name) != getattr(defaults, name):
-                problems.append(
-                    f"{flag(name)}: a flag of slime's Megatron backend, built for --train-backend megatron only"
-                )
         return
     if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
         problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
@@ -2575,10 +2533,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} {value}: {why} (takes {shown})")
     if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
-    if t.lora_rank > 0:
-        problems.append("--lora-rank: LoRA is built for --train-backend torch only")
-    if t.keep_old_actor:
-        problems.append("--keep-old-actor is built for --train-backend torch only")
     if shape is not None:
         problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
 

@@ -169,3 +169,37 @@ def test_conflicting_schedule_flags_exit_2_with_one_line_naming_both(capsys, arg
 )
 def test_agreeing_schedule_flags_resolve(argv, schedule):
     assert resolve_args(argv).rollout.rollout_schedule == schedule
+
+
+def _owned() -> list[tuple[str, str]]:
+    from runtime.train.backends import TRAIN_BACKENDS, backend_options
+
+    return [(owner, name) for owner in TRAIN_BACKENDS for name in backend_options(owner).OWN_FIELDS]
+
+
+def test_backend_options_name_fields_of_the_schema_owned_once():
+    owned = [name for _, name in _owned()]
+    assert set(owned) <= set(_SPECS), set(owned) - set(_SPECS)
+    assert len(owned) == len(set(owned))
+
+
+@pytest.mark.parametrize(("owner", "name"), _owned(), ids=lambda x: x)
+def test_a_backends_own_flag_is_refused_under_another_backend_with_the_reason(tmp_path, owner, name):
+    from runtime.config import ConfigError, parse_args
+    from runtime.train.backends import TRAIN_BACKENDS
+
+    default = getattr(_DEFAULTS, name)
+    value = not default if isinstance(default, bool) else _other_value(name)
+    if value is _ONLY_CHOICE:
+        pytest.skip(f"{flag(name)} has one value: it cannot be set away from its default")
+    value = _with_files(tmp_path, name, value)
+    argv = _argv(name, value)
+    refusal = f"{flag(name)}: "
+    for backend in TRAIN_BACKENDS:
+        try:
+            parse_args([*argv, "--train-backend", backend])
+            problems = []
+        except ConfigError as err:
+            problems = err.problems
+        mine = [p for p in problems if p.startswith(refusal) and f"used by --train-backend {owner} only" in p]
+        assert bool(mine) == (backend != owner), (backend, problems)
