@@ -33,6 +33,7 @@ from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
 from runtime.train.backends import TRAIN_BACKENDS, backend_options, lora_options
+from runtime.train.backends.megatron_options import MEGATRON_VALUES_BUILT  # the values the Megatron backend builds
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
@@ -71,6 +72,13 @@ class ConfigError(ValueError):
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _bounded(*, help: str, **bounds: float) -> dict[str, Any]:
+    """Metadata of a number field with bounds (``gt``, ``ge``, ``lt``, ``le``): the type check enforces them
+    (pydantic's constraints; None, where the field allows it, is exempt) and a value out of them is reported as
+    ``--flag must be > 0, got 0``."""
+    return {"help": help, "bounds": bounds}
 
 
 def _hook_help(text: str) -> dict[str, Any]:
@@ -133,10 +141,13 @@ class DataConfig:
     )
     rollout_max_prompt_len: int | None = field(
         default=None,
-        metadata=_help("drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"),
+        metadata=_bounded(
+            gt=0, help="drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"
+        ),
     )
     rollout_max_context_len: int | None = field(
-        default=None, metadata=_help("the engines' context; sets --rollout-max-prompt-len's default to this - 1")
+        default=None,
+        metadata=_bounded(gt=0, help="the engines' context; sets --rollout-max-prompt-len's default to this - 1"),
     )
     rollout_shuffle: bool = field(
         default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
@@ -166,13 +177,20 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_batch_size: int | None = field(default=None, metadata=_help("prompts per rollout step (required)"))
-    n_samples_per_prompt: int = field(default=1, metadata=_help("responses sampled per prompt (the group size)"))
-    rollout_max_response_len: int | None = field(
-        default=None, metadata=_help("max new tokens per response; no default (as in slime): set it for your model")
+    rollout_batch_size: int | None = field(
+        default=None, metadata=_bounded(gt=0, help="prompts per rollout step (required)")
     )
-    rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
-    rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
+    n_samples_per_prompt: int = field(
+        default=1, metadata=_bounded(gt=0, help="responses sampled per prompt (the group size)")
+    )
+    rollout_max_response_len: int | None = field(
+        default=None,
+        metadata=_bounded(gt=0, help="max new tokens per response; no default (as in slime): set it for your model"),
+    )
+    rollout_temperature: float = field(default=1.0, metadata=_bounded(gt=0, help="sampling temperature"))
+    rollout_top_p: float = field(
+        default=1.0, metadata=_bounded(gt=0, le=1, help="nucleus sampling threshold, in (0, 1]")
+    )
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
     rollout_top_p_replay: bool = field(
         default=True,
@@ -192,11 +210,13 @@ class RolloutConfig:
         default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
     )
     num_rollout: int | None = field(
-        default=None, metadata=_help("number of rollout (and training) steps; unset: from --num-epoch")
+        default=None, metadata=_bounded(gt=0, help="number of rollout (and training) steps; unset: from --num-epoch")
     )
     num_epoch: int | None = field(
         default=None,
-        metadata=_help("passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"),
+        metadata=_bounded(
+            gt=0, help="passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"
+        ),
     )
     custom_generate_function_path: str | None = field(
         default=None,
@@ -255,7 +275,8 @@ class RolloutConfig:
         metadata=_hook_help("filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group"),
     )
     over_sampling_batch_size: int | None = field(
-        default=None, metadata=_help("prompts generated per sampling round when filtering; >= --rollout-batch-size")
+        default=None,
+        metadata=_bounded(gt=0, help="prompts generated per sampling round when filtering; >= --rollout-batch-size"),
     )
     rollout_engine: Literal[ROLLOUT_ENGINE_NAMES] = field(
         default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
@@ -273,10 +294,11 @@ class RolloutConfig:
     )
     engine_max_running_requests: int | None = field(
         default=None,
-        metadata=_help(
-            "ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache of N "
-            "rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts of "
-            "a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)"
+        metadata=_bounded(
+            gt=0,
+            help="ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache "
+            "of N rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts "
+            "of a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)",
         ),
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
@@ -286,12 +308,18 @@ class RolloutConfig:
             "fully_async (groups in flight across steps under --max-staleness; --fully-async)"
         ),
     )
-    update_weights_interval: int = field(default=1, metadata=_help("sync weights to the engines every N steps"))
-    update_weight_buffer_size: int = field(default=512 * 1024**2, metadata=_help("bytes per bucket of a weight sync"))
+    update_weights_interval: int = field(
+        default=1, metadata=_bounded(gt=0, help="sync weights to the engines every N steps")
+    )
+    update_weight_buffer_size: int = field(
+        default=512 * 1024**2, metadata=_bounded(gt=0, help="bytes per bucket of a weight sync")
+    )
     max_staleness: int = field(
         default=1,
-        metadata=_help(
-            "ours, fully_async: a group admitted at weight version v is trained by step v + N (admission control)"
+        metadata=_bounded(
+            ge=0,
+            help="ours, fully_async: a group admitted at weight version v is trained by step v + N "
+            "(admission control)",
         ),
     )
     partial_rollout: bool = field(
@@ -321,7 +349,7 @@ class AlgoConfig:
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
     value_clip: float = field(default=0.2, metadata=_help("clip of the critic's values around the old values (ppo)"))
     num_critic_only_steps: int = field(
-        default=0, metadata=_help("ppo: the first N rollouts train the critic only (the actor waits)")
+        default=0, metadata=_bounded(ge=0, help="ppo: the first N rollouts train the critic only (the actor waits)")
     )
     kl_coef: float = field(
         default=0.0,
@@ -338,7 +366,7 @@ class AlgoConfig:
         default="k1", metadata=_help("KL estimator of the KL loss (and of the KL in the reward)")
     )
     ref_update_interval: int | None = field(
-        default=None, metadata=_help("copy the actor's weights into the reference model every N steps")
+        default=None, metadata=_bounded(gt=0, help="copy the actor's weights into the reference model every N steps")
     )
     reset_optimizer_states: bool = field(
         default=False, metadata=_help("drop the optimizer's moments after every rollout's training")
@@ -479,19 +507,23 @@ class TrainConfig:
     train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int | None = field(
         default=None,
-        metadata=_help(
-            "samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
-            "--n-samples-per-prompt / --num-steps-per-rollout"
+        metadata=_bounded(
+            gt=0,
+            help="samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
+            "--n-samples-per-prompt / --num-steps-per-rollout",
         ),
     )
     num_steps_per_rollout: int | None = field(
-        default=None, metadata=_help("optimizer steps per rollout (sets --global-batch-size; unset: 1)")
+        default=None, metadata=_bounded(gt=0, help="optimizer steps per rollout (sets --global-batch-size; unset: 1)")
     )
-    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
+    micro_batch_size: int = field(
+        default=1, metadata=_bounded(gt=0, help="samples per forward/backward (without a token budget)")
+    )
     max_tokens_per_gpu: int | None = field(
         default=None,
-        metadata=_help(
-            "token budget per micro-batch: real tokens with --use-dynamic-batch-size, else rows x longest row"
+        metadata=_bounded(
+            gt=0,
+            help="token budget per micro-batch: real tokens with --use-dynamic-batch-size, else rows x longest row",
         ),
     )
     log_probs_max_tokens_per_gpu: int | None = field(
@@ -505,7 +537,7 @@ class TrainConfig:
             "sequences without padding, the Megatron backend pads each to its longest row (no Transformer Engine)"
         ),
     )
-    lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
+    lr: float = field(default=1e-6, metadata=_bounded(gt=0, help="learning rate (AdamW)"))
     keep_old_actor: bool = field(
         default=False,
         metadata=_help(
@@ -520,9 +552,9 @@ class TrainConfig:
         default_factory=dict,
         metadata=_help("JSON object of environment variables for the trainer processes, e.g. PyTorch allocator ones"),
     )
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
-    sft_warmup_steps: int = field(default=0, metadata=_help("SFT steps before RL (built-in task)"))
+    weight_decay: float = field(default=0.0, metadata=_bounded(ge=0, help="AdamW weight decay"))
+    clip_grad: float = field(default=1.0, metadata=_bounded(gt=0, help="max gradient norm"))
+    sft_warmup_steps: int = field(default=0, metadata=_bounded(ge=0, help="SFT steps before RL (built-in task)"))
     bf16: Literal["auto", "true", "false"] = field(
         default="auto",
         metadata=_help(
@@ -671,7 +703,7 @@ class TrainConfig:
         metadata=_help("Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)"),
     )
     # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
-    lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
+    lora_rank: int = field(default=0, metadata=_bounded(ge=0, help="LoRA rank through peft; 0 trains every weight"))
     lora_alpha: float = field(default=16.0, metadata=_help("LoRA alpha: the adapters are scaled by alpha / rank"))
     lora_dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
     lora_target_modules: str = field(
@@ -714,21 +746,25 @@ class ResourceConfig:
     """Processes and devices. On a CPU-only machine a "gpu" is a process (a CPU slot)."""
 
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
-    actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
-    actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
+    actor_num_nodes: int = field(default=1, metadata=_bounded(gt=0, help="nodes for the trainer"))
+    actor_num_gpus_per_node: int = field(
+        default=8, metadata=_bounded(gt=0, help="trainer processes per node (GPUs, or CPU slots)")
+    )
     rollout_num_gpus: int | None = field(
         default=None,
-        metadata=_help(
-            "rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
+        metadata=_bounded(
+            gt=0,
+            help="rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
             "--actor-num-gpus-per-node) under --colocate, as slime derives it, else one engine's "
-            "(--rollout-num-gpus-per-engine), where slime needs it given"
+            "(--rollout-num-gpus-per-engine), where slime needs it given",
         ),
     )
     num_gpus_per_node: int = field(
         default=8,
-        metadata=_help(
-            "GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x this "
-            "(slime's), and one engine may not span more (multi-node servers are not built)"
+        metadata=_bounded(
+            gt=0,
+            help="GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x "
+            "this (slime's), and one engine may not span more (multi-node servers are not built)",
         ),
     )
 
@@ -752,17 +788,20 @@ class RewardConfig:
         metadata=_hook_help("reward function as module:function or file.py:function; overrides --rm-type"),
     )
     reward_timeout: float = field(
-        default=30.0, metadata=_help("seconds per reward call, sync or async; over it the reward is 0")
+        default=30.0, metadata=_bounded(gt=0, help="seconds per reward call, sync or async; over it the reward is 0")
     )
     max_reward_error_rate: float = field(
         default=0.5,
-        metadata=_help(
-            "ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
-            "--max-reward-error-steps steps in a row; 1 never stops"
+        metadata=_bounded(
+            ge=0,
+            le=1,
+            help="ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
+            "--max-reward-error-steps steps in a row; 1 never stops",
         ),
     )
     max_reward_error_steps: int = field(
-        default=3, metadata=_help("ours: consecutive steps over --max-reward-error-rate that stop the job")
+        default=3,
+        metadata=_bounded(gt=0, help="ours: consecutive steps over --max-reward-error-rate that stop the job"),
     )
     rm_url: str | None = field(default=None, metadata=_help("URL of the reward server of --rm-type remote_rm"))
     http_proxy: str | None = field(default=None, metadata=_help("HTTP proxy of --rm-type remote_rm's requests"))
@@ -787,7 +826,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    eval_interval: int | None = field(default=None, metadata=_help("evaluate every this many steps"))
+    eval_interval: int | None = field(default=None, metadata=_bounded(gt=0, help="evaluate every this many steps"))
     eval_prompt_data: list[str] | None = field(
         default=None,
         metadata=_help(
@@ -803,32 +842,42 @@ class EvalConfig:
     skip_eval_before_train: bool = field(
         default=False, metadata=_help("with --eval-interval, do not evaluate before the first step")
     )
-    n_samples_per_eval_prompt: int = field(default=1, metadata=_help("responses per evaluation prompt"))
+    n_samples_per_eval_prompt: int = field(default=1, metadata=_bounded(gt=0, help="responses per evaluation prompt"))
     eval_input_key: str | None = field(default=None, metadata=_help("--input-key of the evaluation data"))
     eval_label_key: str | None = field(default=None, metadata=_help("--label-key of the evaluation data"))
     eval_tool_key: str | None = field(default=None, metadata=_help("--tool-key of the evaluation data"))
-    eval_temperature: float | None = field(default=None, metadata=_help("evaluation temperature (unset: rollout's)"))
-    eval_top_p: float | None = field(default=None, metadata=_help("evaluation top-p (unset: rollout's)"))
+    eval_temperature: float | None = field(
+        default=None, metadata=_bounded(gt=0, help="evaluation temperature (unset: rollout's)")
+    )
+    eval_top_p: float | None = field(
+        default=None, metadata=_bounded(gt=0, le=1, help="evaluation top-p (unset: rollout's)")
+    )
     eval_top_k: int | None = field(default=None, metadata=_help("evaluation top-k (unset: rollout's)"))
     eval_max_response_len: int | None = field(
-        default=None, metadata=_help("evaluation max new tokens (unset: --rollout-max-response-len)")
+        default=None, metadata=_bounded(gt=0, help="evaluation max new tokens (unset: --rollout-max-response-len)")
     )
     eval_max_context_len: int | None = field(
         default=None,
-        metadata=_help("evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"),
+        metadata=_bounded(
+            gt=0, help="evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"
+        ),
     )
     eval_max_prompt_len: int | None = field(
-        default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
+        default=None,
+        metadata=_bounded(gt=0, help="drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)"),
     )
     eval_min_new_tokens: int | None = field(
-        default=None, metadata=_help("evaluation responses get at least this many tokens (eos and stop ids held off)")
+        default=None,
+        metadata=_bounded(ge=0, help="evaluation responses get at least this many tokens (eos and stop ids held off)"),
     )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     save: str | None = field(default=None, metadata=_help("checkpoint directory"))
-    save_interval: int | None = field(default=None, metadata=_help("save every this many steps (and at the end)"))
+    save_interval: int | None = field(
+        default=None, metadata=_bounded(gt=0, help="save every this many steps (and at the end)")
+    )
     save_hf: str | None = field(
         default=None,
         metadata=_help("also write the model in HF format at every save, to this path formatted with {rollout_id}"),
@@ -1031,7 +1080,9 @@ class SGLangConfig:
     )
     sglang_server_concurrency: int = field(
         default=512,
-        metadata=_help("requests in flight per SGLang engine through the router (this x the engines in all)"),
+        metadata=_bounded(
+            gt=0, help="requests in flight per SGLang engine through the router (this x the engines in all)"
+        ),
     )
     offload_rollout: bool | None = field(
         default=None,
@@ -1065,18 +1116,22 @@ class FaultConfig:
         ),
     )
     rollout_health_check_interval: float = field(
-        default=30.0, metadata=_help("seconds between two health checks of every engine")
+        default=30.0, metadata=_bounded(gt=0, help="seconds between two health checks of every engine")
     )
     rollout_health_check_timeout: float = field(
-        default=30.0, metadata=_help("seconds an engine may take to answer a health check before it is restarted")
+        default=30.0,
+        metadata=_bounded(gt=0, help="seconds an engine may take to answer a health check before it is restarted"),
     )
     rollout_health_check_first_wait: float = field(
-        default=0.0, metadata=_help("seconds of grace after the engines are (re)started or resumed before checking")
+        default=0.0,
+        metadata=_bounded(ge=0, help="seconds of grace after the engines are (re)started or resumed before checking"),
     )
     max_trainer_restarts: int = field(
         default=2,
-        metadata=_help(
-            "ours: times a dead trainer process is survived by rebuilding the job from the latest --save checkpoint"
+        metadata=_bounded(
+            ge=0,
+            help="ours: times a dead trainer process is survived by rebuilding the job from the latest --save "
+            "checkpoint",
         ),
     )
 
@@ -1246,26 +1301,69 @@ def _schema(*, strict: bool) -> Any:
     from pydantic import ConfigDict, TypeAdapter
     from typing_extensions import TypedDict  # pydantic's TypedDict support needs this one below Python 3.12
 
-    fields = {name: tp for name, (_, _, tp) in _SPECS.items() if strict or _unwrap_optional(tp)[0] is float}
+    fields = {
+        name: _constrained(tp, f.metadata.get("bounds")) if strict else tp
+        for name, (_, f, tp) in _SPECS.items()
+        if strict or _unwrap_optional(tp)[0] is float
+    }
     flat = TypedDict("FlatConfig", fields, total=False)
     flat.__pydantic_config__ = ConfigDict(strict=strict)
     return TypeAdapter(flat)
 
 
-def _type_problems(values: Mapping[str, Any]) -> list[str]:
-    """A message for each of ``values`` (field name -> value) that does not fit its field's type (pydantic decides)."""
+def _constrained(tp: Any, bounds: Mapping[str, float] | None) -> Any:
+    """``tp`` with a field's declared bounds as pydantic constraints on its number (``X | None`` keeps None free)."""
+    if not bounds:
+        return tp
+    from typing import Annotated
+
+    from pydantic import Field
+
+    inner, optional = _unwrap_optional(tp)
+    number = Annotated[inner, Field(**bounds)]
+    return number | None if optional else number
+
+
+# How a bound reads in a message: ``gt=0`` -> "> 0"; both ends -> an interval.
+_BOUND_WORDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_LOWER_BRACKET, _UPPER_BRACKET = {"gt": "(", "ge": "["}, {"lt": ")", "le": "]"}
+
+
+def _bounds_text(bounds: Mapping[str, float]) -> str:
+    lower = [(k, v) for k, v in bounds.items() if k in _LOWER_BRACKET]
+    upper = [(k, v) for k, v in bounds.items() if k in _UPPER_BRACKET]
+    if lower and upper:
+        (lk, lv), (uk, uv) = lower[0], upper[0]
+        return f"in {_LOWER_BRACKET[lk]}{lv:g}, {uv:g}{_UPPER_BRACKET[uk]}"
+    return " and ".join(f"{_BOUND_WORDS[k]} {v:g}" for k, v in bounds.items())
+
+
+# pydantic's error types of a declared bound (the value has the right type, out of range).
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _type_problems(values: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """``(type problems, bound problems)``: a message for each of ``values`` (field name -> value) that does not fit
+    its field's type, and for each out of its declared bounds (pydantic decides both)."""
     from pydantic import ValidationError
 
     try:
         _schema(strict=True).validate_python(dict(values))
     except ValidationError as err:
-        names = dict.fromkeys(e["loc"][0] for e in err.errors() if e["loc"])
-        return [_type_message(name, values[name]) for name in names]
-    return []
+        kinds: dict[str, bool] = {}
+        for e in err.errors():
+            if e["loc"]:
+                kinds[e["loc"][0]] = kinds.get(e["loc"][0], True) and e["type"] in _BOUND_ERRORS
+        types = [_type_message(name, values[name]) for name, bound in kinds.items() if not bound]
+        return types, [_type_message(name, values[name]) for name, bound in kinds.items() if bound]
+    return [], []
 
 
 def _type_message(name: str, value: Any) -> str:
     inner, _ = _unwrap_optional(_SPECS[name][2])
+    bounds = _SPECS[name][1].metadata.get("bounds")
+    if bounds and isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{flag(name)} must be {_bounds_text(bounds)}, got {value!r}"
     if value is None:
         return f"{flag(name)} must be set (got None)"
     if typing.get_origin(inner) is Literal:
@@ -1882,74 +1980,49 @@ def _resolve(argv: Sequence[str] | None) -> tuple[Config | None, list[str]]:
     return cfg, problems
 
 
+# Flags whose range is rlcore's: flag field -> (rlcore config class name, its field, the flags of the fields its rule
+# compares it with). Each value is checked by building that class with it (and those), so the range is the one rlcore
+# enforces, in rlcore's words (rlcore.loss_config / rlcore.advantage_config: torch-free).
+CORE_RANGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "eps_clip": ("LossConfig", "eps_clip", ()),
+    "eps_clip_high": ("LossConfig", "eps_clip_high", ()),
+    "eps_clip_c": ("LossConfig", "eps_clip_c", ()),
+    "tis_clip": ("LossConfig", "tis_clip", ()),
+    "tis_clip_low": ("LossConfig", "tis_clip_low", ("tis_clip",)),
+    "opsm_delta": ("LossConfig", "opsm_delta", ()),
+    "kl_loss_coef": ("LossConfig", "kl_loss_coef", ()),
+    "entropy_coef": ("LossConfig", "entropy_coef", ()),
+    "value_clip": ("LossConfig", "value_clip", ()),
+    "gamma": ("AdvantageConfig", "gamma", ()),
+    "lambd": ("AdvantageConfig", "lam", ()),
+    "kl_coef": ("AdvantageConfig", "kl_coef", ()),
+    "opd_kl_coef": ("AdvantageConfig", "opd_kl_coef", ()),
+}
+
+
+def _check_core_ranges(problems: list[str], cfg: Config) -> None:
+    from rlcore.advantage_config import AdvantageConfig
+    from rlcore.loss_config import LossConfig
+
+    classes = {"LossConfig": LossConfig, "AdvantageConfig": AdvantageConfig}
+    failed: set[str] = set()
+    for name, (cls, core, partners) in CORE_RANGES.items():
+        if failed & set(partners):
+            continue  # a partner out of range is reported already; the comparison with it says nothing more
+        values = {core: getattr(cfg, name)} | {CORE_RANGES[p][1]: getattr(cfg, p) for p in partners}
+        try:
+            classes[cls](**values)
+        except (TypeError, ValueError) as err:
+            failed.add(name)
+            problems.append(f"{flag(name)} {getattr(cfg, name)!r}: out of rlcore's range ({err})")
+
+
 def _check_positive(problems: list[str], cfg: Config) -> None:
-    r, t, res, e, c = cfg.rollout, cfg.train, cfg.resources, cfg.eval, cfg.ckpt
-    a = cfg.algo
-    positive = {
-        "num_epoch": r.num_epoch,
-        "num_steps_per_rollout": t.num_steps_per_rollout,
-        "ref_update_interval": a.ref_update_interval,
-        "tis_clip": a.tis_clip,
-        "eval_temperature": e.eval_temperature,
-        "eval_max_response_len": e.eval_max_response_len,
-        "eval_max_prompt_len": e.eval_max_prompt_len,
-        "rollout_batch_size": r.rollout_batch_size,
-        "n_samples_per_prompt": r.n_samples_per_prompt,
-        "rollout_max_response_len": r.rollout_max_response_len,
-        "num_rollout": r.num_rollout,
-        "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size,
-        "actor_num_nodes": res.actor_num_nodes,
-        "actor_num_gpus_per_node": res.actor_num_gpus_per_node,
-        "rollout_num_gpus": res.rollout_num_gpus,
-        "num_gpus_per_node": res.num_gpus_per_node,
-        "sglang_server_concurrency": cfg.sglang.sglang_server_concurrency,
-        "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
-        "lr": t.lr,
-        "clip_grad": t.clip_grad,
-        "eps_clip": cfg.algo.eps_clip,
-        "rollout_temperature": r.rollout_temperature,
-        "reward_timeout": cfg.reward.reward_timeout,
-        "rollout_max_prompt_len": cfg.data.rollout_max_prompt_len,
-        "rollout_max_context_len": cfg.data.rollout_max_context_len,
-        "eval_max_context_len": e.eval_max_context_len,
-        "max_tokens_per_gpu": t.max_tokens_per_gpu,
-        "over_sampling_batch_size": r.over_sampling_batch_size,
-        "engine_max_running_requests": r.engine_max_running_requests,
-        "eval_interval": e.eval_interval,
-        "save_interval": c.save_interval,
-        "eps_clip_high": cfg.algo.eps_clip_high,
-        "update_weights_interval": r.update_weights_interval,
-        "update_weight_buffer_size": r.update_weight_buffer_size,
-        "max_reward_error_steps": cfg.reward.max_reward_error_steps,
-        "rollout_health_check_interval": cfg.fault.rollout_health_check_interval,
-        "rollout_health_check_timeout": cfg.fault.rollout_health_check_timeout,
-    }
-    for name, value in positive.items():
-        if value is not None and value <= 0:
-            problems.append(f"{flag(name)} must be > 0, got {value!r}")
+    # Each number's own bounds are declared on its field (_bounded) and rlcore's are rlcore's (_check_core_ranges);
+    # these are the rules that involve more than one value, or more than a bound.
+    r, t, res, e = cfg.rollout, cfg.train, cfg.resources, cfg.eval
     if res.rollout_num_gpus is None:
         problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
-    non_negative = {
-        "weight_decay": t.weight_decay,
-        "sft_warmup_steps": t.sft_warmup_steps,
-        "kl_coef": cfg.algo.kl_coef,
-        "kl_loss_coef": cfg.algo.kl_loss_coef,
-        "max_staleness": r.max_staleness,
-        "lora_rank": t.lora_rank,
-        "tis_clip_low": a.tis_clip_low,
-        "opsm_delta": a.opsm_delta,
-        "value_clip": a.value_clip,
-        "rollout_health_check_first_wait": cfg.fault.rollout_health_check_first_wait,
-        "max_trainer_restarts": cfg.fault.max_trainer_restarts,
-        "num_critic_only_steps": a.num_critic_only_steps,
-        "eval_min_new_tokens": e.eval_min_new_tokens,
-    }
-    for name, value in non_negative.items():
-        if value is not None and value < 0:
-            problems.append(f"{flag(name)} must be >= 0, got {value!r}")
-    if not 0 < r.rollout_top_p <= 1:
-        problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
     if top_p_replay(cfg):
         cannot = {
             "--rollout-engine sglang": r.rollout_engine == "sglang",
@@ -1963,8 +2036,6 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             for what, true in cannot.items()
             if true
         ]
-    if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
-        problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
         problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
     context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len
@@ -1981,18 +2052,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         )
     if any(not stop for stop in r.rollout_stop or ()):
         problems.append("--rollout-stop: stop strings must not be empty")
-    if a.tis_clip_low >= a.tis_clip:
-        problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
         problems.append(f"--rollout-top-k must be -1 (off) or >= 1, got {r.rollout_top_k!r}")
-    for name in ("gamma", "lambd"):
-        value = getattr(cfg.algo, name)
-        if not 0 <= value <= 1:
-            problems.append(f"{flag(name)} must be in [0, 1], got {value!r}")
-    if not 0 <= cfg.reward.max_reward_error_rate <= 1:
-        problems.append(f"--max-reward-error-rate must be in [0, 1], got {cfg.reward.max_reward_error_rate!r}")
-    if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
-        problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
     _check_lora(problems, cfg)
 
 
@@ -2399,11 +2460,6 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
         problems.append("--use-wandb needs the wandb package (pip install wandb)")
 
 
-# The Megatron backend's own flags and the values it builds, declared beside it (re-exported for their readers).
-from runtime.train.backends.megatron_options import (  # noqa: E402
-    MEGATRON_VALUES_BUILT,
-)
-
 MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
 
 
@@ -2780,10 +2836,12 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be a runtime.config.Config, got {type(cfg).__name__}")
     problems: list[str] = []
-    problems += _type_problems({name: getattr(cfg, name) for name in _SPECS})
-    if problems:
+    types, bounds = _type_problems({name: getattr(cfg, name) for name in _SPECS})
+    if types:
         # Range and consistency checks assume well-typed values.
-        raise ConfigError(problems)
+        raise ConfigError(types)
+    problems += bounds
+    _check_core_ranges(problems, cfg)
     _check_positive(problems, cfg)
     if problems:
         # The batch arithmetic below divides by these sizes.

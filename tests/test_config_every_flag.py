@@ -203,3 +203,69 @@ def test_a_backends_own_flag_is_refused_under_another_backend_with_the_reason(tm
             problems = err.problems
         mine = [p for p in problems if p.startswith(refusal) and f"used by --train-backend {owner} only" in p]
         assert bool(mine) == (backend != owner), (backend, problems)
+
+
+def _bounded_fields() -> list[tuple[str, dict]]:
+    return [(name, f.metadata["bounds"]) for name, (_, f, _) in _SPECS.items() if f.metadata.get("bounds")]
+
+
+def _outside(bounds: dict, integer: bool) -> list[float]:
+    """Values just outside each declared bound (an exact binary step from the edge, so no rounding moves them in)."""
+    step = 1 if integer else 0.25
+    out = []
+    for kind, edge in bounds.items():
+        out.append({"gt": edge, "ge": edge - step, "lt": edge, "le": edge + step}[kind])
+    return out
+
+
+@pytest.mark.parametrize(("name", "bounds"), _bounded_fields(), ids=lambda x: x if isinstance(x, str) else "")
+def test_a_declared_bound_refuses_values_outside_it_and_takes_its_edge(name, bounds):
+    from runtime.config import ConfigError, from_dict, validate
+
+    integer = _unwrap_optional(_SPECS[name][2])[0] is int
+    for value in _outside(bounds, integer):
+        value = int(value) if integer else float(value)
+        with pytest.raises(ConfigError) as err:
+            validate(from_dict(None, **{name: value}))
+        assert any(p.startswith(f"{flag(name)} must be ") and p.endswith(f"got {value!r}") for p in err.value.problems)
+    for kind, edge in bounds.items():
+        if kind in ("ge", "le"):  # an inclusive edge is valid: no problem names this flag's bound
+            value = int(edge) if integer else float(edge)
+            try:
+                validate(from_dict(None, **{name: value}))
+            except ConfigError as err:
+                assert not any(p.startswith(f"{flag(name)} must be ") for p in err.problems), err.problems
+
+
+def test_core_ranges_name_rlcore_fields():
+    import dataclasses
+
+    from rlcore.advantage_config import AdvantageConfig
+    from rlcore.loss_config import LossConfig
+    from runtime.config import CORE_RANGES
+
+    classes = {"LossConfig": LossConfig, "AdvantageConfig": AdvantageConfig}
+    for name, (cls, core, partners) in CORE_RANGES.items():
+        assert name in _SPECS and core in {f.name for f in dataclasses.fields(classes[cls])}, name
+        assert set(partners) <= set(CORE_RANGES)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--eps-clip", "-0.5"], "LossConfig.eps_clip must be >= 0"),
+        (["--tis-clip", "0"], "LossConfig.tis_clip must be > 0"),
+        (["--tis-clip-low", "3", "--tis-clip", "2"], "LossConfig.tis_clip_low must be below tis_clip=2.0"),
+        (["--eps-clip-c", "0.5"], "LossConfig.eps_clip_c must be > 1"),
+        (["--lambd", "1.5"], "lam must be a number in [0, 1]"),
+        (["--gamma", "-0.25"], "gamma must be a number in [0, 1]"),
+        (["--kl-coef", "-1"], "kl_coef must be a finite number >= 0"),
+    ],
+)
+def test_rlcores_ranges_are_rlcores_own_words(argv, named):
+    from runtime.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    mine = [p for p in err.value.problems if p.startswith(argv[0]) and "rlcore's range" in p]
+    assert len(mine) == 1 and named in mine[0], err.value.problems
