@@ -6,6 +6,7 @@ the alltoall token dispatcher on the CPU (an MoE layer against transformers' Qwe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import socket
@@ -156,10 +157,11 @@ def test_alltoall_dispatcher_needs_a_cuda_stream_on_the_cpu_until_shimmed(model_
         assert dispatcher.cuda_dtoh_stream is not None
 
 
-def moe_config():
+def moe_config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **overrides,
         num_layers=1,
         hidden_size=16,
         num_attention_heads=2,
@@ -180,16 +182,11 @@ def moe_config():
     )
 
 
-def test_moe_layer_on_the_cpu_equals_transformers_qwen3_moe_block(model_parallel):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
+def qwen3_moe_block():
+    """transformers' Qwen3-MoE block (4 experts, top-2 renormalised) in float64 with random weights."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = moe_config()
-    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
-    torch.manual_seed(0)
-    layer = build_module(spec.submodules.mlp, config=config).double()
     hf_config = Qwen3MoeConfig(
         hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
     )
@@ -200,10 +197,27 @@ def test_moe_layer_on_the_cpu_equals_transformers_qwen3_moe_block(model_parallel
         hf.gate.weight.normal_(0, 1.0)
         hf.experts.gate_up_proj.normal_(0, 0.3)
         hf.experts.down_proj.normal_(0, 0.3)
+    return hf
+
+
+def copy_block(hf, layer, *, first_expert: int = 0) -> None:
+    """transformers' block's weights into Megatron's MoE layer, whose local expert i is global expert first + i."""
+    with torch.no_grad():
         layer.router.weight.copy_(hf.gate.weight)
-        for e, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(hf.experts.gate_up_proj[e])
-            expert.linear_fc2.weight.copy_(hf.experts.down_proj[e])
+        for i, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(hf.experts.gate_up_proj[first_expert + i])
+            expert.linear_fc2.weight.copy_(hf.experts.down_proj[first_expert + i])
+
+
+def test_moe_layer_on_the_cpu_equals_transformers_qwen3_moe_block(model_parallel):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    torch.manual_seed(0)
+    layer = build_module(spec.submodules.mlp, config=moe_config()).double()
+    hf = qwen3_moe_block()
+    copy_block(hf, layer)
     x = torch.randn(6, 3, 16, dtype=torch.float64)  # [s, b, h], Megatron's layout
     out, _ = layer(x)
     expected = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)  # transformers' is [b, s, h]
@@ -212,3 +226,68 @@ def test_moe_layer_on_the_cpu_equals_transformers_qwen3_moe_block(model_parallel
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     out.square().sum().backward()
     assert layer.router.weight.grad is not None and layer.experts.local_experts[0].linear_fc1.weight.grad is not None
+
+
+def _expert_parallel_rank(rank: int, port: int, out: dict, shim_splits: bool) -> None:
+    """One of two gloo ranks at EP=2: the MoE layer holds experts [2 * rank, 2 * rank + 2) of a seeded transformers
+    block, runs this rank's own tokens, and records its output beside the whole block's on them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2, create_gloo_process_groups=False)
+    megatron_compat.apply_no_te_workarounds()
+    try:
+        with _cpu_shims(), contextlib.ExitStack() as stack:
+            if not shim_splits:  # the dispatcher's split sizes as megatron-core hands them to gloo
+                stack.enter_context(_unshimmed_all_to_all())
+            torch.manual_seed(0)
+            hf = qwen3_moe_block()
+            layer = build_module(
+                get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm").submodules.mlp,
+                config=moe_config(expert_model_parallel_size=2),
+            ).double()
+            copy_block(hf, layer, first_expert=2 * rank)
+            x = torch.randn(5 + rank, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+            try:
+                got, _ = layer(x)
+            except TypeError as err:  # reported to the test
+                out[rank] = str(err)[:200]
+                return
+            out[rank] = (got.detach(), hf(x.transpose(0, 1).contiguous()).transpose(0, 1).detach())
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _unshimmed_all_to_all():
+    import torch.distributed as dist
+
+    shimmed = dist.all_to_all_single
+    dist.all_to_all_single = shimmed.__closure__[0].cell_contents  # the original, captured by the shim
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = shimmed
+
+
+@pytest.mark.parametrize("shim_splits", [False, True])
+def test_expert_parallel_over_gloo_needs_int_split_sizes(shim_splits):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_expert_parallel_rank, args=(port, out, shim_splits), nprocs=2)
+    if not shim_splits:
+        # megatron-core hands the split sizes over as tensors, which gloo's all_to_all_single does not take.
+        assert all("all_to_all_single(): incompatible function arguments" in out[r] for r in (0, 1))
+        return
+    for rank in (0, 1):
+        got, expected = out[rank]
+        # As the one-process test: float64, but transformers' router softmax in float32.
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

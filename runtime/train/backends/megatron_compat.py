@@ -18,7 +18,8 @@ noticed and the workaround dropped:
 
 On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
 its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
-``all_to_all_single`` split sizes as numpy arrays, which gloo refuses (it wants lists of ints).
+``all_to_all_single`` its split sizes as tensors, which gloo refuses ("incompatible function arguments": it takes
+sequences of ints).
 """
 
 from __future__ import annotations
