@@ -26,7 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
-from runtime import slime_flags
+from runtime import slime_compat, slime_flags
 from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
@@ -1001,8 +1001,9 @@ class SGLangConfig:
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
             "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
             "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
-            "Ray's object store for the embedded engine"
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
+            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
+            "object store for the embedded engine on the CPU"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -1305,12 +1306,20 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         put(_normalise_key(key), value, "top level")
     if problems:
         raise ConfigError(problems)
+    flat = slime_compat.apply_slime_settings(flat)  # slime's paths that stand for settings (its fully-async rollout)
     fleet = ("sglang_args", "router_args", "rollout_num_gpus_per_engine", "sglang_router_ip")
     if any(flat.get(key) for key in fleet) and "rollout_engine" not in flat:
         # These configure SGLang servers: as in slime (whose only engine SGLang is), they select it.
         flat["rollout_engine"] = "sglang"
     builtin_on_one_gpu = False
-    if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
+    builtin = flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None
+    if builtin or "actor_num_gpus_per_node" in flat:
+        # On N GPUs with no placement flag, the measured-faster plan (runtime.cluster.plan).
+        from runtime.cluster.plan import default_placement
+
+        for key, value in default_placement(flat, gpus=_local_gpus()).items():
+            flat.setdefault(key, value)
+    if builtin:
         builtin_on_one_gpu = _local_gpus() == 1 and "micro_batch_size" not in flat
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
@@ -1757,6 +1766,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             # slime's actor role args: the entry's overrides win over the command line.
             namespace.update(megatron_role_overrides(megatron_path, role="actor"))
         cfg = from_dict(tree, **namespace)
+        given = namespace.get("train_backend", _tree_value(tree, "train_backend"))
+        backend = slime_compat.backend_choice(cfg, given=given, switches=switches).name  # slime's: Megatron
+        cfg = cfg if backend == cfg.train.train_backend else from_dict(tree, **namespace, train_backend=backend)
         problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
         validate(cfg)
     except ConfigError as err:
@@ -2141,7 +2153,7 @@ def _not_creatable_dir(path: str) -> str | None:
 
 
 def _check_combinations(problems: list[str], cfg: Config) -> None:
-    if cfg.rollout.rollout_max_response_len is None:
+    if cfg.rollout.rollout_max_response_len is None and not slime_compat.is_sft_job(cfg):
         problems.append(
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
             "longest response to sample, e.g. --rollout-max-response-len 1024"
@@ -2279,7 +2291,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
     _check_schedule(problems, cfg)
     _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
-        problems.append("--use-wandb needs the wandb package (pip install wandb)")
+        problems.append("--use-wandb needs the wandb package (pip install 'rlcore[wandb]')")
 
 
 # TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
@@ -2453,8 +2465,12 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
     if t.min_lr > t.lr:
         problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
-    if t.lr_decay_style != "constant" and t.lr_decay_iters is None:
-        problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout to derive it)")
+    if t.lr_decay_style != "constant" and t.lr_decay_iters is None and cfg.rollout.num_epoch is None:
+        # With --num-epoch, slime derives it from the dataset's size at the start (runtime.loop.resolve_num_rollout).
+        problems.append(
+            f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout or --num-epoch to "
+            "derive it)"
+        )
     for name, (values, why) in MEGATRON_VALUES_BUILT.items():
         value = getattr(t, name)
         if value not in values:
@@ -2563,13 +2579,18 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
         problems.append(
             f"--load-debug-rollout-data-subsample must be in (0, 1], got {d.load_debug_rollout_data_subsample!r}"
         )
-    if d.debug_train_only and d.load_debug_rollout_data is None:
-        problems.append("--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data")
+    sft = slime_compat.is_sft_job(cfg)  # slime's SFT: --debug-train-only trains on the dataset, with no engine
+    if d.debug_train_only and d.load_debug_rollout_data is None and not sft:
+        problems.append(
+            "--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data (or slime's SFT rollout, "
+            "--rollout-function-path slime.rollout.sft_rollout.generate_rollout)"
+        )
     if d.debug_rollout_only and d.train_only:
         problems.append("--debug-rollout-only and --debug-train-only (--load-debug-rollout-data) exclude each other")
     if d.debug_rollout_only and (cfg.ckpt.save is not None or cfg.ckpt.save_hf is not None):
         problems.append("--debug-rollout-only trains nothing: it cannot go with --save or --save-hf")
-    if (d.debug_rollout_only or d.train_only) and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
+    replaying = d.debug_rollout_only or (d.train_only and not sft)
+    if replaying and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
         problems.append(
             "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
             "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"

@@ -92,3 +92,36 @@ def test_refill_on_the_gpu_ends_at_stop_ids_and_keeps_the_log_prob_contract(engi
     # bf16 matmuls may round differently for 8 rows than for 24, and the random model's near-uniform distribution
     # over 151,936 tokens turns any such difference into a different draw: identical responses are reported only.
     assert max(gaps) < 0.1
+
+
+def test_a_groups_samples_share_one_prefill_on_the_gpu(engine_and_prompts):
+    """Four prompts x six samples in a row: the engine prefills each prompt once; each sample's bf16 log-probs keep
+    the contract against a full forward of its row, and sharing changes no draw's arithmetic beyond bf16 rounding."""
+    engine, prompts = engine_and_prompts
+    grouped = [p for p in prompts[:4] for _ in range(6)]
+    shared = _run(engine, grouped, graph=True, seed=9, temperature=0.8)
+    engine.share_prompts = False
+    try:
+        apart = _run(engine, grouped, graph=True, seed=9, temperature=0.8)
+    finally:
+        engine.share_prompts = True
+    gaps = _full_forward_gaps(engine.model, grouped, shared, 0.8)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(shared, apart, strict=True))
+    print(f"shared prompts: {same}/{len(grouped)} responses as unshared; largest log-prob gap {max(gaps):.3e}")
+    assert max(gaps) < 0.1
+
+
+def test_the_triton_decode_attention_replays_the_torch_one(engine_and_prompts):
+    """The Triton kernel and the plain torch attention (every cache column, masked) give the same draws up to bf16
+    rounding of the attention output: log-probs of the same tokens close, most responses identical."""
+    engine, prompts = engine_and_prompts
+    triton_run = _run(engine, prompts, graph=True, seed=4, temperature=0.8)
+    engine.attention_kernel = "torch"
+    try:
+        torch_run = _run(engine, prompts, graph=True, seed=4, temperature=0.8)
+    finally:
+        engine.attention_kernel = None
+    same = sum(a.token_ids == b.token_ids for a, b in zip(triton_run, torch_run, strict=True))
+    gaps = _full_forward_gaps(engine.model, prompts, triton_run, 0.8)
+    print(f"triton vs torch decode attention: {same}/{len(prompts)} identical; gap to a full forward {max(gaps):.3e}")
+    assert max(gaps) < 0.1 and same >= len(prompts) // 2

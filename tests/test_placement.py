@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from runtime.cluster import plan
 from runtime.cluster.placement import create_placement, plan_bundles
 from runtime.config import ConfigError, from_dict, parse_args
 
@@ -44,8 +45,11 @@ def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
     assert parse_args(["--no-colocate"]).resources.colocate is False
     assert parse_args(["--async"]).resources.colocate is False  # async keeps trainer and engine apart
     assert from_dict(None, hf_checkpoint=str(tmp_path)).resources.colocate is False  # other jobs: as given
+    # Two GPUs and no placement flag: the default plan (runtime.cluster.plan, tests/test_scale.py) uses both.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert parse_args([]).resources.colocate is False
+    two = parse_args([]).resources
+    assert (two.colocate, two.actor_num_gpus_per_node) == (plan.PLANS[plan.DEFAULT_PLAN].settings(2)["colocate"], 2)
+    assert parse_args(["--no-colocate"]).resources.colocate is False
 
 
 def test_colocated_offload_stops_only_when_every_trainer_and_its_engine_fit_their_device():
