@@ -34,13 +34,6 @@ from runtime.train.batch import build_batch
 
 MOE = ["tiny-qwen3-moe", "tiny-glm4-moe", "tiny-deepseek-v3", "tiny-moonlight"]
 FAMILIES = [*MOE, "tiny-glm4"]
-# Multi-latent attention: its value head (v_head_dim) is narrower than its query/key head. The embedded engine's
-# decode attention (runtime/engines/decode.py, owned by the engine work of issue 28) sizes its output by the query head
-# and fails on these; strict, so that the fix there turns these into failures to un-mark.
-MLA = {"tiny-deepseek-v3", "tiny-moonlight"}
-MLA_ENGINE = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="decode.py sizes the attention output by the query head dim"
-)
 SMALL = {
     "rollout_batch_size": 4,
     "n_samples_per_prompt": 4,
@@ -61,10 +54,6 @@ def small_cfg(tmp_path, **overrides):
 def presets(tmp_path_factory):
     root = tmp_path_factory.mktemp("presets")
     return {name: str(make_preset_model(name, root / name, alphabet=task.ALPHABET, seed=0)) for name in FAMILIES}
-
-
-def engine_param(name):
-    return pytest.param(name, marks=MLA_ENGINE) if name in MLA else name
 
 
 def trainer_of(path, cfg, **kwargs):
@@ -116,7 +105,7 @@ def test_checkpoint_layout_names_what_is_missing_and_unexpected(presets):
     assert load_checkpoint_state_dict(model, {**partial, "model.extra": torch.zeros(1)}) == ([gone], ["model.extra"])
 
 
-@pytest.mark.parametrize("name", [engine_param(n) for n in FAMILIES])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_engine_log_probs_match_trainer_recompute(presets, name, tmp_path):
     path = presets[name]
     tokenizer = AutoTokenizer.from_pretrained(path)
