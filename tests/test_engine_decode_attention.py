@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,7 +104,19 @@ needs_triton = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "shape",
     [
-        {"groups": 2, "per_group": 3, "kv_heads": 2, "query_group": 2, "width": 40, "columns": 70, "dk": 16, "dv": 16},
+        pytest.param(
+            {
+                "groups": 2,
+                "per_group": 3,
+                "kv_heads": 2,
+                "query_group": 2,
+                "width": 40,
+                "columns": 70,
+                "dk": 16,
+                "dv": 16,
+            },
+            marks=pytest.mark.slow,  # about 15 s in Triton's interpreter
+        ),
         {"groups": 3, "per_group": 1, "kv_heads": 1, "query_group": 4, "width": 5, "columns": 7, "dk": 24, "dv": 20},
         {"groups": 1, "per_group": 8, "kv_heads": 2, "query_group": 2, "width": 3, "columns": 33, "dk": 16, "dv": 32},
     ],
@@ -150,7 +163,7 @@ def _tiny(family: str, dtype=torch.float32):
 
 
 @needs_triton
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
 def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
     """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
     the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
@@ -159,7 +172,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
 
     device = "cpu" if INTERPRETED else "cuda"
     model = _tiny(family).to(device)
-    ids = torch.randint(0, 50, (3, 7), device=device)
+    ids = torch.randint(0, 50, (2, 4), device=device)
     with torch.no_grad():
         plain = model(input_ids=ids, use_cache=False).logits
         fused_count = fuse_model(model)
@@ -172,6 +185,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
     torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # about 30 s in Triton's interpreter
 @needs_triton
 def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
     """decode() with the fused model draws the tokens the HF modules draw (float32; log-probs to rounding)."""
@@ -193,6 +207,32 @@ def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@needs_triton
+def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
+    """bf16 in, bf16 out: rotary, RMSNorm and SiLU x up equal torch's eager ops (rounded where they round); the norm
+    and the SiLU may differ by one bf16 step in rare elements (float32 summation order, Triton's fast exp/rsqrt)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from runtime.engines.fused import rms_norm, rotary, silu_mul
+
+    device = "cpu" if INTERPRETED else "cuda"
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().to(device)
+
+    q, k, cos, sin = randn(2, 3, 4, 16), randn(2, 3, 2, 16), randn(2, 3, 16), randn(2, 3, 16)
+    rq, rk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    fq, fk = rotary(q, k, cos, sin)
+    assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
+    norm = Qwen3RMSNorm(64, eps=1e-6).bfloat16().to(device)
+    norm.weight.data = randn(64, scale=0.3) + 1
+    x, gate, up = randn(6, 64, scale=2.0), randn(4, 100, scale=3.0), randn(4, 100)
+    for got, want in ((rms_norm(x, norm.weight, 1e-6), norm(x)), (silu_mul(gate, up), F.silu(gate) * up)):
+        step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)  # one bf16 step
+        assert (got == want).float().mean() > 0.99 and bool(((got.float() - want.float()).abs() <= step).all())
+
+
 @pytest.mark.skipif(INTERPRETED or triton is None, reason="this process already runs interpreted, or no Triton")
 def test_triton_kernel_under_the_interpreter():
     here = Path(__file__).resolve()
@@ -200,4 +240,4 @@ def test_triton_kernel_under_the_interpreter():
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
     result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "5 passed" in result.stdout, result.stdout[-2000:]

@@ -105,6 +105,8 @@ def test_checkpoint_layout_names_what_is_missing_and_unexpected(presets):
     assert load_checkpoint_state_dict(model, {**partial, "model.extra": torch.zeros(1)}) == ([gone], ["model.extra"])
 
 
+# Multi-latent attention (tiny-deepseek-v3, tiny-moonlight) included: the engine's attention output is sized by the
+# value head dim, which MLA makes narrower than the query/key head.
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_log_probs_match_trainer_recompute(presets, name, tmp_path):
     path = presets[name]

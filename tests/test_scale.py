@@ -81,3 +81,63 @@ def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_pa
     assert calls == ["push", "stage", "commit", "stage", "commit", "stage", "push"]
     assert [r["rollout/weight_version_lag_max"] for r in rows] == [0, 1, 1, 1]
     assert [r["rollout/weight_version_lag_mean"] for r in rows] == [0, 1, 1, 1]
+
+
+def _broadcast_as_trainer(port: int, buckets: list) -> None:
+    """Trainer rank 0 of a gloo weight-update group of two, in its own process: start every bucket's broadcast
+    before waiting on the one before it, as ``TrainerWorker.broadcast_buckets`` does."""
+    from runtime.engines import weight_transfer
+
+    group = weight_transfer.init_weights_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="staged", backend="gloo"
+    )
+    in_flight = None
+    for bucket in buckets:
+        started = weight_transfer.start_bucket(group, bucket)
+        if in_flight is not None:
+            weight_transfer.finish_bucket(group, in_flight)
+        in_flight = started
+    weight_transfer.finish_bucket(group, in_flight)
+    weight_transfer.destroy_group(group)
+
+
+def test_staged_weights_leave_the_model_alone_until_the_swap(tmp_path):
+    """The embedded engine's second buffer: buckets received by ``stage_weights_from_distributed`` change nothing it
+    samples with; ``commit_staged_weights`` loads them all (bit for bit) with their version; a second commit has
+    nothing to do."""
+    import multiprocessing
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_tiny_model
+    from runtime.engines import HFEngine, weight_transfer
+    from runtime.engines.launcher import free_port
+
+    engine = HFEngine(str(make_tiny_model(tmp_path / "a", alphabet=task.ALPHABET, seed=0)), seed=0)
+    state = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "b", alphabet=task.ALPHABET, seed=1))
+    other = {k: v.clone() for k, v in state.state_dict().items() if k != "lm_head.weight"}
+    before = {k: v.clone() for k, v in engine.get_weights().items()}
+    names = sorted(other)
+    buckets = [{n: other[n] for n in names[i::3]} for i in range(3)]
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(target=_broadcast_as_trainer, args=(port, buckets))
+    trainer.start()
+    try:
+        engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="staged", backend="gloo")
+        for i, bucket in enumerate(buckets):
+            version = 7 if i == len(buckets) - 1 else None
+            engine.stage_weights_from_distributed(
+                *weight_transfer.bucket_meta(bucket), group_name="staged", weight_version=version
+            )
+        engine.destroy_weights_update_group("staged")
+    finally:
+        trainer.join(60)
+    assert trainer.exitcode == 0
+    assert engine.weight_version() == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.get_weights().items())
+    assert engine.commit_staged_weights() == 7 and engine.weight_version() == 7
+    weights = engine.get_weights()
+    assert all(torch.equal(weights[n], other[n].to(weights[n].dtype)) for n in names)
+    assert engine.commit_staged_weights() is None and engine.weight_version() == 7

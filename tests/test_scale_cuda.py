@@ -118,6 +118,8 @@ def test_one_step_async_pushes_mid_run_and_trains_one_version_behind(tmp_path):
         "--check-weight-update-equal",
     )  # fmt: skip
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:  # the step's parts, for the record (pytest -rA shows them)
+        print({k.removeprefix("perf/"): round(v, 3) for k, v in row.items() if k.startswith("perf/") and v})
     assert rows[0]["rollout/weight_version_lag_max"] == 0
     for row in rows[1:]:
         assert row["rollout/weight_version_lag_mean"] == 1 and row["rollout/weight_version_lag_max"] == 1
@@ -125,7 +127,7 @@ def test_one_step_async_pushes_mid_run_and_trains_one_version_behind(tmp_path):
 
 
 def test_the_default_plan_on_two_gpus_is_data_parallel_with_colocated_engines(tmp_path):
-    """No placement flag on a two-GPU machine: the measured-faster plan (runtime.cluster.plan.DEFAULT_PLAN)."""
+    """No placement flag on a two-GPU machine: the default plan (runtime.cluster.plan.DEFAULT_PLAN)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     dry = subprocess.run(
         [sys.executable, "-m", "runtime.cli", "--dry-run"], capture_output=True, text=True, env=env, timeout=120

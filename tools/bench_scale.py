@@ -75,8 +75,13 @@ COLUMNS = {
 }
 
 
+def python_path() -> str:
+    """This checkout first, then whatever the caller's ``PYTHONPATH`` holds (where the dependencies may be)."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
 def run_job(model: str, gpus: list[int], flags: list[str], out: Path, steps: int) -> list[dict]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONPATH": python_path()}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "runtime.cli", "--hf-checkpoint", model, *JOB, *flags, "--num-rollout", str(steps),
            "--output-dir", str(out)]  # fmt: skip
@@ -121,7 +126,7 @@ def main() -> None:
         model = str(out / args.preset)
         if not (Path(model) / "config.json").exists():
             subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--preset", args.preset, model],
-                           check=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+                           check=True, env={**os.environ, "PYTHONPATH": python_path()})  # fmt: skip
     jobs = [(n, name, flags) for n in counts for name in args.placements if (flags := PLACEMENTS[name](n))]
     # Waves of jobs on disjoint GPUs: each wave fills the host's GPUs with the largest jobs first.
     waves: list[list[tuple[int, str, list[str]]]] = []

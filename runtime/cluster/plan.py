@@ -1,15 +1,19 @@
 """The placement a job gets on N GPUs when it names no placement beyond the GPU count.
 
-Two plans can use every GPU of a host (``docs/runtime.md``, "Default placement on N GPUs", has the measured table):
+Two plans can use every GPU of a host (``docs/runtime.md``, "Default placement on N GPUs"):
 
 - ``colocated_dp``: the trainer data-parallel over all N GPUs and an engine colocated on each (verl's hybrid engine):
   rollout, log-probs and training each spread over N devices, weights cross by CUDA IPC, nothing overlaps;
 - ``split_async``: half the GPUs train, the other half generate, one step apart (``--rollout-schedule one_step``):
   the step costs the longer of rollout and training plus an NCCL weight sync.
 
-:data:`DEFAULT_PLAN` is the one ``tools/bench_scale.py`` measured faster for the job shape of issue 26 (Qwen3-0.6B,
-8 prompts x 8 samples x 512 tokens) on 2 and 4 H100s. Any placement flag (:data:`PLACEMENT_FLAGS`) means the user
-chose, and nothing is changed. ``--dry-run`` prints the plan and this rule (:func:`describe`).
+:data:`DEFAULT_PLAN` is the faster one by the one-GPU breakdown of issue 26's job (Qwen3-0.6B, 8 prompts x 8 samples
+x 512 tokens on one H100: rollout 3.85 s, train 1.58 s, IPC sync 0.07 s): spread over N GPUs colocated it costs about
+(3.85 + 1.58) / N + sync, while split_async costs at least max(3.85 / (N / 2), 1.58 / (N / 2)) + an NCCL sync, twice
+as much on the rollout-bound side. ``tools/bench_scale.py`` measures both; its GPU run is still to be made (the
+figures in ``docs/runtime.md`` say what was measured), and the table entry flips if it says otherwise. Any placement
+flag (:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the plan and this
+rule (:func:`describe`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ PLANS: dict[str, Plan] = {
         summary="half the GPUs train, half generate, one step apart (NCCL sync)",
     ),
 }
-# Measured faster on 2 and 4 H100s (tools/bench_scale.py; docs/runtime.md).
+# The faster by the one-GPU breakdown (see the module docstring); tools/bench_scale.py measures it.
 DEFAULT_PLAN = "colocated_dp"
 
 
@@ -80,5 +84,5 @@ def describe(cfg: Any) -> str:
     )
     return (
         f"{shape}. Default on N GPUs with no placement flag: {DEFAULT_PLAN} ({PLANS[DEFAULT_PLAN].summary}), "
-        "measured faster than the other plan (docs/runtime.md)"
+        "the faster by the one-GPU rollout/train breakdown (runtime/cluster/plan.py, docs/runtime.md)"
     )

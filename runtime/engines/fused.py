@@ -14,7 +14,10 @@ knows (tables below) for ones that run one kernel where eager runs many:
 Each kernel rounds where torch's eager ops round (RMSNorm: float32 math, downcast, then the weight product rounded
 in the output dtype; rotary: each product and the sum rounded to the input dtype; SiLU, then the product, each
 rounded), so the fused model computes what the trainer's HF model computes, up to float32 summation order inside a
-kernel. Weights stay the modules' own parameters, so weight updates reach the fused forwards unchanged.
+kernel and Triton's fast ``exp`` and ``rsqrt`` (relative errors near 1e-7, far below a bf16 step). Weights stay the
+modules' own parameters, so weight updates reach the fused forwards unchanged.
+(Triton's CPU interpreter rounds float32 to bfloat16 by truncation, so the bf16 rounding is checked on a GPU only,
+``tests/test_engine_decode_cuda.py``.)
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: x must be contiguous [..., {weight.shape[0]}], got {list(x.shape)}")
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _rms_norm_kernel[(rows,)](x, weight, out, eps, dim, BLOCK=triton.next_power_of_2(dim))
+    _rms_norm_kernel[(rows,)](
+        x, weight, out, eps, dim, BLOCK=triton.next_power_of_2(dim), ROUND=_rounding(x.dtype),
+        ROUND_OUT=_rounding(out.dtype),
+    )  # fmt: skip
     return out
 
 
@@ -54,7 +60,17 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     hq, hk = q.shape[2], k.shape[2]
     _rotary_kernel[(tokens, hq + hk)](
-        q, k, cos, sin, q_out, k_out, hq, dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2)
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        hq,
+        dim,
+        HALF=dim // 2,
+        BLOCK=triton.next_power_of_2(dim // 2),
+        ROUND=_rounding(q.dtype),
     )
     return q_out, k_out
 
@@ -65,7 +81,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate and up must be contiguous and alike, got {gate.shape}, {up.shape}")
     out = torch.empty_like(gate)
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, ROUND=_rounding(gate.dtype))
     return out
 
 
@@ -147,22 +163,51 @@ def fuse_model(model: torch.nn.Module, *, on: bool = True) -> int:
     return count
 
 
+# How a kernel rounds a float32 value to its tensors' dtype: not at all, to bf16 by integer arithmetic on the bits
+# (round to nearest, ties to even; finite values, as activations are: a conversion pair the compiler cannot fold away,
+# and exact in Triton's interpreter too, whose float conversion truncates), or to fp16 by conversion.
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _rounding(dtype: torch.dtype) -> int:
+    if dtype not in ROUNDING:
+        raise ValueError(f"fused kernels take float32, bfloat16 or float16 tensors, got {dtype}")
+    return ROUNDING[dtype]
+
+
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, dim, BLOCK: tl.constexpr):
+    def _round(x, ROUND: tl.constexpr):
+        """float32 ``x`` rounded to the dtype ``ROUND`` names (see ROUNDING), still float32."""
+        if ROUND == 1:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, w_ptr, out_ptr, eps, dim, BLOCK: tl.constexpr, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         real = cols < dim
-        x = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0)
-        xf = x.to(tl.float32)
+        xf = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
         variance = tl.sum(xf * xf, 0) / dim
-        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
+        normed = _round(xf * tl.rsqrt(variance + eps), ROUND)
         w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=real)
+        out = _round(w * normed, ROUND_OUT)
+        tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
-    def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rotary_kernel(
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, HALF: tl.constexpr, BLOCK: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
@@ -174,26 +219,23 @@ if triton is not None:
             hk = tl.num_programs(1) - hq
             src = k_ptr + (token * hk + head - hq) * dim
             dst = k_out + (token * hk + head - hq) * dim
-        x1 = tl.load(src + cols, mask=real, other=0.0)
-        x2 = tl.load(src + HALF + cols, mask=real, other=0.0)
-        dtype = x1.dtype
+        x1 = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + cols, mask=real, other=0.0).to(tl.float32)
         c1 = tl.load(cos_ptr + token * dim + cols, mask=real, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + token * dim + HALF + cols, mask=real, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + token * dim + cols, mask=real, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + token * dim + HALF + cols, mask=real, other=0.0).to(tl.float32)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         # rotate_half(x) = cat(-x2, x1): the first half pairs with -x2, the second with x1.
-        lo = (x1f * c1).to(dtype).to(tl.float32) + (-x2f * s1).to(dtype).to(tl.float32)
-        hi = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
-        tl.store(dst + cols, lo.to(dtype), mask=real)
-        tl.store(dst + HALF + cols, hi.to(dtype), mask=real)
+        lo = _round(_round(x1 * c1, ROUND) + _round(-x2 * s1, ROUND), ROUND)
+        hi = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
+        tl.store(dst + cols, lo.to(q_out.dtype.element_ty), mask=real)
+        tl.store(dst + HALF + cols, hi.to(q_out.dtype.element_ty), mask=real)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, ROUND: tl.constexpr):
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         real = at < n
-        g = tl.load(gate_ptr + at, mask=real, other=0.0)
+        g = tl.load(gate_ptr + at, mask=real, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + at, mask=real, other=0.0).to(tl.float32)
-        gf = g.to(tl.float32)
-        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        tl.store(out_ptr + at, (silu * u).to(g.dtype), mask=real)
+        silu = _round(g / (1.0 + tl.exp(-g)), ROUND)
+        tl.store(out_ptr + at, _round(silu * u, ROUND).to(out_ptr.dtype.element_ty), mask=real)

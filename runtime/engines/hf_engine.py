@@ -435,6 +435,9 @@ class HFEngine:
         device = self.device if self.device.type == "cuda" else "cpu"
         bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
         self.load_weights(bucket, weight_version=weight_version)
+        if weight_version is not None:
+            # A whole update (a restarted engine's rejoin) supersedes weights staged before it.
+            self._staged, self._staged_version = {}, None
 
     def stage_weights_from_distributed(
         self,
