@@ -234,6 +234,7 @@ def test_default_job_runs_on_the_tiny_qwen3_moe(ray_session, monkeypatch, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_default_job_learns_on_the_tiny_qwen3_moe(monkeypatch, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

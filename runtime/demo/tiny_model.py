@@ -6,7 +6,13 @@ library (one token per character of an alphabet, plus ``<pad>``, ``<bos>``, ``<e
 exactly like a downloaded checkpoint (``AutoModelForCausalLM`` / ``AutoTokenizer``). ``tools/make_tiny_model.py`` is
 the command-line front end.
 
-``PRESETS`` adds full-size random-init models of real shapes for benchmarks; ``make_preset_model`` builds one.
+``PRESETS`` adds random-init models of other shapes and families; ``make_preset_model`` builds one. Besides
+``qwen3-0.6b`` (below): tiny models of the MoE and GLM families (``tiny-qwen3-moe``, ``tiny-glm4-moe``,
+``tiny-deepseek-v3``, ``tiny-moonlight``, ``tiny-glm4``: 64 wide, 2 layers, float32, the character tokenizer unpadded,
+each with its family's distinguishing parts: routers, shared experts, dense first layers, MLA with and without a query
+LoRA, partial rotary, YaRN), and real shapes cut to 2 layers for GPU tests and benchmarks (``qwen3-30b-a3b-2layers``,
+``moonlight-16b-a3b-2layers``; shapes from slime's ``scripts/models/qwen3-30B-A3B.sh`` and ``moonlight.sh``). A
+preset's ``vocab_size`` of None means the character tokenizer's own size.
 
 ``qwen3-0.6b``: a transformers ``Qwen3ForCausalLM`` with Qwen3-0.6B's shape, 596,049,920 parameters (155,582,464 of
 them in the embedding, which the LM head shares), saved in bfloat16 safetensors (1.19 GB). Checked against

@@ -36,17 +36,14 @@ class Slot:
 def _fused_rules(model: torch.nn.Module) -> list[tuple[str, tuple[str, ...], int | None]]:
     """``(target pattern, source patterns, concatenation dim or None)`` of each expert-fusing rule transformers applies
     to ``model``'s checkpoints."""
+    from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
-    if not hasattr(model, "config") or not hasattr(model, "named_modules"):
-        return []
-    try:
-        conversions = get_model_conversion_mapping(model, add_legacy=False)
-    except (AttributeError, TypeError):  # not a transformers PreTrainedModel (e.g. a test's plain module)
+    if not isinstance(model, PreTrainedModel):  # a plain module: its state_dict names are its checkpoint's
         return []
     rules = []
-    for conversion in conversions:
+    for conversion in get_model_conversion_mapping(model, add_legacy=False):
         if not isinstance(conversion, WeightConverter):
             continue
         ops = list(conversion.operations)

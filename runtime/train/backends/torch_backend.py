@@ -898,8 +898,7 @@ class TorchTrainer:
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         """The full float32 weights on the CPU on rank 0 (tied weights once; checkpoint names, experts one by one),
-        None
-        on other ranks (a collective)."""
+        None on other ranks (a collective)."""
         weights: dict[str, torch.Tensor] = {}
         for bucket in self.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 62):
             weights.update(bucket)
