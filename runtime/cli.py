@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from runtime.config import Config, ConfigError, _tree_value, eval_datasets, format_config, parse_args, read_yaml_tree
 from runtime.errors import JobError
 from runtime.hooks import HookError
-from runtime.rollout.data import DataError
 from runtime.slime_compat import backend_choice, switches_in
 from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
 
@@ -39,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     from runtime.loop import run
+    from runtime.rollout.data import DataError
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def dry_run_report(cfg: Config, *, argv: Sequence[str] = ()) -> str:
     """What a run would derive from ``cfg`` (parsed from ``argv``) before starting anything: the training backend and
     why, batch arithmetic, the algorithm's settings, the model roles and the placement plan."""
-    from runtime.cluster.placement import plan_bundles
+    from runtime.cluster.bundles import plan_bundles
+    from runtime.cluster.plan import describe
 
     r, t, a = cfg.rollout, cfg.train, cfg.algo
     per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
@@ -78,6 +79,7 @@ def dry_run_report(cfg: Config, *, argv: Sequence[str] = ()) -> str:
         f"  model roles            {', '.join(role.name for role in model_roles(cfg))}",
         f"  evaluation             {_evaluation(cfg)}",
         "[dry run: placement plan]",
+        f"  plan                   {describe(cfg)}",
         f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
         f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
         f"  engine bundles         {plan.engine_bundles} ({cfg.rollout.rollout_engine} engine, share {plan.share})",

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime import slime_compat
-from runtime.errors import JobError
+from runtime.errors import JobError, JobInterrupted
 
 
 class HookError(ValueError):
@@ -102,12 +102,18 @@ def working_directory_on_path() -> None:
         sys.path.insert(0, cwd)
 
 
+# What a hook may raise and still be reported as its failure: sys.exit() and KeyboardInterrupt (or GeneratorExit)
+# raised by the hook itself too, which would otherwise end a worker thread or the job with no word. A real Ctrl-C or
+# SIGTERM arrives as runtime.errors.JobInterrupted (see runtime.cli) and passes through; asyncio's CancelledError does.
+_HOOK_RAISED = (Exception, SystemExit, KeyboardInterrupt, GeneratorExit)
+
+
 class Hook:
     """A user function named by a hook flag, called as the function itself.
 
-    A call that raises becomes a :class:`HookFailure` naming the flag, the path, the exception and the hook's own
-    file and line; so does an awaitable result that raises when awaited. :meth:`wrong_type` builds the failure for a
-    result of the wrong type, pointing at the function's definition.
+    A call that raises (anything, ``sys.exit()`` included) becomes a :class:`HookFailure` naming the flag, the path,
+    the exception and the hook's own file and line; so does an awaitable result that raises when awaited.
+    :meth:`wrong_type` builds the failure for a result of the wrong type, pointing at the function's definition.
     """
 
     def __init__(self, flag: str, path: str, fn: Callable[..., Any]):
@@ -119,14 +125,18 @@ class Hook:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             out = self.fn(*args, **kwargs)
-        except Exception as err:
+        except JobInterrupted:
+            raise
+        except _HOOK_RAISED as err:
             raise self.failure(err) from err
         return self._awaited(out) if inspect.isawaitable(out) else out
 
     async def _awaited(self, awaitable: Any) -> Any:
         try:
             return await awaitable
-        except Exception as err:
+        except JobInterrupted:
+            raise
+        except _HOOK_RAISED as err:
             raise self.failure(err) from err
 
     def failure(self, err: BaseException) -> HookFailure:

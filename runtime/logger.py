@@ -88,7 +88,8 @@ class MetricsLogger:
     """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and (optionally) W&B.
 
     A job resumed at ``start_step`` keeps the rows of earlier steps (:func:`repair_rows`: later rows and a torn last
-    line are dropped); a job from step 0 starts the file afresh.
+    line are dropped); a job from step 0 starts the file afresh. TensorBoard drops the events at and after
+    ``tensorboard_purge_step`` (default ``start_step``; the x-axis value of the resumed step) left by the run before.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class MetricsLogger:
         start_step: int = 0,
         tensorboard_dir: str | os.PathLike[str] | None = None,
         wandb_options: WandbOptions | None = None,
+        tensorboard_purge_step: int | None = None,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,12 @@ class MetricsLogger:
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir or self.dir / "tensorboard"))
+            # A resumed job redoes the steps after its checkpoint: TensorBoard drops the first run's events from the
+            # resumed step on (its purge step, at the step's x-axis value), so each step is plotted once.
+            purge = tensorboard_purge_step if tensorboard_purge_step is not None else start_step
+            self._tb = SummaryWriter(
+                log_dir=str(tensorboard_dir or self.dir / "tensorboard"), purge_step=purge if purge > 0 else None
+            )
         self._wandb = None
         if use_wandb:
             options = wandb_options or WandbOptions(project=wandb_project)

@@ -84,10 +84,11 @@ def infer_train_backend(
 
 def megatron_flags_set(cfg: Any, switches: Iterable[str] = ()) -> list[str]:
     """The Megatron-only flags ``cfg`` sets away from their defaults, and the Megatron ``switches`` given."""
-    from runtime.config import MEGATRON_SLIME_FIELDS, MEGATRON_TRAIN_FIELDS, TrainConfig, flag
+    from runtime.config import TrainConfig, flag
+    from runtime.train.backends import backend_options
 
     defaults = TrainConfig()
-    fields = (*MEGATRON_TRAIN_FIELDS, *MEGATRON_SLIME_FIELDS)
+    fields = tuple(backend_options("megatron").OWN_FIELDS)  # the flags the Megatron backend declares its own
     return [flag(n) for n in fields if getattr(cfg.train, n) != getattr(defaults, n)] + list(switches)
 
 

@@ -83,7 +83,7 @@ BUILT = {
 def test_the_torch_backend_refuses_the_megatron_backends_flags_naming_it(name, tmp_path):
     value = BUILT[name]
     argv = [name] if value is None else [name, value]
-    refusal = f"{name}: a flag of slime's Megatron backend, built for --train-backend megatron"
+    refusal = f"{name}: a flag of slime's Megatron backend, used by --train-backend megatron"
     with pytest.raises(ConfigError, match=refusal):
         parse_args([*argv, "--train-backend", "torch"])  # named: alone, the flag selects megatron (slime_compat)
     assert slime_flags.BY_NAME[name].status == slime_flags.DIFFERS

@@ -162,7 +162,7 @@ def test_use_rotary_position_embeddings_is_checked_against_config_json(job):
 
 
 def test_a_megatron_field_away_from_its_default_is_refused_once_under_torch(job):
-    from runtime.config import MEGATRON_TRAIN_FIELDS
+    from runtime.train.backends.megatron_options import MEGATRON_TRAIN_FIELDS
 
     assert len(set(MEGATRON_TRAIN_FIELDS)) == len(MEGATRON_TRAIN_FIELDS)
     assert _problems([*job, *TORCH, "--attention-backend", "local"]) == [

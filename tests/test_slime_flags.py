@@ -12,7 +12,7 @@ import pytest
 from runtime import slime_flags
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import _SPECS, MEGATRON_VALUES_BUILT, Config, ConfigError, build_parser, flag, parse_args
-from runtime.slime_flags import DIFFERS, ELSEWHERE, REFUSED, SLIME_FLAGS, YES
+from runtime.slime_flags import DIFFERS, REFUSED, SLIME_FLAGS, YES
 from runtime.train.backends import megatron_checkpoint as mck
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +243,7 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
         assert name in args or name in VALUE_REFUSALS, problem
         named.add(name)
         entry = slime_flags.BY_NAME.get(name)
-        if entry is not None and entry.status in (REFUSED, ELSEWHERE):
+        if entry is not None and entry.status == REFUSED:
             assert entry.note in problem
         elif name in VALUE_REFUSALS:
             assert VALUE_REFUSALS[name] in problem
@@ -257,9 +257,6 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
             )
     # Nothing is refused silently: every flag of the script that rlcore-run cannot take is among those named.
     for arg in args:
-        entry = slime_flags.BY_NAME.get(arg)
-        if entry is not None and entry.status == ELSEWHERE:
-            assert arg in named
         if arg in slime_flags.MEGATRON_FLAGS:
             assert arg in named
 
