@@ -21,6 +21,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "slime_scripts"
 OURS = {
     "output_dir",
     "on_bad_row",
+    "allow_prompt_data_change",
     "rollout_engine",
     "sglang_url",
     "engine_compile",
