@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test run lint bench-gae
+.PHONY: test run lint bench-gae gpu-suite
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,3 +28,7 @@ run: $(STAMP)
 
 bench-gae: $(STAMP)
 	$(BIN)/python tools/bench_gae.py
+
+# Every tests/test_*_cuda.py and the headline benches on this machine's GPUs; rewrites docs/gpu-results.md.
+gpu-suite: $(STAMP)
+	$(BIN)/python tools/gpu_suite.py

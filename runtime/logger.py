@@ -6,6 +6,8 @@ import datetime
 import json
 import math
 import os
+import secrets
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +137,8 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, axis)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=axis)
+            # The values TensorBoard gets (plain numbers), non-finite ones too (W&B plots them as gaps).
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=axis)
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -175,7 +178,8 @@ class WandbOptions:
             wandb.login(key=self.key, host=self.host)
         group = self.group
         if group is not None and self.random_suffix:
-            group = f"{group}_{wandb.util.generate_id()}"
+            # slime calls wandb.util.generate_id, which wandb 0.31 no longer has: the same kind of id (8 base-36).
+            group = f"{group}_{''.join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))}"
         kwargs: dict[str, Any] = {
             "project": self.project,
             "entity": self.team,

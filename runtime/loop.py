@@ -78,6 +78,7 @@ from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub, check_label_types, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
+from runtime.slime_compat import num_rollout_of_epochs, train_iters
 from runtime.train.algo import (
     advantage_config,
     check_supported,
@@ -182,7 +183,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
-        params=sampling_params(cfg),
+        # None only for slime's SFT (runtime.slime_compat.is_sft_job), whose rollout generates nothing.
+        params=sampling_params(cfg) if r.rollout_max_response_len is not None else None,
         num_rollout=r.num_rollout,
         over_sampling_batch_size=r.over_sampling_batch_size,
         max_staleness=r.max_staleness,
@@ -335,6 +337,14 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
+        # Engines that take weights while they generate, one rollout ahead and nothing offloaded: the sync does not
+        # wait for the rollout in flight (runtime.cluster.weight_sync.DistributedSync.stage).
+        staged_sync = (
+            getattr(weights, "can_stage", False)
+            and hasattr(source, "defer")
+            and getattr(source, "lookahead", 0) == 1
+            and not (offload.train or offload.rollout)
+        )
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
@@ -390,12 +400,19 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
-                source.pause()
-                engine_memory.resume(["weights"])
-                weights.push(done)
+                # The last step and an evaluated one need the new weights in the engines at once.
+                evaluated = evaluating and done % cfg.eval.eval_interval == 0
+                if staged_sync and done < r.num_rollout and not evaluated:
+                    # One-step async: sent while the next rollout samples, swapped in before the one after.
+                    weights.stage(done)
+                    source.defer(weights.commit)
+                else:
+                    source.pause()
+                    engine_memory.resume(["weights"])
+                    weights.push(done)
+                    source.resume(done)
                 if cfg.train.keep_old_actor:
                     trainers.call("advance_old_actor")
-                source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
@@ -686,19 +703,28 @@ def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
 
 
 def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
-    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass."""
-    r = cfg.rollout
+    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass; and
+    ``--lr-decay-iters``, when unset, derived from it as slime does (runtime.slime_compat.train_iters)."""
+    r, t = cfg.rollout, cfg.train
     if r.num_rollout is not None:
         return cfg
-    per_epoch = dataset_size // r.rollout_batch_size
-    if per_epoch == 0:
+    if dataset_size // r.rollout_batch_size == 0:
         raise ConfigError(
             [
                 f"--num-epoch: the prompt data holds {dataset_size} prompts, fewer than --rollout-batch-size "
                 f"{r.rollout_batch_size}: set --num-rollout"
             ]
         )
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
+    num_rollout = num_rollout_of_epochs(
+        num_epoch=r.num_epoch, dataset_size=dataset_size, rollout_batch_size=r.rollout_batch_size
+    )
+    sizes = dict(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt)
+    decay = t.lr_decay_iters or train_iters(num_rollout=num_rollout, global_batch_size=t.global_batch_size, **sizes)
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(r, num_rollout=num_rollout),
+        train=dataclasses.replace(t, lr_decay_iters=decay),
+    )
 
 
 def eval_data_config(cfg: Config, dataset: EvalDataset) -> DataConfig:

@@ -5,7 +5,7 @@ Run: ``python -m pytest -q tests/test_megatron_cuda.py`` (the two-GPU tests skip
 used: no Transformer Engine, apex or flash-attn.
 
 Tolerances: float32, the same as on the CPU (log-probs 2e-5 absolute; loss and gradient norm 1e-4 relative; TF32 is
-off); bf16 against the float32 torch backend: log-probs 0.1 absolute on average, loss 5e-2 and gradient norm 1e-1
+off); bf16 against the float32 torch backend: log-probs 2e-2 absolute on average, loss 5e-2 and gradient norm 1e-1
 relative (bf16 keeps 8 bits of mantissa).
 
 The SDPA core attention (``--attention-backend auto``) against Megatron's unfused one (``local``), bf16: each is
@@ -76,7 +76,12 @@ def test_bf16_is_close_to_the_float32_torch_backend(tmp_path):
         mask = td[keys.MASK]
         want_lp = reference.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
         got_lp = mega.compute_log_probs(td)[keys.OLD_LOG_PROBS][mask]
-        assert (got_lp - want_lp).abs().mean() < 0.1
+        gap = (got_lp - want_lp).abs().mean().item()
+        print(f"bf16 Megatron vs float32 torch, mean |log-prob gap|: {gap:.2e}")
+        # bf16 rounds each weight and activation to 8 bits of mantissa (relative 2**-9); the engine-vs-trainer gap
+        # of bf16 against bf16 measured on one H100 is 6.4e-3 mean (docs/gpu-results.md, bench logprob_gap). The
+        # bound is 3x that: a float32 layer left out of the bf16 cast or a mis-mapped weight gives gaps of order 1.
+        assert gap < 2e-2
         want, got = train_once(reference, cfg, td), train_once(mega, cfg, td)
         assert got["loss"] == pytest.approx(want["loss"], rel=5e-2, abs=1e-3)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-1)
@@ -235,30 +240,31 @@ def test_dynamic_batch_size_equals_fixed_micro_batches_on_one_gpu(world, tp, pp,
 
 def test_grpo_steps_through_rlcore_run(tmp_path):
     """The built-in job's first steps with --train-backend megatron and the embedded engine: it runs to the end and
-    logs the Megatron trainer's metrics."""
+    each step's Megatron metrics hold values a working step gives."""
+    from runtime.config import parse_args
+
     out = tmp_path / "out"
+    argv = ["--train-backend", "megatron", "--num-rollout", "4", "--output-dir", str(out)]
+    cfg = parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime.cli",
-            "--train-backend",
-            "megatron",
-            "--num-rollout",
-            "4",
-            "--output-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
+        [sys.executable, "-m", "runtime.cli", *argv], capture_output=True, text=True, env=env, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train/grad_norm" in r or "grad_norm" in json.dumps(r)]
-    assert len(steps) >= 4
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    for row in rows:
+        print({k: v for k, v in row.items() if k.startswith(("train/", "rollout/reward"))})
+        assert row["train/num_steps"] == samples // cfg.train.global_batch_size
+        assert 0.0 <= row["rollout/reward_mean"] <= 1.0
+        assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
+        assert 0.0 < row["train/grad_norm"] < 1e3  # a gradient, neither lost nor blown up
+        # The engine sampled with the weights Megatron holds (bf16 both sides, different kernels): the recomputed
+        # log-probs agree with the rollout's to the engine-vs-trainer gap measured on one H100 (6.4e-3 mean,
+        # docs/gpu-results.md, bench logprob_gap) with room for Megatron's own kernels; stale or mis-mapped weights
+        # after a sync give gaps of order 1.
+        assert row["train/rollout_log_prob_abs_diff"] < 3e-2, row["train/rollout_log_prob_abs_diff"]
 
 
 def _save_then_go_on(path, cfg, td, folder):

@@ -129,7 +129,8 @@ def test_every_schedule_conforms_to_the_protocol(runner):
     methods = {name for name, _ in inspect.getmembers(RolloutSource, inspect.isfunction) if not name.startswith("_")}
     assert methods == {"start", "get", "pause", "resume", "commit", "close"}
     for schedule in SCHEDULES:
-        source, feed = _source(runner, schedule, _Engines())
+        dataset = _Dataset()
+        source, feed = _source(runner, schedule, _Engines(), dataset=dataset)
         assert isinstance(source, RolloutSource)
         rollouts = _train(source, source.ctx.engines, 3)
         assert [r.step for r in rollouts] == [0, 1, 2]
@@ -138,9 +139,11 @@ def test_every_schedule_conforms_to_the_protocol(runner):
         trained = [i for r in rollouts for i in r.trained_indices]
         assert trained == list(range(6)), schedule  # no filter: prompts trained in the order handed out
         # What is handed out but not trained stays on the books: nothing (sync), the rollout started ahead (one
-        # step: step 3's two prompts), or every group admitted beyond the six trained (fully async).
-        ahead = {"sync": 0, "one_step": 2, "fully_async": getattr(source, "_next_seq", 0) - 6}[schedule]
-        assert feed.num_outstanding == ahead, schedule
+        # step: step 3's two prompts), or every prompt the data gave beyond the six trained (fully async, whose
+        # admission runs on while the trainer trains: a count only the data's own position tells).
+        drawn_ahead = dataset.pos - len(trained)
+        ahead = {"sync": 0, "one_step": 2, "fully_async": drawn_ahead}[schedule]
+        assert drawn_ahead == ahead and feed.num_outstanding == ahead, (schedule, drawn_ahead, feed.num_outstanding)
 
 
 def test_sync_samples_on_policy_and_one_step_exactly_one_version_behind(runner):

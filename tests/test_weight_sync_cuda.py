@@ -3,8 +3,6 @@ colocated job on one GPU with the weights checked after the sync. Skipped withou
 
 import json
 import multiprocessing
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -59,13 +57,40 @@ def test_ipc_handles_load_the_trainers_weights_into_an_engine_process(tmp_path):
         assert torch.equal(torch.from_numpy(got[name]), value.float().cpu()), name
 
 
-def test_the_default_job_colocates_on_one_gpu_and_syncs_by_ipc(tmp_path):
+def test_the_default_job_colocates_on_one_gpu_and_syncs_by_ipc(tmp_path, monkeypatch):
+    """The default job on one GPU: the weight sync it builds is IPC (no other transport is built), every push moves
+    the whole model, and ``--check-weight-update-equal`` finds the engine's weights equal to the trainer's."""
+    from runtime.cluster import weight_sync
+    from runtime.config import parse_args
+    from runtime.loop import run
+
+    built, pushed = [], []
+
+    def recording(kind, make):
+        def build(*args, **kwargs):
+            sync = make(*args, **kwargs)
+            built.append(kind)
+            push = sync.push
+
+            def push_and_record(version):
+                push(version)
+                pushed.append((kind, version, getattr(sync, "bytes_sent", None)))
+
+            sync.push = push_and_record
+            return sync
+
+        return build
+
+    for kind, make in list(weight_sync.WEIGHT_SYNCS.items()):
+        monkeypatch.setitem(weight_sync.WEIGHT_SYNCS, kind, recording(kind, make))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "runtime.cli", "--num-rollout", "3", "--check-weight-update-equal",
-           "--output-dir", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
+    cfg = parse_args(["--num-rollout", "3", "--check-weight-update-equal", "--output-dir", str(out)])
+    result = run(cfg, progress=False)
+    assert built == ["ipc"], built
+    assert len(pushed) >= 3 and {kind for kind, _, _ in pushed} == {"ipc"}, pushed
+    sizes = {size for _, _, size in pushed}
+    assert len(sizes) == 1 and sizes.pop() > 0, pushed  # the whole model each time, not a part or nothing
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
         print({k: round(v, 3) for k, v in row.items() if k.startswith("perf/") and isinstance(v, float)})

@@ -258,7 +258,7 @@ def actor_start(
     whose ``latest_checkpointed_iteration.txt`` (or step) names a missing folder."""
     if backend != "megatron" or (load is not None and is_job_checkpoint(load)):
         return None
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     if load is not None and os.path.isdir(load) and find_checkpoint(load, flag="--load") is not None:
         return load
@@ -274,7 +274,7 @@ def reference_path(*, ref_load: str, ref_ckpt_step: int | None, flag: str = "--r
     ``iter_{ref_ckpt_step:07d}`` when given."""
     if ref_ckpt_step is None:
         return ref_load
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     return str(find_checkpoint(ref_load, step=ref_ckpt_step, flag=flag))
 

@@ -1,0 +1,96 @@
+"""tools/gpu_suite.py's bookkeeping on the CPU: what it runs, how it counts a pytest log, what it writes, and that a
+timed-out item is killed with its children and still reports the tests it finished."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import gpu_suite  # noqa: E402
+
+LOG = """\
+tests/test_x_cuda.py::test_a PASSED                                      [ 20%]
+tests/test_x_cuda.py::test_b[2-1-knobs0] FAILED                          [ 40%]
+tests/test_x_cuda.py::test_c SKIPPED (needs two GPUs)                    [ 60%]
+tests/test_x_cuda.py::test_d XFAIL (flex bf16)                           [ 80%]
+tests/test_x_cuda.py::test_e PASSED                                      [100%]
+tests/test_x_cuda.py::test_e ERROR                                       [100%]
+tests/test_x_cuda.py::test_f[pp2-overlap]
+"""
+
+
+def test_every_cuda_test_file_is_an_item_and_the_cited_ones_come_first():
+    names = [p.name for p in gpu_suite.test_files()]
+    assert sorted(names) == sorted(p.name for p in Path("tests").glob("test_*_cuda.py"))
+    assert names[: len(gpu_suite.TEST_ORDER)] == list(gpu_suite.TEST_ORDER)
+
+
+def test_a_pytest_log_is_counted_per_test_with_a_teardown_error_winning():
+    counts, failed = gpu_suite.parse_pytest_log(LOG)
+    assert counts == {"PASSED": 1, "FAILED": 1, "ERROR": 1, "SKIPPED": 1, "XFAIL": 1, "XPASS": 0}
+    assert failed == ["tests/test_x_cuda.py::test_b[2-1-knobs0]", "tests/test_x_cuda.py::test_e"]
+    assert list(gpu_suite.test_outcomes(LOG).items())[-1] == ("tests/test_x_cuda.py::test_f[pp2-overlap]", "RUNNING")
+
+
+def test_the_results_file_has_a_row_per_file_and_each_bench_table():
+    tests = gpu_suite.Result("test_x_cuda.py", ["py"], status="timed out (60 s)", seconds=60.4)
+    tests.counts, tests.failed = gpu_suite.parse_pytest_log(LOG)
+    tests.outcomes = gpu_suite.test_outcomes(LOG)
+    bench = gpu_suite.Result("logprob_gap", ["py", "tools/bench_logprob_gap.py"], status="finished", seconds=3)
+    bench.output = "row | mean\ntrainer | 6.4e-03\n"
+    text = gpu_suite.render([tests, bench], header={"date": "d", "machine": "m", "commit": "c"})
+    assert "| `test_x_cuda.py` | timed out (60 s) | 1 | 1 | 1 | 1 | 1 | 60 |" in text
+    assert "- `tests/test_x_cuda.py::test_b[2-1-knobs0]` FAILED" in text
+    assert "- `tests/test_x_cuda.py::test_f[pp2-overlap]` RUNNING" in text
+    assert "### bench logprob_gap" in text and "trainer | 6.4e-03" in text
+    assert "- **commit**: c" in text
+
+
+def test_a_timed_out_item_is_killed_with_its_children(tmp_path):
+    child = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    )
+    script += f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
+    start = time.monotonic()
+    status, seconds, output = gpu_suite.run_item(
+        [sys.executable, "-c", script], timeout_s=3, log=tmp_path / "item.log"
+    )
+    assert status == "timed out (3 s)" and output.strip() == "started"
+    assert 3 <= seconds < 30 and time.monotonic() - start < 30
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the item's child outlived its timeout"
+        time.sleep(0.1)
+
+
+def test_only_naming_no_item_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as err:
+        gpu_suite.main(["--only", "test_nothing_cuda.py", "--list"])
+    assert err.value.code == 2 and "--only names no item: test_nothing_cuda.py" in capsys.readouterr().err
+
+
+def test_a_rerun_keeps_the_hand_kept_earlier_figures_and_replaces_the_rest(tmp_path):
+    out = tmp_path / "gpu-results.md"
+    earlier = "## Earlier figures\n\n| id | figure |\n| --- | --- |\n| E1 | 94 ms |\n"
+    out.write_text("# GPU results\n\n- **commit**: old\n\n" + earlier)
+    assert gpu_suite.earlier_section(out.read_text()) == earlier
+    argv = [
+        "--only",
+        "logprob_gap",
+        "--budget-s",
+        "0",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path),
+        "--commit",
+        "new",
+    ]
+    assert gpu_suite.main(argv) == 1
+    text = out.read_text()
+    assert "- **commit**: new" in text and "- **commit**: old" not in text
+    assert text.endswith(earlier) and "not run (budget)" in text
