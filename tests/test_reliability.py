@@ -188,3 +188,32 @@ def test_a_resume_on_changed_prompt_rows_stops_naming_the_file_unless_allowed(tm
 def test_allow_prompt_data_change_is_a_flag():
     assert parse_args(["--allow-prompt-data-change"]).data.allow_prompt_data_change is True
     assert parse_args([]).data.allow_prompt_data_change is False
+
+
+class _ExportTrainers:
+    def __init__(self, fail):
+        self.fail = fail
+
+    def save_hf(self, path):
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as fh:
+            fh.write("{}")
+        if self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with open(os.path.join(path, "model.safetensors"), "wb") as fh:
+            fh.write(b"w" * 10)
+
+
+def test_the_final_export_is_atomic(tmp_path):
+    final = tmp_path / "final_model"
+    assert checkpoint.export_final(_ExportTrainers(fail=False), final) == final
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    # A failure midway (a full disk) leaves the earlier complete export, and no config-only final_model/.
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.export_final(_ExportTrainers(fail=True), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    final2 = tmp_path / "other"
+    with pytest.raises(OSError):
+        checkpoint.export_final(_ExportTrainers(fail=True), final2)
+    assert not final2.exists()
