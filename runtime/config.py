@@ -159,6 +159,13 @@ class DataConfig:
     on_bad_row: Literal["fail", "skip"] = field(
         default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
     )
+    allow_prompt_data_change: bool = field(
+        default=False,
+        metadata=_help(
+            "ours: --load a checkpoint although the prompt data's rows changed since it was saved (same row count; "
+            "without it the resume stops naming the file)"
+        ),
+    )
     data_source_path: str | None = field(
         default=None,
         metadata=_hook_help(

@@ -443,7 +443,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
 
         source.close()
         if not cfg.debug.debug_rollout_only:
-            trainers.save_hf(str(out / "final_model"))
+            checkpoint.export_final(trainers, out / "final_model")  # atomic: no half-written final_model/
     plot_rewards(out / METRICS_FILE, out / REWARD_PLOT)
     return RunResult(output_dir=out, final_step=r.num_rollout, history=history)
 

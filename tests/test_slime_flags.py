@@ -23,6 +23,7 @@ EXAMPLE_MODULES = ROOT / "tests" / "fixtures" / "slime_examples"
 OURS = {
     "output_dir",
     "on_bad_row",
+    "allow_prompt_data_change",
     "rollout_engine",
     "sglang_url",
     "engine_compile",

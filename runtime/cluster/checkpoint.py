@@ -229,6 +229,32 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def export_final(trainers: Any, folder: str | os.PathLike[str]) -> Path:
+    """Write the HF export (``trainers.save_hf``) atomically: into ``.NAME.partial``, every file fsynced, then renamed
+    to ``folder`` (an older export is moved aside first and removed after). A kill or a failure midway leaves no
+    half-written ``folder``; a failure removes the partial folder and re-raises."""
+    folder = Path(folder)
+    partial, old = folder.with_name(f".{folder.name}.partial"), folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        trainers.save_hf(str(partial))
+        for path in partial.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as fh:
+                    os.fsync(fh.fileno())
+        fsync_dir(partial)
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(partial, folder)
+        fsync_dir(folder.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` names a complete rlcore checkpoint (a step folder, or a ``--save`` root with ``latest``)."""
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import copy
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -70,6 +71,11 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, Any, str | None]]:
         for row in batch.to_pylist():
             row_no += 1
             yield row_no, row, None
+
+
+def _row_bytes(row: Any) -> bytes:
+    """A row's canonical bytes for the data fingerprint (keys sorted; what JSON cannot hold by its repr)."""
+    return json.dumps(row, sort_keys=True, default=repr, ensure_ascii=False).encode("utf-8", "replace") + b"\n"
 
 
 def _check_prompt(prompt: Any, key: str) -> str | None:
@@ -194,7 +200,11 @@ class PromptDataset:
 
         texts: list[str] = []
         pending: list[tuple[int, Any, dict[str, Any]]] = []
+        # The fingerprint of the rows as read, in file order: a resume on other rows (edited, reordered) would train
+        # other prompts than the checkpoint's position says.
+        fingerprint = hashlib.sha256()
         for line_no, row, error in rows:
+            fingerprint.update(_row_bytes(row))
             text, label, metadata, error = self._parse_row(row, error, tokenizer)
             if error is not None:
                 self._bad_row(line_no, error)
@@ -223,6 +233,7 @@ class PromptDataset:
                 f"{source}: no usable prompts ({self.num_bad_rows} malformed rows, {self.num_dropped_long} "
                 f"longer than --rollout-max-prompt-len {cfg.rollout_max_prompt_len})"
             )
+        self.fingerprint = fingerprint.hexdigest()
         self.epoch = 0
         self.offset = 0
         self._order = self._epoch_order(0)
@@ -354,12 +365,20 @@ class PromptDataset:
             )
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        """The position (epoch, offset into its order) plus what must match on resume (seed, prompt count)."""
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_prompts": len(self._prompts)}
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, offset into its order) plus what must match on resume (seed, prompt count, and the
+        SHA-256 of the rows: ``fingerprint``)."""
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "num_prompts": len(self._prompts),
+            "fingerprint": self.fingerprint,
+        }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Restore a position from ``state_dict()``; raises ``DataError`` if the data or seed changed."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position from ``state_dict()``; raises ``DataError`` if the seed or the prompt count changed, or
+        the rows did (unless ``cfg.allow_prompt_data_change``)."""
         missing = {"epoch", "offset", "seed", "num_prompts"} - set(state)
         if missing:
             raise DataError(f"data state is missing {sorted(missing)}")
@@ -367,6 +386,17 @@ class PromptDataset:
             raise DataError(
                 f"cannot resume: the checkpoint saw {state['num_prompts']} prompts with seed {state['seed']}, "
                 f"this dataset has {len(self._prompts)} prompts with seed {self.seed}"
+            )
+        saved = state.get("fingerprint")  # (absent from checkpoints of earlier versions)
+        if saved is not None and saved != self.fingerprint:
+            if not self.cfg.allow_prompt_data_change:
+                raise DataError(
+                    f"cannot resume: the rows of {self.source} changed since the checkpoint (same count, other "
+                    "content or order: SHA-256 of the rows differs); restore the file, or resume on it knowingly "
+                    "with --allow-prompt-data-change"
+                )
+            print(
+                f"{self.source}: the rows changed since the checkpoint; resuming on them (--allow-prompt-data-change)"
             )
         if not 0 <= state["offset"] <= len(self._prompts) or state["epoch"] < 0:
             raise DataError(f"data state has an invalid position: epoch {state['epoch']}, offset {state['offset']}")
