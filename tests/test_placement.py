@@ -8,7 +8,6 @@ import time
 import pytest
 import ray
 
-from runtime.cluster import plan
 from runtime.cluster.placement import create_placement, plan_bundles
 from runtime.config import ConfigError, from_dict, parse_args
 
@@ -69,8 +68,13 @@ def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
     assert from_dict(None, hf_checkpoint=str(tmp_path)).resources.colocate is False  # other jobs: as given
     # Two GPUs and no placement flag: the default plan (runtime.cluster.plan, tests/test_scale.py) uses both.
     _gpus(monkeypatch, tmp_path, 2)
-    two = parse_args([]).resources
-    assert (two.colocate, two.actor_num_gpus_per_node) == (plan.PLANS[plan.DEFAULT_PLAN].settings(2)["colocate"], 2)
+    two = parse_args([])
+    assert (two.resources.colocate, two.resources.actor_num_gpus_per_node, two.resources.rollout_num_gpus) == (
+        False,
+        1,
+        1,
+    )
+    assert two.rollout.rollout_schedule == "one_step"  # split_async, measured faster (runtime/cluster/plan.py)
     assert parse_args(["--no-colocate"]).resources.colocate is False
 
 

@@ -10,13 +10,17 @@ from runtime.config import from_dict, validate
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_no_placement_flag_on_gpus_gets_the_default_plan_over_all_of_them(gpus):
     settings = plan.default_placement({}, gpus=gpus)
-    assert settings == plan.PLANS[plan.DEFAULT_PLAN].settings(gpus)
+    assert settings == plan.PLANS["colocated_dp" if gpus == 1 else "split_async"].settings(gpus)
     trainers = settings["actor_num_gpus_per_node"]
     assert trainers + (0 if settings.get("colocate") else settings["rollout_num_gpus"]) == gpus
 
 
 def test_the_gpu_count_given_is_the_one_used():
-    assert plan.default_placement({"actor_num_gpus_per_node": 2}, gpus=8)["actor_num_gpus_per_node"] == 2
+    assert plan.default_placement({"actor_num_gpus_per_node": 4}, gpus=8) == plan.PLANS["split_async"].settings(4)
+    assert plan.default_placement({"actor_num_gpus_per_node": 1}, gpus=8) == {
+        "colocate": True,
+        "actor_num_gpus_per_node": 1,
+    }
 
 
 @pytest.mark.parametrize("flag", plan.PLACEMENT_FLAGS)
@@ -34,7 +38,7 @@ def test_split_async_uses_every_gpu():
 def test_the_dry_run_prints_the_plan_and_the_rule(tmp_path):
     report = dry_run_report(validate(from_dict(None, output_dir=str(tmp_path))))
     line = next(line for line in report.splitlines() if line.strip().startswith("plan "))
-    assert f"Default on N GPUs with no placement flag: {plan.DEFAULT_PLAN}" in line
+    assert f"Default on N >= 2 GPUs with no placement flag: {plan.DEFAULT_PLAN}" in line
 
 
 SMALL = {

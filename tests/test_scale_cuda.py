@@ -126,14 +126,14 @@ def test_one_step_async_pushes_mid_run_and_trains_one_version_behind(tmp_path):
         assert row["perf/weight_sync_time"] < 1.0
 
 
-def test_the_default_plan_on_two_gpus_is_data_parallel_with_colocated_engines(tmp_path):
+def test_the_default_plan_on_two_gpus_splits_trainer_and_engine_one_step_apart(tmp_path):
     """No placement flag on a two-GPU machine: the default plan (runtime.cluster.plan.DEFAULT_PLAN)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     dry = subprocess.run(
         [sys.executable, "-m", "runtime.cli", "--dry-run"], capture_output=True, text=True, env=env, timeout=120
     )
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "2 trainer(s) with an engine colocated on each" in dry.stdout
-    assert "trainer bundles        [0, 1]" in dry.stdout
-    rows, _ = _run_cli(tmp_path, "--num-rollout", "2")
-    assert [r["step"] for r in rows] == [0, 1] and all(r["perf/offloaded"] == 1.0 for r in rows)
+    assert "1 trainer device(s) + 1 engine device(s), schedule one_step" in dry.stdout
+    rows, _ = _run_cli(tmp_path, "--num-rollout", "3")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["rollout/weight_version_lag_max"] == 1  # one step apart

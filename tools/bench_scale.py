@@ -13,7 +13,7 @@ Columns: step (``perf/step_time``), rollout (the generation's own seconds, ``per
 overlaps training), log-probs (``perf/log_probs_time``), train (``perf/train_time``, which includes the log-probs),
 sync (``perf/weight_sync_time``), speed-up (one GPU's step / this step), efficiency (speed-up / GPUs), and for
 one_step the bound of issue 26: step / (max(rollout, train) + sync), at most 1.1 when the overlap works. The last
-lines name the fastest plan per GPU count and the default (``runtime.cluster.plan.DEFAULT_PLAN``).
+lines name the fastest plan per GPU count and the default (``runtime.cluster.plan.plan_for``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime.cluster.plan import DEFAULT_PLAN  # noqa: E402
+from runtime.cluster.plan import plan_for  # noqa: E402
 
 JOB = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
        "--micro-batch-size", "8", "--rollout-max-response-len", "512"]  # fmt: skip
@@ -165,7 +165,7 @@ def main() -> None:
         measured = {name: m["step"] for (k, name), m in results.items() if k == n}
         fastest = min(measured, key=measured.get)
         ratio = f", {measured[fastest] / base:.2f}x one GPU's step" if base else ""
-        print(f"{n} GPU(s): fastest {fastest} ({measured[fastest]:.3f} s{ratio}); default plan {DEFAULT_PLAN}")
+        print(f"{n} GPU(s): fastest {fastest} ({measured[fastest]:.3f} s{ratio}); default plan {plan_for(n)}")
     print(f"(model {args.preset if args.model is None else model}, {args.steps} steps, medians of steps >= "
           f"{args.warmup}; logs in {out})")  # fmt: skip
 

@@ -7,11 +7,11 @@ Two plans can use every GPU of a host (``docs/runtime.md``, "Default placement o
 - ``split_async``: half the GPUs train, the other half generate, one step apart (``--rollout-schedule one_step``):
   the step costs the longer of rollout and training plus an NCCL weight sync.
 
-:data:`DEFAULT_PLAN` is the faster one by the one-GPU breakdown of issue 26's job (Qwen3-0.6B, 8 prompts x 8 samples
-x 512 tokens on one H100: rollout 3.85 s, train 1.58 s, IPC sync 0.07 s): spread over N GPUs colocated it costs about
-(3.85 + 1.58) / N + sync, while split_async costs at least max(3.85 / (N / 2), 1.58 / (N / 2)) + an NCCL sync, twice
-as much on the rollout-bound side. ``tools/bench_scale.py`` measures both; its GPU run is still to be made (the
-figures in ``docs/runtime.md`` say what was measured), and the table entry flips if it says otherwise. Any placement
+:func:`plan_for` picks by the GPU count: one GPU colocates (there is nothing to split); two or more run
+:data:`DEFAULT_PLAN`, ``split_async``, which ``tools/bench_scale.py`` measured faster on two H100s (issue 26's job,
+Qwen3-0.6B, 8 prompts x 8 samples x 512 tokens, 2026-11-27: one GPU 3.70 s a step; two GPUs colocated_dp 4.50 s,
+0.82x one GPU's speed, its DP=2 train step slower than one GPU's; split_async 1.97 s, 0.53x one GPU's step). Four GPUs
+follow the two-GPU measurement; they were not measured. Any placement
 flag (:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the plan and this
 rule (:func:`describe`).
 """
@@ -59,18 +59,24 @@ PLANS: dict[str, Plan] = {
         summary="half the GPUs train, half generate, one step apart (NCCL sync)",
     ),
 }
-# The faster by the one-GPU breakdown (see the module docstring); tools/bench_scale.py measures it.
-DEFAULT_PLAN = "colocated_dp"
+# The plan of two or more GPUs, measured faster (see the module docstring); one GPU colocates.
+DEFAULT_PLAN = "split_async"
+ONE_GPU_PLAN = "colocated_dp"
+
+
+def plan_for(gpus: int) -> str:
+    """The default plan's name on ``gpus`` GPUs (at least 1)."""
+    return ONE_GPU_PLAN if gpus < 2 else DEFAULT_PLAN
 
 
 def default_placement(given: Mapping[str, Any], *, gpus: int) -> dict[str, Any]:
-    """The flag settings of :data:`DEFAULT_PLAN` for a job that sets the flags ``given`` on ``gpus`` GPUs: none when
-    there is no GPU or any of :data:`PLACEMENT_FLAGS` is given, even off (``--no-colocate``);
+    """The flag settings of the default plan (:func:`plan_for`) for a job that sets the flags ``given`` on ``gpus``
+    GPUs: none when there is no GPU or any of :data:`PLACEMENT_FLAGS` is given, even off (``--no-colocate``);
     ``actor_num_gpus_per_node`` given counts the GPUs."""
     if gpus < 1 or any(given.get(flag) is not None for flag in PLACEMENT_FLAGS):
         return {}
     n = given.get("actor_num_gpus_per_node") or gpus
-    return PLANS[DEFAULT_PLAN].settings(n)
+    return PLANS[plan_for(n)].settings(n)
 
 
 def describe(cfg: Any) -> str:
@@ -83,6 +89,6 @@ def describe(cfg: Any) -> str:
         else f"{trainers} trainer device(s) + {engines} engine device(s), schedule {schedule}"
     )
     return (
-        f"{shape}. Default on N GPUs with no placement flag: {DEFAULT_PLAN} ({PLANS[DEFAULT_PLAN].summary}), "
-        "the faster by the one-GPU rollout/train breakdown (runtime/cluster/plan.py, docs/runtime.md)"
+        f"{shape}. Default on N >= 2 GPUs with no placement flag: {DEFAULT_PLAN} ({PLANS[DEFAULT_PLAN].summary}), "
+        "measured faster than colocating on two GPUs (runtime/cluster/plan.py, docs/runtime.md); one GPU colocates"
     )
