@@ -1,9 +1,11 @@
 """Argument checks shared by the tensor-level functions: one clear error naming the argument and the shapes seen."""
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
+
+from rlcore._values import check_choice
+
+__all__ = ["check_choice"]  # re-exported: the torch-free checks live in rlcore._values
 
 
 def check_tensor(name: str, x: object, *, ndim: int | None = None, floating: bool = False) -> Tensor:
@@ -34,14 +36,6 @@ def check_same_shape(**tensors: Tensor) -> None:
     if len(set(shapes.values())) > 1:
         seen = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
         raise ValueError(f"shapes must match: {seen}")
-
-
-def check_choice(name: str, value: str, choices: Iterable[str]) -> str:
-    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")
-    return value
 
 
 def check_finite_where(name: str, x: Tensor, mask: Tensor) -> None:

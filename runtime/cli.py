@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from runtime.config import Config, ConfigError, eval_datasets, format_config, parse_args
+from runtime.config import Config, ConfigError, _tree_value, eval_datasets, format_config, parse_args, read_yaml_tree
 from runtime.errors import JobError
 from runtime.hooks import HookError
-from runtime.rollout.data import DataError
+from runtime.slime_compat import backend_choice, switches_in
 from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
 
 # Exit status of a job that could not start because of its inputs (argparse uses 2 for bad flags too).
@@ -32,12 +32,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     print(format_config(cfg), flush=True)
     if "--dry-run" in argv:
-        print(dry_run_report(cfg), flush=True)
+        print(dry_run_report(cfg, argv=argv), flush=True)
         return 0
 
     import transformers
 
     from runtime.loop import run
+    from runtime.rollout.data import DataError
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -53,10 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def dry_run_report(cfg: Config) -> str:
-    """What a run would derive from ``cfg`` before starting anything: batch arithmetic, the algorithm's settings,
-    the model roles and the placement plan."""
-    from runtime.cluster.placement import plan_bundles
+def dry_run_report(cfg: Config, *, argv: Sequence[str] = ()) -> str:
+    """What a run would derive from ``cfg`` (parsed from ``argv``) before starting anything: the training backend and
+    why, batch arithmetic, the algorithm's settings, the model roles and the placement plan."""
+    from runtime.cluster.bundles import plan_bundles
+    from runtime.cluster.plan import describe
 
     r, t, a = cfg.rollout, cfg.train, cfg.algo
     per_rollout = r.rollout_batch_size * r.n_samples_per_prompt
@@ -65,7 +67,10 @@ def dry_run_report(cfg: Config) -> str:
     lines = [
         "[dry run: resolved]",
         f"  job                    {'built-in task' if cfg.is_builtin_job else 'prompt data / model given'}",
+        f"  train backend          {_train_backend(cfg, argv)}",
         f"  rollout steps          {num_rollout}",
+        f"  rollout schedule       {r.rollout_schedule}",
+        f"  lr decay iters         {_lr_decay_iters(cfg)}",
         f"  samples per rollout    {per_rollout} ({r.rollout_batch_size} prompts x {r.n_samples_per_prompt})",
         f"  optimizer steps/rollout {per_rollout // t.global_batch_size} (global batch {t.global_batch_size})",
         f"  loss aggregation       {a.aggregation}",
@@ -74,12 +79,35 @@ def dry_run_report(cfg: Config) -> str:
         f"  model roles            {', '.join(role.name for role in model_roles(cfg))}",
         f"  evaluation             {_evaluation(cfg)}",
         "[dry run: placement plan]",
+        f"  plan                   {describe(cfg)}",
         f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
         f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
         f"  engine bundles         {plan.engine_bundles} ({cfg.rollout.rollout_engine} engine, share {plan.share})",
         "rlcore-run: dry run, nothing started",
     ]
     return "\n".join(lines)
+
+
+def _train_backend(cfg: Config, argv: Sequence[str]) -> str:
+    """The backend and why: given on the command line or in --config, or inferred as slime runs a script."""
+    given = any(arg.split("=", 1)[0] == "--train-backend" for arg in argv)
+    config = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
+    if not given and config is not None and _tree_value(read_yaml_tree(config), "train_backend") is not None:
+        return f"{cfg.train.train_backend} (--train-backend given in --config)"
+    choice = backend_choice(cfg, given=cfg.train.train_backend if given else None, switches=switches_in(argv))
+    return f"{choice.name} ({choice.why})"
+
+
+def _lr_decay_iters(cfg: Config) -> str:
+    r, t = cfg.rollout, cfg.train
+    if t.lr_decay_iters is not None:
+        return str(t.lr_decay_iters)
+    if r.num_epoch is not None:
+        return (
+            f"at the start, as slime: --num-epoch {r.num_epoch} x (dataset rows // {r.rollout_batch_size}) rollouts "
+            f"x {r.rollout_batch_size * r.n_samples_per_prompt} samples // global batch {t.global_batch_size}"
+        )
+    return "none"
 
 
 def _evaluation(cfg: Config) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -25,12 +27,13 @@ from typing import Any, Literal
 
 import yaml
 
-from rlcore.advantages import GROUP_BASELINE_ESTIMATORS
-from runtime import slime_flags
+from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
+from runtime import slime_compat, slime_flags
 from runtime.engines import sglang_flags
 from runtime.engines.registry import ROLLOUT_ENGINES, sglang_urls
 from runtime.hooks import HookError, resolve_hook
-from runtime.train.backends import TRAIN_BACKENDS, lora
+from runtime.train.backends import TRAIN_BACKENDS, backend_options, lora_options
+from runtime.train.backends.megatron_options import MEGATRON_VALUES_BUILT  # the values the Megatron backend builds
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
@@ -69,6 +72,13 @@ class ConfigError(ValueError):
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _bounded(*, help: str, **bounds: float) -> dict[str, Any]:
+    """Metadata of a number field with bounds (``gt``, ``ge``, ``lt``, ``le``): the type check enforces them
+    (pydantic's constraints; None, where the field allows it, is exempt) and a value out of them is reported as
+    ``--flag must be > 0, got 0``."""
+    return {"help": help, "bounds": bounds}
 
 
 def _hook_help(text: str) -> dict[str, Any]:
@@ -131,10 +141,13 @@ class DataConfig:
     )
     rollout_max_prompt_len: int | None = field(
         default=None,
-        metadata=_help("drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"),
+        metadata=_bounded(
+            gt=0, help="drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)"
+        ),
     )
     rollout_max_context_len: int | None = field(
-        default=None, metadata=_help("the engines' context; sets --rollout-max-prompt-len's default to this - 1")
+        default=None,
+        metadata=_bounded(gt=0, help="the engines' context; sets --rollout-max-prompt-len's default to this - 1"),
     )
     rollout_shuffle: bool = field(
         default=False, metadata=_help("reshuffle the prompts every epoch (seeded by --rollout-seed)")
@@ -164,13 +177,20 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_batch_size: int | None = field(default=None, metadata=_help("prompts per rollout step (required)"))
-    n_samples_per_prompt: int = field(default=1, metadata=_help("responses sampled per prompt (the group size)"))
-    rollout_max_response_len: int | None = field(
-        default=None, metadata=_help("max new tokens per response; no default (as in slime): set it for your model")
+    rollout_batch_size: int | None = field(
+        default=None, metadata=_bounded(gt=0, help="prompts per rollout step (required)")
     )
-    rollout_temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
-    rollout_top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold, in (0, 1]"))
+    n_samples_per_prompt: int = field(
+        default=1, metadata=_bounded(gt=0, help="responses sampled per prompt (the group size)")
+    )
+    rollout_max_response_len: int | None = field(
+        default=None,
+        metadata=_bounded(gt=0, help="max new tokens per response; no default (as in slime): set it for your model"),
+    )
+    rollout_temperature: float = field(default=1.0, metadata=_bounded(gt=0, help="sampling temperature"))
+    rollout_top_p: float = field(
+        default=1.0, metadata=_bounded(gt=0, le=1, help="nucleus sampling threshold, in (0, 1]")
+    )
     rollout_top_k: int = field(default=-1, metadata=_help("top-k sampling; -1 is off"))
     rollout_top_p_replay: bool = field(
         default=True,
@@ -190,11 +210,13 @@ class RolloutConfig:
         default=None, metadata=_help("token ids that end a response, besides the model's eos ids")
     )
     num_rollout: int | None = field(
-        default=None, metadata=_help("number of rollout (and training) steps; unset: from --num-epoch")
+        default=None, metadata=_bounded(gt=0, help="number of rollout (and training) steps; unset: from --num-epoch")
     )
     num_epoch: int | None = field(
         default=None,
-        metadata=_help("passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"),
+        metadata=_bounded(
+            gt=0, help="passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)"
+        ),
     )
     custom_generate_function_path: str | None = field(
         default=None,
@@ -253,7 +275,8 @@ class RolloutConfig:
         metadata=_hook_help("filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group"),
     )
     over_sampling_batch_size: int | None = field(
-        default=None, metadata=_help("prompts generated per sampling round when filtering; >= --rollout-batch-size")
+        default=None,
+        metadata=_bounded(gt=0, help="prompts generated per sampling round when filtering; >= --rollout-batch-size"),
     )
     rollout_engine: Literal[ROLLOUT_ENGINE_NAMES] = field(
         default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
@@ -271,10 +294,11 @@ class RolloutConfig:
     )
     engine_max_running_requests: int | None = field(
         default=None,
-        metadata=_help(
-            "ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache of N "
-            "rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts of "
-            "a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)"
+        metadata=_bounded(
+            gt=0,
+            help="ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache "
+            "of N rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts "
+            "of a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)",
         ),
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
@@ -284,12 +308,18 @@ class RolloutConfig:
             "fully_async (groups in flight across steps under --max-staleness; --fully-async)"
         ),
     )
-    update_weights_interval: int = field(default=1, metadata=_help("sync weights to the engines every N steps"))
-    update_weight_buffer_size: int = field(default=512 * 1024**2, metadata=_help("bytes per bucket of a weight sync"))
+    update_weights_interval: int = field(
+        default=1, metadata=_bounded(gt=0, help="sync weights to the engines every N steps")
+    )
+    update_weight_buffer_size: int = field(
+        default=512 * 1024**2, metadata=_bounded(gt=0, help="bytes per bucket of a weight sync")
+    )
     max_staleness: int = field(
         default=1,
-        metadata=_help(
-            "ours, fully_async: a group admitted at weight version v is trained by step v + N (admission control)"
+        metadata=_bounded(
+            ge=0,
+            help="ours, fully_async: a group admitted at weight version v is trained by step v + N "
+            "(admission control)",
         ),
     )
     partial_rollout: bool = field(
@@ -319,7 +349,7 @@ class AlgoConfig:
     eps_clip_c: float | None = field(default=None, metadata=_help("dual-clip PPO constant, > 1"))
     value_clip: float = field(default=0.2, metadata=_help("clip of the critic's values around the old values (ppo)"))
     num_critic_only_steps: int = field(
-        default=0, metadata=_help("ppo: the first N rollouts train the critic only (the actor waits)")
+        default=0, metadata=_bounded(ge=0, help="ppo: the first N rollouts train the critic only (the actor waits)")
     )
     kl_coef: float = field(
         default=0.0,
@@ -336,7 +366,7 @@ class AlgoConfig:
         default="k1", metadata=_help("KL estimator of the KL loss (and of the KL in the reward)")
     )
     ref_update_interval: int | None = field(
-        default=None, metadata=_help("copy the actor's weights into the reference model every N steps")
+        default=None, metadata=_bounded(gt=0, help="copy the actor's weights into the reference model every N steps")
     )
     reset_optimizer_states: bool = field(
         default=False, metadata=_help("drop the optimizer's moments after every rollout's training")
@@ -477,19 +507,23 @@ class TrainConfig:
     train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int | None = field(
         default=None,
-        metadata=_help(
-            "samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
-            "--n-samples-per-prompt / --num-steps-per-rollout"
+        metadata=_bounded(
+            gt=0,
+            help="samples per optimizer step, over all trainers; unset: --rollout-batch-size x "
+            "--n-samples-per-prompt / --num-steps-per-rollout",
         ),
     )
     num_steps_per_rollout: int | None = field(
-        default=None, metadata=_help("optimizer steps per rollout (sets --global-batch-size; unset: 1)")
+        default=None, metadata=_bounded(gt=0, help="optimizer steps per rollout (sets --global-batch-size; unset: 1)")
     )
-    micro_batch_size: int = field(default=1, metadata=_help("samples per forward/backward (without a token budget)"))
+    micro_batch_size: int = field(
+        default=1, metadata=_bounded(gt=0, help="samples per forward/backward (without a token budget)")
+    )
     max_tokens_per_gpu: int | None = field(
         default=None,
-        metadata=_help(
-            "token budget per micro-batch: real tokens with --use-dynamic-batch-size, else rows x longest row"
+        metadata=_bounded(
+            gt=0,
+            help="token budget per micro-batch: real tokens with --use-dynamic-batch-size, else rows x longest row",
         ),
     )
     log_probs_max_tokens_per_gpu: int | None = field(
@@ -503,7 +537,7 @@ class TrainConfig:
             "sequences without padding, the Megatron backend pads each to its longest row (no Transformer Engine)"
         ),
     )
-    lr: float = field(default=1e-6, metadata=_help("learning rate (AdamW)"))
+    lr: float = field(default=1e-6, metadata=_bounded(gt=0, help="learning rate (AdamW)"))
     keep_old_actor: bool = field(
         default=False,
         metadata=_help(
@@ -518,9 +552,9 @@ class TrainConfig:
         default_factory=dict,
         metadata=_help("JSON object of environment variables for the trainer processes, e.g. PyTorch allocator ones"),
     )
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    clip_grad: float = field(default=1.0, metadata=_help("max gradient norm"))
-    sft_warmup_steps: int = field(default=0, metadata=_help("SFT steps before RL (built-in task)"))
+    weight_decay: float = field(default=0.0, metadata=_bounded(ge=0, help="AdamW weight decay"))
+    clip_grad: float = field(default=1.0, metadata=_bounded(gt=0, help="max gradient norm"))
+    sft_warmup_steps: int = field(default=0, metadata=_bounded(ge=0, help="SFT steps before RL (built-in task)"))
     bf16: Literal["auto", "true", "false"] = field(
         default="auto",
         metadata=_help(
@@ -669,7 +703,7 @@ class TrainConfig:
         metadata=_help("Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)"),
     )
     # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
-    lora_rank: int = field(default=0, metadata=_help("LoRA rank through peft; 0 trains every weight"))
+    lora_rank: int = field(default=0, metadata=_bounded(ge=0, help="LoRA rank through peft; 0 trains every weight"))
     lora_alpha: float = field(default=16.0, metadata=_help("LoRA alpha: the adapters are scaled by alpha / rank"))
     lora_dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
     lora_target_modules: str = field(
@@ -712,21 +746,25 @@ class ResourceConfig:
     """Processes and devices. On a CPU-only machine a "gpu" is a process (a CPU slot)."""
 
     colocate: bool = field(default=False, metadata=_help("trainer and engine share devices, offloading in turns"))
-    actor_num_nodes: int = field(default=1, metadata=_help("nodes for the trainer"))
-    actor_num_gpus_per_node: int = field(default=8, metadata=_help("trainer processes per node (GPUs, or CPU slots)"))
+    actor_num_nodes: int = field(default=1, metadata=_bounded(gt=0, help="nodes for the trainer"))
+    actor_num_gpus_per_node: int = field(
+        default=8, metadata=_bounded(gt=0, help="trainer processes per node (GPUs, or CPU slots)")
+    )
     rollout_num_gpus: int | None = field(
         default=None,
-        metadata=_help(
-            "rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
+        metadata=_bounded(
+            gt=0,
+            help="rollout engine devices in all (or CPU slots); unset: the trainers' (--actor-num-nodes x "
             "--actor-num-gpus-per-node) under --colocate, as slime derives it, else one engine's "
-            "(--rollout-num-gpus-per-engine), where slime needs it given"
+            "(--rollout-num-gpus-per-engine), where slime needs it given",
         ),
     )
     num_gpus_per_node: int = field(
         default=8,
-        metadata=_help(
-            "GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x this "
-            "(slime's), and one engine may not span more (multi-node servers are not built)"
+        metadata=_bounded(
+            gt=0,
+            help="GPUs per node for the rollout engines: launched SGLang server i gets --random-seed --seed + i x "
+            "this (slime's), and one engine may not span more (multi-node servers are not built)",
         ),
     )
 
@@ -750,17 +788,20 @@ class RewardConfig:
         metadata=_hook_help("reward function as module:function or file.py:function; overrides --rm-type"),
     )
     reward_timeout: float = field(
-        default=30.0, metadata=_help("seconds per reward call, sync or async; over it the reward is 0")
+        default=30.0, metadata=_bounded(gt=0, help="seconds per reward call, sync or async; over it the reward is 0")
     )
     max_reward_error_rate: float = field(
         default=0.5,
-        metadata=_help(
-            "ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
-            "--max-reward-error-steps steps in a row; 1 never stops"
+        metadata=_bounded(
+            ge=0,
+            le=1,
+            help="ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
+            "--max-reward-error-steps steps in a row; 1 never stops",
         ),
     )
     max_reward_error_steps: int = field(
-        default=3, metadata=_help("ours: consecutive steps over --max-reward-error-rate that stop the job")
+        default=3,
+        metadata=_bounded(gt=0, help="ours: consecutive steps over --max-reward-error-rate that stop the job"),
     )
     rm_url: str | None = field(default=None, metadata=_help("URL of the reward server of --rm-type remote_rm"))
     http_proxy: str | None = field(default=None, metadata=_help("HTTP proxy of --rm-type remote_rm's requests"))
@@ -785,7 +826,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    eval_interval: int | None = field(default=None, metadata=_help("evaluate every this many steps"))
+    eval_interval: int | None = field(default=None, metadata=_bounded(gt=0, help="evaluate every this many steps"))
     eval_prompt_data: list[str] | None = field(
         default=None,
         metadata=_help(
@@ -801,32 +842,42 @@ class EvalConfig:
     skip_eval_before_train: bool = field(
         default=False, metadata=_help("with --eval-interval, do not evaluate before the first step")
     )
-    n_samples_per_eval_prompt: int = field(default=1, metadata=_help("responses per evaluation prompt"))
+    n_samples_per_eval_prompt: int = field(default=1, metadata=_bounded(gt=0, help="responses per evaluation prompt"))
     eval_input_key: str | None = field(default=None, metadata=_help("--input-key of the evaluation data"))
     eval_label_key: str | None = field(default=None, metadata=_help("--label-key of the evaluation data"))
     eval_tool_key: str | None = field(default=None, metadata=_help("--tool-key of the evaluation data"))
-    eval_temperature: float | None = field(default=None, metadata=_help("evaluation temperature (unset: rollout's)"))
-    eval_top_p: float | None = field(default=None, metadata=_help("evaluation top-p (unset: rollout's)"))
+    eval_temperature: float | None = field(
+        default=None, metadata=_bounded(gt=0, help="evaluation temperature (unset: rollout's)")
+    )
+    eval_top_p: float | None = field(
+        default=None, metadata=_bounded(gt=0, le=1, help="evaluation top-p (unset: rollout's)")
+    )
     eval_top_k: int | None = field(default=None, metadata=_help("evaluation top-k (unset: rollout's)"))
     eval_max_response_len: int | None = field(
-        default=None, metadata=_help("evaluation max new tokens (unset: --rollout-max-response-len)")
+        default=None, metadata=_bounded(gt=0, help="evaluation max new tokens (unset: --rollout-max-response-len)")
     )
     eval_max_context_len: int | None = field(
         default=None,
-        metadata=_help("evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"),
+        metadata=_bounded(
+            gt=0, help="evaluation context (unset: --rollout-max-context-len); as in slime, recorded only"
+        ),
     )
     eval_max_prompt_len: int | None = field(
-        default=None, metadata=_help("drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)")
+        default=None,
+        metadata=_bounded(gt=0, help="drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)"),
     )
     eval_min_new_tokens: int | None = field(
-        default=None, metadata=_help("evaluation responses get at least this many tokens (eos and stop ids held off)")
+        default=None,
+        metadata=_bounded(ge=0, help="evaluation responses get at least this many tokens (eos and stop ids held off)"),
     )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     save: str | None = field(default=None, metadata=_help("checkpoint directory"))
-    save_interval: int | None = field(default=None, metadata=_help("save every this many steps (and at the end)"))
+    save_interval: int | None = field(
+        default=None, metadata=_bounded(gt=0, help="save every this many steps (and at the end)")
+    )
     save_hf: str | None = field(
         default=None,
         metadata=_help("also write the model in HF format at every save, to this path formatted with {rollout_id}"),
@@ -1001,8 +1052,9 @@ class SGLangConfig:
             "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
             "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
             "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl for SGLang and "
-            "Ray's object store for the embedded engine"
+            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
+            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
+            "object store for the embedded engine on the CPU"
         ),
     )
     check_weight_update_equal: bool = field(
@@ -1029,7 +1081,9 @@ class SGLangConfig:
     )
     sglang_server_concurrency: int = field(
         default=512,
-        metadata=_help("requests in flight per SGLang engine through the router (this x the engines in all)"),
+        metadata=_bounded(
+            gt=0, help="requests in flight per SGLang engine through the router (this x the engines in all)"
+        ),
     )
     offload_rollout: bool | None = field(
         default=None,
@@ -1063,18 +1117,22 @@ class FaultConfig:
         ),
     )
     rollout_health_check_interval: float = field(
-        default=30.0, metadata=_help("seconds between two health checks of every engine")
+        default=30.0, metadata=_bounded(gt=0, help="seconds between two health checks of every engine")
     )
     rollout_health_check_timeout: float = field(
-        default=30.0, metadata=_help("seconds an engine may take to answer a health check before it is restarted")
+        default=30.0,
+        metadata=_bounded(gt=0, help="seconds an engine may take to answer a health check before it is restarted"),
     )
     rollout_health_check_first_wait: float = field(
-        default=0.0, metadata=_help("seconds of grace after the engines are (re)started or resumed before checking")
+        default=0.0,
+        metadata=_bounded(ge=0, help="seconds of grace after the engines are (re)started or resumed before checking"),
     )
     max_trainer_restarts: int = field(
         default=2,
-        metadata=_help(
-            "ours: times a dead trainer process is survived by rebuilding the job from the latest --save checkpoint"
+        metadata=_bounded(
+            ge=0,
+            help="ours: times a dead trainer process is survived by rebuilding the job from the latest --save "
+            "checkpoint",
         ),
     )
 
@@ -1163,11 +1221,28 @@ BUILTIN_JOB_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _local_gpus() -> int:
-    """CUDA devices this process sees (the built-in job runs on this machine alone)."""
-    import torch
+# One folder per NVIDIA GPU the driver has.
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
 
-    return torch.cuda.device_count()
+
+def _local_gpus() -> int:
+    """NVIDIA devices this process sees (the built-in job runs on this machine alone): the driver's GPUs, as many as
+    ``CUDA_VISIBLE_DEVICES`` leaves. Read without torch, which the front end does not import (torch's own count
+    initialises CUDA's runtime for it)."""
+    try:
+        present = len(os.listdir(NVIDIA_GPUS_DIR))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    # CUDA takes the listed devices up to the first that is no device (empty, or negative as in "-1").
+    listed = 0
+    for entry in visible.split(","):
+        if not entry.strip() or entry.strip().startswith("-"):
+            break
+        listed += 1
+    return min(present, listed)
 
 
 # slime's forge rollout function (--load-forge-rollout-data), by slime's path and ours.
@@ -1218,46 +1293,99 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _type_problem(name: str, value: Any, tp: Any) -> str | None:
-    """A message if ``value`` does not fit the field type ``tp``, else None."""
+@functools.cache
+def _schema(*, strict: bool) -> Any:
+    """pydantic's validator of the flat settings (every field by name, with its declared type): strict, the type check
+    (no bool for an int, no text for a number); lax, over the float fields only, the conversion of YAML's numbers that
+    arrive as text. Built on first use (one schema for all fields: one per field took ~10x longer); ``--help``
+    needs neither."""
+    from pydantic import ConfigDict, TypeAdapter
+    from typing_extensions import TypedDict  # pydantic's TypedDict support needs this one below Python 3.12
+
+    fields = {
+        name: _constrained(tp, f.metadata.get("bounds")) if strict else tp
+        for name, (_, f, tp) in _SPECS.items()
+        if strict or _unwrap_optional(tp)[0] is float
+    }
+    flat = TypedDict("FlatConfig", fields, total=False)
+    flat.__pydantic_config__ = ConfigDict(strict=strict)
+    return TypeAdapter(flat)
+
+
+def _constrained(tp: Any, bounds: Mapping[str, float] | None) -> Any:
+    """``tp`` with a field's declared bounds as pydantic constraints on its number (``X | None`` keeps None free)."""
+    if not bounds:
+        return tp
+    from typing import Annotated
+
+    from pydantic import Field
+
     inner, optional = _unwrap_optional(tp)
+    number = Annotated[inner, Field(**bounds)]
+    return number | None if optional else number
+
+
+# How a bound reads in a message: ``gt=0`` -> "> 0"; both ends -> an interval.
+_BOUND_WORDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_LOWER_BRACKET, _UPPER_BRACKET = {"gt": "(", "ge": "["}, {"lt": ")", "le": "]"}
+
+
+def _bounds_text(bounds: Mapping[str, float]) -> str:
+    lower = [(k, v) for k, v in bounds.items() if k in _LOWER_BRACKET]
+    upper = [(k, v) for k, v in bounds.items() if k in _UPPER_BRACKET]
+    if lower and upper:
+        (lk, lv), (uk, uv) = lower[0], upper[0]
+        return f"in {_LOWER_BRACKET[lk]}{lv:g}, {uv:g}{_UPPER_BRACKET[uk]}"
+    return " and ".join(f"{_BOUND_WORDS[k]} {v:g}" for k, v in bounds.items())
+
+
+# pydantic's error types of a declared bound (the value has the right type, out of range).
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _type_problems(values: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """``(type problems, bound problems)``: a message for each of ``values`` (field name -> value) that does not fit
+    its field's type, and for each out of its declared bounds (pydantic decides both)."""
+    from pydantic import ValidationError
+
+    try:
+        _schema(strict=True).validate_python(dict(values))
+    except ValidationError as err:
+        kinds: dict[str, bool] = {}
+        for e in err.errors():
+            if e["loc"]:
+                kinds[e["loc"][0]] = kinds.get(e["loc"][0], True) and e["type"] in _BOUND_ERRORS
+        types = [_type_message(name, values[name]) for name, bound in kinds.items() if not bound]
+        return types, [_type_message(name, values[name]) for name, bound in kinds.items() if bound]
+    return [], []
+
+
+def _type_message(name: str, value: Any) -> str:
+    inner, _ = _unwrap_optional(_SPECS[name][2])
+    bounds = _SPECS[name][1].metadata.get("bounds")
+    if bounds and isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{flag(name)} must be {_bounds_text(bounds)}, got {value!r}"
     if value is None:
-        return None if optional else f"{flag(name)} must be set (got None)"
+        return f"{flag(name)} must be set (got None)"
     if typing.get_origin(inner) is Literal:
-        choices = typing.get_args(inner)
-        if value not in choices:
-            return f"{flag(name)} must be one of {', '.join(map(str, choices))}; got {value!r}"
-        return None
+        return f"{flag(name)} must be one of {', '.join(map(str, typing.get_args(inner)))}; got {value!r}"
     if typing.get_origin(inner) is list:
-        (item,) = typing.get_args(inner)
-        if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
-            return f"{flag(name)} must be a list of {item.__name__}, got {value!r}"
-        return None
-    if inner is bool:
-        ok = isinstance(value, bool)
-    elif inner is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif inner is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, inner)
-    if not ok:
-        return f"{flag(name)} must be a {inner.__name__}, got {type(value).__name__} {value!r}"
-    return None
+        return f"{flag(name)} must be a list of {typing.get_args(inner)[0].__name__}, got {value!r}"
+    return f"{flag(name)} must be a {inner.__name__}, got {type(value).__name__} {value!r}"
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Lenient conversions for YAML input: ints and numeric strings (YAML 1.1 reads ``1e-6`` as text) to floats."""
+    """Lenient conversions for YAML input, by pydantic's lax mode: ints and numeric strings (YAML 1.1 reads ``1e-6``
+    as text) to floats. Other fields, and values it cannot convert, are left for the type check to report."""
+    from pydantic import ValidationError
+
     inner, _ = _unwrap_optional(_SPECS[name][2])
-    if inner is float and not isinstance(value, bool):
-        if isinstance(value, int):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                return value
-    return value
+    if inner is not float or isinstance(value, bool) or value is None:
+        return value
+    try:
+        return _schema(strict=False).validate_python({name: value})[name]
+    except ValidationError:
+        return value
 
 
 def _normalise_key(key: Any) -> str:
@@ -1305,12 +1433,20 @@ def from_dict(tree: Mapping[str, Any] | None = None, /, **overrides: Any) -> Con
         put(_normalise_key(key), value, "top level")
     if problems:
         raise ConfigError(problems)
+    flat = slime_compat.apply_slime_settings(flat)  # slime's paths that stand for settings (its fully-async rollout)
     fleet = ("sglang_args", "router_args", "rollout_num_gpus_per_engine", "sglang_router_ip")
     if any(flat.get(key) for key in fleet) and "rollout_engine" not in flat:
         # These configure SGLang servers: as in slime (whose only engine SGLang is), they select it.
         flat["rollout_engine"] = "sglang"
     builtin_on_one_gpu = False
-    if flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None:
+    builtin = flat.get("hf_checkpoint") is None and flat.get("prompt_data") is None
+    if builtin or "actor_num_gpus_per_node" in flat:
+        # On N GPUs with no placement flag, the measured-faster plan (runtime.cluster.plan).
+        from runtime.cluster.plan import default_placement
+
+        for key, value in default_placement(flat, gpus=_local_gpus()).items():
+            flat.setdefault(key, value)
+    if builtin:
         builtin_on_one_gpu = _local_gpus() == 1 and "micro_batch_size" not in flat
         for key, value in BUILTIN_JOB_DEFAULTS.items():
             flat.setdefault(key, value)
@@ -1575,6 +1711,63 @@ def _arg_type(name: str, inner: Any, optional: bool):
     return convert
 
 
+# slime's schedule switches, each the same as one --rollout-schedule.
+SCHEDULE_SHORTHANDS = {"--async": "one_step", "--fully-async": "fully_async"}
+
+
+def _schedule_problem(namespace: dict[str, Any]) -> str | None:
+    """Fold the schedule shorthands of a parsed command line into ``rollout_schedule``; a message naming both flags
+    when two of them (or one and ``--rollout-schedule``) ask for different schedules."""
+    given = list(dict(namespace.pop("schedule_shorthands", None) or []).items())
+    if "rollout_schedule" in namespace:
+        given.append((f"--rollout-schedule {namespace['rollout_schedule']}", namespace["rollout_schedule"]))
+    if len({schedule for _, schedule in given}) > 1:
+        first, a = given[0]
+        second, b = next((other, schedule) for other, schedule in given if schedule != a)
+        return f"{first} and {second} ask for different rollout schedules ({a} and {b}): give one"
+    if given:
+        namespace["rollout_schedule"] = given[0][1]
+    return None
+
+
+def negated(name: str) -> str:
+    """The flag that sets a boolean field False: ``use_tis`` -> ``--no-use-tis``, ``no_save_optim`` ->
+    ``--no-no-save-optim`` (the field's own flag ``--no-save-optim`` sets it True)."""
+    return "--no-" + name.replace("_", "-")
+
+
+class _Switch(argparse.Action):
+    """A boolean field's two flags: its own sets True, the ``--no-`` one False. Unlike argparse's
+    BooleanOptionalAction, which reads any flag starting ``--no-`` as False, a field named ``no_*``
+    (``--no-save-optim``) is set True by its own flag."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.positive = option_strings[0]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string == self.positive)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout with a plain greedy word wrap: ``textwrap`` (argparse's) was most of ``--help``'s time over
+    the ~900 flags (rlcore's and SGLang's passthrough ones)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines: list[str] = []
+        line = ""
+        for word in text.split():
+            if line and len(line) + 1 + len(word) > width:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        return [*lines, line] if line else lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlcore-run`` argument parser: one flag per config field, defaults suppressed so YAML can sit between."""
     parser = argparse.ArgumentParser(
@@ -1590,6 +1783,7 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         # A prefix of a flag must not silently select it: --rollout-max could mean two flags as new ones land.
         allow_abbrev=False,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="PATH.yaml", help="YAML config (nested by section, or flat); flags win")
     parser.add_argument(
@@ -1597,12 +1791,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ours: parse, validate and resolve the config, print it and the placement plan, and exit (no Ray)",
     )
-    for shorthand, schedule in (("--async", "one_step"), ("--fully-async", "fully_async")):
+    for shorthand, schedule in SCHEDULE_SHORTHANDS.items():
+        # Each given shorthand is recorded with its flag, so that two that disagree are named, not the last taken.
         parser.add_argument(
             shorthand,
-            dest="rollout_schedule",
-            action="store_const",
-            const=schedule,
+            dest="schedule_shorthands",
+            action="append_const",
+            const=(shorthand, schedule),
             help=f"--rollout-schedule {schedule}",
         )
     defaults = Config()
@@ -1620,7 +1815,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups[section]
         inner, optional = _unwrap_optional(tp)
         if inner is bool:
-            group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag(name), negated(name), dest=name, action=_Switch, help=help_text)
         elif typing.get_origin(inner) is list and f.metadata.get("append"):
             group.add_argument(flag(name), dest=name, action="append", help=help_text)
         elif typing.get_origin(inner) is list:
@@ -1720,7 +1915,35 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     Precedence: defaults (the built-in job's for settings left unset when neither ``--hf-checkpoint`` nor
     ``--prompt-data`` is given), then the ``--config`` YAML file, then flags. Raises ``ConfigError``.
     """
-    parsed, extras = build_parser().parse_known_args(argv)
+    cfg, problems = _resolve(argv)
+    if cfg is not None:
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def resolve_args(argv: Sequence[str] | None = None) -> Config:
+    """The ``Config`` a command line resolves to (YAML files read, flags applied, derived defaults filled), not
+    validated: ``parse_args`` is this plus ``validate``. Raises ``ConfigError`` for flags and keys it cannot take."""
+    cfg, problems = _resolve(argv)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    # Parsing does not change a parser: one per process serves every parse_args call.
+    return build_parser()
+
+
+def _resolve(argv: Sequence[str] | None) -> tuple[Config | None, list[str]]:
+    """The unvalidated ``Config`` of a command line (None when it cannot be built) and the problems found."""
+    parsed, extras = _cached_parser().parse_known_args(argv)
     namespace = vars(parsed)
     # Flags of slime's that this parser does not take (the SGLang fleet's, Megatron's) are named with their issue.
     problems = [slime_flags.unknown_flag_problem(arg) for arg in slime_flags.unknown_flags(extras)]
@@ -1730,6 +1953,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     switches = slime_flags.pop_megatron_switches(namespace)
     problems += slime_flags.refused_problems(refused)
     namespace.pop("dry_run", None)  # the CLI's business (runtime.cli), not the job's
+    schedule_problem = _schedule_problem(namespace)
+    if schedule_problem is not None:
+        return None, [*problems, schedule_problem]
     config_path = namespace.pop("config", None)
     try:
         tree = read_yaml_tree(config_path) if config_path is not None else {}
@@ -1757,83 +1983,58 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             # slime's actor role args: the entry's overrides win over the command line.
             namespace.update(megatron_role_overrides(megatron_path, role="actor"))
         cfg = from_dict(tree, **namespace)
-        problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
-        validate(cfg)
+        given = namespace.get("train_backend", _tree_value(tree, "train_backend"))
+        backend = slime_compat.backend_choice(cfg, given=given, switches=switches).name  # slime's: Megatron
+        cfg = cfg if backend == cfg.train.train_backend else from_dict(tree, **namespace, train_backend=backend)
     except ConfigError as err:
-        raise ConfigError(problems + err.problems) from None
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+        return None, problems + err.problems
+    problems += slime_flags.megatron_switch_problems(switches, backend=cfg.train.train_backend)
+    return cfg, problems
+
+
+# Flags whose range is rlcore's: flag field -> (rlcore config class name, its field, the flags of the fields its rule
+# compares it with). Each value is checked by building that class with it (and those), so the range is the one rlcore
+# enforces, in rlcore's words (rlcore.loss_config / rlcore.advantage_config: torch-free).
+CORE_RANGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "eps_clip": ("LossConfig", "eps_clip", ()),
+    "eps_clip_high": ("LossConfig", "eps_clip_high", ()),
+    "eps_clip_c": ("LossConfig", "eps_clip_c", ()),
+    "tis_clip": ("LossConfig", "tis_clip", ()),
+    "tis_clip_low": ("LossConfig", "tis_clip_low", ("tis_clip",)),
+    "opsm_delta": ("LossConfig", "opsm_delta", ()),
+    "kl_loss_coef": ("LossConfig", "kl_loss_coef", ()),
+    "entropy_coef": ("LossConfig", "entropy_coef", ()),
+    "value_clip": ("LossConfig", "value_clip", ()),
+    "gamma": ("AdvantageConfig", "gamma", ()),
+    "lambd": ("AdvantageConfig", "lam", ()),
+    "kl_coef": ("AdvantageConfig", "kl_coef", ()),
+    "opd_kl_coef": ("AdvantageConfig", "opd_kl_coef", ()),
+}
+
+
+def _check_core_ranges(problems: list[str], cfg: Config) -> None:
+    from rlcore.advantage_config import AdvantageConfig
+    from rlcore.loss_config import LossConfig
+
+    classes = {"LossConfig": LossConfig, "AdvantageConfig": AdvantageConfig}
+    failed: set[str] = set()
+    for name, (cls, core, partners) in CORE_RANGES.items():
+        if failed & set(partners):
+            continue  # a partner out of range is reported already; the comparison with it says nothing more
+        values = {core: getattr(cfg, name)} | {CORE_RANGES[p][1]: getattr(cfg, p) for p in partners}
+        try:
+            classes[cls](**values)
+        except (TypeError, ValueError) as err:
+            failed.add(name)
+            problems.append(f"{flag(name)} {getattr(cfg, name)!r}: out of rlcore's range ({err})")
 
 
 def _check_positive(problems: list[str], cfg: Config) -> None:
-    r, t, res, e, c = cfg.rollout, cfg.train, cfg.resources, cfg.eval, cfg.ckpt
-    a = cfg.algo
-    positive = {
-        "num_epoch": r.num_epoch,
-        "num_steps_per_rollout": t.num_steps_per_rollout,
-        "ref_update_interval": a.ref_update_interval,
-        "tis_clip": a.tis_clip,
-        "eval_temperature": e.eval_temperature,
-        "eval_max_response_len": e.eval_max_response_len,
-        "eval_max_prompt_len": e.eval_max_prompt_len,
-        "rollout_batch_size": r.rollout_batch_size,
-        "n_samples_per_prompt": r.n_samples_per_prompt,
-        "rollout_max_response_len": r.rollout_max_response_len,
-        "num_rollout": r.num_rollout,
-        "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size,
-        "actor_num_nodes": res.actor_num_nodes,
-        "actor_num_gpus_per_node": res.actor_num_gpus_per_node,
-        "rollout_num_gpus": res.rollout_num_gpus,
-        "num_gpus_per_node": res.num_gpus_per_node,
-        "sglang_server_concurrency": cfg.sglang.sglang_server_concurrency,
-        "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
-        "lr": t.lr,
-        "clip_grad": t.clip_grad,
-        "eps_clip": cfg.algo.eps_clip,
-        "rollout_temperature": r.rollout_temperature,
-        "reward_timeout": cfg.reward.reward_timeout,
-        "rollout_max_prompt_len": cfg.data.rollout_max_prompt_len,
-        "rollout_max_context_len": cfg.data.rollout_max_context_len,
-        "eval_max_context_len": e.eval_max_context_len,
-        "max_tokens_per_gpu": t.max_tokens_per_gpu,
-        "over_sampling_batch_size": r.over_sampling_batch_size,
-        "engine_max_running_requests": r.engine_max_running_requests,
-        "eval_interval": e.eval_interval,
-        "save_interval": c.save_interval,
-        "eps_clip_high": cfg.algo.eps_clip_high,
-        "update_weights_interval": r.update_weights_interval,
-        "update_weight_buffer_size": r.update_weight_buffer_size,
-        "max_reward_error_steps": cfg.reward.max_reward_error_steps,
-        "rollout_health_check_interval": cfg.fault.rollout_health_check_interval,
-        "rollout_health_check_timeout": cfg.fault.rollout_health_check_timeout,
-    }
-    for name, value in positive.items():
-        if value is not None and value <= 0:
-            problems.append(f"{flag(name)} must be > 0, got {value!r}")
+    # Each number's own bounds are declared on its field (_bounded) and rlcore's are rlcore's (_check_core_ranges);
+    # these are the rules that involve more than one value, or more than a bound.
+    r, t, res, e = cfg.rollout, cfg.train, cfg.resources, cfg.eval
     if res.rollout_num_gpus is None:
         problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
-    non_negative = {
-        "weight_decay": t.weight_decay,
-        "sft_warmup_steps": t.sft_warmup_steps,
-        "kl_coef": cfg.algo.kl_coef,
-        "kl_loss_coef": cfg.algo.kl_loss_coef,
-        "max_staleness": r.max_staleness,
-        "lora_rank": t.lora_rank,
-        "tis_clip_low": a.tis_clip_low,
-        "opsm_delta": a.opsm_delta,
-        "value_clip": a.value_clip,
-        "rollout_health_check_first_wait": cfg.fault.rollout_health_check_first_wait,
-        "max_trainer_restarts": cfg.fault.max_trainer_restarts,
-        "num_critic_only_steps": a.num_critic_only_steps,
-        "eval_min_new_tokens": e.eval_min_new_tokens,
-    }
-    for name, value in non_negative.items():
-        if value is not None and value < 0:
-            problems.append(f"{flag(name)} must be >= 0, got {value!r}")
-    if not 0 < r.rollout_top_p <= 1:
-        problems.append(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p!r}")
     if top_p_replay(cfg):
         cannot = {
             "--rollout-engine sglang": r.rollout_engine == "sglang",
@@ -1847,8 +2048,6 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
             for what, true in cannot.items()
             if true
         ]
-    if e.eval_top_p is not None and not 0 < e.eval_top_p <= 1:
-        problems.append(f"--eval-top-p must be in (0, 1], got {e.eval_top_p!r}")
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
         problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
     context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len
@@ -1865,18 +2064,8 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         )
     if any(not stop for stop in r.rollout_stop or ()):
         problems.append("--rollout-stop: stop strings must not be empty")
-    if a.tis_clip_low >= a.tis_clip:
-        problems.append(f"--tis-clip-low {a.tis_clip_low} must be below --tis-clip {a.tis_clip}")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
         problems.append(f"--rollout-top-k must be -1 (off) or >= 1, got {r.rollout_top_k!r}")
-    for name in ("gamma", "lambd"):
-        value = getattr(cfg.algo, name)
-        if not 0 <= value <= 1:
-            problems.append(f"{flag(name)} must be in [0, 1], got {value!r}")
-    if not 0 <= cfg.reward.max_reward_error_rate <= 1:
-        problems.append(f"--max-reward-error-rate must be in [0, 1], got {cfg.reward.max_reward_error_rate!r}")
-    if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1:
-        problems.append(f"--eps-clip-c (dual clip) must be > 1, got {cfg.algo.eps_clip_c!r}")
     _check_lora(problems, cfg)
 
 
@@ -1894,7 +2083,7 @@ def _check_lora(problems: list[str], cfg: Config) -> None:
     if not 0 <= t.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), got {t.lora_dropout!r}")
     try:
-        lora.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
+        lora_options.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
     except ValueError as err:
         problems.append(str(err))
     if importlib.util.find_spec("peft") is None:
@@ -2088,7 +2277,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
                 "--train-backend megatron"
             )
             return
-        from runtime.train.backends.megatron_checkpoint import find_checkpoint
+        from runtime.train.backends.megatron_paths import find_checkpoint
 
         try:
             find_checkpoint(load, step=step, flag="--opd-teacher-load")
@@ -2112,7 +2301,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
 def _is_megatron_checkpoint(path: str, flag_name: str, problems: list[str]) -> bool:
     """Whether ``path`` is a Megatron torch_dist checkpoint (folder or save root); a save root naming a missing folder
     is a problem of its own."""
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     if not os.path.isdir(path):
         return False
@@ -2141,7 +2330,7 @@ def _not_creatable_dir(path: str) -> str | None:
 
 
 def _check_combinations(problems: list[str], cfg: Config) -> None:
-    if cfg.rollout.rollout_max_response_len is None:
+    if cfg.rollout.rollout_max_response_len is None and not slime_compat.is_sft_job(cfg):
         problems.append(
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
             "longest response to sample, e.g. --rollout-max-response-len 1024"
@@ -2171,7 +2360,7 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
                 "--train-backend megatron"
             )
         else:
-            from runtime.train.backends.megatron_checkpoint import find_checkpoint
+            from runtime.train.backends.megatron_paths import find_checkpoint
 
             try:
                 find_checkpoint(ref_load, step=ref_step, flag="--ref-load")
@@ -2274,72 +2463,15 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "set, as in slime"
         )
     _check_megatron(problems, cfg)
+    _check_backend_fields(problems, cfg)
     _check_hook_combinations(problems, cfg)
     _check_sglang(problems, cfg)
     _check_schedule(problems, cfg)
     _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
-        problems.append("--use-wandb needs the wandb package (pip install wandb)")
+        problems.append("--use-wandb needs the wandb package (pip install 'rlcore[wandb]')")
 
 
-# TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
-MEGATRON_TRAIN_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "recompute_method",
-    "recompute_num_layers",
-    "optimizer",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "lr_decay_style",
-    "lr_warmup_iters",
-    "lr_warmup_fraction",
-    "min_lr",
-    "accumulate_allreduce_grads_in_fp32",
-    "use_distributed_optimizer",
-    "overlap_grad_reduce",
-    "ddp_bucket_size",
-    "bias_swiglu_fusion",
-    "attention_backend",
-    "attention_dropout",
-    "hidden_dropout",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "deterministic_mode",
-    "optimizer_cpu_offload",
-    "overlap_cpu_optimizer_d2h_h2d",
-)
-# slime's flags of its Megatron backend that rlcore builds for --train-backend megatron only.
-MEGATRON_SLIME_FIELDS = (
-    "distributed_backend",
-    "distributed_timeout_minutes",
-    "padded_vocab_size",
-    "model_name",
-    "custom_model_provider_path",
-    "recompute_loss_function",
-    "megatron_config_path",
-)
-_DENSE = "expert parallelism splits MoE experts, and the Megatron backend builds dense models only"
-_NO_DROPOUT = (
-    "the Megatron backend trains with dropout off, so that its old and new log-probs are computed alike (slime's "
-    "scripts pass 0.0)"
-)
-# The values of Megatron's flags that the Megatron backend builds (TrainConfig field -> (values, why no other)): one
-# table, read by the validation and by the tests.
-MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "attention_backend": (
-        ("auto", "flash", "local", "unfused"),
-        "fused is Transformer Engine's cuDNN attention, which is not installed (auto and flash run PyTorch's "
-        "scaled_dot_product_attention, its flash kernel on GPUs; local and unfused megatron-core's own)",
-    ),
-    "attention_dropout": ((0.0,), _NO_DROPOUT),
-    "hidden_dropout": ((0.0,), _NO_DROPOUT),
-    "expert_model_parallel_size": ((1,), _DENSE),
-    "expert_tensor_parallel_size": ((1,), _DENSE),
-}
 MODEL_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "hf_checkpoint")
 
 
@@ -2352,13 +2484,39 @@ def _read_config_json(path: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _installed(dotted: str) -> bool:
+    """Whether the module ``dotted`` can be imported, found without importing it or its parents (``find_spec`` of
+    ``a.b`` imports ``a``, and megatron's ``__init__`` imports torch)."""
+    top, *rest = dotted.split(".")
+    spec = importlib.util.find_spec(top)
+    for part in rest:
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def _check_backend_fields(problems: list[str], cfg: Config) -> None:
+    """A flag that another training backend declares as its own (``OWN_FIELDS`` of its options module, named in
+    ``runtime.train.backends.TRAIN_BACKEND_OPTIONS``), set away from its default, is refused: the chosen backend
+    would ignore it. Which flags belong to which backend is the backends' declaration, not a list kept here."""
+    chosen = cfg.train.train_backend
+    # The defaults of this kind of job (the built-in job has its own, --lora-modules-to-save among them).
+    defaults = from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data)
+    for owner in TRAIN_BACKENDS:
+        if owner == chosen:
+            continue
+        for name, what in backend_options(owner).OWN_FIELDS.items():
+            if getattr(cfg, name) != getattr(defaults, name):
+                problems.append(f"{flag(name)}: {what}, used by --train-backend {owner} only")
+
+
 def _check_megatron(problems: list[str], cfg: Config) -> None:
     """--train-backend megatron's flags: used only there, consistent, and (with the model shape flags, any backend)
     in agreement with --hf-checkpoint's config.json."""
     from runtime.train.backends import megatron_config
 
     t = cfg.train
-    defaults = TrainConfig()
     hf = _read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
     shape = None
     if hf is not None:
@@ -2377,14 +2535,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
                 "--recompute-granularity selective (Megatron's core-attention recompute): the torch backend "
                 "recomputes whole decoder layers only (full)"
             )
-        for name in MEGATRON_TRAIN_FIELDS:
-            if getattr(t, name) != getattr(defaults, name):
-                problems.append(f"{flag(name)}: a Megatron flag, used by --train-backend megatron only")
-        for name in MEGATRON_SLIME_FIELDS:
-            if getattr(t, name) != getattr(defaults, name):
-                problems.append(
-                    f"{flag(name)}: a flag of slime's Megatron backend, built for --train-backend megatron only"
-                )
         return
     if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
         problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
@@ -2424,7 +2574,7 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
             "Megatron backend's loss and log-prob passes do not call them yet)"
         )
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    if not _installed("megatron.core"):
         problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
@@ -2453,8 +2603,12 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
         problems.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
     if t.min_lr > t.lr:
         problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
-    if t.lr_decay_style != "constant" and t.lr_decay_iters is None:
-        problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout to derive it)")
+    if t.lr_decay_style != "constant" and t.lr_decay_iters is None and cfg.rollout.num_epoch is None:
+        # With --num-epoch, slime derives it from the dataset's size at the start (runtime.loop.resolve_num_rollout).
+        problems.append(
+            f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout or --num-epoch to "
+            "derive it)"
+        )
     for name, (values, why) in MEGATRON_VALUES_BUILT.items():
         value = getattr(t, name)
         if value not in values:
@@ -2462,10 +2616,6 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} {value}: {why} (takes {shown})")
     if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
-    if t.lora_rank > 0:
-        problems.append("--lora-rank: LoRA is built for --train-backend torch only")
-    if t.keep_old_actor:
-        problems.append("--keep-old-actor is built for --train-backend torch only")
     if shape is not None:
         problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
 
@@ -2563,13 +2713,18 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
         problems.append(
             f"--load-debug-rollout-data-subsample must be in (0, 1], got {d.load_debug_rollout_data_subsample!r}"
         )
-    if d.debug_train_only and d.load_debug_rollout_data is None:
-        problems.append("--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data")
+    sft = slime_compat.is_sft_job(cfg)  # slime's SFT: --debug-train-only trains on the dataset, with no engine
+    if d.debug_train_only and d.load_debug_rollout_data is None and not sft:
+        problems.append(
+            "--debug-train-only trains on saved rollouts: it needs --load-debug-rollout-data (or slime's SFT rollout, "
+            "--rollout-function-path slime.rollout.sft_rollout.generate_rollout)"
+        )
     if d.debug_rollout_only and d.train_only:
         problems.append("--debug-rollout-only and --debug-train-only (--load-debug-rollout-data) exclude each other")
     if d.debug_rollout_only and (cfg.ckpt.save is not None or cfg.ckpt.save_hf is not None):
         problems.append("--debug-rollout-only trains nothing: it cannot go with --save or --save-hf")
-    if (d.debug_rollout_only or d.train_only) and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
+    replaying = d.debug_rollout_only or (d.train_only and not sft)
+    if replaying and (cfg.ckpt.load is not None or cfg.train.sft_warmup_steps):
         problems.append(
             "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
             "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"
@@ -2702,13 +2857,12 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be a runtime.config.Config, got {type(cfg).__name__}")
     problems: list[str] = []
-    for name, (_, _, tp) in _SPECS.items():
-        problem = _type_problem(name, getattr(cfg, name), tp)
-        if problem:
-            problems.append(problem)
-    if problems:
+    types, bounds = _type_problems({name: getattr(cfg, name) for name in _SPECS})
+    if types:
         # Range and consistency checks assume well-typed values.
-        raise ConfigError(problems)
+        raise ConfigError(types)
+    problems += bounds
+    _check_core_ranges(problems, cfg)
     _check_positive(problems, cfg)
     if problems:
         # The batch arithmetic below divides by these sizes.

@@ -11,3 +11,14 @@ from __future__ import annotations
 
 class JobError(RuntimeError):
     """A running job stops for a reason the user must fix; the message is the whole report (no traceback)."""
+
+
+class JobInterrupted(JobError):
+    """SIGTERM or Ctrl-C (SIGINT) stopped the job; ``rlcore-run`` saves the last completed step under ``--save`` and
+    exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

@@ -27,7 +27,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from runtime.errors import JobError
+from runtime import slime_compat
+from runtime.errors import JobError, JobInterrupted
 
 
 class HookError(ValueError):
@@ -101,12 +102,18 @@ def working_directory_on_path() -> None:
         sys.path.insert(0, cwd)
 
 
+# What a hook may raise and still be reported as its failure: sys.exit() and KeyboardInterrupt (or GeneratorExit)
+# raised by the hook itself too, which would otherwise end a worker thread or the job with no word. A real Ctrl-C or
+# SIGTERM arrives as runtime.errors.JobInterrupted (see runtime.cli) and passes through; asyncio's CancelledError does.
+_HOOK_RAISED = (Exception, SystemExit, KeyboardInterrupt, GeneratorExit)
+
+
 class Hook:
     """A user function named by a hook flag, called as the function itself.
 
-    A call that raises becomes a :class:`HookFailure` naming the flag, the path, the exception and the hook's own
-    file and line; so does an awaitable result that raises when awaited. :meth:`wrong_type` builds the failure for a
-    result of the wrong type, pointing at the function's definition.
+    A call that raises (anything, ``sys.exit()`` included) becomes a :class:`HookFailure` naming the flag, the path,
+    the exception and the hook's own file and line; so does an awaitable result that raises when awaited.
+    :meth:`wrong_type` builds the failure for a result of the wrong type, pointing at the function's definition.
     """
 
     def __init__(self, flag: str, path: str, fn: Callable[..., Any]):
@@ -118,14 +125,18 @@ class Hook:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             out = self.fn(*args, **kwargs)
-        except Exception as err:
+        except JobInterrupted:
+            raise
+        except _HOOK_RAISED as err:
             raise self.failure(err) from err
         return self._awaited(out) if inspect.isawaitable(out) else out
 
     async def _awaited(self, awaitable: Any) -> Any:
         try:
             return await awaitable
-        except Exception as err:
+        except JobInterrupted:
+            raise
+        except _HOOK_RAISED as err:
             raise self.failure(err) from err
 
     def failure(self, err: BaseException) -> HookFailure:
@@ -222,29 +233,18 @@ def _module_file(target: str) -> str | None:
     return os.path.abspath(spec.origin) if spec is not None and spec.origin else None
 
 
-# slime's own module paths that have a counterpart here: a slime script that names them runs unchanged.
-SLIME_COUNTERPARTS = {
-    "slime.rollout.sft_rollout.generate_rollout": "runtime.rollout.sft:generate_rollout",
-    "slime.rollout.sglang_rollout.generate_rollout": "runtime.rollout.plugins:builtin_rollout",
-    "slime.rollout.data_source.RolloutDataSourceWithBuffer": "runtime.rollout.plugins:BufferedPromptSource",
-    "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
-        "runtime.rollout.filters:check_reward_nonzero_std"
-    ),
-    "slime.rollout.forge_load.generate_rollout": "runtime.rollout.replay:forge_rollout",
-    "slime.rollout.on_policy_distillation.reward_func": "runtime.rollout.opd:reward_func",
-    "slime.rollout.on_policy_distillation.post_process_rewards": "runtime.rollout.opd:post_process_rewards",
-}
-
-
 def load_function(path: str) -> Callable[..., Any]:
     """Import and return the callable that ``path`` names (the working directory is on the import path).
 
-    Raises ``HookError`` for a malformed path, a missing module or file, a module that fails to import (a syntax
-    error, its own import error, anything its body raises: named with the hook's file and line), a missing attribute
-    or a non-callable one.
+    slime's own paths load the runtime's counterpart (``runtime.slime_compat.SLIME_COUNTERPARTS``); a path into slime's
+    package without one is a ``HookError`` saying so. Raises ``HookError`` for a malformed path, a missing module or
+    file, a module that fails to import (a syntax error, its own import error, anything its body raises: named with the
+    hook's file and line), a missing attribute or a non-callable one.
     """
-    path = SLIME_COUNTERPARTS.get(path.strip() if isinstance(path, str) else path, path)
+    path = slime_compat.counterpart(path) if isinstance(path, str) else path
     target, attr, is_file = split_function_path(path)
+    if not is_file and (problem := slime_compat.slime_path_problem(path)) is not None:
+        raise HookError(problem, path=path)
     module = _import_file(target, path) if is_file else _import_module(target, path)
     where = getattr(module, "__file__", None) or module.__name__
     if not hasattr(module, attr):

@@ -6,6 +6,8 @@ import datetime
 import json
 import math
 import os
+import secrets
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +88,8 @@ class MetricsLogger:
     """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and (optionally) W&B.
 
     A job resumed at ``start_step`` keeps the rows of earlier steps (:func:`repair_rows`: later rows and a torn last
-    line are dropped); a job from step 0 starts the file afresh.
+    line are dropped); a job from step 0 starts the file afresh. TensorBoard drops the events at and after
+    ``tensorboard_purge_step`` (default ``start_step``; the x-axis value of the resumed step) left by the run before.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class MetricsLogger:
         start_step: int = 0,
         tensorboard_dir: str | os.PathLike[str] | None = None,
         wandb_options: WandbOptions | None = None,
+        tensorboard_purge_step: int | None = None,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +113,12 @@ class MetricsLogger:
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir or self.dir / "tensorboard"))
+            # A resumed job redoes the steps after its checkpoint: TensorBoard drops the first run's events from the
+            # resumed step on (its purge step, at the step's x-axis value), so each step is plotted once.
+            purge = tensorboard_purge_step if tensorboard_purge_step is not None else start_step
+            self._tb = SummaryWriter(
+                log_dir=str(tensorboard_dir or self.dir / "tensorboard"), purge_step=purge if purge > 0 else None
+            )
         self._wandb = None
         if use_wandb:
             options = wandb_options or WandbOptions(project=wandb_project)
@@ -128,7 +137,8 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, axis)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=axis)
+            # The values TensorBoard gets (plain numbers), non-finite ones too (W&B plots them as gaps).
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=axis)
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -168,7 +178,8 @@ class WandbOptions:
             wandb.login(key=self.key, host=self.host)
         group = self.group
         if group is not None and self.random_suffix:
-            group = f"{group}_{wandb.util.generate_id()}"
+            # slime calls wandb.util.generate_id, which wandb 0.31 no longer has: the same kind of id (8 base-36).
+            group = f"{group}_{''.join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))}"
         kwargs: dict[str, Any] = {
             "project": self.project,
             "entity": self.team,

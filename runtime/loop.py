@@ -75,9 +75,10 @@ from runtime.rollout.plugins import (
     load_rollout_hooks,
 )
 from runtime.rollout.replay import ReplaySource, save_rollout_data
-from runtime.rollout.rewards import RewardHub, reward_error_rate
+from runtime.rollout.rewards import RewardHub, check_label_types, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
+from runtime.slime_compat import num_rollout_of_epochs, train_iters
 from runtime.train.algo import (
     advantage_config,
     check_supported,
@@ -182,7 +183,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
     settings = RolloutSettings(
         rollout_batch_size=r.rollout_batch_size,
         n_samples=r.n_samples_per_prompt,
-        params=sampling_params(cfg),
+        # None only for slime's SFT (runtime.slime_compat.is_sft_job), whose rollout generates nothing.
+        params=sampling_params(cfg) if r.rollout_max_response_len is not None else None,
         num_rollout=r.num_rollout,
         over_sampling_batch_size=r.over_sampling_batch_size,
         max_staleness=r.max_staleness,
@@ -298,6 +300,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             use_wandb=lg.use_wandb,
             config=to_dict(cfg),
             start_step=start,
+            tensorboard_purge_step=axis_step(cfg, start),
             tensorboard_dir=tensorboard_dir(out, project=lg.tb_project_name, experiment=lg.tb_experiment_name),
             wandb_options=WandbOptions(
                 project=lg.wandb_project,
@@ -334,6 +337,14 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
+        # Engines that take weights while they generate, one rollout ahead and nothing offloaded: the sync does not
+        # wait for the rollout in flight (runtime.cluster.weight_sync.DistributedSync.stage).
+        staged_sync = (
+            getattr(weights, "can_stage", False)
+            and hasattr(source, "defer")
+            and getattr(source, "lookahead", 0) == 1
+            and not (offload.train or offload.rollout)
+        )
         for step in range(start, r.num_rollout):
             step_start = time.perf_counter()
             # The data counts go to the first logged step (they do not change during the job).
@@ -389,12 +400,19 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             # 3. Weight sync every --update-weights-interval steps: the engines sample with the weights just trained.
             if done % r.update_weights_interval == 0 or done == r.num_rollout:
                 t = time.perf_counter()
-                source.pause()
-                engine_memory.resume(["weights"])
-                weights.push(done)
+                # The last step and an evaluated one need the new weights in the engines at once.
+                evaluated = evaluating and done % cfg.eval.eval_interval == 0
+                if staged_sync and done < r.num_rollout and not evaluated:
+                    # One-step async: sent while the next rollout samples, swapped in before the one after.
+                    weights.stage(done)
+                    source.defer(weights.commit)
+                else:
+                    source.pause()
+                    engine_memory.resume(["weights"])
+                    weights.push(done)
+                    source.resume(done)
                 if cfg.train.keep_old_actor:
                     trainers.call("advance_old_actor")
-                source.resume(done)
                 metrics["perf/weight_sync_time"] = time.perf_counter() - t
 
             # 4. Evaluation, logging, the ledger of prompts, checkpoints. A hook that fails in evaluation stops
@@ -670,31 +688,43 @@ class EvalSet:
         )
 
 
-def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
-    """The reward hub of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them, scoring
-    ``--eval-reward-key``."""
-    reward = dataclasses.replace(
+def eval_hub_config(cfg: Config, dataset: EvalDataset) -> Any:
+    """The reward settings of an evaluation dataset: its own ``rm_type`` / ``custom_rm_path`` where it sets them."""
+    return dataclasses.replace(
         cfg.reward,
         rm_type=dataset.rm_type or cfg.reward.rm_type,
         custom_rm_path=dataset.custom_rm_path or cfg.reward.custom_rm_path,
     )
-    return RewardHub(reward, args=cfg, seed=cfg.seed, evaluation=True)
+
+
+def eval_hub(cfg: Config, dataset: EvalDataset) -> RewardHub:
+    """The reward hub of an evaluation dataset (:func:`eval_hub_config`), scoring ``--eval-reward-key``."""
+    return RewardHub(eval_hub_config(cfg, dataset), args=cfg, seed=cfg.seed, evaluation=True)
 
 
 def resolve_num_rollout(cfg: Config, dataset_size: int) -> Config:
-    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass."""
-    r = cfg.rollout
+    """``cfg`` with ``--num-rollout`` set: as given, or slime's ``--num-epoch`` x whole rollouts per pass; and
+    ``--lr-decay-iters``, when unset, derived from it as slime does (runtime.slime_compat.train_iters)."""
+    r, t = cfg.rollout, cfg.train
     if r.num_rollout is not None:
         return cfg
-    per_epoch = dataset_size // r.rollout_batch_size
-    if per_epoch == 0:
+    if dataset_size // r.rollout_batch_size == 0:
         raise ConfigError(
             [
                 f"--num-epoch: the prompt data holds {dataset_size} prompts, fewer than --rollout-batch-size "
                 f"{r.rollout_batch_size}: set --num-rollout"
             ]
         )
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, num_rollout=per_epoch * r.num_epoch))
+    num_rollout = num_rollout_of_epochs(
+        num_epoch=r.num_epoch, dataset_size=dataset_size, rollout_batch_size=r.rollout_batch_size
+    )
+    sizes = dict(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt)
+    decay = t.lr_decay_iters or train_iters(num_rollout=num_rollout, global_batch_size=t.global_batch_size, **sizes)
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(r, num_rollout=num_rollout),
+        train=dataclasses.replace(t, lr_decay_iters=decay),
+    )
 
 
 def eval_data_config(cfg: Config, dataset: EvalDataset) -> DataConfig:
@@ -750,6 +780,9 @@ def prepare_model_and_data(
                 (d, PromptDataset(d.path, tokenizer, config, seed=cfg.data.rollout_seed, max_context=context))
             )
     datasets = (dataset, *(ds for _, ds in eval_sets))
+    check_label_types(dataset.labels(), cfg.reward, label_key=cfg.data.label_key, source=dataset.source)
+    for d, ds in eval_sets:
+        check_label_types(ds.labels(), eval_hub_config(cfg, d), label_key=d.label_key, source=ds.source)
     for ds in datasets:
         print("\n".join(ds.report(max_rows=MAX_REPORTED_ROWS)), flush=True)
     budget = cfg.train.max_tokens_per_gpu

@@ -9,8 +9,6 @@ Each entry is one of
   note says (by design, or until the named issue lands);
 - ``refused``: accepted by the parser at slime's default (so a slime script that spells the default out runs) and
   refused at validation, naming the flag and why, when set to anything else;
-- ``elsewhere``: owned by an issue being built on another branch (the SGLang fleet, fault tolerance); not parsed here
-  yet: a command line that uses it is refused with the owning issue's name.
 
 The facts (names, groups, defaults) come from slime's ``slime/utils/arguments.py`` and
 ``slime/backends/sglang_utils/arguments.py`` at 624b824a; the Megatron flags slime resets (``reset_arg``) are
@@ -27,12 +25,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-YES, DIFFERS, REFUSED, ELSEWHERE = "yes", "differs", "refused", "elsewhere"
-STATUSES = (YES, DIFFERS, REFUSED, ELSEWHERE)
+YES, DIFFERS, REFUSED = "yes", "differs", "refused"
+STATUSES = (YES, DIFFERS, REFUSED)
 
 # Why a flag is refused, by what it needs.
 MEGATRON = "not built in rlcore's Megatron backend yet (issue 11, still open)"
-HOOKS = "needs slime's hook surface (issue 14: hooks, SFT mode, LoRA)"
 PACKING = "a packing knob rlcore does not have (--use-dynamic-batch-size packs by real tokens only)"
 MEGATRON_ONLY = "--train-backend megatron only (the torch backend refuses it)"
 CI_ONLY = "a switch of slime's own CI; rlcore's tests do not read it"
@@ -79,7 +76,7 @@ class SlimeFlag:
 
     def refusal(self, value: Any) -> str | None:
         """The problem to report when a refused flag holds ``value``; None at slime's default."""
-        if self.status not in (REFUSED, ELSEWHERE):
+        if self.status != REFUSED:
             return None
         if self.kind == "false":
             is_default = value is False or value is None
@@ -906,7 +903,6 @@ _STATUS_WORDS = {
     YES: "yes",
     DIFFERS: "yes, differs",
     REFUSED: "refused unless default",
-    ELSEWHERE: "refused (other issue)",
 }
 
 
@@ -922,8 +918,7 @@ def render_markdown() -> str:
         _DOC_BEGIN,
         "",
         f"{len(SLIME_FLAGS)} flags: {c[YES]} supported as in slime, {c[DIFFERS]} supported with a difference, "
-        f"{c[REFUSED]} accepted at slime's default and refused otherwise, {c[ELSEWHERE]} owned by issues on other "
-        "branches (refused until they land).",
+        f"{c[REFUSED]} accepted at slime's default and refused otherwise.",
         "",
         "| group | flag | slime default | rlcore-run | note |",
         "| --- | --- | --- | --- | --- |",

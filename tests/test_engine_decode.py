@@ -243,9 +243,10 @@ def test_refilled_log_probs_equal_a_full_forward_and_the_cache_holds_the_slots_a
     width, heads = max(map(len, prompts)), model.config.num_key_value_heads
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     kept = caches[0].kept_tensors()
-    # Two slots of prompt width + 12 columns per layer, for keys and values: nothing grows with the 7 prompts.
-    assert len(kept) == 2 * model.config.num_hidden_layers
-    assert {tuple(t.shape) for t in kept} == {(2, heads, width + 12, head_dim)}
+    # Two rows (groups of one) of prompt width columns and 12 response columns per layer, for keys and values:
+    # nothing grows with the 7 prompts.
+    assert len(kept) == 4 * model.config.num_hidden_layers
+    assert {tuple(t.shape) for t in kept} == {(2, heads, width, head_dim), (2, heads, 1, 12, head_dim)}
     assert all(rows <= 2 and q == 1 for rows, q, _ in shapes)
     assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
     with torch.no_grad():
@@ -328,3 +329,57 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
         for x in (0.0, 0.3, 0.5, 0.7, float(edge)):
             token = int(inverse_cdf(row[None], torch.tensor([x]))[0])
             assert row[token] > 0
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    per_group=st.integers(2, 4),
+    running=st.sampled_from([None, 1, 2]),
+    seed=st.integers(0, 1000),
+)
+def test_a_groups_samples_share_one_prefill_and_draw_as_if_apart(model, lengths, per_group, running, seed):
+    """Rows in equal runs of one prompt (a GRPO group) prefill it once and keep its keys once; each sample still
+    draws from its own stream, so it gives the tokens it gives with sharing off, and log-probs equal a full forward
+    of its row. ``running`` groups at a time (in rows: ``running * per_group``) refill by whole groups."""
+    gen = torch.Generator().manual_seed(seed)
+    distinct = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    prompts = [p for p in distinct for _ in range(per_group)]
+    seeds = [seed * 100 + i for i in range(len(prompts))]
+    max_running = None if running is None else running * per_group
+    caches, prefill_rows = [], []
+
+    def count_prefill_rows(module, args, out) -> None:
+        if caches[0].prefill_rows is not None:
+            prefill_rows.append(out.shape[0])
+
+    hook = model.lm_head.register_forward_hook(count_prefill_rows)
+    try:
+        kw = {"seeds": seeds, "stop_ids": [2, 5, 9], "max_running": max_running, "max_new_tokens": 9}
+        shared = _decode(model, prompts, on_cache=caches.append, **kw)
+    finally:
+        hook.remove()
+    apart = _decode(model, prompts, share_prompts=False, **kw)
+    assert caches[0].per_group == per_group and sum(prefill_rows) == len(distinct)
+    groups_at_once = len(distinct) if running is None else min(running, len(distinct))
+    assert {tuple(t.shape[:3]) for t in caches[0].kept_tensors()} == {
+        (groups_at_once, model.config.num_key_value_heads, max(lengths)),
+        (groups_at_once, model.config.num_key_value_heads, per_group),
+    }
+    assert shared.finish == apart.finish
+    for a, b in zip(shared.tokens, apart.tokens, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        for prompt, row, lps in zip(prompts, shared.tokens, shared.log_probs, strict=True):
+            logits = model(input_ids=torch.tensor([prompt + row.tolist()])).logits[0, len(prompt) - 1 : -1]
+            ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, row[:, None]).squeeze(-1)
+            torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_rows_that_are_not_equal_runs_of_one_prompt_are_groups_of_one(model):
+    caches = []
+    out = _decode(model, [[5, 6], [5, 6], [7], [7], [7]], on_cache=caches.append, max_new_tokens=3, stop_ids=[])
+    assert caches[0].per_group == 1 and [len(t) for t in out.tokens] == [3] * 5
+    caches.clear()
+    _decode(model, [[5, 6], [5, 6], [7], [7]], on_cache=caches.append, max_new_tokens=3, stop_ids=[], max_running=1)
+    assert caches[0].per_group == 1  # fewer rows than a group: nothing is shared

@@ -705,3 +705,27 @@ def test_buffer_filter_chooses_the_groups_put_back(plugin):
     got = source.get_samples(2)
     assert [g[0].prompt for g in got] == ["old2", "old1"] and source.get_buffer_length() == 1
     assert plugin.CALLS["buffer_filter"] == [{"rollout_id": None, "buffered": 3, "num_samples": 2}]
+
+
+@pytest.mark.parametrize("body", ["sys.exit(3)", "raise KeyboardInterrupt", "raise GeneratorExit"])
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_hook_that_exits_is_a_one_line_hook_failure(tmp_path, body, kind):
+    # Not SystemExit escaping a worker thread (the job waited for it forever) or ending the job with no word.
+    path = tmp_path / "exits.py"
+    path.write_text(f"import sys\n\n\n{kind} hook(args, sample):\n    {body}\n")
+    hook = resolve_hook("--rollout-sample-hook-path", f"{path}:hook")
+    with pytest.raises(HookFailure, match=rf"--rollout-sample-hook-path {path}:hook: raised \w+.*exits.py:5\)"):
+        out = hook(None, None)
+        asyncio.run(out)
+
+
+def test_a_stop_signal_passes_through_a_hook(tmp_path):
+    from runtime.errors import JobInterrupted
+
+    path = tmp_path / "stopped.py"
+    path.write_text(
+        "import signal\nfrom runtime.errors import JobInterrupted\n\n\ndef hook(args, sample):\n"
+        "    raise JobInterrupted(signal.SIGTERM)\n"
+    )
+    with pytest.raises(JobInterrupted, match="stopped by SIGTERM"):
+        resolve_hook("--rollout-sample-hook-path", f"{path}:hook")(None, None)

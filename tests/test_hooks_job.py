@@ -170,6 +170,44 @@ def test_sft_job_from_the_command_line(ray_session, chat_model, tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
 
 
+def test_slimes_sft_script_shape_starts_no_engine_and_logs_to_wandb(ray_session, chat_model, tmp_path, monkeypatch):
+    """As slime's run-qwen3-4B-base-sft.sh: --debug-train-only with slime's sft_rollout and --num-epoch, no response
+    length. No engine starts, the epochs set the steps, and W&B (offline) gets what metrics.jsonl holds."""
+    from test_slime_scripts import wandb_history
+
+    from runtime import loop
+    from runtime.cluster.engines import EngineGroup
+
+    groups = []
+
+    class Recorded(EngineGroup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            groups.append(self)
+
+    monkeypatch.setattr(loop, "EngineGroup", Recorded)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _conversations(40, seed=1)))
+    argv = ["--hf-checkpoint", chat_model, "--prompt-data", str(data), "--input-key", "messages"]
+    argv += ["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
+    argv += ["--calculate-per-token-loss", "--disable-compute-advantages-and-returns", "--debug-train-only"]
+    argv += ["--rollout-batch-size", "16", "--global-batch-size", "16", "--num-epoch", "2", "--lr", "1e-2"]
+    argv += ["--actor-num-gpus-per-node", "1", "--output-dir", str(tmp_path / "out")]
+    argv += ["--use-wandb", "--wandb-project", "p", "--wandb-group", "sft", "--wandb-dir", str(tmp_path / "wb")]
+    rows = read_metrics(run(parse_args(argv), progress=False).output_dir / METRICS_FILE)
+    assert len(rows) == 2 * (40 // 16)  # slime: num_epoch x whole rollouts per pass
+    (group,) = groups
+    assert group.actors == [] and group.launchers == []
+    (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    history = wandb_history(run_dir)
+    assert [h["_step"] for h in history] == [r["step"] for r in rows]
+    for h, r in zip(history, rows, strict=True):
+        # The same float through two JSON writers (repr round-trips a float exactly).
+        assert h["train/loss"] == r["train/loss"] and h["train/grad_norm"] == r["train/grad_norm"]
+
+
 def test_two_fsdp_trainers_with_fan_out_rows_give_the_single_trainers_step(ray_session, chat_model, tmp_path):
     """Rollouts split into several rows land whole on one rank (steps and shards by rollout); the per-rollout
     denominators and the global sequence count make two FSDP ranks train exactly as one trainer."""

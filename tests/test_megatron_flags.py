@@ -83,9 +83,9 @@ BUILT = {
 def test_the_torch_backend_refuses_the_megatron_backends_flags_naming_it(name, tmp_path):
     value = BUILT[name]
     argv = [name] if value is None else [name, value]
-    refusal = f"{name}: a flag of slime's Megatron backend, built for --train-backend megatron"
+    refusal = f"{name}: a flag of slime's Megatron backend, used by --train-backend megatron"
     with pytest.raises(ConfigError, match=refusal):
-        parse_args(argv)
+        parse_args([*argv, "--train-backend", "torch"])  # named: alone, the flag selects megatron (slime_compat)
     assert slime_flags.BY_NAME[name].status == slime_flags.DIFFERS
     parse_args([*MEGA, *argv])  # the same command line under the Megatron backend is a valid job
 
@@ -501,7 +501,7 @@ def test_the_actor_entry_overrides_the_trainers_flags(tmp_path):
     args_form = _megatron_yaml(tmp_path, [{"role": "actor", "args": {"adam_beta2": 0.95}}])
     assert parse_args([*MEGA, "--megatron-config-path", args_form]).train.adam_beta2 == 0.95
     with pytest.raises(ConfigError, match="--megatron-config-path: a flag of slime's Megatron backend"):
-        parse_args(["--megatron-config-path", args_form])
+        parse_args(["--megatron-config-path", args_form, "--train-backend", "torch"])
     # Named in a --config YAML (nested by section) instead of on the command line: the same.
     import yaml
 

@@ -56,6 +56,8 @@ def job(tmp_path):
 
 
 MEGATRON = ["--train-backend", "megatron"]
+# Named: alone, a Megatron flag selects --train-backend megatron, as slime runs (runtime.slime_compat).
+TORCH = ["--train-backend", "torch"]
 
 
 def _problems(argv):
@@ -83,8 +85,9 @@ def test_the_table_names_the_switches_the_task_accepts_and_every_entry_says_why(
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_accepted_switches_pass_under_megatron_and_are_refused_under_torch(name, job, tmp_path):
     parse_args([*job, *MEGATRON, name])
-    problems = _problems([*job, name])
+    problems = _problems([*job, *TORCH, name])
     assert problems == [f"{name}: a Megatron flag, taken by --train-backend megatron only (torch backend)"]
+    assert parse_args([*job, name]).train.train_backend == "megatron"  # inferred from the switch alone
     # The backend may come from a --config YAML file too.
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  train_backend: megatron\n")
@@ -124,7 +127,7 @@ def test_megatron_values_built_pass_and_others_are_refused_naming_why(field, job
         ]
         # The torch backend refuses it away from the default, naming the backend that takes it.
         assert f"{flag(field)}: a Megatron flag, used by --train-backend megatron only" in _problems(
-            [*job, flag(field), text]
+            [*job, *TORCH, flag(field), text]
         )
     assert "Transformer Engine" in MEGATRON_VALUES_BUILT["attention_backend"][1]
 
@@ -159,10 +162,10 @@ def test_use_rotary_position_embeddings_is_checked_against_config_json(job):
 
 
 def test_a_megatron_field_away_from_its_default_is_refused_once_under_torch(job):
-    from runtime.config import MEGATRON_TRAIN_FIELDS
+    from runtime.train.backends.megatron_options import MEGATRON_TRAIN_FIELDS
 
     assert len(set(MEGATRON_TRAIN_FIELDS)) == len(MEGATRON_TRAIN_FIELDS)
-    assert _problems([*job, "--attention-backend", "local"]) == [
+    assert _problems([*job, *TORCH, "--attention-backend", "local"]) == [
         "--attention-backend: a Megatron flag, used by --train-backend megatron only"
     ]
 
@@ -175,7 +178,7 @@ def test_overlap_grad_reduce_and_the_bucket_size_reach_megatrons_ddp_config(job)
     assert any(
         p.startswith("--ddp-bucket-size must be >= 1") for p in _problems([*job, *MEGATRON, "--ddp-bucket-size", "0"])
     )
-    problems = _problems([*job, "--overlap-grad-reduce"])
+    problems = _problems([*job, *TORCH, "--overlap-grad-reduce"])
     assert "--overlap-grad-reduce: a Megatron flag, used by --train-backend megatron only" in problems
 
 
@@ -190,7 +193,7 @@ def test_swiglu_fusion_is_megatrons_default_on_gpus_and_the_switch_turns_it_off(
     assert not transformer_config(shape, off, bf16=True, cpu=False).bias_activation_fusion
     assert not transformer_config(shape, on, bf16=True, cpu=True).bias_activation_fusion  # the CPU runs it eagerly
     assert "--bias-swiglu-fusion: a Megatron flag, used by --train-backend megatron only" in _problems(
-        [*job, "--no-bias-swiglu-fusion"]
+        [*job, *TORCH, "--no-bias-swiglu-fusion"]
     )
 
 

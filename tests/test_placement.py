@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from runtime.cluster import plan
 from runtime.cluster.placement import create_placement, plan_bundles
 from runtime.config import ConfigError, from_dict, parse_args
 
@@ -33,10 +34,32 @@ def test_two_gpu_plan_on_one_gpu_fails_at_once_naming_colocate(one_gpu_cluster, 
     ray.util.remove_placement_group(placement.group)
 
 
-def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
-    import torch
+def _gpus(monkeypatch, tmp_path, n: int) -> None:
+    """The driver shows ``n`` GPUs (``runtime.config`` counts them without torch), all visible."""
+    from runtime import config
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    driver = tmp_path / f"driver{n}"
+    for i in range(n):
+        (driver / f"0000:{i:02x}:00.0").mkdir(parents=True)
+    driver.mkdir(exist_ok=True)
+    monkeypatch.setattr(config, "NVIDIA_GPUS_DIR", str(driver))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_the_gpu_count_follows_the_driver_and_cuda_visible_devices(monkeypatch, tmp_path):
+    from runtime.config import _local_gpus
+
+    _gpus(monkeypatch, tmp_path, 4)
+    assert _local_gpus() == 4
+    for visible, seen in (("1,3", 2), ("", 0), ("2", 1), ("0,-1,2", 1), ("0,1,2,3,4,5", 4)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert _local_gpus() == seen, visible
+    monkeypatch.setattr("runtime.config.NVIDIA_GPUS_DIR", str(tmp_path / "no-driver"))
+    assert _local_gpus() == 0
+
+
+def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
+    _gpus(monkeypatch, tmp_path, 1)
     assert parse_args([]).resources.colocate is True
     # The whole global batch in one micro-batch on the GPU, unless asked otherwise.
     assert parse_args([]).train.micro_batch_size == parse_args([]).train.global_batch_size == 256
@@ -44,8 +67,11 @@ def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
     assert parse_args(["--no-colocate"]).resources.colocate is False
     assert parse_args(["--async"]).resources.colocate is False  # async keeps trainer and engine apart
     assert from_dict(None, hf_checkpoint=str(tmp_path)).resources.colocate is False  # other jobs: as given
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert parse_args([]).resources.colocate is False
+    # Two GPUs and no placement flag: the default plan (runtime.cluster.plan, tests/test_scale.py) uses both.
+    _gpus(monkeypatch, tmp_path, 2)
+    two = parse_args([]).resources
+    assert (two.colocate, two.actor_num_gpus_per_node) == (plan.PLANS[plan.DEFAULT_PLAN].settings(2)["colocate"], 2)
+    assert parse_args(["--no-colocate"]).resources.colocate is False
 
 
 def test_colocated_offload_stops_only_when_every_trainer_and_its_engine_fit_their_device():

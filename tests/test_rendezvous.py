@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.cluster.loopback import LOOPBACK
-from runtime.cluster.placement import Placement, rendezvous_address, trainer_rendezvous
+from runtime.cluster.placement import Placement, rendezvous_address, spread_over_nodes, trainer_rendezvous
 from runtime.errors import JobError
 
 IPS = {"node-a": "10.0.0.1", "node-b": "10.0.0.2", "node-c": "10.0.0.3"}
@@ -49,3 +49,36 @@ def test_a_one_node_placement_meets_on_loopback_at_a_free_port():
         remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_nodes_that_all_have_loopback_addresses_meet_at_rank_zeros():
+    # Several Ray nodes of one machine (127.0.0.2, 127.0.0.3: tests/test_two_nodes.py) reach each other's loopback.
+    assert rendezvous_address(["a", "b"], {"a": "127.0.0.2", "b": "127.0.0.3"}) == "127.0.0.2"
+
+
+@given(
+    bundle_nodes=st.lists(st.sampled_from("abc"), min_size=1, max_size=10),
+    nodes=st.integers(1, 3),
+    per_node=st.integers(1, 3),
+    engines=st.integers(0, 4),
+    shared=st.booleans(),
+)
+def test_trainers_spread_node_by_node(bundle_nodes, nodes, per_node, engines, shared):
+    counts = {n: bundle_nodes.count(n) for n in set(bundle_nodes)}
+    if sum(c >= per_node for c in counts.values()) < nodes:
+        with pytest.raises(JobError, match=f"--actor-num-nodes {nodes} x --actor-num-gpus-per-node {per_node}"):
+            spread_over_nodes(bundle_nodes, nodes=nodes, per_node=per_node, engines=engines, shared=shared)
+        return
+    trainers, engine_bundles = spread_over_nodes(
+        bundle_nodes, nodes=nodes, per_node=per_node, engines=engines, shared=shared
+    )
+    on = [bundle_nodes[b] for b in trainers]
+    # per_node consecutive ranks on each of `nodes` distinct nodes, and no bundle taken twice.
+    assert len(trainers) == nodes * per_node == len(set(trainers))
+    runs = [on[i * per_node : (i + 1) * per_node] for i in range(nodes)]
+    assert all(len(set(run)) == 1 for run in runs) and len({run[0] for run in runs}) == nodes
+    if shared:
+        assert engine_bundles == trainers[:engines]
+    else:
+        assert not set(engine_bundles) & set(trainers)
+        assert len(engine_bundles) == min(engines, len(bundle_nodes) - len(trainers))

@@ -3,6 +3,7 @@
 import asyncio
 import pickle
 import textwrap
+import threading
 import time
 
 import pytest
@@ -359,7 +360,7 @@ def test_sync_reward_timeout_counts_only_running_time(tmp_path):
     hub.close()
 
 
-def test_stuck_sync_reward_gives_back_its_slot(tmp_path):
+def test_a_reward_that_hangs_now_and_then_loses_only_the_calls_that_hang(tmp_path):
     path = _hook(
         tmp_path,
         "stuck",
@@ -371,9 +372,86 @@ def test_stuck_sync_reward_gives_back_its_slot(tmp_path):
             return 1.0
         """,
     )
-    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:stuck", reward_timeout=0.3), max_workers=1)
-    # With one slot, the stuck call times out and the next calls still get the thread budget they need.
-    assert _score(hub, _samples([("x", None)] * 4)) == [0.0, 1.0, 1.0, 1.0]
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:stuck", reward_timeout=0.3), max_workers=2)
+    # The stuck call keeps its slot until it returns; the other slot scores the rest, which keep finishing, so the
+    # shared deadline (no call finished for --reward-timeout) never passes.
+    assert _score(hub, _samples([("x", None)] * 6)) == [0.0] + [1.0] * 5
     assert hub.pop_metrics()["reward/timeouts"] == 1
     with pytest.raises(ValueError, match="max_workers must be a positive int"):
         RewardHub(RewardConfig(custom_rm_path=f"{path}:stuck"), max_workers=0)
+
+
+def _score_or_fail(hub, samples, *, limit_s=20.0):
+    # A regression here used to end the event loop (or hang the job): fail the test instead of the session.
+    try:
+        return asyncio.run(asyncio.wait_for(hub.score(samples), limit_s))
+    except BaseException as err:  # noqa: BLE001  (SystemExit / KeyboardInterrupt escaping is the bug)
+        pytest.fail(f"score() raised {type(err).__name__}: {err!r}")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "sys.exit(3)",
+        "raise KeyboardInterrupt",
+        "raise SystemExit('bye')",
+        "raise GeneratorExit",
+    ],
+)
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_reward_that_raises_a_base_exception_is_a_counted_error(tmp_path, body, kind):
+    path = _hook(
+        tmp_path,
+        "exits",
+        f"""
+        import sys
+
+        {kind} exits(args, sample):
+            if sample.index == 1:
+                {body}
+            return 1.0
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:exits", reward_timeout=5.0))
+    assert _score_or_fail(hub, _samples([("x", None)] * 3)) == [1.0, 0.0, 1.0]
+    metrics = hub.pop_metrics()
+    assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (1, 0)
+
+
+def test_a_hung_reward_costs_one_timeout_a_step_and_its_threads_do_not_pile_up(tmp_path):
+    path = _hook(
+        tmp_path,
+        "hangs",
+        """
+        import threading
+
+        release = threading.Event()
+
+        def hangs(args, sample):
+            release.wait()
+            return 1.0
+        """,
+    )
+    release = load_function(f"{path}:hangs").__globals__["release"]
+    timeout, workers, n = 0.4, 8, 40
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:hangs", reward_timeout=timeout), max_workers=workers)
+    before = threading.active_count()
+    try:
+        for _ in range(2):  # two steps
+            start = time.perf_counter()
+            assert _score_or_fail(hub, _samples([("x", None)] * n)) == [0.0] * n
+            wall = time.perf_counter() - start
+            # One timeout a step (the wave of 8 calls that started, then the rest not started), with slack for a
+            # loaded 2-core machine; a timeout per wave of 8 would take n / 8 x 0.4 = 2.0 s.
+            assert wall < 3 * timeout, wall
+            assert hub.pop_metrics()["reward/timeouts"] == n
+            # At most max_workers threads hang (not one per timed-out call: 40, then 80).
+            assert threading.active_count() - before <= workers
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before
+    # The hung threads gave their slots back as they returned: every call runs again.
+    assert _score_or_fail(hub, _samples([("x", None)] * n)) == [1.0] * n

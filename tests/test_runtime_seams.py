@@ -95,7 +95,9 @@ def test_flag_choices_are_the_registries():
     for name in TRAIN_BACKENDS:
         assert isinstance(backend_class(name), type)
     for name, kind in ROLLOUT_ENGINES.items():
-        assert kind.weight_sync(from_dict(None, rollout_engine=name)) in WEIGHT_SYNCS and engine_kind(name) is kind
+        assert (
+            kind.weight_sync(from_dict(None, rollout_engine=name), False) in WEIGHT_SYNCS and engine_kind(name) is kind
+        )
     with pytest.raises(ValueError, match="--train-backend 'fsdp' is not one of torch, megatron"):
         backend_class("fsdp")
     with pytest.raises(ValueError, match="--rollout-engine 'vllm' is not one of hf, sglang"):

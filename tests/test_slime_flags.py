@@ -12,11 +12,13 @@ import pytest
 from runtime import slime_flags
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import _SPECS, MEGATRON_VALUES_BUILT, Config, ConfigError, build_parser, flag, parse_args
-from runtime.slime_flags import DIFFERS, ELSEWHERE, REFUSED, SLIME_FLAGS, YES
+from runtime.slime_flags import DIFFERS, REFUSED, SLIME_FLAGS, YES
 from runtime.train.backends import megatron_checkpoint as mck
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "slime_scripts"
+# The user modules slime's examples put on PYTHONPATH (examples/retool's generate_with_retool), ported.
+EXAMPLE_MODULES = ROOT / "tests" / "fixtures" / "slime_examples"
 # rlcore-run's own flags (documented as ours in docs/runtime.md), which slime does not have.
 OURS = {
     "output_dir",
@@ -50,6 +52,11 @@ OURS = {
     "rollout_top_p_replay",
     "torch_compile",
 }
+
+
+@pytest.fixture(autouse=True)
+def _example_modules_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE_MODULES))
 
 
 def _problems(argv):
@@ -121,7 +128,8 @@ def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--tensor-model-parallel-size", "2"], "--train-backend megatron"),
+        # Under an explicit --train-backend torch (alone, the flag would select megatron, as slime runs).
+        (["--tensor-model-parallel-size", "2", "--train-backend", "torch"], "--train-backend megatron"),
         (["--no-such-flag"], "neither rlcore's nor slime's"),
     ],
 )
@@ -223,7 +231,8 @@ VALUE_REFUSALS = {
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
+    # The torch backend, named: alone, the script's Megatron flags select megatron (tests/test_slime_scripts.py).
+    args = [*_local_files(tmp_path, fixture["args"], fixture["hf_config"]), "--train-backend", "torch"]
     assert main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     problems = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
@@ -234,7 +243,7 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
         assert name in args or name in VALUE_REFUSALS, problem
         named.add(name)
         entry = slime_flags.BY_NAME.get(name)
-        if entry is not None and entry.status in (REFUSED, ELSEWHERE):
+        if entry is not None and entry.status == REFUSED:
             assert entry.note in problem
         elif name in VALUE_REFUSALS:
             assert VALUE_REFUSALS[name] in problem
@@ -248,9 +257,6 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
             )
     # Nothing is refused silently: every flag of the script that rlcore-run cannot take is among those named.
     for arg in args:
-        entry = slime_flags.BY_NAME.get(arg)
-        if entry is not None and entry.status == ELSEWHERE:
-            assert arg in named
         if arg in slime_flags.MEGATRON_FLAGS:
             assert arg in named
 
@@ -258,7 +264,7 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
+    args = [*_local_files(tmp_path, fixture["args"], fixture["hf_config"]), "--train-backend", "torch"]
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
     refused = {_flag_of(p) for p in problems}

@@ -183,3 +183,94 @@ def test_full_size_build(tmp_path):
         logits = model(**batch).logits
     assert logits.shape == (2, batch["input_ids"].shape[1], QWEN3_0_6B["vocab_size"])
     assert torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------- MoE and GLM presets (issue 27)
+
+# slime's scripts/models/qwen3-30B-A3B.sh (the fields that fix the shape), cut to 2 of its 48 layers.
+QWEN3_30B_A3B = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "norm_topk_prob": True,
+}
+
+
+def qwen3_moe_parameter_count(config) -> int:
+    """Parameters of an untied Qwen3-MoE counted by hand: embedding and LM head, per layer q/k/v/o, QK-norm, router,
+    experts (gate, up, down each), two norms; the final norm."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attention = h * q + 2 * h * kv + q * h + 2 * config.head_dim
+    moe = config.num_experts * h + config.num_experts * 3 * h * config.moe_intermediate_size
+    return 2 * config.vocab_size * h + layers * (attention + moe + 2 * h) + h
+
+
+def test_qwen3_30b_a3b_cut_to_two_layers():
+    config, tokenizer = preset_config("qwen3-30b-a3b-2layers", alphabet=task.ALPHABET)
+    assert config.model_type == "qwen3_moe" and config.num_hidden_layers == 2
+    assert {field: getattr(config, field) for field in QWEN3_30B_A3B} == QWEN3_30B_A3B
+    assert config.rope_parameters["rope_theta"] == 1_000_000 and len(tokenizer) == 151936
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == qwen3_moe_parameter_count(config)
+
+
+def test_moonlight_cut_to_two_layers_keeps_its_dense_first_layer():
+    config, _ = preset_config("moonlight-16b-a3b-2layers", alphabet=task.ALPHABET)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dense, moe = model.model.layers
+    assert not hasattr(dense.mlp, "experts") and moe.mlp.experts.gate_up_proj.shape == (64, 2 * 1408, 2048)
+    assert moe.mlp.shared_experts.gate_proj.weight.shape == (2 * 1408, 2048)
+    assert config.q_lora_rank is None and (config.kv_lora_rank, config.v_head_dim) == (512, 128)
+
+
+TINY_FAMILIES = {
+    "tiny-qwen3-moe": "qwen3_moe",
+    "tiny-glm4-moe": "glm4_moe",
+    "tiny-deepseek-v3": "deepseek_v3",
+    "tiny-moonlight": "deepseek_v3",
+    "tiny-glm4": "glm4",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_FAMILIES))
+def test_tiny_family_presets_have_their_family_parts(name, tmp_path):
+    config, tokenizer = preset_config(name, alphabet=task.ALPHABET)
+    assert config.model_type == TINY_FAMILIES[name] and config.vocab_size == len(tokenizer)
+    folder = make_preset_model(name, tmp_path / name, alphabet=task.ALPHABET, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        saved = set(f.keys())
+    layers = model.model.layers
+    if name == "tiny-glm4":
+        assert layers[0].post_self_attn_layernorm is not None and config.partial_rotary_factor == 0.5
+        assert layers[0].self_attn.q_proj.bias is not None
+    else:
+        moe = layers[-1].mlp
+        experts = moe.experts.gate_up_proj.shape[0]
+        # The checkpoint names one tensor per expert and projection, as real checkpoints do.
+        assert f"model.layers.{len(layers) - 1}.mlp.experts.{experts - 1}.up_proj.weight" in saved
+        assert not any("gate_up_proj" in key for key in saved)
+    if name in ("tiny-glm4-moe", "tiny-deepseek-v3", "tiny-moonlight"):
+        assert not hasattr(layers[0].mlp, "experts")  # the first layer dense
+        assert layers[1].mlp.gate.e_score_correction_bias.shape == (config.n_routed_experts,)
+        assert layers[1].mlp.shared_experts is not None
+    if TINY_FAMILIES[name] == "deepseek_v3":
+        assert config.v_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim
+        assert (config.q_lora_rank is None) == (name == "tiny-moonlight")
+        # Megatron scores a group by the sum of its top (topk // group_topk) experts, transformers by its top 2.
+        assert config.n_group == 1 or config.num_experts_per_tok // config.topk_group == 2
+    batch = tokenizer(["c123=", "r45="], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], len(tokenizer)) and torch.isfinite(logits).all()

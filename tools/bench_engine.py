@@ -3,10 +3,14 @@
     python3 tools/bench_engine.py           # Qwen3-0.6B preset; 64x512, 64x1024, 256x1024; graph, eager, hf-generate
     python3 tools/bench_engine.py --preset tiny --sizes 8x16 --decoders eager,hf-generate    # a CPU smoke run
     python3 tools/bench_engine.py --sizes 256x1024 --decoders graph --max-running-requests all,64 --stop-fraction 0.004
+    python3 tools/bench_engine.py --sizes 8x512 --samples 8 --prompt-tokens 1024 --decoders graph   # long prompts
 
-Decoders: ``graph`` is the engine as it runs on a GPU (static KV cache, the step's forward replayed as a CUDA graph),
-``graph-compile`` the same with the step's forward through ``torch.compile`` before capture, ``eager`` the same
-loop without the graph, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
+Decoders: ``graph`` is the engine as it runs on a GPU (the step's forward and its sampling replayed as CUDA graphs,
+the Triton decode attention, a group's prompt prefilled and cached once), ``graph-compile`` the same with the step's
+forward through ``torch.compile`` before capture, ``graph-unshared`` without sharing a group's prompt,
+``graph-torch-attention`` with the plain torch decode attention (reads every cache column), ``graph-unfused`` with
+transformers' own eager norms, MLP and rotary instead of the fused Triton kernels, ``eager`` the same loop without
+the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
 baseline, not an engine). The random-init preset never emits EOS, so every response runs to its length. Each
 (decoder, size) is run once untimed ("first call", which compiles for graph-compile), then timed (``--repeats``,
 median). Peak memory is the CUDA allocator's, reset per size; "beyond weights" subtracts the memory held before.
@@ -15,6 +19,14 @@ Continuous refill: ``--max-running-requests`` lists slot counts for the engine d
 once, the default); ``--stop-fraction F`` makes the first ``F x vocab`` token ids stop ids, so that each draw of the
 near-uniform random model ends its response with probability about ``F`` and lengths spread (mean about ``1 / F``),
 which is where refill pays. The table reports the mean response length.
+
+Groups and long prompts: ``--samples N`` sends each prompt N times in a row (a GRPO group: the engine prefills it
+once and keeps its keys once); ``--prompt-tokens L`` makes every prompt L tokens long.
+
+The floor (on a GPU) is what a decode must at least cost on this device: every step reads the weights and the KV
+cache of each row's context so far (a group's prompt once), at the device's measured copy bandwidth, plus the
+prefill's matmul FLOPs (2 x parameters per prompt token, each group's prompt once) at its measured bf16 matmul rate.
+It is computed from the response lengths the call produced; "x floor" is seconds over floor.
 """
 
 from __future__ import annotations
@@ -27,6 +39,18 @@ import time
 
 import torch
 
+# decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention kernel (None: the default),
+# fused Triton norms/MLP/rotary)
+DECODERS = {
+    "graph": (True, False, True, None, True),
+    "graph-compile": (True, True, True, None, True),
+    "graph-unshared": (True, False, False, None, True),
+    "graph-torch-attention": (True, False, True, "torch", True),
+    "graph-unfused": (True, False, True, None, False),
+    "eager": (False, False, True, None, True),
+    "hf-generate": (False, False, True, None, False),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -38,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-running-requests", default="all", help="comma-separated slot counts (all: every prompt at once)"
     )
     parser.add_argument("--stop-fraction", type=float, default=0.0, help="share of the vocabulary made stop ids")
+    parser.add_argument("--samples", type=int, default=1, help="samples per prompt, sent in a row (a GRPO group)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="make every prompt this many tokens (0: as is)")
     args = parser.parse_args(argv)
+    if args.samples < 1 or args.prompt_tokens < 0:
+        parser.error("--samples must be >= 1 and --prompt-tokens >= 0")
     try:
         slot_counts = [None if x == "all" else int(x) for x in args.max_running_requests.split(",")]
     except ValueError:
@@ -53,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.demo import task
     from runtime.demo.tiny_model import make_preset_model, make_tiny_model
     from runtime.engines import HFEngine, SamplingParams
+    from runtime.engines.fused import fuse_model
 
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     rows = []
@@ -66,30 +95,85 @@ def main(argv: list[str] | None = None) -> int:
         cuda = engine.device.type == "cuda"
         records = task.make_records(max(n for n, _ in sizes), seed=0)
         stop_ids = tuple(range(int(args.stop_fraction * len(tokenizer))))
+        device_rates = _device_rates() if cuda else None
         for decoder in args.decoders.split(","):
-            engine.cuda_graph = cuda and decoder.startswith("graph")
-            engine.compile = decoder == "graph-compile"
+            if decoder not in DECODERS:
+                parser.error(f"--decoders: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
+            graph, engine.compile, engine.share_prompts, engine.attention_kernel, fused = DECODERS[decoder]
+            engine.cuda_graph = cuda and graph
+            if cuda:
+                fuse_model(engine.model, on=fused)
             for slots in slot_counts if decoder != "hf-generate" else [None]:
                 engine.max_running_requests = slots
                 for n_prompts, new_tokens in sizes:
                     prompts = [tokenizer(r["prompt"])["input_ids"] for r in records[:n_prompts]]
+                    if args.prompt_tokens:
+                        prompts = [(p * -(-args.prompt_tokens // len(p)))[: args.prompt_tokens] for p in prompts]
+                    prompts = [p for p in prompts for _ in range(args.samples)]
                     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=stop_ids)
-                    rows.append(_measure(engine, decoder, prompts, tokenizer, params, args.repeats, cuda, slots))
+                    row = _measure(engine, decoder, prompts, tokenizer, params, args.repeats, cuda, slots)
+                    rows.append(_with_floor(row, engine, device_rates, args.samples))
                     print(rows[-1], flush=True)
     print(f"\n{args.preset}, device {engine.device}, {engine.weight_dtype()}")
-    print(f"stop ids: the first {args.stop_fraction:g} of the vocabulary")
+    print(f"stop ids: the first {args.stop_fraction:g} of the vocabulary; {args.samples} samples per prompt")
+    if device_rates is not None:
+        print(f"measured: copy {device_rates[0] / 1e12:.2f} TB/s, bf16 matmul {device_rates[1] / 1e12:.0f} TFLOP/s")
     print(
         "| decoder | slots | prompts x new tokens | mean response | first call s | seconds | generated tok/s "
-        "| peak GiB | beyond weights GiB |"
+        "| peak GiB | beyond weights GiB | floor s | x floor |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
     return 0
 
 
+def _device_rates() -> tuple[float, float]:
+    """The device's copy bandwidth (bytes read and written per second) and bf16 matmul rate (FLOP/s), measured."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    rates = []
+    for work, amount in ((lambda: dst.copy_(src), 2 * src.numel()), (lambda: a @ a, 2 * 8192**3)):
+        work()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            work()
+        torch.cuda.synchronize()
+        rates.append(10 * amount / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
+def _floor_seconds(engine, lengths: list[int], responses: list[int], samples: int, rates) -> float:
+    """Weights once per step, each row's KV at its context per step (a group's prompt once), the prefill's FLOPs."""
+    config = engine.model.config.get_text_config(decoder=True)
+    params = sum(p.numel() for p in engine.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(engine.model.parameters()).element_size()
+    kv_token = config.num_hidden_layers * config.num_key_value_heads * 2 * head_dim * element
+    steps = max(responses)
+    kv = 0
+    for first in range(0, len(lengths), samples):
+        group = responses[first : first + samples]
+        kv += lengths[first] * max(group) + sum(r * (r - 1) // 2 for r in group)
+    prefill_tokens = sum(lengths[::samples])
+    return (steps * weight_bytes + kv * kv_token) / rates[0] + 2 * params * prefill_tokens / rates[1]
+
+
+def _with_floor(row: tuple, engine, rates, samples: int) -> tuple:
+    """The row with the floor and seconds over floor (blank off the GPU or when the call failed)."""
+    measured, lengths, responses = row
+    if rates is None or not responses:
+        return (*measured, "", "")
+    floor = _floor_seconds(engine, lengths, responses, samples, rates)
+    return (*measured, f"{floor:.2f}", f"{float(measured[5]) / floor:.2f}")
+
+
 def _measure(engine, decoder, prompts, tokenizer, params, repeats: int, cuda: bool, slots: int | None) -> tuple:
-    """One table row: an untimed first call, then the median of ``repeats`` timed ones."""
+    """One table row, the prompt lengths and the response lengths: an untimed first call, then the median of
+    ``repeats`` timed ones."""
     size = f"{len(prompts)}x{params.max_new_tokens}"
     run = _runner(engine, decoder, prompts, tokenizer)
     try:
@@ -101,44 +185,47 @@ def _measure(engine, decoder, prompts, tokenizer, params, repeats: int, cuda: bo
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if cuda else 0
-        times, produced = [], 0
+        times, responses = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            produced = run(params)
+            responses = run(params)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
+        produced = sum(responses)
         peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
         return (
-            decoder,
-            "all" if slots is None else str(slots),
-            size,
-            f"{produced / len(prompts):.0f}",
-            f"{first:.2f}",
-            f"{seconds:.2f}",
-            f"{produced / seconds:.0f}",
-            f"{peak / 2**30:.1f}",
-            f"{(peak - before) / 2**30:.1f}",
+            (
+                decoder,
+                "all" if slots is None else str(slots),
+                size,
+                f"{produced / len(prompts):.0f}",
+                f"{first:.2f}",
+                f"{seconds:.2f}",
+                f"{produced / seconds:.0f}",
+                f"{peak / 2**30:.1f}",
+                f"{(peak - before) / 2**30:.1f}",
+            ),
+            [len(p) for p in prompts],
+            responses,
         )
     except torch.OutOfMemoryError:
         if cuda:
             torch.cuda.empty_cache()
-        return (decoder, "all" if slots is None else str(slots), size, "OOM", "", "", "", "", "")
+        return (decoder, "all" if slots is None else str(slots), size, "OOM", "", "", "", "", ""), [], []
 
 
 def _runner(engine, decoder: str, prompts: list[list[int]], tokenizer):
-    """A call that generates for ``prompts`` and returns the number of tokens generated."""
-    if decoder in ("graph", "graph-compile", "eager"):
+    """A call that generates for ``prompts`` and returns each response's length."""
+    if decoder != "hf-generate":
 
-        def generate(params) -> int:
+        def generate(params) -> list[int]:
             # Every run draws from the same per-prompt streams, whatever the slot count.
             engine.set_rng_state({**engine.get_rng_state(), "generate_calls": 0})
-            return sum(len(g.token_ids) for g in engine.generate(prompts, params))
+            return [len(g.token_ids) for g in engine.generate(prompts, params)]
 
         return generate
-    if decoder != "hf-generate":
-        raise SystemExit(f"--decoders: unknown decoder {decoder!r} (graph, eager, hf-generate)")
     width = max(map(len, prompts))
     pad = engine.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=engine.device)
@@ -146,7 +233,7 @@ def _runner(engine, decoder: str, prompts: list[list[int]], tokenizer):
     model = engine.model
 
     @torch.no_grad()
-    def run(params) -> int:
+    def run(params) -> list[int]:
         model.set_attn_implementation("sdpa")
         try:
             out = model.generate(
@@ -163,7 +250,7 @@ def _runner(engine, decoder: str, prompts: list[list[int]], tokenizer):
             from runtime.engines.decode import ATTENTION
 
             model.set_attn_implementation(ATTENTION)
-        return (out.shape[1] - width) * len(prompts)
+        return [out.shape[1] - width] * len(prompts)
 
     return run
 

@@ -154,49 +154,88 @@ def time_object_store(plans: list, dtype: torch.dtype) -> float:
     return total
 
 
-def _receive(port: int, plans: list, dtype: torch.dtype, backend: str) -> None:
+def _receive(port: int, plans: list, dtype: torch.dtype, backend: str, rounds: int) -> None:
     device = "cuda:1" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(1)
     group = weight_transfer.init_weights_update_group(
         master_address="127.0.0.1", master_port=port, rank=1, world_size=2, backend=backend
     )
+    # The engine's weights, which every received bucket is copied into (as HFEngine.load_weights copies it).
+    model = {name: torch.empty(shape, dtype=dtype, device=device) for plan in plans for name, shape in plan}
     ack = torch.zeros(1, device=device)
     torch.distributed.broadcast(ack, src=1, group=group)  # the sender's untimed warm-up
-    for plan in plans:
-        names = [n for n, _ in plan]
-        dtypes = [weight_transfer.dtype_name(dtype)] * len(plan)
-        weight_transfer.receive_bucket(group, names, dtypes, [list(s) for _, s in plan], device=device)
-        torch.distributed.broadcast(ack, src=1, group=group)
+    peak = torch.empty(PEAK_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    torch.distributed.broadcast(peak, src=0, group=group)
+    torch.distributed.broadcast(ack, src=1, group=group)
+    del peak
+    for _ in range(rounds):
+        for plan in plans:
+            names = [n for n, _ in plan]
+            dtypes = [weight_transfer.dtype_name(dtype)] * len(plan)
+            bucket = weight_transfer.receive_bucket(group, names, dtypes, [list(s) for _, s in plan], device=device)
+            for name, value in bucket.items():
+                model[name].copy_(value)
+        torch.distributed.broadcast(ack, src=1, group=group)  # every bucket is in the model
     weight_transfer.destroy_group(group)
 
 
-def time_broadcast(plans: list, dtype: torch.dtype, backend: str) -> float:
+# Bytes of the one broadcast that measures the link's peak (the floor's bandwidth).
+PEAK_BYTES = 1 << 30
+
+
+def time_broadcast(plans: list, dtype: torch.dtype, backend: str, rounds: int = 3) -> tuple[float, float]:
+    """Seconds of one push (the median of ``rounds``) and the link's peak bytes/s (one broadcast of
+    ``PEAK_BYTES``). A push is what ``TrainerWorker.broadcast_buckets`` does over NCCL: each bucket cast from the
+    trainer's float32 weights to ``dtype`` on its GPU, its broadcast started, and only then the previous one waited
+    on (so one bucket is cast while the other is in flight); the clock stops when the receiver has copied every
+    bucket into its model."""
     device = "cuda:0" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(0)
     port = free_port()
-    receiver = multiprocessing.get_context("spawn").Process(target=_receive, args=(port, plans, dtype, backend))
+    receiver = multiprocessing.get_context("spawn").Process(
+        target=_receive, args=(port, plans, dtype, backend, rounds)
+    )
     receiver.start()
     group = weight_transfer.init_weights_update_group(
         master_address="127.0.0.1", master_port=port, rank=0, world_size=2, backend=backend
     )
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
     ack = torch.zeros(1, device=device)
     # One untimed broadcast first: NCCL builds its communicator on the first collective.
     torch.distributed.broadcast(ack, src=1, group=group)
-    total = 0.0
-    for bucket in buckets_of(plans, dtype, device):
-        if backend == "nccl":
-            torch.cuda.synchronize()
+    peak = torch.ones(PEAK_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    sync()
+    start = time.perf_counter()
+    torch.distributed.broadcast(peak, src=0, group=group)
+    torch.distributed.broadcast(ack, src=1, group=group)
+    sync()
+    peak_rate = PEAK_BYTES / (time.perf_counter() - start)
+    del peak
+    # The trainer's float32 weights: all on the GPU (as a trainer holds them); on the CPU one bucket at a time, so that
+    # a 4B model needs no 16 GB of host memory.
+    on_gpu = backend == "nccl"
+    masters = [materialise(p, torch.float32, device) for p in plans] if on_gpu else None
+    times = []
+    for _ in range(rounds):
+        sync()
         start = time.perf_counter()
-        weight_transfer.send_bucket(group, bucket, device=device)
-        torch.distributed.broadcast(ack, src=1, group=group)  # the receiver has the whole bucket
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        total += time.perf_counter() - start
+        in_flight = None
+        for i, plan in enumerate(plans):
+            master = masters[i] if on_gpu else materialise(plan, torch.float32)
+            bucket = {name: value.to(dtype) for name, value in master.items()}
+            started = (bucket, weight_transfer.start_bucket(group, bucket, device=device))
+            if in_flight is not None:
+                weight_transfer.finish_bucket(group, in_flight[1])
+            in_flight = started
+        weight_transfer.finish_bucket(group, in_flight[1])
+        torch.distributed.broadcast(ack, src=1, group=group)
+        sync()
+        times.append(time.perf_counter() - start)
     weight_transfer.destroy_group(group)
     receiver.join()
-    return total
+    return sorted(times)[len(times) // 2], peak_rate
 
 
 def _take_handles(conn, dtype: torch.dtype) -> None:
@@ -242,7 +281,7 @@ TRANSPORTS = {
     "ipc": time_ipc,
     "disk": time_disk,
     "object_store": time_object_store,
-    "gloo": lambda plans, dtype: time_broadcast(plans, dtype, "gloo"),
+    "gloo": lambda plans, dtype: time_broadcast(plans, dtype, "gloo", rounds=1),
     "nccl": lambda plans, dtype: time_broadcast(plans, dtype, "nccl"),
 }
 
@@ -256,15 +295,21 @@ def main() -> None:
     if "nccl" in args.transports and torch.cuda.device_count() < 2:
         raise SystemExit("nccl needs two GPUs")
     dtype = torch.bfloat16
-    print("| model | transport | link | GB | buckets | seconds | GB/s |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| model | transport | link | GB | buckets | seconds | GB/s | link peak GB/s | floor s (GB / peak) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     for model in args.models:
         plans = bucket_plan(model_shapes(model), args.bucket_mb * 1024**2, dtype)
         gb = sum(torch.Size(s).numel() for p in plans for _, s in p) * dtype.itemsize / 1e9
         for transport in args.transports:
-            seconds = TRANSPORTS[transport](plans, dtype)
+            measured = TRANSPORTS[transport](plans, dtype)
+            # The broadcasts also measure their link's peak, whose floor is the least time the bytes can take.
+            seconds, peak = measured if isinstance(measured, tuple) else (measured, None)
+            floor = f"| {peak / 1e9:.1f} | {gb / (peak / 1e9):.4f} |" if peak else "| - | - |"
             print(
-                f"| {model} | {transport} | {LINKS[transport]} | {gb:.2f} | {len(plans)} | {seconds:.2f} "
-                f"| {gb / seconds:.2f} |",
+                f"| {model} | {transport} | {LINKS[transport]} | {gb:.2f} | {len(plans)} | {seconds:.4f} "
+                f"| {gb / seconds:.2f} {floor}",
                 flush=True,
             )
 

@@ -7,14 +7,8 @@ global over a process group). Data parallel: :func:`sequence_advantages` compute
 batch, then :func:`compute` runs on each rank's row shard (:func:`shard_keys` lists what it reads there).
 """
 
-from rlcore.advantages.compute import (
-    ESTIMATORS,
-    GROUP_BASELINE_ESTIMATORS,
-    AdvantageConfig,
-    compute,
-    sequence_advantages,
-    shard_keys,
-)
+from rlcore.advantage_config import ESTIMATORS, GROUP_BASELINE_ESTIMATORS, AdvantageConfig
+from rlcore.advantages.compute import compute, sequence_advantages, shard_keys
 from rlcore.advantages.group import broadcast, grpo, reinforce_plus_plus_baseline, rloo
 from rlcore.advantages.token import distillation, gae, reinforce_plus_plus
 from rlcore.advantages.whiten import whiten

@@ -1,11 +1,12 @@
 """Argument checks specific to the advantage estimators (the generic ones live in :mod:`rlcore._checks`)."""
 
-import math
-
 import torch
 from torch import Tensor
 
 from rlcore._checks import check_finite_where, check_mask, check_tensor
+from rlcore._values import check_non_negative, check_positive, check_unit_interval
+
+__all__ = ["check_non_negative", "check_positive", "check_unit_interval"]  # re-exported from rlcore._values
 
 
 def check_token_tensor(name: str, x: object, mask: Tensor) -> Tensor:
@@ -46,27 +47,6 @@ def check_group_ids(group_ids: object, rewards: Tensor) -> Tensor:
     if group_ids.shape != rewards.shape:
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but rewards has shape {tuple(rewards.shape)}")
     return group_ids
-
-
-def check_positive(name: str, value: float) -> float:
-    """A finite real number > 0 (epsilons that guard a division)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def check_unit_interval(name: str, value: float) -> float:
-    """A real number in [0, 1] (discount factors)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_non_negative(name: str, value: float) -> float:
-    """A finite real number >= 0 (coefficients and epsilons)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:

@@ -15,64 +15,17 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from rlcore import keys
-from rlcore._checks import check_choice, check_tensor, masked_fill_zero
+from rlcore._checks import check_tensor, masked_fill_zero
+from rlcore.advantage_config import ESTIMATORS, GROUP_BASELINE_ESTIMATORS, AdvantageConfig
 from rlcore.advantages._checks import (
-    check_non_negative,
-    check_positive,
     check_rewards,
     check_token_mask,
     check_token_tensor,
-    check_unit_interval,
 )
 from rlcore.advantages.group import broadcast, grpo, rloo
 from rlcore.advantages.token import distillation, gae, reinforce_plus_plus
 from rlcore.advantages.whiten import whiten
-from rlcore.losses.kl import KL_KINDS, approx_kl
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdvantageConfig:
-    """Knobs of :func:`compute`; defaults follow slime's.
-
-    Attributes:
-        estimator: one of ``ESTIMATORS`` (slime's ``--advantage-estimator``; ``gae`` is slime's ``ppo``).
-        gamma: discount for ``gae`` and ``reinforce_plus_plus``, in [0, 1].
-        lam: GAE lambda, in [0, 1] (slime's ``--lambd``).
-        kl_coef: coefficient of the KL-in-reward penalty (slime's ``--kl-coef``), >= 0; 0 reads no log-probs.
-        kl_kind: the KL estimator of the penalty, one of ``k1``, ``k2``, ``k3``, ``low_var_kl`` (slime's
-            ``--kl-loss-type``, default ``k1``).
-        whiten: whiten the advantages over the valid tokens (slime's ``--normalize-advantages``).
-        std_normalize: divide GRPO/GSPO advantages by the group std (off is Dr. GRPO; ``dr_grpo`` forces it off).
-        group_normalize: for the estimators with a group baseline; off, the raw reward is the sequence advantage
-            (no baseline at all: slime's ``--disable-rewards-normalization``).
-        opd_kl_coef: on-policy distillation on top of any estimator (slime's ``--use-opd --opd-kl-coef``), >= 0:
-            ``opd_kl_coef * (log_probs - teacher_log_probs)`` is subtracted from every token's advantage before
-            whitening; 0 is off and reads no teacher.
-        eps: added to the group std, > 0 (a group of equal rewards has std 0).
-        whiten_eps: added to the variance when whitening.
-    """
-
-    estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    kl_coef: float = 0.0
-    kl_kind: str = "k1"
-    whiten: bool = False
-    std_normalize: bool = True
-    group_normalize: bool = True
-    opd_kl_coef: float = 0.0
-    eps: float = 1e-6
-    whiten_eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        check_choice("estimator", self.estimator, ESTIMATORS)
-        check_choice("kl_kind", self.kl_kind, KL_KINDS)
-        check_unit_interval("gamma", self.gamma)
-        check_unit_interval("lam", self.lam)
-        check_non_negative("kl_coef", self.kl_coef)
-        check_non_negative("opd_kl_coef", self.opd_kl_coef)
-        check_positive("eps", self.eps)
-        check_non_negative("whiten_eps", self.whiten_eps)
+from rlcore.losses.kl import approx_kl
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,8 +119,13 @@ _TABLE: dict[str, Estimator] = {
     "reinforce_plus_plus_baseline": _with_group_baseline(_group_mean_baseline),
     "distillation": Estimator(in_keys=(keys.TEACHER_LOG_PROBS, keys.OLD_LOG_PROBS), advantages=_distillation),
 }
-ESTIMATORS = tuple(_TABLE)
-GROUP_BASELINE_ESTIMATORS = tuple(name for name, estimator in _TABLE.items() if estimator.baseline is not None)
+# The names are declared torch-free in rlcore.advantage_config (the config reads them); the table must match them.
+_GROUPED = tuple(name for name, estimator in _TABLE.items() if estimator.baseline is not None)
+if tuple(_TABLE) != ESTIMATORS or _GROUPED != GROUP_BASELINE_ESTIMATORS:
+    raise RuntimeError(
+        f"rlcore.advantage_config names estimators {ESTIMATORS} (grouped {GROUP_BASELINE_ESTIMATORS}), the table "
+        f"{tuple(_TABLE)} (grouped {_GROUPED})"
+    )
 
 
 def _check_td_and_cfg(td: object, cfg: object) -> None:

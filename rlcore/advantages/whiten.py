@@ -6,6 +6,7 @@ from torch import Tensor
 
 from rlcore._checks import check_finite_where, check_mask, check_tensor, masked_fill_zero
 from rlcore.advantages._checks import check_non_negative
+from rlcore.distributed import all_reduce
 
 
 def _summed(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -13,8 +14,7 @@ def _summed(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     the other ranks enters as a constant, since ``all_reduce`` is not differentiable."""
     if group is None:
         return local
-    total = local.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total = all_reduce(local, group=group)  # on a device the group's backend serves (NCCL: CUDA)
     return local + (total - local.detach())
 
 

@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlcore._checks import check_choice, check_finite_where, check_mask, check_tensor, masked_fill_zero
+from rlcore.loss_config import AGG_MODES
 from rlcore.losses._common import upcast
-
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 Count = int | Tensor
 

@@ -4,9 +4,8 @@ import torch
 from torch import Tensor
 
 from rlcore._checks import check_choice, check_same_shape, check_tensor
+from rlcore.loss_config import KL_KINDS
 from rlcore.losses._common import zero_masked
-
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 
 def approx_kl(

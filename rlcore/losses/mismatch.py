@@ -11,10 +11,8 @@ from rlcore._checks import (
     check_tensor,
     masked_fill_zero,
 )
+from rlcore.loss_config import MISMATCH_LEVELS, MISMATCH_MODES
 from rlcore.losses._common import upcast
-
-MISMATCH_MODES = ("tis", "mis", "icepop")
-MISMATCH_LEVELS = ("token", "sequence", "geometric")
 
 # exp(20) ~ 5e8: far beyond any bound anyone sets, small enough that exp() never overflows (slime's mis.py
 # uses the same safety bound).

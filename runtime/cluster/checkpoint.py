@@ -73,16 +73,36 @@ def save(
         os.replace(partial, folder)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, OSError):
+        # A full disk on a trainer rank arrives as RayTaskError(CheckpointException) holding each rank's OSError.
+        if (cause := os_error_in(err)) is not None:
             raise SaveError(
-                f"--save {root}: saving step {step} failed ({type(err).__name__}: {err}); its partial folder was "
+                f"--save {root}: saving step {step} failed ({type(cause).__name__}: {cause}); its partial folder was "
                 "removed"
-            ) from err
+            ) from None
         raise
-    tmp = Path(root) / f".{LATEST}.tmp"
-    tmp.write_text(folder.name)
-    os.replace(tmp, Path(root) / LATEST)
+    _write_durably(Path(root) / LATEST, folder.name)
     return folder
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``err`` or what it wraps: a Ray task error's cause, the per-rank failures of a
+    ``torch.distributed.checkpoint`` ``CheckpointException``, ``__cause__`` and ``__context__``; None if none."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            pending.append(cause)
+        pending += [e.__cause__, e.__context__]
+    return None
 
 
 def _sha256(path: Path) -> str:
@@ -154,13 +174,59 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             raise FileNotFoundError(f"--load: {str(path)!r}: the checkpoint folder has no {', '.join(missing)}")
         return path
     if (path / LATEST).is_file():
-        folder = path / (path / LATEST).read_text().strip()
-        if missing := _missing(folder):
-            raise FileNotFoundError(
-                f"--load: {str(path)!r}: 'latest' names {folder.name!r}, which has no {', '.join(missing)}"
-            )
-        return folder
+        name = (path / LATEST).read_text().strip()
+        if not name:
+            problem = f"its {LATEST!r} file is empty (a save or a copy cut off while writing it)"
+        elif "/" in name or not (path / name).is_dir():
+            problem = f"its {LATEST!r} file names {name!r}, which is not a folder of it"
+        elif missing := _missing(path / name):
+            problem = f"{LATEST!r} names {name!r}, which has no {', '.join(missing)}"
+        else:
+            return path / name
+        intact = newest_intact(path)
+        raise FileNotFoundError(
+            f"--load: {str(path)!r}: {problem}; "
+            + (f"the newest intact checkpoint is {str(intact)!r}: --load it" if intact else "no intact checkpoint")
+        )
     raise FileNotFoundError(f"--load: {str(path)!r} is neither a checkpoint folder nor a --save root with '{LATEST}'")
+
+
+def newest_intact(root: str | os.PathLike[str]) -> Path | None:
+    """The newest ``step_*`` folder under ``root`` whose files match its manifest, or None."""
+    steps = sorted(
+        (p for p in Path(root).glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+        reverse=True,
+    )
+    for folder in steps:
+        if not _missing(folder):
+            try:
+                verify(folder)
+            except CheckpointError:
+                continue
+            return folder
+    return None
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file that is fsynced before it replaces ``path`` (and the folder after),
+    so a crash leaves the old or the new content, never an empty file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -192,7 +258,7 @@ def actor_start(
     whose ``latest_checkpointed_iteration.txt`` (or step) names a missing folder."""
     if backend != "megatron" or (load is not None and is_job_checkpoint(load)):
         return None
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     if load is not None and os.path.isdir(load) and find_checkpoint(load, flag="--load") is not None:
         return load
@@ -208,7 +274,7 @@ def reference_path(*, ref_load: str, ref_ckpt_step: int | None, flag: str = "--r
     ``iter_{ref_ckpt_step:07d}`` when given."""
     if ref_ckpt_step is None:
         return ref_load
-    from runtime.train.backends.megatron_checkpoint import find_checkpoint
+    from runtime.train.backends.megatron_paths import find_checkpoint
 
     return str(find_checkpoint(ref_load, step=ref_ckpt_step, flag=flag))
 

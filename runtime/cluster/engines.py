@@ -54,6 +54,8 @@ from runtime.train.backends import lora
 T = TypeVar("T")
 
 CONTROL_METHODS = ("abort", "health", "weight_version")
+# Run beside generate, one at a time: a weight broadcast received into a second buffer while the engine samples.
+STAGING_METHODS = ("stage_weights_from_distributed",)
 # The most threads of the router client (each waits on one HTTP request): a Ray actor starts them all at once.
 ROUTER_CLIENT_THREADS = 1024
 # Times a group call is run again after an engine died under it (each time on the restarted engines).
@@ -84,17 +86,20 @@ def engine_died(err: BaseException) -> bool:
 
 
 def engine_actor_class(cls: type[Any]) -> Any:
-    """``cls`` as a Ray actor class whose :data:`CONTROL_METHODS` run beside its other calls."""
+    """``cls`` as a Ray actor class whose :data:`CONTROL_METHODS` and :data:`STAGING_METHODS` run beside its other
+    calls (each in a concurrency group of its own)."""
 
-    def control(name: str) -> Any:
+    def in_group(name: str, group: str) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(cls, name)(self, *args, **kwargs)
 
         method.__name__ = name
-        return ray.method(concurrency_group="control")(method)
+        return ray.method(concurrency_group=group)(method)
 
-    actor_cls = type(cls.__name__, (cls,), {name: control(name) for name in CONTROL_METHODS})
-    return ray.remote(concurrency_groups={"control": 2})(actor_cls)
+    methods = {name: in_group(name, "control") for name in CONTROL_METHODS}
+    methods.update({name: in_group(name, "staging") for name in STAGING_METHODS if hasattr(cls, name)})
+    actor_cls = type(cls.__name__, (cls,), methods)
+    return ray.remote(concurrency_groups={"control": 2, "staging": 1})(actor_cls)
 
 
 def assign_chunks(n_prompts: int, n_engines: int, *, start: int = 0) -> list[tuple[int, int, int]]:
@@ -146,7 +151,7 @@ class EngineGroup:
 
     def __init__(self, cfg: Config, placement: Placement, model_path: str):
         self.kind: EngineKind = engine_kind(cfg.rollout.rollout_engine)
-        self.weight_sync_kind = self.kind.weight_sync(cfg)
+        self.weight_sync_kind = self.kind.weight_sync(cfg, placement.use_gpu)
         remote_cls = engine_actor_class(self.kind.load())
         n = 0 if cfg.debug.train_only else self.kind.count(cfg)  # --debug-train-only runs no engine
         per = self.kind.bundles_per_engine(cfg)

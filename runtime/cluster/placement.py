@@ -21,9 +21,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from runtime.cluster.bundles import BundlePlan, plan_bundles  # noqa: F401 (re-exported: the plan is Ray-free)
 from runtime.cluster.loopback import LOOPBACK, is_loopback
 from runtime.config import Config, ConfigError
-from runtime.engines.registry import engine_kind
 from runtime.errors import JobError
 
 # No progress bars from actors (the console shows the loop's own), and idle OpenMP threads sleep instead of spinning:
@@ -56,30 +56,30 @@ class Placement:
         return opts
 
 
-@dataclass(frozen=True)
-class BundlePlan:
-    """How many bundles to reserve and which the trainers and engines take; ``share`` is each actor's part."""
-
-    n_bundles: int
-    trainer_bundles: list[int]
-    engine_bundles: list[int]
-    share: float
-
-
-def plan_bundles(cfg: Config) -> BundlePlan:
-    """The bundles ``cfg`` needs: the trainers', and ``bundles_per_engine`` for each engine (engine ``e`` takes
-    ``engine_bundles[e * per : (e + 1) * per]``). Servers that already run (``--rollout-external-engine-addrs``)
-    reserve none."""
-    res = cfg.resources
-    # The debug modes run one side only: --debug-rollout-only no trainers, --debug-train-only no engines.
-    trainers = 0 if cfg.debug.debug_rollout_only else res.num_trainer_procs
-    kind = engine_kind(cfg.rollout.rollout_engine)
-    # --debug-train-only runs no engine.
-    engines = 0 if cfg.debug.train_only else kind.count(cfg) * kind.bundles_per_engine(cfg)
-    shared = res.colocate and engines > 0
-    n_bundles = max(trainers, engines) if shared else trainers + engines
-    engine_bundles = list(range(engines)) if shared else [trainers + e for e in range(engines)]
-    return BundlePlan(n_bundles, list(range(trainers)), engine_bundles, 0.5 if shared else 1.0)
+def spread_over_nodes(
+    bundle_nodes: Sequence[str], *, nodes: int, per_node: int, engines: int, shared: bool
+) -> tuple[list[int], list[int]]:
+    """``(trainer_bundles, engine_bundles)`` of a placement group whose bundle ``b`` Ray put on node
+    ``bundle_nodes[b]``: ``per_node`` trainer ranks on each of ``nodes`` nodes (``--actor-num-nodes`` x
+    ``--actor-num-gpus-per-node``, consecutive ranks on one node, as slime's and Megatron's rank layout has them; the
+    nodes in the order of their first bundle), and ``engines`` engine bundles from the rest in bundle order
+    (``shared``, under ``--colocate``: engine ``e`` shares trainer ``e``'s bundle). ``JobError`` when fewer than
+    ``nodes`` nodes hold ``per_node`` bundles each."""
+    by_node: dict[str, list[int]] = {}
+    for bundle, node in enumerate(bundle_nodes):
+        by_node.setdefault(node, []).append(bundle)
+    roomy = [held for held in by_node.values() if len(held) >= per_node][:nodes]
+    if len(roomy) < nodes:
+        counts = {node: len(held) for node, held in by_node.items()}
+        raise JobError(
+            f"--actor-num-nodes {nodes} x --actor-num-gpus-per-node {per_node}: Ray placed the job's bundles on "
+            f"{len(by_node)} node(s) with {counts} bundles each; {nodes} nodes of {per_node} free devices are needed"
+        )
+    trainers = [bundle for held in roomy for bundle in held[:per_node]]
+    if shared:
+        return trainers, trainers[:engines]
+    rest = [b for b in range(len(bundle_nodes)) if b not in set(trainers)]
+    return trainers, rest[:engines]
 
 
 def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
@@ -98,7 +98,11 @@ def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
             ]
         )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    group = placement_group([dict(bundle) for _ in range(plan.n_bundles)], strategy="PACK")
+    res = cfg.resources
+    # Trainers on several nodes: bundles spread over the nodes (then ranks are laid out node by node), else packed.
+    several_nodes = res.actor_num_nodes > 1 and bool(plan.trainer_bundles)
+    strategy = "SPREAD" if several_nodes else "PACK"
+    group = placement_group([dict(bundle) for _ in range(plan.n_bundles)], strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
@@ -110,7 +114,35 @@ def create_placement(cfg: Config, *, timeout_s: float = 120.0) -> Placement:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = max(len(plan.trainer_bundles), len(plan.engine_bundles), 1)
     threads = max(1, cpus // actors) if not use_gpu else 1
-    return Placement(group, use_gpu, plan.trainer_bundles, plan.engine_bundles, plan.share, threads)
+    trainer_bundles, engine_bundles = plan.trainer_bundles, plan.engine_bundles
+    if several_nodes:
+        nodes_of = bundle_nodes(group)
+        trainer_bundles, engine_bundles = spread_over_nodes(
+            nodes_of,
+            nodes=res.actor_num_nodes,
+            per_node=res.actor_num_gpus_per_node,
+            engines=len(plan.engine_bundles),
+            shared=plan.share < 1,
+        )
+        ips = node_ips()
+        print(
+            f"rlcore-run: placement over {len(set(nodes_of))} Ray nodes: trainer ranks on "
+            f"{[ips.get(nodes_of[b], nodes_of[b]) for b in trainer_bundles]}, engines on "
+            f"{[ips.get(nodes_of[b], nodes_of[b]) for b in engine_bundles]}",
+            flush=True,
+        )
+    return Placement(group, use_gpu, trainer_bundles, engine_bundles, plan.share, threads)
+
+
+def bundle_nodes(group: PlacementGroup) -> list[str]:
+    """The Ray node id of each bundle of the ready placement ``group``, in bundle order."""
+    by_bundle = ray.util.placement_group_table(group).get("bundles_to_node_id", {})
+    return [by_bundle.get(b, "") for b in range(len(group.bundle_specs))]
+
+
+def node_ips() -> dict[str, str]:
+    """Each live Ray node's id -> its IP."""
+    return {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,7 +166,8 @@ def rendezvous_address(trainer_nodes: Sequence[str], node_ips: Mapping[str, str]
     if missing:
         raise ValueError(f"no IP for the Ray nodes {missing} of the trainer bundles")
     address = node_ips[trainer_nodes[0]]
-    if is_loopback(address):
+    # Nodes that all have loopback addresses (127.0.0.2, 127.0.0.3: several Ray nodes of one machine) reach each other.
+    if is_loopback(address) and not all(is_loopback(node_ips[node]) for node in trainer_nodes):
         raise JobError(
             f"the trainer ranks span {len(set(trainer_nodes))} nodes, but rank 0's node has the loopback address "
             f"{address}: the other nodes cannot reach it (start the Ray cluster with each node's routable IP)"
@@ -149,11 +182,8 @@ def _port_on_this_node() -> int:
 def trainer_rendezvous(placement: Placement) -> tuple[str, int]:
     """``(address, port)`` of the trainers' rendezvous: :func:`rendezvous_address` of the nodes Ray placed the
     trainer bundles on; on several nodes the port is picked free on rank 0's node (by a task in its bundle)."""
-    table = ray.util.placement_group_table(placement.group)
-    by_bundle = table.get("bundles_to_node_id", {})
-    nodes = [by_bundle.get(bundle, "") for bundle in placement.trainer_bundles]
-    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
-    address = rendezvous_address(nodes, ips)
+    nodes_of = bundle_nodes(placement.group)
+    address = rendezvous_address([nodes_of[b] for b in placement.trainer_bundles], node_ips())
     if address == LOOPBACK:
         return address, free_port()
     probe = ray.remote(num_cpus=0)(_port_on_this_node).options(

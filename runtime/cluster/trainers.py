@@ -180,41 +180,81 @@ class TrainerWorker:
         self._weight_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
     def broadcast_buckets(
-        self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int, group_name: str
+        self,
+        engines: list[Any],
+        *,
+        version: int,
+        dtype: str,
+        bucket_bytes: int,
+        group_name: str,
+        method: str = "update_weights_from_distributed",
     ) -> list[int]:
         """Send the weights to ``engines`` over the weight-update group, bucket by bucket: each engine is told a
-        bucket's names, dtypes and shapes (``update_weights_from_distributed``) while this rank broadcasts its tensors;
-        the last bucket carries ``version``. Every rank joins the gather; returns the bytes of each bucket sent."""
-        sizes = []
+        bucket's names, dtypes and shapes (``method``: ``update_weights_from_distributed``, or
+        ``stage_weights_from_distributed`` into a second buffer while it generates) while this rank broadcasts its
+        tensors; the last bucket carries ``version``. Every rank joins the gather; returns the bytes of each bucket
+        sent.
+
+        Over NCCL the buckets stay on this rank's GPU in the engines' dtype (no host copy), and the broadcast of one
+        bucket runs while the next is gathered and cast: a bucket is waited on (its broadcast done, every engine
+        loaded it) only once the next one is in flight, so at most two buckets are held at a time."""
+        on_gpu = getattr(self, "_weight_device", "cpu") != "cpu"
+        buckets = self.backend.weight_buckets(
+            dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes, device="model" if on_gpu else "cpu"
+        )
+        if not engines:  # a rank other than 0: it joins the gather (the buckets' collectives) and sends nothing
+            for _ in buckets:
+                pass
+            return []
+        sizes: list[int] = []
+        in_flight = None
         previous = None
-        for bucket in self.backend.weight_buckets(dtype=getattr(torch, dtype), bucket_bytes=bucket_bytes):
+        for bucket in buckets:
+            # One bucket is held back so that the last one, and only it, can carry the version.
             if previous is not None:
-                sizes.append(self._broadcast(engines, previous, version=None, group_name=group_name))
+                started = self._start_broadcast(engines, previous, None, group_name, method)
+                if in_flight is not None:
+                    sizes.append(self._finish_broadcast(in_flight))
+                in_flight = started
             previous = bucket
         if previous is not None:
-            sizes.append(self._broadcast(engines, previous, version=version, group_name=group_name))
+            started = self._start_broadcast(engines, previous, version, group_name, method)
+            if in_flight is not None:
+                sizes.append(self._finish_broadcast(in_flight))
+            sizes.append(self._finish_broadcast(started))
         return sizes
 
-    def _broadcast(self, engines: list[Any], bucket: dict[str, torch.Tensor], *, version: int | None, group_name: str):
+    def _start_broadcast(
+        self, engines: list[Any], bucket: dict[str, torch.Tensor], version: int | None, group_name: str, method: str
+    ) -> tuple[dict[str, torch.Tensor], list[ray.ObjectRef], list[Any]]:
         names, dtypes, shapes = weight_transfer.bucket_meta(bucket)
         refs = [
-            e.update_weights_from_distributed.remote(
-                names, dtypes, shapes, group_name=group_name, weight_version=version
-            )
+            getattr(e, method).remote(names, dtypes, shapes, group_name=group_name, weight_version=version)
             for e in engines
         ]
         try:
-            sent = weight_transfer.send_bucket(
-                self._weight_group, bucket, device=self._weight_device, failed=lambda: _first_failure(refs)
-            )
+            handles = weight_transfer.start_bucket(self._weight_group, bucket, device=self._weight_device)
         except BaseException:
-            # Aborted: the weight sync forms a new group under a new name. This one is kept, not destroyed: an
-            # operation may still wait in it (gloo's abort does not end one stuck on a hung peer).
-            self._abandoned_groups = [*getattr(self, "_abandoned_groups", []), self._weight_group]
-            self._weight_group = None
+            self._abandon_weight_group()
+            raise
+        return bucket, refs, handles
+
+    def _finish_broadcast(self, started: tuple[dict[str, torch.Tensor], list[ray.ObjectRef], list[Any]]) -> int:
+        bucket, refs, handles = started
+        try:
+            weight_transfer.finish_bucket(self._weight_group, handles, failed=lambda: _first_failure(refs))
+        except BaseException:
+            self._abandon_weight_group()
             raise
         ray.get(refs)
-        return sent
+        return sum(t.nbytes for t in bucket.values())
+
+    def _abandon_weight_group(self) -> None:
+        # Aborted: the weight sync forms a new group under a new name. This one is kept, not destroyed: an operation
+        # may still wait in it (gloo's abort does not end one stuck on a hung peer).
+        if self._weight_group is not None:
+            self._abandoned_groups = [*getattr(self, "_abandoned_groups", []), self._weight_group]
+        self._weight_group = None
 
     def destroy_weight_group(self) -> None:
         group, self._weight_group = getattr(self, "_weight_group", None), None
@@ -373,7 +413,14 @@ class TrainerGroup:
         return self.actors[0].init_weight_group.remote(**kwargs)
 
     def broadcast_buckets(
-        self, engines: list[Any], *, version: int, dtype: str, bucket_bytes: int, group_name: str
+        self,
+        engines: list[Any],
+        *,
+        version: int,
+        dtype: str,
+        bucket_bytes: int,
+        group_name: str,
+        method: str = "update_weights_from_distributed",
     ) -> list[int]:
         # Every rank gathers; only rank 0 holds the weights, joins the group and talks to the engines.
         outs = self._get(
@@ -384,6 +431,7 @@ class TrainerGroup:
                     dtype=dtype,
                     bucket_bytes=bucket_bytes,
                     group_name=group_name,
+                    method=method,
                 )
                 for rank, a in enumerate(self.actors)
             ]

@@ -281,7 +281,27 @@ class DistributedSync:
         # ``weight_transfer.send_bucket``); it is restarted, rejoins, and the push runs again.
         self.engines.on_all(lambda actors: self._broadcast(actors, version), what="the weight sync")
 
-    def _broadcast(self, actors: list[Any], version: int) -> None:
+    @property
+    def can_stage(self) -> bool:
+        """Whether the engines take a broadcast while they generate (:meth:`stage`, then :meth:`commit`)."""
+        kind = getattr(self.engines, "kind", None)
+        return bool(getattr(kind, "stages_weights", False))
+
+    def stage(self, version: int) -> None:
+        """Broadcast ``version`` into every engine's second buffer while it goes on sampling with the weights it has
+        (one-step async: the rollout in flight is not waited on); :meth:`commit` swaps them in."""
+        self.engines.on_all(
+            lambda actors: self._broadcast(actors, version, method="stage_weights_from_distributed"),
+            what="the weight sync",
+        )
+
+    def commit(self) -> None:
+        """Swap the staged weights in, between two rollouts (each engine's swap waits behind its generate calls)."""
+        self.engines.on_all(
+            lambda actors: ray.get([a.commit_staged_weights.remote() for a in actors]), what="the weight swap"
+        )
+
+    def _broadcast(self, actors: list[Any], version: int, method: str = "update_weights_from_distributed") -> None:
         with self._lock:
             if actors == self.members and self._pushed == version and not self._broken:
                 return  # a restart's rejoin already sent this version to every engine
@@ -290,7 +310,12 @@ class DistributedSync:
                 self._join(actors)
             self._broken, self._pushed = True, None
             self.bucket_sizes = self.trainers.broadcast_buckets(
-                actors, version=version, dtype=self.dtype, bucket_bytes=self.bucket_bytes, group_name=self.group_name
+                actors,
+                version=version,
+                dtype=self.dtype,
+                bucket_bytes=self.bucket_bytes,
+                group_name=self.group_name,
+                method=method,
             )
             self._broken, self._pushed = False, version
             self.bytes_sent = sum(self.bucket_sizes)

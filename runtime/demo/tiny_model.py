@@ -6,7 +6,13 @@ library (one token per character of an alphabet, plus ``<pad>``, ``<bos>``, ``<e
 exactly like a downloaded checkpoint (``AutoModelForCausalLM`` / ``AutoTokenizer``). ``tools/make_tiny_model.py`` is
 the command-line front end.
 
-``PRESETS`` adds full-size random-init models of real shapes for benchmarks; ``make_preset_model`` builds one.
+``PRESETS`` adds random-init models of other shapes and families; ``make_preset_model`` builds one. Besides
+``qwen3-0.6b`` (below): tiny models of the MoE and GLM families (``tiny-qwen3-moe``, ``tiny-glm4-moe``,
+``tiny-deepseek-v3``, ``tiny-moonlight``, ``tiny-glm4``: 64 wide, 2 layers, float32, the character tokenizer unpadded,
+each with its family's distinguishing parts: routers, shared experts, dense first layers, MLA with and without a query
+LoRA, partial rotary, YaRN), and real shapes cut to 2 layers for GPU tests and benchmarks (``qwen3-30b-a3b-2layers``,
+``moonlight-16b-a3b-2layers``; shapes from slime's ``scripts/models/qwen3-30B-A3B.sh`` and ``moonlight.sh``). A
+preset's ``vocab_size`` of None means the character tokenizer's own size.
 
 ``qwen3-0.6b``: a transformers ``Qwen3ForCausalLM`` with Qwen3-0.6B's shape, 596,049,920 parameters (155,582,464 of
 them in the embedding, which the LM head shares), saved in bfloat16 safetensors (1.19 GB). Checked against
@@ -121,6 +127,188 @@ class ModelPreset:
     dtype: str = "bfloat16"
 
 
+def _fields(**fields: Any) -> Mapping[str, Any]:
+    return MappingProxyType(fields)
+
+
+# The tiny shared sizes of the MoE-family presets: trained on two CPU cores in the tests (vocab_size None: the
+# character tokenizer's own size). Experts: 8 of width 32, 2 per token (DeepSeek-style: 16 in 4 groups, 4 per token,
+# so that Megatron's group score, the sum of the top topk // group_topk = 2, is transformers' top-2 sum).
+_TINY = {
+    "vocab_size": None,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+_TINY_DEEPSEEK = {
+    **_TINY,
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    # Unlike the query/key head (16 + 8), as in DeepSeek-V3 (128 vs 192): the attention output is sized by v_head_dim.
+    "v_head_dim": 12,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+
+_MOE_PRESETS: dict[str, ModelPreset] = {
+    # Qwen3-MoE (Qwen3-30B-A3B's layout): softmax router, top-k renormalised, QK-norm, every layer MoE.
+    "tiny-qwen3-moe": ModelPreset(
+        model_type="qwen3_moe",
+        dtype="float32",
+        fields=_fields(
+            **_TINY,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    # GLM-4.5 (glm4_moe): sigmoid router with expert bias, a shared expert, the first layer dense, partial rotary 0.5,
+    # a bias on q/k/v.
+    "tiny-glm4-moe": ModelPreset(
+        model_type="glm4_moe",
+        dtype="float32",
+        fields=_fields(
+            **_TINY,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=False,
+        ),
+    ),
+    # DeepSeek-V3: MLA with a query LoRA, group-limited sigmoid routing with expert bias, a shared expert, the first
+    # layer dense, YaRN rotary.
+    "tiny-deepseek-v3": ModelPreset(
+        model_type="deepseek_v3",
+        dtype="float32",
+        fields=_fields(
+            **_TINY_DEEPSEEK,
+            q_lora_rank=32,
+            n_group=4,
+            topk_group=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    # Moonlight-16B-A3B's layout (deepseek_v3 without a query LoRA, one expert group).
+    "tiny-moonlight": ModelPreset(
+        model_type="deepseek_v3",
+        dtype="float32",
+        fields=_fields(
+            **_TINY_DEEPSEEK,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
+        ),
+    ),
+    # GLM-4 dense (GLM-4-9B's layout): norms after attention and after the MLP, interleaved partial rotary 0.5,
+    # QKV bias.
+    "tiny-glm4": ModelPreset(
+        model_type="glm4",
+        dtype="float32",
+        fields=_fields(
+            **_TINY,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+        ),
+    ),
+    # Real shapes cut to a few layers, for GPU benchmarks and tests (the full models do not fit 1-4 GPUs for RL).
+    # Qwen3-30B-A3B (slime's scripts/models/qwen3-30B-A3B.sh): 2 of its 48 layers.
+    "qwen3-30b-a3b-2layers": ModelPreset(
+        model_type="qwen3_moe",
+        fields=_fields(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Moonlight-16B-A3B (slime's scripts/models/moonlight.sh): its first, dense layer and one MoE layer of 27.
+    "moonlight-16b-a3b-2layers": ModelPreset(
+        model_type="deepseek_v3",
+        fields=_fields(
+            vocab_size=163840,
+            hidden_size=2048,
+            intermediate_size=11264,
+            moe_intermediate_size=1408,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            norm_topk_prob=True,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {
         "qwen3-0.6b": ModelPreset(
@@ -144,6 +332,7 @@ PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
                 }
             ),
         ),
+        **_MOE_PRESETS,
     }
 )
 
@@ -166,6 +355,7 @@ def preset_config(name: str, *, alphabet: str, **overrides: Any):
         )
     fields = {**preset.fields, **overrides}
     tokenizer = build_tokenizer(alphabet, vocab_size=fields["vocab_size"])
+    fields["vocab_size"] = len(tokenizer)
     config = AutoConfig.for_model(
         preset.model_type,
         **fields,

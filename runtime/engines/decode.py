@@ -1,51 +1,59 @@
-"""The embedded engine's decode loop: a static KV cache of slots, one CUDA graph per call on the GPU, sampling as it
-goes, finished rows refilled with waiting prompts.
+"""The embedded engine's decode loop: a KV cache that keeps each prompt once for its group of samples, the whole
+decoding step (forward and sampling) replayed as CUDA graphs on the GPU, finished groups refilled with waiting
+prompts.
 
 transformers' ``generate`` costs about 100 ms of Python and kernel launches per decoding step at a Qwen3-0.6B shape
 (64 x 512 tokens took 58 s on an H100 against a 0.67 s memory floor). This loop runs the same HF model's modules:
 
-- **prefill** eagerly into a slot cache (:func:`slot_cache`): ``slots`` rows of ``prompt width + max_new_tokens``
-  key/value columns (a prompt left-padded to the call's widest in columns ``[0, width)``, its ``k``-th new token in
-  column ``width + k``, whichever slot it runs in);
-- **decode** one token per step for every slot, with the step's inputs (last tokens, positions, per-row write
-  columns, the key mask) in fixed buffers, so that on CUDA the whole model forward is captured once as a CUDA graph
-  and replayed each step;
-- **attention** through :func:`static_cache_attention`, registered with transformers' attention interface: for one
-  query per row it reads each key/value head once for its whole query group (no ``repeat_kv`` copies of the cache);
+- **shared prompts**: a call's rows that come in equal runs of the same prompt (a GRPO group's samples, as the
+  rollout sends them) are one *group*: the prompt is prefilled once, its keys and values kept once
+  (:class:`DecodeCache`), and every sample of the group draws its first token from the same logits with its own
+  uniforms. ``share_prompts=False`` (or rows that are not such runs) makes every row a group of one.
+- **the cache** (:class:`DecodeCache`): per layer, the group's prompt keys/values (left-padded to the call's widest
+  prompt) and each sample's response keys/values (its ``k``-th new token in column ``k``), in ``max_running`` rows;
+- **decode** one token per step for every row, with the step's inputs (last tokens, positions, write columns) in
+  fixed buffers; on CUDA the model forward is one CUDA graph and the sampling and bookkeeping another, so a step
+  costs two graph replays and no host sync;
+- **attention** (:func:`engine_attention`, registered with transformers' attention interface as ``rlcore_static``):
+  prefill attends over the prompt with its mask; a decoding step attends over the group's prompt keys and the row's
+  own response keys through :mod:`runtime.engines.decode_attention` (a Triton kernel on the GPU that reads only the
+  real columns, each prompt once per group and each key/value head once per query group; plain torch on the CPU);
 - **sampling** by :func:`sample_tokens`, whose log-prob of the drawn token is the untruncated
-  ``log_softmax(logits / T)``: memory is O(slots x V) per step, never O(B x T x V).
+  ``log_softmax(logits / T)``: memory is O(rows x V) per step, never O(B x T x V).
 
-**Continuous refill** (``max_running``): with fewer slots than prompts, every ``check_every`` steps (one host sync,
-so that the GPU queue stays full between checks) the rows that have stopped hand their responses back and their
-slots are prefilled with the next waiting prompts, so that short responses do not leave the batch idle while long
-ones finish. A stopped row idles (its draws are not kept) until that check.
+**Continuous refill** (``max_running``): with fewer rows than prompts, every ``check_every`` steps (one host sync,
+so that the GPU queue stays full between checks) the rows that have stopped hand their responses back, and a group
+whose samples have all stopped is prefilled with the next waiting prompt's group, so that short responses do not
+leave the batch idle while long ones finish. A stopped row idles (its draws are not kept) until then.
 
 **Per-prompt streams.** Prompt ``i`` draws its ``k``-th token by inverse CDF (:func:`inverse_cdf`) from the ``k``-th
 uniform of its own generator, seeded with ``seeds[i]`` (:func:`prompt_uniforms`). A prompt's draws therefore do not
-depend on which slot it runs in, on what runs beside it or on refill, only on the logits it is drawn from. In float32
+depend on which row it runs in, on what runs beside it or on refill, only on the logits it is drawn from. In float32
 on the CPU a prompt gives the same tokens with any ``max_running``, and log-probs equal to float32 rounding (tested:
 MKL rounds a matmul of fewer than about 9 rows differently, so smaller batches may differ in the last bit). On a GPU
 in bf16 the matmuls may round differently for another batch shape, and a near-flat distribution turns such a
 difference into another draw; every draw is still an exact sample of the logits it was made from.
 
 **Top-p replay** (``nucleus``): each step's kept sets stay on the device until the next check, where they are read
-back with the check's own sync and appended to the lists of the prompts their slots ran, so a refilled slot's
-nuclei belong to the prompt that drew them and a CUDA-graph step adds no host sync.
+back with the check's own sync and appended to the lists of the prompts their rows ran, so a refilled row's nuclei
+belong to the prompt that drew them and a step adds no host sync.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from runtime.engines.decode_attention import DECODE_ATTENTION, default_kernel
+
 ATTENTION = "rlcore_static"
+CACHE_KWARG = "rlcore_cache"  # the model call's keyword that carries the DecodeCache down to engine_attention
 
 
-def static_cache_attention(
+def engine_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -55,34 +63,42 @@ def static_cache_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature. query ``[B, H, q, D]``, key/value ``[B, Hkv, k, D]``, mask bool
-    ``[B, 1, q, k]`` (True attends) or None (causal); returns ``[B, q, H, D]``.
+    """transformers' attention signature. query ``[B, H, q, Dk]``, key/value ``[B, Hkv, k, Dk/Dv]``, mask bool
+    ``[B, 1, q, k]`` (True attends) or None (causal); returns ``[B, q, H, Dv]`` (sized by the value head dim, which
+    MLA models make differ from the query/key one).
 
-    With one query per row the ``H / Hkv`` query heads of a group become that group's query rows, so the cache is
-    read once per key/value head; otherwise key/value heads are repeated, as transformers' SDPA path does.
+    Called with a :class:`DecodeCache` under ``kwargs[CACHE_KWARG]`` (the engine's decode loop), it stores the keys
+    and values in the cache and attends through it (:meth:`DecodeCache.attend`); otherwise it is masked attention
+    over ``key`` and ``value`` (:func:`masked_attention`).
     """
-    b, h, q, d = query.shape
-    hkv = key.shape[1]
-    groups = h // hkv
-    if q == 1 and attention_mask is not None:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(b, hkv, groups, d), key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling
-        )
-        return out.reshape(b, h, 1, d).transpose(1, 2), None
+    cache = kwargs.get(CACHE_KWARG)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if cache is not None:
+        return cache.attend(module.layer_idx, query, key, value, attention_mask, scale=scale), None
+    return masked_attention(query, key, value, attention_mask, scale=scale), None
+
+
+def masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, *, scale: float
+) -> torch.Tensor:
+    """SDPA over query ``[B, H, q, Dk]`` and key/value ``[B, Hkv, k, Dk/Dv]`` (key/value heads repeated for their
+    query groups, as transformers' SDPA path does) -> ``[B, q, H, Dv]``."""
+    groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and q > 1, scale=scaling
-    )
-    return out.transpose(1, 2).contiguous(), None
+        query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and query.shape[2] > 1,
+        scale=scale,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:
-    """Make :func:`static_cache_attention` selectable as ``attn_implementation="rlcore_static"``."""
+    """Make :func:`engine_attention` selectable as ``attn_implementation="rlcore_static"``."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION, static_cache_attention)
+    AttentionInterface.register(ATTENTION, engine_attention)
 
 
 def sample_tokens(
@@ -156,70 +172,104 @@ def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     return out
 
 
-def slot_cache(config, *, slots: int, max_cache_len: int, device: torch.device):
-    """A KV cache of ``slots`` rows that each hold one prompt at a time, for a model of ``config`` (a transformers
-    ``Cache`` whose layers are static layers written per row; ``kept_tensors()`` lists what it holds).
+class DecodeCache:
+    """The decode loop's KV cache for ``groups`` groups of ``per_group`` rows (row ``s`` is sample ``s % per_group``
+    of group ``s // per_group``), for a model of ``layers`` layers.
 
-    Its ``prefill_rows`` (``[k]`` slot indices, or None in decode) and ``write_pos`` (``[slots]``, the column each
-    row's next key goes to) say where the model's next forward writes.
+    Per layer (allocated at the first prefill, in the keys' and values' own dtype and head dims): ``prefix_k`` /
+    ``prefix_v`` ``[groups, Hkv, width, Dk/Dv]``, each group's prompt left-padded to ``width`` columns and real from
+    ``prefix_start[g]``; ``resp_k`` / ``resp_v`` ``[groups, Hkv, per_group, max_new_tokens, Dk/Dv]``, each row's
+    response keys, real in ``[0, resp_len[s])``. The decode loop sets where the next forward writes: in prefill
+    ``prefill_rows`` (the groups whose prompts are being prefilled, ``[k]``), in decode ``write_col`` (``[rows]``,
+    each row's response column for its newest token) and ``resp_len``. ``kernel`` names the decode attention
+    (:data:`runtime.engines.decode_attention.DECODE_ATTENTION`).
     """
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    return _slot_cache_class()(layers=layers, slots=slots, max_cache_len=max_cache_len, device=device)
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        groups: int,
+        per_group: int,
+        width: int,
+        max_new_tokens: int,
+        device: torch.device,
+        kernel: str,
+    ):
+        if kernel not in DECODE_ATTENTION:
+            raise ValueError(f"kernel must be one of {sorted(DECODE_ATTENTION)}, got {kernel!r}")
+        rows = groups * per_group
+        self.groups, self.per_group, self.width, self.columns = groups, per_group, width, max_new_tokens
+        self.attention = DECODE_ATTENTION[kernel]
+        self.layers: list[tuple[torch.Tensor, ...] | None] = [None] * layers
+        self.prefill_rows: torch.Tensor | None = None
+        self.prefix_start = torch.zeros(groups, dtype=torch.long, device=device)
+        self.resp_len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.write_col = torch.zeros(rows, dtype=torch.long, device=device)
+        self.group_of = torch.arange(rows, device=device) // per_group
+        self.sample_of = torch.arange(rows, device=device) % per_group
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Every key/value tensor the cache holds (what its memory is)."""
+        return [t for layer in self.layers if layer is not None for t in layer]
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store this forward's keys and values for ``layer`` and attend. Prefill: key/value
+        ``[k, Hkv, width, D]`` of the ``prefill_rows`` groups' prompts, masked attention over them. Decode:
+        key/value ``[rows, Hkv, 1, D]`` go to each row's ``write_col``; each row's one query attends over its
+        group's prompt and its own response (``resp_len`` columns). Returns ``[B, q, H, Dv]``."""
+        if self.layers[layer] is None:
+            self.layers[layer] = self._allocate(key, value)
+        prefix_k, prefix_v, resp_k, resp_v = self.layers[layer]
+        if self.prefill_rows is not None:
+            prefix_k[self.prefill_rows] = key
+            prefix_v[self.prefill_rows] = value
+            return masked_attention(query, key, value, attention_mask, scale=scale)
+        resp_k[self.group_of, :, self.sample_of, self.write_col] = key[:, :, 0]
+        resp_v[self.group_of, :, self.sample_of, self.write_col] = value[:, :, 0]
+        out = self.attention(
+            query[:, :, 0], prefix_k, prefix_v, self.prefix_start, resp_k, resp_v, self.resp_len, scale=scale
+        )
+        return out[:, None]
+
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.prefill_rows is None:
+            raise RuntimeError("DecodeCache: a decoding step before any prefill")
+        hkv, dk, dv = key.shape[1], key.shape[-1], value.shape[-1]
+        like = {"dtype": key.dtype, "device": key.device}
+        response = (self.groups, hkv, self.per_group, self.columns)
+        return (
+            torch.zeros(self.groups, hkv, self.width, dk, **like),
+            torch.zeros(self.groups, hkv, self.width, dv, **like),
+            torch.zeros(*response, dk, **like),
+            torch.zeros(*response, dv, **like),
+        )
 
 
-@functools.cache
-def _slot_cache_class():
-    from transformers.cache_utils import Cache, StaticLayer
-    from transformers.utils import is_torchdynamo_compiling
-
-    class SlotLayer(StaticLayer):
-        """Keys and values ``[slots, Hkv, max_cache_len, D]``; :meth:`update` writes where its cache says."""
-
-        def __init__(self, *, slots: int, max_cache_len: int, where: Cache):
-            super().__init__(max_cache_len=max_cache_len)
-            self.slots, self.where = slots, where
-
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.batch_size, self.num_heads = self.slots, key_states.shape[1]
-            self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-            shape = (self.slots, self.num_heads, self.max_cache_len)
-            self.keys = torch.zeros(*shape, self.k_head_dim, dtype=self.dtype, device=self.device)
-            self.values = torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device)
-            if not is_torchdynamo_compiling():
-                torch._dynamo.mark_static_address(self.keys)
-                torch._dynamo.mark_static_address(self.values)
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            """Prefill (``prefill_rows`` set): write ``[k, Hkv, width, D]`` into columns ``[0, width)`` of those
-            rows and attend over them alone. Decode: write ``[slots, Hkv, 1, D]`` into each row's column
-            ``write_pos`` and attend over the whole cache."""
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            rows = self.where.prefill_rows
-            if rows is not None:
-                width = key_states.shape[2]
-                self.keys[rows, :, :width] = key_states
-                self.values[rows, :, :width] = value_states
-                return key_states, value_states
-            self.keys[self.where.slot_index, :, self.where.write_pos] = key_states[:, :, 0]
-            self.values[self.where.slot_index, :, self.where.write_pos] = value_states[:, :, 0]
-            return self.keys, self.values
-
-    class SlotCache(Cache):
-        def __init__(self, *, layers: int, slots: int, max_cache_len: int, device: torch.device):
-            self.prefill_rows: torch.Tensor | None = None
-            self.slot_index = torch.arange(slots, device=device)
-            self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)
-            layer = {"slots": slots, "max_cache_len": max_cache_len, "where": self}
-            super().__init__(layers=[SlotLayer(**layer) for _ in range(layers)])
-
-        def kept_tensors(self) -> list[torch.Tensor]:
-            """Every key/value tensor the cache holds (what its memory is)."""
-            return [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
-
-    return SlotCache
+def shared_prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many rows each group has when the rows come in equal runs of the same (padded) prompt, longer than one;
+    else 1. input_ids, attention_mask ``[B, P]``."""
+    if len(input_ids) < 2:
+        return 1
+    same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(-1).tolist()
+    runs, length = [], 1
+    for equal in same:
+        if equal:
+            length += 1
+        else:
+            runs.append(length)
+            length = 1
+    runs.append(length)
+    return runs[0] if runs[0] > 1 and len(set(runs)) == 1 else 1
 
 
 @dataclass(frozen=True)
@@ -258,37 +308,58 @@ def decode(
     check_every: int = 8,
     on_cache: Callable[[object], None] | None = None,
     nucleus: bool = False,
+    share_prompts: bool = True,
+    kernel: str | None = None,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
     input_ids, attention_mask: ``[B, P]`` on the model's device (mask 1 for prompt tokens, 0 for left padding).
     ``seeds`` (``B`` ints; default: drawn from torch's generator) seed each prompt's stream of draws.
-    ``max_running`` (default ``B``) is the number of slots: prompts beyond it wait and take the slot of a row that
-    has stopped, at the next check (every ``check_every`` steps). ``cuda_graph`` (default: on CUDA) replays the decode
-    step's forward as one CUDA graph; ``compile`` runs that forward through ``torch.compile`` first (fused elementwise
-    kernels; compiled once per slot count and cache length, which is rounded up to a multiple of 128 so that calls
-    share it). ``is_aborted`` is read after every step; once true the call returns what was sampled so far. Before
-    ``min_new_tokens`` tokens a row cannot draw a stop id (its logits are -inf there, as transformers'
-    min-new-tokens processor does; the log-probs are then of that constrained distribution). ``stopped`` (at each
-    check, given the token lists of the rows still running) marks rows as stopped for a reason of the caller's, such
-    as a stop string; it only ends them early. ``on_cache`` is shown the cache once it is built (tests measure it).
-    ``nucleus``: report each draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets
-    of the steps since the last check are kept on the device and read back at the check, with no sync of their own.
+    ``share_prompts``: rows in equal runs of the same prompt share its prefill and its cached keys (module
+    docstring). ``max_running`` (default ``B``) bounds the rows decoded at once (a multiple of the group size;
+    smaller than a group, nothing is shared): groups beyond it wait and take the rows of a group whose samples have
+    all stopped, at the next check (every ``check_every`` steps). ``cuda_graph`` (default: on CUDA) replays the
+    decode step's forward, and its sampling, as CUDA graphs; ``compile`` runs that forward through ``torch.compile``
+    first (compiled once per row count and cache size, which are rounded up so that calls share it). ``kernel``:
+    the decode attention (``torch`` or ``triton``; default: ``triton`` on CUDA). ``is_aborted`` is read after every
+    step; once true the call returns what was sampled so far. Before ``min_new_tokens`` tokens a row cannot draw a
+    stop id (its logits are -inf there, as transformers' min-new-tokens processor does; the log-probs are then of
+    that constrained distribution). ``stopped`` (at each check, given the token lists of the rows still running)
+    marks rows as stopped for a reason of the caller's, such as a stop string; it only ends them early.
+    ``on_cache`` is shown the :class:`DecodeCache` once it is built (tests measure it). ``nucleus``: report each
+    draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets of the steps since the
+    last check are kept on the device and read back at the check, with no sync of their own.
     """
     device = input_ids.device
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
-    batch, width = input_ids.shape
-    slots = batch if max_running is None else max(1, min(max_running, batch))
-    total = width + max_new_tokens
-    if compile:
-        total = -(-total // 128) * 128
+    batch = input_ids.shape[0]
     if seeds is None:
         seeds = torch.randint(0, 2**62, (batch,)).tolist()
     if len(seeds) != batch:
         raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {batch} prompts")
+    columns = max_new_tokens
+    if compile:  # shapes shared across calls: one compiled graph serves many prompt widths and lengths
+        input_ids, attention_mask = _left_pad_to(input_ids, attention_mask, multiple=64, pad_id=pad_id)
+        columns = -(-max_new_tokens // 128) * 128
+    width = input_ids.shape[1]
+    per_group = shared_prompt_runs(input_ids, attention_mask) if share_prompts else 1
+    if max_running is not None and max_running < per_group:
+        per_group = 1
+    groups = batch // per_group
+    group_rows = groups if max_running is None else max(1, min(max_running // per_group, groups))
+    slots = group_rows * per_group
     all_uniforms = prompt_uniforms(seeds, max_new_tokens)
-    cache = slot_cache(model.config, slots=slots, max_cache_len=total, device=device)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    cache = DecodeCache(
+        layers=layers,
+        groups=group_rows,
+        per_group=per_group,
+        width=width,
+        max_new_tokens=columns,
+        device=device,
+        kernel=kernel or default_kernel(device),
+    )
     if on_cache is not None:
         on_cache(cache)
     real = attention_mask.bool()
@@ -298,71 +369,58 @@ def decode(
     # Padding queries attend to themselves, so that their cached keys/values stay finite.
     itself = torch.eye(width, dtype=torch.bool, device=device)
 
-    # Per slot: keys[s, j] (column j holds a real token of the slot's prompt or response), the prompt's length,
-    # tokens drawn so far, whether it has stopped, its uniforms, what it drew.
-    keys = torch.zeros(slots, total, dtype=torch.bool, device=device)
+    # Per row: the prompt's length, tokens drawn so far, whether it has stopped, its uniforms, what it drew, the
+    # token it feeds next; the logits it draws from next.
     lengths = torch.zeros(slots, dtype=torch.long, device=device)
     count = torch.zeros(slots, dtype=torch.long, device=device)
-    done = torch.zeros(slots, dtype=torch.bool, device=device)
+    done = torch.ones(slots, dtype=torch.bool, device=device)
     uniforms = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
     out_tokens = torch.full((slots, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_log_probs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
-    token_in = torch.zeros(slots, 1, dtype=torch.long, device=device)
-    position_in = torch.zeros(slots, 1, dtype=torch.long, device=device)
-    step_mask = keys[:, None, None, :]
+    token_in = torch.zeros(slots, dtype=torch.long, device=device)
+    logits_in: torch.Tensor | None = None
+    is_stop_id: torch.Tensor | None = None
+    # transformers takes a 4-D mask as given; decoding steps attend through the cache and ignore it.
+    step_mask = torch.ones(slots, 1, 1, 1, dtype=torch.bool, device=device)
+    step_model = _compiled(model) if compile else model
+    last = max_new_tokens - 1
 
-    def prefill(rows: list[int], prompts: list[int]) -> torch.Tensor:
-        """Start ``prompts`` in slots ``rows``; their first step's logits ``[k, V]``."""
+    def start(rows: list[int], starting: list[int]) -> None:
+        """Prefill groups ``starting`` into group rows ``rows``: their rows draw next from the prompt's logits."""
+        nonlocal logits_in, is_stop_id
         r = torch.tensor(rows, device=device)
-        p = torch.tensor(prompts, device=device)
-        mask = real[p]
-        keys[r] = False
-        keys[r, :width] = mask
-        lengths[r] = all_lengths[p]
-        count[r] = 0
-        done[r] = False
-        uniforms[r] = all_uniforms[prompts].to(device)
+        heads = torch.tensor([g * per_group for g in starting], device=device)
+        members = torch.arange(per_group, device=device)
+        row_ids = (r[:, None] * per_group + members).flatten()
+        prompts = (heads[:, None] + members).flatten()
+        lengths[row_ids] = all_lengths[prompts]
+        count[row_ids] = 0
+        done[row_ids] = False
+        uniforms[row_ids] = all_uniforms[prompts.cpu()].to(device)
+        mask = real[heads]
+        cache.prefix_start[r] = width - all_lengths[heads]
         cache.prefill_rows = r
         try:
-            return model(
-                input_ids=input_ids[p],
+            logits = model(
+                input_ids=input_ids[heads],
                 attention_mask=((causal[None] & mask[:, None, :]) | itself[None])[:, None],
-                position_ids=all_positions[p],
-                past_key_values=cache,
-                use_cache=True,
+                position_ids=all_positions[heads],
+                use_cache=False,
                 logits_to_keep=1,
+                **{CACHE_KWARG: cache},
             ).logits[:, -1]
         finally:
             cache.prefill_rows = None
+        if logits_in is None:
+            logits_in = torch.zeros(slots, logits.shape[-1], dtype=logits.dtype, device=device)
+            is_stop_id = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+            stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+            is_stop_id[stop[stop < logits.shape[-1]]] = True
+        logits_in[row_ids] = logits.repeat_interleave(per_group, dim=0)
 
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    stop_set = set(stop_ids)
-    step_model = _compiled(model) if compile else model
-
-    def forward() -> torch.Tensor:
-        return step_model(
-            input_ids=token_in,
-            attention_mask=step_mask,
-            position_ids=position_in,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-
-    results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
-    running: list[int | None] = list(range(slots))  # the prompt each slot runs
-    waiting = deque(range(slots, batch))
-    logits = prefill(list(range(slots)), list(range(slots)))
-    is_stop_id = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
-    is_stop_id[stop[stop < logits.shape[-1]]] = True
-    last_start = 0  # the step at which the latest prompts started: every row has stopped max_new_tokens later
-    graph = graph_logits = None
-    last = max_new_tokens - 1
-    # Top-p replay: each live row's kept set per step since the last check ([slots, V] bool on the device), and per
-    # slot the nuclei of the prompt it runs, one per token drawn (read back at each check, the host sync there is).
-    block_keeps: list[torch.Tensor] = []
-    slot_nuclei: list[list[list[int]]] = [[] for _ in range(slots)]
-    step = 0
-    while True:
+    def draw() -> torch.Tensor | None:
+        """Every live row draws a token from ``logits_in``; returns the kept sets (``nucleus``) of the live rows."""
+        logits = logits_in
         if min_new_tokens:
             logits = logits.masked_fill(is_stop_id[None] & (count < min_new_tokens)[:, None], float("-inf"))
         column = count.clamp(max=last)[:, None]
@@ -375,12 +433,43 @@ def decode(
             nucleus=nucleus,
         )
         live = ~done
-        if keep is not None:
-            block_keeps.append(keep & live[:, None])
         out_tokens.scatter_(1, column, torch.where(live, tokens, out_tokens.gather(1, column)[:, 0])[:, None])
         out_log_probs.scatter_(1, column, torch.where(live, log_probs, out_log_probs.gather(1, column)[:, 0])[:, None])
-        count += live
-        done |= live & (torch.isin(tokens, stop) | (count > last))
+        count.add_(live)
+        done.logical_or_(live & (is_stop_id[tokens] | (count > last)))
+        token_in.copy_(torch.where(live, tokens, token_in))
+        return None if keep is None else keep & live[:, None]
+
+    def forward() -> None:
+        """Feed each row's newest token: rotary position = prompt length + its index; response column = its index."""
+        newest = (count - 1).clamp(min=0)
+        cache.write_col.copy_(newest)
+        cache.resp_len.copy_(newest + 1)
+        logits = step_model(
+            input_ids=token_in[:, None],
+            attention_mask=step_mask,
+            position_ids=(lengths + newest)[:, None],
+            use_cache=False,
+            **{CACHE_KWARG: cache},
+        ).logits[:, -1]
+        logits_in.copy_(logits)
+
+    draw_step, forward_step = _Replayed(draw, cuda_graph), _Replayed(forward, cuda_graph)
+    results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
+    running: list[int | None] = list(range(group_rows))  # the group each group row runs
+    open_rows = [True] * slots  # the row's prompt has not handed its response back yet
+    waiting = deque(range(group_rows, groups))
+    start(list(range(group_rows)), list(range(group_rows)))
+    last_start = 0  # the step at which the latest groups started: every row has stopped max_new_tokens later
+    # Top-p replay: each live row's kept set per step since the last check ([slots, V] bool on the device), and per
+    # row the nuclei of the prompt it runs, one per token drawn (read back at each check, the host sync there is).
+    block_keeps: list[torch.Tensor] = []
+    slot_nuclei: list[list[list[int]]] = [[] for _ in range(slots)]
+    step = 0
+    while True:
+        keep = draw_step()
+        if keep is not None:
+            block_keeps.append(keep.clone() if cuda_graph else keep)
         step += 1
         aborted = is_aborted()
         fresh: list[tuple[int, int]] = []
@@ -392,52 +481,45 @@ def decode(
                 _take_nuclei(block_keeps, slot_nuclei)
                 block_keeps = []
             if stopped is not None:
-                going = [s for s in range(slots) if running[s] is not None and not stopped_now[s]]
+                going = [s for s in range(slots) if open_rows[s] and not stopped_now[s]]
                 flags = stopped([rows_out[s, : counts[s]].tolist() for s in going]) if going else []
                 for s, flag in zip(going, flags, strict=True):
                     stopped_now[s] = stopped_now[s] or bool(flag)
             lps_out = out_log_probs.cpu()
-            for s, prompt in enumerate(running):
-                if prompt is None or not (stopped_now[s] or aborted):
+            for s in range(slots):
+                if not open_rows[s] or not (stopped_now[s] or aborted):
                     continue
                 drawn = rows_out[s, : counts[s]].tolist()
-                if drawn and drawn[-1] in stop_set:
+                if drawn and drawn[-1] in stop_ids:
                     reason = "stop"
                 elif stopped_now[s]:  # the caller's stop, or the length limit
                     reason = "length" if counts[s] == max_new_tokens else "stop"
                 else:
                     reason = "abort"
+                prompt = running[s // per_group] * per_group + s % per_group
                 results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
                 slot_nuclei[s] = []
-                running[s] = None
+                open_rows[s] = False
             if aborted:
                 break
             done.copy_(torch.tensor(stopped_now, device=device))
-            while waiting and None in running:
-                s = running.index(None)
-                running[s] = waiting.popleft()
-                fresh.append((s, running[s]))
-            if all(prompt is None for prompt in running):
+            for g, group in enumerate(running):
+                if group is not None and not any(open_rows[g * per_group : (g + 1) * per_group]):
+                    running[g] = None
+                    if waiting:
+                        running[g] = waiting.popleft()
+                        fresh.append((g, running[g]))
+                        open_rows[g * per_group : (g + 1) * per_group] = [True] * per_group
+            if all(group is None for group in running):
                 break
-        # Feed the token just drawn: rotary position = the row's token count, cache column width + its index.
-        token_in.copy_(tokens[:, None])
-        position_in.copy_((lengths + count - 1)[:, None])
-        cache.write_pos.copy_(width + count - 1)
-        keys[cache.slot_index, cache.write_pos] = True
-        if not cuda_graph:
-            logits = forward()
-        else:
-            if graph is None:
-                graph, graph_logits = _capture(forward)
-            graph.replay()
-            logits = graph_logits
+        forward_step()
         if fresh:
-            # After the step's forward: the freed slots' last writes land before their new prompts' prefill.
-            rows, prompts = zip(*fresh, strict=True)
-            logits = logits.index_copy(0, torch.tensor(rows, device=device), prefill(list(rows), list(prompts)))
+            # After the step's forward: the freed rows' last writes land before their new prompts' prefill.
+            start(*map(list, zip(*fresh, strict=True)))
             last_start = step
-    for i in waiting:
-        results[i] = ([], [], "abort", [])
+    for g in waiting:
+        for prompt in range(g * per_group, (g + 1) * per_group):
+            results[prompt] = ([], [], "abort", [])
     empty_lps = torch.zeros(0, dtype=torch.float32)
     return Decoded(
         tokens=[torch.tensor(r[0], dtype=torch.long) for r in results],
@@ -448,8 +530,17 @@ def decode(
     )
 
 
+def _left_pad_to(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, multiple: int, pad_id: int):
+    """Left-pad ``[B, P]`` prompts to a multiple of ``multiple`` columns."""
+    extra = -input_ids.shape[1] % multiple
+    if not extra:
+        return input_ids, attention_mask
+    pad = torch.nn.functional.pad
+    return pad(input_ids, (extra, 0), value=pad_id), pad(attention_mask, (extra, 0), value=0)
+
+
 def _take_nuclei(keeps: list[torch.Tensor], slot_nuclei: list[list[list[int]]]) -> None:
-    """Append each step's kept ids to its slot's list. keeps: per step ``[slots, V]`` bool, all False for a row
+    """Append each step's kept ids to its row's list. keeps: per step ``[slots, V]`` bool, all False for a row
     that did not draw at that step (a live row's set holds at least its drawn token). One copy to the host."""
     stacked = torch.stack(keeps, dim=1)  # [slots, steps, V]
     slots, steps = stacked.shape[:2]
@@ -469,15 +560,28 @@ def _compiled(model: torch.nn.Module):
     return compiled
 
 
-def _capture(forward: Callable[[], torch.Tensor]):
-    """Warm ``forward`` up on a side stream and capture it as a CUDA graph. The warm-up writes this step's keys and
-    values at the same cache columns as the replay does, so nothing needs rewinding."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = forward()
-    return graph, logits
+class _Replayed:
+    """``fn`` (no arguments, reading and writing fixed buffers) as a CUDA graph: the first call runs it on a side
+    stream (warming up cuBLAS and compiling Triton kernels; it is a real step), the second captures it and replays,
+    later calls replay. Without ``graph`` it just calls ``fn``. Returns ``fn``'s (static) output."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor | None], graph: bool):
+        self.fn, self.use_graph, self.graph, self.warm, self.out = fn, graph, None, False, None
+
+    def __call__(self) -> torch.Tensor | None:
+        if not self.use_graph:
+            return self.fn()
+        if not self.warm:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.warm = True
+            return out
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn()
+        self.graph.replay()
+        return self.out

@@ -1,8 +1,9 @@
-"""The embedded rollout engine: a HF causal LM decoding a left-padded batch over a static KV cache.
+"""The embedded rollout engine: a HF causal LM decoding a left-padded batch over its own KV cache.
 
-Decoding is :func:`runtime.engines.decode.decode`: prefill, then one token per step for every running row (at most
-``--engine-max-running-requests``; rows that stop are refilled with waiting prompts), the step's forward replayed as
-a CUDA graph on the GPU, sampling as it goes from each prompt's own seeded stream. transformers' ``generate`` cost
+Decoding is :func:`runtime.engines.decode.decode`: prefill (once per group of samples of one prompt), then one token
+per step for every running row (at most ``--engine-max-running-requests``; groups whose rows have all stopped are
+refilled with waiting prompts), the step's forward and sampling replayed as CUDA graphs on the GPU, sampling as it
+goes from each prompt's own seeded stream. transformers' ``generate`` cost
 about 100 ms of Python and launches per step at a Qwen3-0.6B shape; its continuous batching (``generate_batch``)
 cannot start on the CPU (its paged cache sizes itself from free device memory, which it reads as 0 there). SGLang is
 the engine for throughput; this one serves CPU runs, tests and one-GPU jobs.
@@ -45,7 +46,9 @@ from runtime.engines.base import (
     sampling_seed,
     stop_string_end,
 )
+from runtime.engines.checkpoint_layout import CheckpointLayout
 from runtime.engines.decode import ATTENTION, decode, register_attention
+from runtime.engines.fused import fuse_model
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -84,28 +87,36 @@ def pick_device(device: str = "auto") -> torch.device:
 class WeightUpdate:
     """The weights one update has loaded so far, checked against a model's own names and shapes.
 
-    ``model`` may live on the ``meta`` device (only its names and shapes are read). Its ``state_dict`` names are the
-    HF names buckets use; weights that are one tensor under several names (tied ``lm_head`` and embeddings) count as
-    one, and a bucket may hold them under any of their names.
+    ``model`` may live on the ``meta`` device (only its names and shapes are read). Buckets use the checkpoint's names
+    (:class:`runtime.engines.checkpoint_layout.CheckpointLayout`): the model's ``state_dict`` names, except that an MoE
+    model's fused experts come one tensor per expert and projection. Weights that are one tensor under several names
+    (tied ``lm_head`` and embeddings) count as one, and a bucket may hold them under any of their names.
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        self.tensors: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        self.layout = CheckpointLayout(model, shapes={name: tuple(t.shape) for name, t in self.tensors.items()})
         first_name: dict[int, str] = {}
         # The first name of a tied group (the input embeddings, for lm_head) stands for the whole group.
-        self.canonical = {name: first_name.setdefault(id(t), name) for name, t in self.weights.items()}
+        self.canonical = {
+            name: first_name.setdefault(id(self.tensors[slot.model_name]), name) if slot.index is None else name
+            for name, slot in self.layout.slots.items()
+        }
         self.loaded: set[str] = set()
+
+    def target(self, name: str) -> torch.Tensor:
+        """The model's tensor (or part of one) that checkpoint weight ``name`` is loaded into."""
+        return self.layout.target(self.tensors, name)
 
     def check(self, shapes: dict[str, tuple[int, ...]], *, what: str) -> None:
         """Raise ``ValueError`` unless every name of ``shapes`` is a weight of the model with that shape."""
-        unknown = sorted(set(shapes) - set(self.weights))
+        slots = self.layout.slots
+        unknown = sorted(set(shapes) - set(slots))
         if unknown:
             raise ValueError(f"{what} names weights the model does not have: {some_names(unknown)}")
         for name, shape in shapes.items():
-            if tuple(shape) != tuple(self.weights[name].shape):
-                raise ValueError(
-                    f"{what}: {name} has shape {list(shape)}, the model's is {list(self.weights[name].shape)}"
-                )
+            if tuple(shape) != slots[name].shape:
+                raise ValueError(f"{what}: {name} has shape {list(shape)}, the model's is {list(slots[name].shape)}")
 
     def add(self, names: Iterable[str]) -> None:
         self.loaded.update(self.canonical[n] for n in names)
@@ -213,6 +224,7 @@ class HFEngine:
         cuda_graph: bool = True,
         compile: bool = False,
         max_running_requests: int | None = None,
+        fused: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,6 +243,12 @@ class HFEngine:
         self.model.set_attn_implementation(ATTENTION)
         self.cuda_graph = self.device.type == "cuda" and cuda_graph
         self.compile = self.device.type == "cuda" and compile
+        # A group's samples (equal runs of one prompt) share its prefill and cached keys; the decode attention is
+        # runtime.engines.decode_attention's default for the device. Benchmarks turn these.
+        self.share_prompts, self.attention_kernel = True, None
+        # On a GPU the Llama/Qwen norms, MLP and rotary run as fused Triton kernels with the HF modules' rounding
+        # (runtime.engines.fused): a decoding step of a small model is bound by its kernel count.
+        self.fused = self.device.type == "cuda" and fused and fuse_model(self.model) > 0
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
@@ -245,6 +263,9 @@ class HFEngine:
         self.weight_update = WeightUpdate(self.model)
         self._weight_version = 0
         self._weight_groups: dict[str, Any] = {}
+        # Weights received while generating (stage_weights_from_distributed), loaded by commit_staged_weights.
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: int | None = None
         self._released_tags: set[str] = set()
         self.released = False
         self.closed = False
@@ -293,6 +314,8 @@ class HFEngine:
             min_new_tokens=params.min_new_tokens,
             stopped=self._stop_string_check(params.stop) if params.stop else None,
             nucleus=params.return_top_p_token_ids,
+            share_prompts=self.share_prompts,
+            kernel=self.attention_kernel,
         )
         results = []
         rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)
@@ -346,7 +369,7 @@ class HFEngine:
             check_weight_version(weight_version)
         self.weight_update.check(bucket_shapes(bucket), what="load_weights bucket")
         for name, value in bucket.items():
-            self.weight_update.weights[name].data.copy_(value)
+            self.weight_update.target(name).copy_(value)
         self.weight_update.add(bucket)
         if weight_version is not None:
             self.weight_update.finish()
@@ -412,6 +435,40 @@ class HFEngine:
         device = self.device if self.device.type == "cuda" else "cpu"
         bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
         self.load_weights(bucket, weight_version=weight_version)
+        if weight_version is not None:
+            # A whole update (a restarted engine's rejoin) supersedes weights staged before it.
+            self._staged, self._staged_version = {}, None
+
+    def stage_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_transfer.DEFAULT_GROUP,
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket as :meth:`update_weights_from_distributed` does, into a second buffer: the model keeps
+        sampling with its current weights (this runs beside ``generate``) until :meth:`commit_staged_weights`."""
+        if group_name not in self._weight_groups:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        device = self.device if self.device.type == "cuda" else "cpu"
+        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # received before the trainer is told so
+        self._staged.update(bucket)
+        if weight_version is not None:
+            self._staged_version = weight_version
+
+    def commit_staged_weights(self) -> int | None:
+        """Load the weights staged since the last commit (between two ``generate`` calls: it runs in their queue);
+        returns the version they carry, None when nothing was staged (a restarted engine got its weights whole)."""
+        if not self._staged:
+            return None
+        bucket, version = self._staged, self._staged_version
+        self._staged, self._staged_version = {}, None
+        self.load_weights(bucket, weight_version=version)
+        return version
 
     def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
         if group_name in self._weight_groups:
@@ -419,7 +476,7 @@ class HFEngine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first ``truncate_size`` rows of weight ``name`` as nested lists (SGLang's ``/get_weights_by_name``)."""
-        return self.model.get_parameter(name).detach().float().cpu().tolist()[:truncate_size]
+        return self.weight_update.target(name).detach().float().cpu().tolist()[:truncate_size]
 
     def tp_size(self) -> int:
         """Ranks the engine takes in a weight-update group (one: the embedded engine is one process)."""
@@ -432,8 +489,9 @@ class HFEngine:
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The engine's current weights on the CPU (used by tests to check a weight sync)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The engine's current weights on the CPU in the checkpoint's names (used by tests to check a weight sync)."""
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return self.weight_update.layout.state_dict(weights)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Give device memory back: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph`` (as

@@ -21,7 +21,8 @@ class EngineKind:
     group each engine takes (an embedded engine one; a launched SGLang server ``--rollout-num-gpus-per-engine``; a
     server that already runs none). ``launches``: whether the engine group starts a server per engine
     (``runtime.cluster.engines``) and hands its URL to the constructor as ``base_url``.
-    ``weight_sync``: the :data:`runtime.cluster.weight_sync.WEIGHT_SYNCS` entry that reaches it.
+    ``weight_sync``: the :data:`runtime.cluster.weight_sync.WEIGHT_SYNCS` entry that reaches it, given the config and
+    whether the job's devices are GPUs.
     ``count``: how many engines the config asks for. ``kwargs``: the constructor's arguments for engine ``index``.
     ``restartable``: whether a dead engine is restarted (``--use-fault-tolerance``): an embedded engine by building its
     actor again; an SGLang engine by launching its server again through its launcher (an external server: once it
@@ -31,10 +32,13 @@ class EngineKind:
     cls: str
     bundles_per_engine: Callable[[Any], int]
     launches: Callable[[Any], bool]
-    weight_sync: Callable[[Any], str]
+    weight_sync: Callable[[Any, bool], str]
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
     restartable: bool = False
+    # Whether the engine receives a weight broadcast while it generates (``stage_weights_from_distributed``) and
+    # swaps it in between two rollouts (``commit_staged_weights``): one-step async then syncs without draining.
+    stages_weights: bool = False
 
     def load(self) -> type[Any]:
         module, _, attr = self.cls.partition(":")
@@ -64,12 +68,21 @@ def _colocated_sync(cfg: Any) -> str | None:
     return "disk" if several_gpus or several_megatron else "ipc"
 
 
+def _split_sync(use_gpu: bool) -> str:
+    """Engines on devices of their own: a bucketed NCCL broadcast from the trainer's GPU memory on GPUs (link speed,
+    no host copy); on the CPU Ray's object store, which moves a bucket through shared memory in one copy where gloo's
+    broadcast crosses TCP loopback."""
+    return "nccl" if use_gpu else "object_store"
+
+
 ROLLOUT_ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
         cls="runtime.engines.hf_engine:HFEngine",
         bundles_per_engine=lambda cfg: 1,
         launches=lambda cfg: False,
-        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "object_store",
+        weight_sync=lambda cfg, use_gpu: (
+            cfg.sglang.update_weight_transport or _colocated_sync(cfg) or _split_sync(use_gpu)
+        ),
         count=lambda cfg: cfg.resources.rollout_num_gpus,
         kwargs=lambda cfg, model_path, i: {
             "model_path": model_path,
@@ -78,12 +91,13 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "max_running_requests": cfg.rollout.engine_max_running_requests,
         },
         restartable=True,
+        stages_weights=True,
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",
         bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
         launches=lambda cfg: not sglang_urls(cfg),
-        weight_sync=lambda cfg: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "nccl",
+        weight_sync=lambda cfg, use_gpu: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "nccl",
         count=_sglang_engines,
         kwargs=lambda cfg, model_path, i: {
             **({"base_url": sglang_urls(cfg)[i]} if sglang_urls(cfg) else {}),

@@ -107,29 +107,31 @@ def abort_group(group: Any) -> None:
         pass
 
 
-def send_bucket(
-    group: Any,
-    bucket: dict[str, torch.Tensor],
-    *,
-    device: torch.device | str = "cpu",
-    failed: Callable[[], str | None] | None = None,
-    poll_s: float = 0.01,
-) -> int:
-    """Broadcast every tensor of ``bucket`` from rank 0 (the caller), in order; returns the bytes sent.
-
-    ``failed`` (polled every ``poll_s`` seconds while the broadcast runs) says why it cannot complete, e.g. that a
-    receiver's call failed or its process died: the group is then aborted and :class:`SendAborted` raised at once,
-    instead of waiting for the group's timeout (a collective with a dead peer never completes under NCCL). A
-    broadcast that fails by itself aborts the group too, so that no live receiver waits on it. Either way the group
-    must not be used again.
-    """
-    sent = 0
+def start_bucket(group: Any, bucket: dict[str, torch.Tensor], *, device: torch.device | str = "cpu") -> list[Any]:
+    """Enqueue the broadcast of every tensor of ``bucket`` from rank 0 (the caller), in order, and return at once
+    with the operations' handles (:func:`finish_bucket` waits on them). A tensor already on ``device`` is sent from
+    where it lies (no copy); the caller keeps ``bucket`` alive until the handles complete. Aborts the group when an
+    enqueue fails."""
     handles = []
     try:
         for tensor in bucket.values():
-            t = tensor.to(device).contiguous()
-            handles.append(torch.distributed.broadcast(t, src=0, group=group, async_op=True))
-            sent += t.nbytes
+            t = tensor if tensor.device == torch.device(device) and tensor.is_contiguous() else tensor.to(device)
+            handles.append(torch.distributed.broadcast(t.contiguous(), src=0, group=group, async_op=True))
+    except BaseException:
+        abort_group(group)
+        raise
+    return handles
+
+
+def finish_bucket(
+    group: Any, handles: list[Any], *, failed: Callable[[], str | None] | None = None, poll_s: float = 0.01
+) -> None:
+    """Wait for the broadcasts ``handles`` of :func:`start_bucket`. ``failed`` (polled every ``poll_s`` seconds while
+    they run) says why they cannot complete, e.g. that a receiver's call failed or its process died: the group is
+    then aborted and :class:`SendAborted` raised at once, instead of waiting for the group's timeout (a collective
+    with a dead peer never completes under NCCL). A broadcast that fails by itself aborts the group too, so that no
+    live receiver waits on it. Either way the group must not be used again."""
+    try:
         if failed is not None:
             while not all(h.is_completed() for h in handles):
                 reason = failed()
@@ -141,7 +143,21 @@ def send_bucket(
     except BaseException:
         abort_group(group)
         raise
-    return sent
+
+
+def send_bucket(
+    group: Any,
+    bucket: dict[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    failed: Callable[[], str | None] | None = None,
+    poll_s: float = 0.01,
+) -> int:
+    """Broadcast every tensor of ``bucket`` from rank 0 (the caller) and wait until it is sent (:func:`start_bucket`
+    then :func:`finish_bucket`); returns the bytes sent."""
+    handles = start_bucket(group, bucket, device=device)
+    finish_bucket(group, handles, failed=failed, poll_s=poll_s)
+    return sum(t.nbytes for t in bucket.values())
 
 
 def receive_bucket(

@@ -227,6 +227,10 @@ class PromptDataset:
         self.offset = 0
         self._order = self._epoch_order(0)
 
+    def labels(self) -> list[Any]:
+        """Every usable prompt's label (as read: ``--label-key``'s value, None without the flag), in file order."""
+        return [prompt.label for prompt in self._prompts]
+
     def _parse_row(self, row: Any, error: str | None, tokenizer: Any) -> tuple[Any, Any, Any, str | None]:
         """``(text, label, metadata, None)`` for a good row, ``(None, None, None, reason)`` for a bad one."""
         cfg = self.cfg

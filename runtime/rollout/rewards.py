@@ -14,20 +14,26 @@ flag is unset; ``--eval-reward-key`` for evaluation).
 
 Every call, sync or async, runs in a thread of its own (an async one on its own event loop in that thread), at most
 ``max_workers`` at a time, so that no call, not even an ``async def`` that blocks (``time.sleep``, a synchronous HTTP
-client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises, returns something
-that is not a finite number, or runs past ``--reward-timeout`` gives reward 0 and is counted (``reward/errors``,
-``reward/timeouts`` in ``pop_metrics()``); the job goes on (``--max-reward-error-rate`` bounds how long, in the loop).
-The timeout of a call counts from the moment its thread starts, not from when it began waiting for one of the
-``max_workers`` slots; a batched function has one deadline for its batch. ``remote_rm`` times its own requests
-(``--reward-timeout`` per attempt, with retries).
+client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises (anything:
+``sys.exit()`` and ``KeyboardInterrupt`` included), returns something that is not a finite number, or runs past
+``--reward-timeout`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the
+job goes on (``--max-reward-error-rate`` bounds how long, in the loop). The timeout of a call counts from the moment
+its thread starts, not from when it began waiting for one of the ``max_workers`` slots; a batched function has one
+deadline for its batch. ``remote_rm`` times its own requests (``--reward-timeout`` per attempt, with retries).
 
-A timed-out call cannot be killed from Python: its (daemon) thread runs on in the background until it returns, but
-gives its slot back at the timeout, so a stuck call does not make later calls time out.
+A hung reward costs about one ``--reward-timeout`` a step, and its threads do not pile up. A timed-out call cannot be
+killed from Python: its (daemon) thread runs on until the function returns, and keeps its slot until then, so at most
+``max_workers`` threads of a hub are ever alive. The calls of one ``score`` share a progress deadline: a call still
+waiting for a slot when no call has finished for ``--reward-timeout`` seconds is not started and counts as a
+timeout. A function that hangs on every call therefore costs one timeout a step (not one per ``max_workers``
+samples), and one that hangs now and then loses only the calls that hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -99,6 +105,35 @@ def exact_match_reward(args: Any, sample: Sample, **kwargs: Any) -> float:
 
 _RULES: dict[str, Callable[..., Any]] = {"math": math_reward, "exact_match": exact_match_reward, **RULE_REWARDS}
 RM_NAMES = ("builtin", *_RULES, "random", "remote_rm")
+
+
+# The label types a built-in reward can score, for those that read the label as text: a float64 column (314.0) is
+# "314.0" to them and never equals an answer of "314". Rewards not listed take any label (math-verify, dapo and gpqa
+# read numbers as numbers; custom and remote rewards decide for themselves).
+TEXT_LABEL_TYPES: tuple[type, ...] = (str, int)
+LABEL_TYPES: dict[str, tuple[type, ...]] = {"exact_match": TEXT_LABEL_TYPES, "f1": TEXT_LABEL_TYPES}
+
+
+def check_label_types(labels: Sequence[Any], cfg: RewardConfig, *, label_key: str | None, source: str) -> None:
+    """Raise ``DataError`` (one line: the column, the type, the reward) when ``labels`` hold a type the reward
+    ``cfg`` names cannot score (``LABEL_TYPES``); nothing for a custom reward (``--custom-rm-path``)."""
+    from runtime.rollout.data import DataError
+
+    if cfg.custom_rm_path is not None or label_key is None:
+        return
+    accepted = LABEL_TYPES.get(cfg.rm_type.removeprefix("boxed_"))
+    if accepted is None:
+        return
+    bad = [
+        label for label in labels if label is not None and (isinstance(label, bool) or not isinstance(label, accepted))
+    ]
+    if bad:
+        kinds = ", ".join(sorted({type(label).__name__ for label in bad}))
+        raise DataError(
+            f"--label-key {label_key}: {source} holds {len(bad)} {kinds} labels (first: {bad[0]!r}), which --rm-type "
+            f"{cfg.rm_type} compares with the response as text and can never match: store the column as "
+            f"{' or '.join(t.__name__ for t in accepted)} (or use --rm-type math)"
+        )
 
 
 def is_batched(fn: Callable[..., Any]) -> bool:
@@ -204,10 +239,16 @@ class RewardHub:
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         self._max_workers = max_workers
-        # One semaphore per event loop (the loop runs a fresh asyncio.run per step); it bounds running calls.
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self._init_slots()
         self._metrics = self._zero_metrics()
+
+    def _init_slots(self) -> None:
+        # Running calls of the current event loop (one per loop: a loop may run a fresh asyncio.run per step) and
+        # timed-out calls whose threads still run, of any loop; together at most max_workers.
+        self._lock = threading.Lock()
+        self._free: asyncio.Condition | None = None
+        self._free_loop: asyncio.AbstractEventLoop | None = None
+        self._active = self._stuck = 0
 
     @staticmethod
     def _zero_metrics() -> dict[str, float]:
@@ -222,8 +263,9 @@ class RewardHub:
         return metrics
 
     def close(self) -> None:
-        """Nothing to release: each sync call has its own thread (threads of timed-out calls finish on their own)."""
-        self._slots = self._slots_loop = None
+        """Nothing to release: each call has its own thread (threads of timed-out calls finish on their own)."""
+        with self._lock:
+            self._free = self._free_loop = None
 
     async def score(self, samples: Sequence[Sample]) -> list[float]:
         """Score ``samples``, set each ``sample.reward``, and return the scalar rewards (0.0 where scoring failed)."""
@@ -234,6 +276,7 @@ class RewardHub:
         if not samples:
             return []
         start = time.perf_counter()
+        progress = _Progress()
         if self.batched and self.cfg.group_rm:
             # slime's --group-rm: the batched function sees one prompt's group per call.
             groups: dict[Any, list[int]] = {}
@@ -241,15 +284,15 @@ class RewardHub:
                 groups.setdefault(sample.group_index, []).append(i)
             results: list[Any] = [None] * len(samples)
             scored = await asyncio.gather(
-                *(self._score_batched([samples[i] for i in rows]) for rows in groups.values())
+                *(self._score_batched([samples[i] for i in rows], progress) for rows in groups.values())
             )
             for rows, group_results in zip(groups.values(), scored, strict=True):
                 for i, result in zip(rows, group_results, strict=True):
                     results[i] = result
         elif self.batched:
-            results = await self._score_batched(samples)
+            results = await self._score_batched(samples, progress)
         else:
-            results = await asyncio.gather(*(self._score_one(sample) for sample in samples))
+            results = await asyncio.gather(*(self._score_one(sample, progress) for sample in samples))
         rewards = []
         for sample, (value, stored) in zip(samples, results, strict=True):
             sample.reward = stored
@@ -258,9 +301,9 @@ class RewardHub:
         self._metrics["reward/time"] += time.perf_counter() - start
         return rewards
 
-    async def _score_one(self, sample: Sample) -> tuple[float, float | dict[str, Any]]:
+    async def _score_one(self, sample: Sample, progress: _Progress) -> tuple[float, float | dict[str, Any]]:
         call = functools.partial(self.fn, self.args, sample)
-        value = await self._guarded(call, count=1, what=f"sample {sample.index}")
+        value = await self._guarded(call, count=1, what=f"sample {sample.index}", progress=progress)
         if value is _FAILED:
             return 0.0, 0.0
         try:
@@ -269,10 +312,13 @@ class RewardHub:
             self._record_error(err, f"sample {sample.index}", count=1)
             return 0.0, 0.0
 
-    async def _score_batched(self, samples: list[Sample]) -> list[tuple[float, float | dict[str, Any]]]:
+    async def _score_batched(
+        self, samples: list[Sample], progress: _Progress
+    ) -> list[tuple[float, float | dict[str, Any]]]:
         n = len(samples)
         failed = [(0.0, 0.0)] * n
-        values = await self._guarded(functools.partial(self.fn, self.args, samples), count=n, what=f"{n} samples")
+        call = functools.partial(self.fn, self.args, samples)
+        values = await self._guarded(call, count=n, what=f"{n} samples", progress=progress)
         if values is _FAILED:
             return failed
         if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != n:
@@ -288,29 +334,87 @@ class RewardHub:
                 results.append((0.0, 0.0))
         return results
 
-    async def _guarded(self, call: Callable[[], Any], *, count: int, what: str) -> Any:
-        """Run one reward call under the timeout; ``_FAILED`` (counted, logged) if it raises or times out."""
+    async def _guarded(self, call: Callable[[], Any], *, count: int, what: str, progress: _Progress) -> Any:
+        """Run one reward call under the timeout; ``_FAILED`` (counted, logged) if it raises, times out, or is not
+        started because no call of this ``score`` finished for ``--reward-timeout`` seconds."""
+        if not await self._acquire(progress):
+            self._metrics["reward/timeouts"] += count
+            logger.warning(
+                "reward %s: no call finished in %.1fs (%d still running past --reward-timeout): %s not scored, "
+                "reward 0",
+                self.name,
+                self.cfg.reward_timeout,
+                self._stuck,
+                what,
+            )
+            return _FAILED
+        ticket = _Ticket()
 
         async def attempt() -> tuple[Any, Exception | None]:
             # User exceptions are caught here, inside the timeout, so that a TimeoutError the function raises
             # itself is an error and not mistaken for the hub's timeout.
             try:
-                return await _in_thread(functools.partial(_call_to_end, call)), None
+                return await _in_thread(functools.partial(_call_to_end, call), ticket, self._thread_done), None
             except Exception as err:  # any failure of user code becomes reward 0, never a crash
                 return None, err
 
         try:
-            # The slot is taken before the clock starts: waiting for a free thread is not the function's time.
-            async with self._get_slots():
-                result, err = await asyncio.wait_for(attempt(), timeout=self._timeout)
+            result, err = await asyncio.wait_for(attempt(), timeout=self._timeout)
         except TimeoutError:
             self._metrics["reward/timeouts"] += count
             logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
             return _FAILED
+        finally:
+            with self._lock:
+                # A thread still running keeps its slot until it returns (see the module docstring).
+                ticket.abandoned = not ticket.finished
+                self._stuck += ticket.abandoned
+            await self._release()
+        progress.mark()
         if err is not None:
             self._record_error(err, what, count=count)
             return _FAILED
         return result
+
+    async def _acquire(self, progress: _Progress) -> bool:
+        """Take a slot; False when none frees up before no call of this ``score`` has finished for the timeout."""
+        free = self._get_free()
+        async with free:
+            while self._active + self._stuck >= self._max_workers:
+                if self._timeout is None:
+                    await free.wait()
+                    continue
+                remaining = progress.last + self._timeout - time.monotonic()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(free.wait(), remaining)
+            self._active += 1
+        return True
+
+    async def _release(self) -> None:
+        free = self._get_free()
+        async with free:
+            self._active -= 1
+            free.notify()
+
+    def _thread_done(self, ticket: _Ticket) -> None:
+        """Called by a reward thread as it ends: an abandoned (timed-out) call gives its slot back now."""
+        with self._lock:
+            ticket.finished = True
+            if not ticket.abandoned:
+                return
+            self._stuck -= 1
+            loop, free = self._free_loop, self._free
+        if loop is None or free is None:
+            return
+
+        async def wake() -> None:
+            async with free:
+                free.notify()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the next one reads the counts afresh
+            loop.call_soon_threadsafe(lambda: loop.create_task(wake()))
 
     def _record_error(self, err: Exception, what: str, *, count: int) -> None:
         first = self._metrics["reward/errors"] == 0
@@ -325,26 +429,56 @@ class RewardHub:
             exc_info=err if first else None,
         )
 
-    def _get_slots(self) -> asyncio.Semaphore:
+    def _get_free(self) -> asyncio.Condition:
         loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:
-            self._slots, self._slots_loop = asyncio.Semaphore(self._max_workers), loop
-        return self._slots
+        with self._lock:
+            if self._free is None or self._free_loop is not loop:
+                # Calls of an earlier loop have ended or timed out (those still running are counted in _stuck).
+                self._free, self._free_loop, self._active = asyncio.Condition(), loop, 0
+            return self._free
 
     def __getstate__(self) -> dict[str, Any]:
         # A hub may be shipped to a Ray actor: the function is re-imported there by path (a hook loaded
-        # from a file is not importable by module name) and the slots are rebuilt on first use.
+        # from a file is not importable by module name) and the slots start empty there.
         state = dict(self.__dict__)
-        state["_slots"] = state["_slots_loop"] = None
-        del state["fn"]
+        for name in ("fn", "_lock", "_free", "_free_loop", "_active", "_stuck"):
+            del state[name]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._init_slots()
         _, self.fn = _resolve(self.cfg, **self._resolve_kwargs)
 
 
 _FAILED = object()
+
+
+class _Progress:
+    """When a call of one ``score`` last finished (returned or raised): the start of the shared deadline."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def mark(self) -> None:
+        self.last = time.monotonic()
+
+
+@dataclasses.dataclass
+class _Ticket:
+    """One reward thread: whether it has ended and whether its caller timed out (abandoned it)."""
+
+    finished: bool = False
+    abandoned: bool = False
+
+
+class RewardCallExit(Exception):
+    """A reward call that raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException``: counted as an
+    error like any other, so that it neither ends the rollout's thread (the job would wait for it forever) nor the
+    job."""
+
+    def __init__(self, err: BaseException):
+        super().__init__(f"raised {type(err).__name__}({', '.join(map(repr, err.args))})")
 
 
 def reward_error_rate(metrics: dict[str, float]) -> float:
@@ -366,9 +500,9 @@ def _call_to_end(call: Callable[[], Any]) -> Any:
     return asyncio.run(wait())
 
 
-async def _in_thread(call: Callable[[], Any]) -> Any:
-    """Run ``call`` in a new daemon thread and await its result; the thread starts at once (no pool queue), and an
-    abandoned (timed-out) call neither blocks later ones nor keeps the process alive at exit."""
+async def _in_thread(call: Callable[[], Any], ticket: _Ticket, done: Callable[[_Ticket], None]) -> Any:
+    """Run ``call`` in a new daemon thread and await its result; the thread starts at once (no pool queue), calls
+    ``done(ticket)`` as it ends, and an abandoned (timed-out) call does not keep the process alive at exit."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -383,8 +517,12 @@ async def _in_thread(call: Callable[[], Any]) -> Any:
     def run() -> None:
         try:
             result, err = call(), None
-        except BaseException as exc:  # handed to the awaiting coroutine, which decides
+        except Exception as exc:  # handed to the awaiting coroutine, which decides
             result, err = None, exc
+        except BaseException as exc:  # sys.exit() and the like: re-raised in the event loop, they would end it
+            result, err = None, RewardCallExit(exc)
+        finally:
+            done(ticket)
         try:
             loop.call_soon_threadsafe(settle, result, err)
         except RuntimeError:  # the event loop closed while this call ran past its timeout

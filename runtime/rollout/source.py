@@ -30,6 +30,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -177,7 +178,7 @@ class RolloutSettings:
 
     rollout_batch_size: int
     n_samples: int
-    params: SamplingParams
+    params: SamplingParams | None  # None: the job generates nothing (slime's SFT rollout, no response length)
     num_rollout: int
     over_sampling_batch_size: int | None = None
     max_staleness: int = 1
@@ -244,6 +245,17 @@ class BatchSource(_Source):
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead
         self._futures: dict[int, concurrent.futures.Future] = {}
+        self._before_next: Callable[[], Any] | None = None
+
+    def defer(self, swap: Callable[[], Any]) -> None:
+        """Run ``swap`` (a staged weight update's swap) once the rollout in flight is done and before the next one
+        starts: under one_step the weights are sent while that rollout samples, and no rollout mixes versions."""
+        self._before_next = swap
+
+    def _swap_pending(self) -> None:
+        swap, self._before_next = self._before_next, None
+        if swap is not None:
+            swap()
 
     def start(self, step: int) -> None:
         pass
@@ -258,6 +270,7 @@ class BatchSource(_Source):
             return prompts
 
         async def produce() -> Rollout:
+            started = time.perf_counter()
             samples, metrics, outcomes = await collect_rollout(
                 self.ctx,
                 next_prompts,
@@ -272,16 +285,21 @@ class BatchSource(_Source):
                 sample_filter=self.sample_filter,
                 all_samples_process=self.all_samples_process,
             )
+            # The generation's own seconds: under one_step it overlaps training, and perf/rollout_wait_time does not
+            # show it.
+            metrics = {**metrics, "perf/rollout_time": time.perf_counter() - started}
             return Rollout(step, samples, metrics, handouts=taken, outcomes=outcomes)
 
         self._futures[step] = self.runner.submit(produce())
 
     def get(self, step: int) -> Rollout:
         if step not in self._futures:
+            self._swap_pending()
             self._submit(step)
         rollout = self._futures.pop(step).result()
         ahead = step + self.lookahead
         if self.lookahead and ahead < self.settings.num_rollout and ahead not in self._futures:
+            self._swap_pending()
             self._submit(ahead)
         rollout.metrics.update(staleness_metrics(rollout.samples, step=step))
         return rollout
@@ -298,6 +316,7 @@ class BatchSource(_Source):
         for future in self._futures.values():
             future.cancel()
         self._futures.clear()
+        self._before_next = None
 
 
 @dataclass

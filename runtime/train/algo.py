@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from rlcore.advantages import AdvantageConfig
-from rlcore.losses import LossConfig
+from rlcore.advantage_config import AdvantageConfig
+from rlcore.loss_config import LossConfig
 from runtime.cluster.checkpoint import actor_start, reference_path
 from runtime.cluster.loopback import RAY_ADDRESS_ENV
 from runtime.config import KL_COEF_IGNORED, Config, ConfigError

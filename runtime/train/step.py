@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from rlcore import keys
 from rlcore.advantages import AdvantageConfig, compute, whiten
+from rlcore.distributed import all_reduce
 from runtime.hooks import Hook
 from runtime.train.backends.base import TrainBackend
 from runtime.train.batch import (
@@ -36,9 +37,7 @@ _MODEL_INPUT_KEYS = (TOKENS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS)
 
 
 def _global_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None) -> float:
-    stats = torch.stack([x[mask].sum().double(), mask.sum().double()])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
+    stats = all_reduce(torch.stack([x[mask].sum().double(), mask.sum().double()]), group=group)
     return float(stats[0] / stats[1].clamp(min=1))
 
 
@@ -169,9 +168,7 @@ def train_rollout(
             shard[keys.MASK],
             max_response_len=hooks.args.rollout_max_response_len,
         )
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        metrics.update(correct_sample_metrics(sums))
+        metrics.update(correct_sample_metrics(all_reduce(sums, group=group)))
     if adv_cfg.opd_kl_coef > 0:
         # slime's opd_reverse_kl: the student's log-prob minus the teacher's, over the valid tokens (its mean).
         reverse_kl = shard[keys.OLD_LOG_PROBS] - shard[keys.TEACHER_LOG_PROBS]

@@ -16,6 +16,19 @@ TRAIN_BACKENDS: dict[str, str] = {
 }
 
 
+# Each backend's options module: its ``OWN_FIELDS`` (the flags only it reads; refused under another backend). Light:
+# the config imports it to validate, without the backend's dependencies.
+TRAIN_BACKEND_OPTIONS: dict[str, str] = {
+    "torch": "runtime.train.backends.torch_options",
+    "megatron": "runtime.train.backends.megatron_options",
+}
+
+
+def backend_options(name: str) -> Any:
+    """The options module of ``--train-backend name`` (see :data:`TRAIN_BACKEND_OPTIONS`)."""
+    return importlib.import_module(TRAIN_BACKEND_OPTIONS[name])
+
+
 def backend_class(name: str) -> type[Any]:
     """The class registered as ``--train-backend name``; ``ValueError`` naming the choices for an unknown name."""
     if name not in TRAIN_BACKENDS:
@@ -24,4 +37,4 @@ def backend_class(name: str) -> type[Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["TRAIN_BACKENDS", "backend_class"]
+__all__ = ["TRAIN_BACKENDS", "TRAIN_BACKEND_OPTIONS", "backend_class", "backend_options"]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from runtime.train.backends.lora_options import parse_modules_to_save, parse_target_modules
+
 ADAPTER = "default"
 # Where peft puts the wrapped model's own parameter names, and what it inserts inside a LoRA layer.
 _PEFT_PREFIX = "base_model.model."
@@ -21,26 +23,6 @@ _BASE_LAYER = ".base_layer"
 # A module of --lora-modules-to-save: peft keeps the frozen original and a trained copy per adapter.
 _ORIGINAL = ".original_module."
 _SAVED = f".modules_to_save.{ADAPTER}."
-
-
-def parse_target_modules(value: str) -> str | list[str]:
-    """``--lora-target-modules``: ``all-linear`` (every linear layer but the output head) or comma-separated module
-    names (``q_proj,v_proj``) as ``peft.LoraConfig.target_modules`` takes them."""
-    value = value.strip()
-    if value == "all-linear":
-        return value
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    if not names:
-        raise ValueError("--lora-target-modules: give all-linear or comma-separated module names (q_proj,v_proj)")
-    return names
-
-
-def parse_modules_to_save(value: str) -> list[str] | None:
-    """``--lora-modules-to-save``: comma-separated module names trained in full beside the adapters, as
-    ``peft.LoraConfig.modules_to_save`` takes them (a name matches every module whose name ends with it: ``norm``
-    is every RMSNorm of a Llama or Qwen model); empty: none."""
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    return names or None
 
 
 def wrap_lora(

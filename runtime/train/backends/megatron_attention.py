@@ -24,6 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from runtime.config import MEGATRON_VALUES_BUILT
+from runtime.train.backends.megatron_compat import apply_no_te_workarounds
 
 SDPA, UNFUSED = "sdpa", "unfused"
 
@@ -51,8 +52,9 @@ def sdpa_core_attention(
 
     Args:
         query: [sq, b, np, hn] queries of this rank's ``np`` heads.
-        key, value: [sk, b, ng, hn], ``ng`` key/value groups dividing ``np`` (grouped-query attention: query head
-            ``h`` reads group ``h // (np // ng)``, as Megatron's ``repeat_interleave``).
+        key, value: [sk, b, ng, hn] and [sk, b, ng, hv], ``ng`` key/value groups dividing ``np`` (grouped-query
+            attention: query head ``h`` reads group ``h // (np // ng)``, as Megatron's ``repeat_interleave``); the
+            value head ``hv`` may differ from the query/key head (multi-latent attention).
         scale: multiplies ``query @ key^T`` before the softmax.
         causal: query ``i`` attends to keys ``j <= i`` only (needs ``sq == sk``); ignored when ``mask`` is given.
         mask: optional bool mask broadcastable to [b, np, sq, sk], True where a query must NOT attend (Megatron's
@@ -62,15 +64,15 @@ def sdpa_core_attention(
             flash enabled); its other kernels would fall back to the math kernel, which materialises the scores.
 
     Returns:
-        [sq, b, np * hn], the attention output of every head, heads outermost in the last dimension.
+        [sq, b, np * hv], the attention output of every head, heads outermost in the last dimension.
     """
-    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
         raise ValueError(
-            f"query [sq, b, np, hn] and key/value [sk, b, ng, hn] of one shape, got {tuple(query.shape)}, "
+            f"query [sq, b, np, hn], key [sk, b, ng, hn] and value [sk, b, ng, hv], got {tuple(query.shape)}, "
             f"{tuple(key.shape)}, {tuple(value.shape)}"
         )
     sq, b, heads, dim = query.shape
-    sk, groups = key.shape[0], key.shape[2]
+    sk, groups, value_dim = key.shape[0], key.shape[2], value.shape[3]
     if key.shape[1] != b or key.shape[3] != dim or heads % groups:
         raise ValueError(f"key/value {tuple(key.shape)} do not fit query {tuple(query.shape)} (np % ng must be 0)")
     if mask is None and causal and sq != sk:
@@ -83,6 +85,7 @@ def sdpa_core_attention(
             and query.dtype in _FLASH_DTYPES
             and mask is None
             and dim <= _FLASH_MAX_HEAD_DIM
+            and value_dim == dim
             and torch.backends.cuda.flash_sdp_enabled()
         )
     # [s, b, n, h] -> [b, n, s, h]: the kernels take strided inputs whose last dimension is contiguous.
@@ -99,7 +102,7 @@ def sdpa_core_attention(
         scale=scale,
         enable_gqa=groups != heads and native_gqa,
     )
-    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value_dim)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -111,7 +114,20 @@ class SDPADotProductAttention(DotProductAttention):
     The softmax runs in float32 inside the kernels whatever ``attention_softmax_in_fp32`` says. Attention dropout,
     sliding windows, softmax offsets, attention biases and packed sequences are refused."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str, **kwargs):
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        *,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **kwargs,
+    ):
+        # k_channels / v_channels: the query/key and value head sizes multi-latent attention passes (they differ)
+        # with its own softmax_scale; megatron-core's local DotProductAttention takes neither (megatron_compat), and
+        # this attention reads the head sizes off its inputs.
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
         dropout = kwargs.get("attention_dropout")
         dropout = config.attention_dropout if dropout is None else dropout
@@ -141,7 +157,7 @@ class SDPADotProductAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys and values -> [sq, b, np * hn]."""
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys, [sk, b, ng, hv] values -> [sq, b, np * hv]."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("the SDPA core attention takes no attention bias and no packed sequences")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -162,6 +178,8 @@ def local_layer_spec(*, attention_backend: str, qk_layernorm: bool, normalizatio
         raise ValueError(
             f"--attention-backend {attention_backend!r}: the Megatron backend runs {sorted(ATTENTION_IMPLEMENTATIONS)}"
         )
+    # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first.
+    apply_no_te_workarounds()
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
     if ATTENTION_IMPLEMENTATIONS[attention_backend] == UNFUSED:
         return spec

@@ -55,6 +55,7 @@ from runtime.train.backends import megatron_checkpoint as mck
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_critic as mcritic
 from runtime.train.backends import megatron_weights as mw
+from runtime.train.backends.megatron_compat import cpu_dispatcher_shims
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import STORE_PREFIX, TrainHooks, freeze_parameters
@@ -216,7 +217,8 @@ def _cpu_shims() -> Iterator[None]:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
-        yield
+        with cpu_dispatcher_shims():  # the MoE alltoall dispatcher's CUDA stream and split sizes (megatron_compat)
+            yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved[0], saved[1]
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved[2], saved[3]

@@ -16,8 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 # model_type -> whether the family has per-head QK RMSNorm and a bias on q/k/v.
 FAMILIES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
@@ -318,6 +316,8 @@ def stage_layers(shape: ModelShape, *, pp_rank: int, pp_size: int) -> range:
 def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
     """The architecture fields of megatron-core's ``TransformerConfig`` for ``shape`` (parallelism, precision and
     recompute are the backend's to add). Dropout is off: an RL trainer recomputes old log-probs in the same mode."""
+    import torch  # here, not at the top: the config checks read this module without torch
+
     return {
         "num_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,

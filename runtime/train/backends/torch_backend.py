@@ -42,7 +42,8 @@ from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_ent
 from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_loss, sft_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
-from runtime.engines.hf_engine import load_untied_state_dict, pick_device, restore_rng_state, rng_state
+from runtime.engines.checkpoint_layout import CheckpointLayout, load_checkpoint_state_dict
+from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
@@ -864,7 +865,8 @@ class TorchTrainer:
         self, *, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"
     ) -> Iterator[dict[str, torch.Tensor]]:
         """HF-named weights in ``dtype``, tied weights once, in buckets of about ``bucket_bytes``, on the CPU or (with
-        ``device="model"``) on the model's device, where every rank yields them (see ``TrainBackend``).
+        ``device="model"``) on the model's device, where every rank yields them (see ``TrainBackend``). The names are
+        the checkpoint's: an MoE model's fused experts go out one tensor per expert and projection.
 
         Each FSDP-sharded tensor is gathered on its own (``full_tensor``, a collective every rank runs in the same
         order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields. Under
@@ -877,21 +879,26 @@ class TorchTrainer:
         self._check_resident()
         bucket: dict[str, torch.Tensor] = {}
         size = 0
-        # Under LoRA the adapters go out merged into their base weights, under the base model's names.
-        for name, value in lora.merged_weights(self.model):
+        # Under LoRA the adapters go out merged into their base weights, under the base model's names; an MoE model's
+        # fused experts go out one tensor per expert and projection, under the checkpoint's names (the layout SGLang
+        # and the embedded engine load: runtime.engines.checkpoint_layout).
+        layout = CheckpointLayout(self.model, shapes={})
+        for model_name, value in lora.merged_weights(self.model):
             if self.rank != 0 and device == "cpu":
                 continue
-            tensor = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
-            if bucket and size + tensor.nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = {}, 0
-            bucket[name] = tensor
-            size += tensor.nbytes
+            whole = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
+            for name, tensor in layout.to_checkpoint(model_name, whole):
+                if bucket and size + tensor.nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[name] = tensor
+                size += tensor.nbytes
         if bucket:
             yield bucket
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full float32 weights on the CPU on rank 0 (tied weights once), None on other ranks (a collective)."""
+        """The full float32 weights on the CPU on rank 0 (tied weights once; checkpoint names, experts one by one),
+        None on other ranks (a collective)."""
         weights: dict[str, torch.Tensor] = {}
         for bucket in self.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 62):
             weights.update(bucket)
@@ -1002,8 +1009,9 @@ class TorchTrainer:
             return
         config = AutoConfig.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        # A key mismatch would silently leave random weights in the saved model.
-        missing, unexpected = load_untied_state_dict(model, weights)
+        # A key mismatch would silently leave random weights in the saved model. The weights come in the checkpoint's
+        # layout; save_pretrained writes that layout again.
+        missing, unexpected = load_checkpoint_state_dict(model, weights)
         if missing or unexpected:
             raise RuntimeError(
                 f"save_hf: the trained weights do not match {self.model_path}'s architecture: missing "

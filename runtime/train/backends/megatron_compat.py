@@ -1,0 +1,156 @@
+"""megatron-core 0.16.1's MoE and MLA paths without Transformer Engine (TE): the library's bugs there, worked around.
+
+The GPU hosts and this machine have no TE, so the Megatron backend builds megatron-core's local (plain torch) spec.
+Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``); each is one entry
+of :data:`WORKAROUNDS`, applied by :func:`apply_no_te_workarounds` before any model is built, and each has a test
+(``tests/test_megatron_compat.py``) that shows the bug in the unpatched library, so that a version that fixes it is
+noticed and the workaround dropped:
+
+- ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` and the ``fused_*`` helpers inside ``try: import
+  transformer_engine``; without TE the names are never bound and the router's ``RouterGatingLinearFunction`` raises
+  ``NameError`` on every forward. The workaround binds them to ``None`` (the value the module's own checks expect).
+- ``extensions/transformer_engine.py`` stands a ``MagicMock`` in for a missing TE, so ``multi_latent_attention.py``
+  imports its ``TELinear`` and sets ``HAVE_TE = True``; ``isinstance(linear_proj, TELinear)`` then raises
+  ``TypeError`` in ``MLASelfAttention.__init__``. The workaround sets that module's ``HAVE_TE = False``.
+- The local ``DotProductAttention`` takes no ``k_channels``/``v_channels``, which MLA passes (its value head is
+  narrower than its query head; Megatron-LM issue #1589, fix PR #6564 open). Not a patch: the backend's own core
+  attention (``megatron_attention.SDPADotProductAttention``) takes both and sizes its output ``heads * v_channels``.
+
+On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
+its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
+``all_to_all_single`` its split sizes as tensors, which gloo refuses ("incompatible function arguments": it takes
+sequences of ints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+# The names moe_utils binds only when TE imports (megatron-core 0.16.1, transformer/moe/moe_utils.py).
+MOE_UTILS_TE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+MLA = "megatron.core.transformer.multi_latent_attention"
+
+
+def _have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _moe_utils_unbound() -> bool:
+    module = importlib.import_module(MOE_UTILS)
+    return not _have_te() and any(not hasattr(module, name) for name in MOE_UTILS_TE_NAMES)
+
+
+def _bind_moe_utils_te_names() -> None:
+    module = importlib.import_module(MOE_UTILS)
+    for name in MOE_UTILS_TE_NAMES:
+        if not hasattr(module, name):
+            setattr(module, name, None)
+
+
+def _mla_believes_te() -> bool:
+    return not _have_te() and bool(getattr(importlib.import_module(MLA), "HAVE_TE", False))
+
+
+def _mla_without_te() -> None:
+    importlib.import_module(MLA).HAVE_TE = False
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One library bug: ``present()`` says whether the loaded megatron-core has it, ``apply()`` works around it."""
+
+    name: str
+    present: Callable[[], bool]
+    apply: Callable[[], None]
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround("moe_utils binds no TE names without TE", _moe_utils_unbound, _bind_moe_utils_te_names),
+    Workaround("multi_latent_attention believes TE is present", _mla_believes_te, _mla_without_te),
+)
+
+
+def apply_no_te_workarounds() -> list[str]:
+    """Apply every workaround whose bug the loaded megatron-core has; return their names (idempotent: a second call
+    returns ``[]``). Call before building a model."""
+    applied = []
+    for workaround in WORKAROUNDS:
+        if workaround.present():
+            workaround.apply()
+            applied.append(workaround.name)
+    return applied
+
+
+class _HostStream:
+    """Stands in for the dispatcher's CUDA side stream on the CPU: copies are synchronous, so waits do nothing."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _int_splits(splits: object) -> list[int] | None:
+    if splits is None:
+        return None
+    values = splits.tolist() if hasattr(splits, "tolist") else list(splits)
+    return [int(v) for v in values]
+
+
+@contextlib.contextmanager
+def cpu_dispatcher_shims() -> Iterator[None]:
+    """For the duration of the block: the alltoall dispatcher's side stream, ``torch.cuda.current_stream()`` and
+    ``torch.cuda.stream(s)`` are a host stream (its device-to-host copies are plain copies on the CPU), and
+    ``torch.distributed.all_to_all_single`` takes split sizes as lists of ints whatever it is handed. (The
+    ``torch.cuda.Stream`` class itself stays: modules imported meanwhile use it in annotations.)"""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+
+    saved = (Dispatcher.cuda_dtoh_stream, torch.cuda.current_stream, torch.cuda.stream, dist.all_to_all_single)
+    all_to_all_single = dist.all_to_all_single
+
+    def all_to_all_host(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        return all_to_all_single(
+            output,
+            input,
+            output_split_sizes=_int_splits(output_split_sizes),
+            input_split_sizes=_int_splits(input_split_sizes),
+            **kwargs,
+        )
+
+    # The dispatcher's constructor makes its side stream (a class attribute) only when none is set.
+    Dispatcher.cuda_dtoh_stream = _HOST_STREAM
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    dist.all_to_all_single = all_to_all_host
+    try:
+        yield
+    finally:
+        Dispatcher.cuda_dtoh_stream, torch.cuda.current_stream, torch.cuda.stream, dist.all_to_all_single = saved
+
+
+__all__ = ["WORKAROUNDS", "Workaround", "apply_no_te_workarounds", "cpu_dispatcher_shims"]

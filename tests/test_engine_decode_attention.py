@@ -1,0 +1,243 @@
+"""The engine's decode attention (``runtime.engines.decode_attention``) against a float64 attention written row by
+row: each sample's query against its group's real prompt keys then its own real response keys; and the engine's
+fused Triton norms, MLP and rotary (``runtime.engines.fused``) against transformers' own modules.
+
+The Triton kernel runs on a GPU, or on the CPU in Triton's interpreter: Triton fixes interpreter-or-compiler when
+it is imported, so ``test_triton_kernel_under_the_interpreter`` reruns this module in a fresh process with
+``TRITON_INTERPRET=1``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.engines.decode import engine_attention
+from runtime.engines.decode_attention import decode_attention_reference, decode_attention_triton, triton
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _case(seed: int, *, groups, per_group, kv_heads, query_group, width, columns, dk, dv, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    rows = groups * per_group
+    return {
+        "query": randn(rows, kv_heads * query_group, dk),
+        "prefix_k": randn(groups, kv_heads, width, dk),
+        "prefix_v": randn(groups, kv_heads, width, dv),
+        "prefix_start": torch.randint(0, width, (groups,), generator=gen),
+        "resp_k": randn(groups, kv_heads, per_group, columns, dk),
+        "resp_v": randn(groups, kv_heads, per_group, columns, dv),
+        "resp_len": torch.randint(0, columns + 1, (rows,), generator=gen),
+    }
+
+
+def _float64_rows(case: dict, scale: float) -> torch.Tensor:
+    """Row by row, head by head, in float64: softmax over the real prompt keys then the real response keys."""
+    q = case["query"].double()
+    rows, heads, _ = q.shape
+    groups, kv_heads = case["prefix_k"].shape[:2]
+    per_group = rows // groups
+    out = torch.zeros(rows, heads, case["prefix_v"].shape[-1], dtype=torch.float64)
+    for s in range(rows):
+        g, j = divmod(s, per_group)
+        start, length = int(case["prefix_start"][g]), int(case["resp_len"][s])
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            keys = torch.cat([case["prefix_k"][g, kv, start:], case["resp_k"][g, kv, j, :length]]).double()
+            values = torch.cat([case["prefix_v"][g, kv, start:], case["resp_v"][g, kv, j, :length]]).double()
+            out[s, h] = torch.softmax(keys @ q[s, h] * scale, 0) @ values
+    return out
+
+
+SHAPES = st.fixed_dictionaries(
+    {
+        "groups": st.integers(1, 3),
+        "per_group": st.integers(1, 4),
+        "kv_heads": st.integers(1, 3),
+        "query_group": st.sampled_from([1, 2, 4]),
+        "width": st.integers(1, 40),
+        "columns": st.integers(1, 70),
+        "dk": st.sampled_from([8, 16, 24]),
+        "dv": st.sampled_from([8, 16, 20]),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=SHAPES, seed=st.integers(0, 2**31 - 1))
+def test_reference_equals_float64_attention_over_the_real_keys(shape, seed):
+    case = _case(seed, **shape)
+    out = decode_attention_reference(**case, scale=0.4)
+    assert out.shape == (shape["groups"] * shape["per_group"], shape["kv_heads"] * shape["query_group"], shape["dv"])
+    # float32 scores and sums over at most 110 keys: a few float32 ulps of values of order 1.
+    torch.testing.assert_close(out.double(), _float64_rows(case, 0.4), rtol=0, atol=2e-5)
+
+
+def test_the_engine_attention_output_is_sized_by_the_value_head_dim():
+    """MLA models (DeepSeek-V3) have v_head_dim != qk_head_dim: the output's last dim is the values'."""
+    query, key, value = torch.randn(2, 4, 1, 24), torch.randn(2, 4, 5, 24), torch.randn(2, 4, 5, 16)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    module = torch.nn.Module()
+    out, _ = engine_attention(module, query, key, value, mask, scaling=0.2)
+    assert out.shape == (2, 1, 4, 16)
+    ref = torch.softmax(query @ key.transpose(-1, -2) * 0.2, -1) @ value
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-6)
+
+
+needs_triton = pytest.mark.skipif(
+    triton is None or not (INTERPRETED or torch.cuda.is_available()), reason="needs Triton's interpreter or a GPU"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param(
+            {
+                "groups": 2,
+                "per_group": 3,
+                "kv_heads": 2,
+                "query_group": 2,
+                "width": 40,
+                "columns": 70,
+                "dk": 16,
+                "dv": 16,
+            },
+            marks=pytest.mark.slow,  # about 15 s in Triton's interpreter
+        ),
+        {"groups": 3, "per_group": 1, "kv_heads": 1, "query_group": 4, "width": 5, "columns": 7, "dk": 24, "dv": 20},
+        {"groups": 1, "per_group": 8, "kv_heads": 2, "query_group": 2, "width": 3, "columns": 33, "dk": 16, "dv": 32},
+    ],
+)
+def test_triton_kernel_equals_the_reference(shape):
+    device = "cpu" if INTERPRETED else "cuda"
+    case = {k: v.to(device) for k, v in _case(11, **shape).items()}
+    # Parts of 32 columns in blocks of 16, so that the prompt and the responses span several parts and blocks.
+    got = decode_attention_triton(**case, scale=0.35, chunk=32, block_n=16)
+    torch.testing.assert_close(got.double().cpu(), _float64_rows(_case(11, **shape), 0.35), rtol=0, atol=2e-5)
+
+
+@needs_triton
+def test_triton_kernel_never_reads_padding_or_unwritten_columns():
+    """NaN in the prompt's padding columns and in every row's columns at or beyond its length change nothing: the
+    kernel's loads are masked to the real columns (the reference's masked_fill would let 0 * NaN through)."""
+    device = "cpu" if INTERPRETED else "cuda"
+    case = _case(3, groups=2, per_group=3, kv_heads=2, query_group=2, width=9, columns=40, dk=16, dv=16)
+    spoiled = {k: v.clone() for k, v in case.items()}
+    for g in range(2):
+        spoiled["prefix_k"][g, :, : int(case["prefix_start"][g])] = float("nan")
+        spoiled["prefix_v"][g, :, : int(case["prefix_start"][g])] = float("nan")
+    for s in range(6):
+        g, j = divmod(s, 3)
+        spoiled["resp_k"][g, :, j, int(case["resp_len"][s]) :] = float("nan")
+        spoiled["resp_v"][g, :, j, int(case["resp_len"][s]) :] = float("nan")
+    got = decode_attention_triton(**{k: v.to(device) for k, v in spoiled.items()}, scale=0.3, chunk=32, block_n=16)
+    torch.testing.assert_close(got.double().cpu(), _float64_rows(case, 0.3), rtol=0, atol=2e-5)
+
+
+def _tiny(family: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from runtime.engines.decode import ATTENTION, register_attention
+
+    sizes = {"vocab_size": 50, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[family](**sizes, **heads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    register_attention()
+    model.set_attn_implementation(ATTENTION)
+    return model
+
+
+@needs_triton
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
+def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
+    """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
+    the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
+    forward's to float32 rounding, and fusing off again restores the HF forwards."""
+    from runtime.engines.fused import fuse_model
+
+    device = "cpu" if INTERPRETED else "cuda"
+    model = _tiny(family).to(device)
+    ids = torch.randint(0, 50, (2, 4), device=device)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        fused_count = fuse_model(model)
+        fused = model(input_ids=ids, use_cache=False).logits
+        cached = model(input_ids=ids).logits  # through a DynamicCache, as generate() runs
+        assert fuse_model(model, on=False) == fused_count
+        assert not any("forward" in vars(m) for m in model.modules())
+    assert fused_count == (13 if family == "qwen3" else 9)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # about 30 s in Triton's interpreter
+@needs_triton
+def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
+    """decode() with the fused model draws the tokens the HF modules draw (float32; log-probs to rounding)."""
+    from runtime.engines.decode import decode
+    from runtime.engines.fused import fuse_model
+
+    device = "cpu" if INTERPRETED else "cuda"
+    model = _tiny("qwen3").to(device)
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11], [8, 9, 10, 11]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], device=device)
+    kw = {"max_new_tokens": 6, "temperature": 0.9, "top_k": -1, "top_p": 1.0, "stop_ids": [], "pad_id": 0}
+    kw |= {"seeds": [1, 2, 3], "cuda_graph": False, "kernel": "torch"}
+    plain = decode(model, ids, mask, **kw)
+    fuse_model(model)
+    fused = decode(model, ids, mask, **kw)
+    for a, b in zip(plain.tokens, fused.tokens, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.log_probs, fused.log_probs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@needs_triton
+def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
+    """bf16 in, bf16 out: rotary, RMSNorm and SiLU x up equal torch's eager ops (rounded where they round); the norm
+    and the SiLU may differ by one bf16 step in rare elements (float32 summation order, Triton's fast exp/rsqrt)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from runtime.engines.fused import rms_norm, rotary, silu_mul
+
+    device = "cpu" if INTERPRETED else "cuda"
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().to(device)
+
+    q, k, cos, sin = randn(2, 3, 4, 16), randn(2, 3, 2, 16), randn(2, 3, 16), randn(2, 3, 16)
+    rq, rk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    fq, fk = rotary(q, k, cos, sin)
+    assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
+    norm = Qwen3RMSNorm(64, eps=1e-6).bfloat16().to(device)
+    norm.weight.data = randn(64, scale=0.3) + 1
+    x, gate, up = randn(6, 64, scale=2.0), randn(4, 100, scale=3.0), randn(4, 100)
+    for got, want in ((rms_norm(x, norm.weight, 1e-6), norm(x)), (silu_mul(gate, up), F.silu(gate) * up)):
+        step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)  # one bf16 step
+        assert (got == want).float().mean() > 0.99 and bool(((got.float() - want.float()).abs() <= step).all())
+
+
+@pytest.mark.skipif(INTERPRETED or triton is None, reason="this process already runs interpreted, or no Triton")
+def test_triton_kernel_under_the_interpreter():
+    here = Path(__file__).resolve()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
+    result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "5 passed" in result.stdout, result.stdout[-2000:]

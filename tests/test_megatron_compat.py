@@ -1,0 +1,288 @@
+"""megatron-core 0.16.1 without Transformer Engine: each bug of ``runtime.train.backends.megatron_compat`` shown in the
+unpatched library (so that a version that fixes it fails here and its workaround is dropped), and the workaround
+shown to fix it: the MoE router's forward, MLA's construction, MLA's core attention with a narrower value head, and
+the alltoall token dispatcher on the CPU (an MoE layer against transformers' Qwen3-MoE block on the same weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+
+from runtime.train.backends import megatron_compat  # noqa: E402
+from runtime.train.backends.megatron_attention import SDPADotProductAttention  # noqa: E402
+from runtime.train.backends.megatron_backend import _cpu_shims  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_tf32")
+
+moe_utils = importlib.import_module(megatron_compat.MOE_UTILS)
+mla = importlib.import_module(megatron_compat.MLA)
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    """One gloo rank with megatron-core's parallel state (TP=EP=1), under the backend's CPU shims."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    megatron_compat.apply_no_te_workarounds()
+    try:
+        with _cpu_shims():
+            yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def unpatched(monkeypatch):
+    """The library as it loads: moe_utils' TE names unbound, MLA's HAVE_TE as its import left it (True)."""
+    megatron_compat.apply_no_te_workarounds()
+    for name in megatron_compat.MOE_UTILS_TE_NAMES:
+        monkeypatch.delattr(moe_utils, name)
+    monkeypatch.setattr(mla, "HAVE_TE", True)
+    yield
+    megatron_compat.apply_no_te_workarounds()
+
+
+def test_no_transformer_engine_here():
+    assert importlib.util.find_spec("transformer_engine") is None
+
+
+def test_router_gating_raises_name_error_until_the_te_names_are_bound(unpatched):
+    x, w = torch.randn(5, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    names = [w.name for w in megatron_compat.WORKAROUNDS]
+    assert [w.name for w in megatron_compat.WORKAROUNDS if w.present()] == names
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert megatron_compat.WORKAROUNDS[0].name in megatron_compat.apply_no_te_workarounds()
+    assert megatron_compat.apply_no_te_workarounds() == []
+    out = moe_utils.router_gating_linear(x, w, None, torch.float64)
+    torch.testing.assert_close(out, x @ w.T, rtol=0, atol=0)
+
+
+def mla_spec():
+    """megatron-core's local MLA attention spec with the backend's core attention (the local one takes no MLA)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    attention = get_gpt_layer_local_spec(
+        multi_latent_attention=True, normalization="RMSNorm", qk_layernorm=True
+    ).submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, core_attention=SDPADotProductAttention)
+    return dataclasses.replace(attention, submodules=submodules)
+
+
+def test_mla_believes_te_is_present_and_fails_to_build_until_told(unpatched, model_parallel):
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = mla_config()
+    # The MagicMock standing in for TE makes TELinear no class: MLASelfAttention's isinstance check raises.
+    assert mla.HAVE_TE and not isinstance(mla.TELinear, type)
+    with pytest.raises(TypeError, match="isinstance"):
+        build_module(mla_spec(), config=config, layer_number=1)
+    megatron_compat.apply_no_te_workarounds()
+    assert mla.HAVE_TE is False
+    module = build_module(mla_spec(), config=config, layer_number=1)
+    hidden = torch.randn(7, 2, config.hidden_size)
+    out, _ = module(hidden, attention_mask=None)
+    assert out.shape == hidden.shape and torch.isfinite(out).all()
+
+
+def mla_config():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        normalization="RMSNorm",
+        rope_type="rope",
+        rotary_base=10000,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+
+
+def test_local_attention_takes_no_value_head_and_the_sdpa_one_sizes_its_output_by_it(model_parallel):
+    config = mla_config()
+    with pytest.raises(TypeError, match="k_channels"):  # Megatron-LM #1589: fails once upstream takes them
+        DotProductAttention(config, 1, AttnMaskType.causal, "self", k_channels=12, v_channels=6, softmax_scale=0.3)
+    module = SDPADotProductAttention(
+        config, 1, AttnMaskType.causal, "self", k_channels=12, v_channels=6, softmax_scale=0.3
+    )
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(5, 2, 4, 12, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(5, 2, 4, 6, generator=g, dtype=torch.float64)
+    out = module(q, k, v, attention_mask=None)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * 0.3
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(5, 2, 4 * 6)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)  # float64 both sides
+
+
+def test_alltoall_dispatcher_needs_a_cuda_stream_on_the_cpu_until_shimmed(model_parallel, monkeypatch):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    config, groups = moe_config(), ProcessGroupCollection.use_mpu_process_groups()
+    # The class as it is outside the backend's CPU shims (which the fixture has entered).
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
+    with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda|Torch not compiled"):
+        MoEAlltoAllTokenDispatcher(2, [0, 1], config=config, pg_collection=groups)
+    with megatron_compat.cpu_dispatcher_shims():
+        dispatcher = MoEAlltoAllTokenDispatcher(2, [0, 1], config=config, pg_collection=groups)
+        assert dispatcher.cuda_dtoh_stream is not None
+
+
+def moe_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        **overrides,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp64",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def qwen3_moe_block():
+    """transformers' Qwen3-MoE block (4 experts, top-2 renormalised) in float64 with random weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hf_config = Qwen3MoeConfig(
+        hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    hf = Qwen3MoeSparseMoeBlock(hf_config).double()
+    with torch.no_grad():
+        # A standalone block is not initialised (transformers initialises whole models); a wide router, as
+        # transformers' default init nearly ties the experts' scores.
+        hf.gate.weight.normal_(0, 1.0)
+        hf.experts.gate_up_proj.normal_(0, 0.3)
+        hf.experts.down_proj.normal_(0, 0.3)
+    return hf
+
+
+def copy_block(hf, layer, *, first_expert: int = 0) -> None:
+    """transformers' block's weights into Megatron's MoE layer, whose local expert i is global expert first + i."""
+    with torch.no_grad():
+        layer.router.weight.copy_(hf.gate.weight)
+        for i, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(hf.experts.gate_up_proj[first_expert + i])
+            expert.linear_fc2.weight.copy_(hf.experts.down_proj[first_expert + i])
+
+
+def test_moe_layer_on_the_cpu_equals_transformers_qwen3_moe_block(model_parallel):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    torch.manual_seed(0)
+    layer = build_module(spec.submodules.mlp, config=moe_config()).double()
+    hf = qwen3_moe_block()
+    copy_block(hf, layer)
+    x = torch.randn(6, 3, 16, dtype=torch.float64)  # [s, b, h], Megatron's layout
+    out, _ = layer(x)
+    expected = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)  # transformers' is [b, s, h]
+    # float64 both sides, except that transformers' router takes its softmax in float32: the gate weights carry float32
+    # rounding (2^-24 relative), a few 1e-8 of outputs of order 1. A different expert choice would differ by O(1).
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    assert layer.router.weight.grad is not None and layer.experts.local_experts[0].linear_fc1.weight.grad is not None
+
+
+def _expert_parallel_rank(rank: int, port: int, out: dict) -> None:
+    """One of two gloo ranks at EP=2: the MoE layer holds experts [2 * rank, 2 * rank + 2) of a seeded transformers
+    block and runs this rank's own tokens, first with the dispatcher's split sizes as megatron-core hands them to gloo
+    (the error is recorded), then shimmed (its output is recorded beside the whole block's on the same tokens)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2, create_gloo_process_groups=False)
+    megatron_compat.apply_no_te_workarounds()
+    try:
+        with _cpu_shims():
+            torch.manual_seed(0)
+            hf = qwen3_moe_block()
+            layer = build_module(
+                get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm").submodules.mlp,
+                config=moe_config(expert_model_parallel_size=2),
+            ).double()
+            copy_block(hf, layer, first_expert=2 * rank)
+            x = torch.randn(5 + rank, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+            with _unshimmed_all_to_all(), pytest.raises(TypeError) as refused:
+                layer(x)
+            got, _ = layer(x)
+            expected = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)
+            out[rank] = (str(refused.value)[:200], got.detach(), expected.detach())
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _unshimmed_all_to_all():
+    import torch.distributed as dist
+
+    shimmed = dist.all_to_all_single
+    dist.all_to_all_single = shimmed.__closure__[0].cell_contents  # the original, captured by the shim
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = shimmed
+
+
+def test_expert_parallel_over_gloo_needs_int_split_sizes():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_expert_parallel_rank, args=(port, out), nprocs=2)
+    for rank in (0, 1):
+        refused, got, expected = out[rank]
+        # megatron-core hands the split sizes over as tensors, which gloo's all_to_all_single does not take.
+        assert "all_to_all_single(): incompatible function arguments" in refused
+        # As the one-process test: float64, but transformers' router softmax in float32.
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,174 @@
+"""The same job on 1, 2 and 4 GPUs under each placement and schedule: step time and its parts, speed-up, efficiency.
+
+    python tools/bench_scale.py                          # qwen3-0.6b preset, 1/2/4 GPUs (as many as the host has)
+    python tools/bench_scale.py --gpus 1 2 --steps 5 --out /tmp/scale
+
+The job is issue 26's: a random-init model of a real shape (``tools/make_tiny_model.py --preset``) on the built-in
+task, 8 prompts x 8 samples x up to 512 tokens a step, global batch 64, micro-batch 8. Each placement is one
+``rlcore-run`` (:data:`PLACEMENTS`); the figures are medians over the steps after ``--warmup`` (compilation, the
+first sync and the allocator's growth stay out). Jobs whose GPU sets do not overlap run at the same time
+(``--parallel``), each on its own devices (``CUDA_VISIBLE_DEVICES``) and its own Ray.
+
+Columns: step (``perf/step_time``), rollout (the generation's own seconds, ``perf/rollout_time``: under one_step it
+overlaps training), log-probs (``perf/log_probs_time``), train (``perf/train_time``, which includes the log-probs),
+sync (``perf/weight_sync_time``), speed-up (one GPU's step / this step), efficiency (speed-up / GPUs), and for
+one_step the bound of issue 26: step / (max(rollout, train) + sync), at most 1.1 when the overlap works. The last
+lines name the fastest plan per GPU count and the default (``runtime.cluster.plan.DEFAULT_PLAN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from runtime.cluster.plan import DEFAULT_PLAN  # noqa: E402
+
+JOB = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
+       "--micro-batch-size", "8", "--rollout-max-response-len", "512"]  # fmt: skip
+
+# Placement name -> its flags on n GPUs (None: the placement needs more GPUs than n).
+PLACEMENTS: dict[str, Callable[[int], list[str] | None]] = {
+    "colocated_dp": lambda n: ["--colocate", "--actor-num-gpus-per-node", str(n)],
+    "split_sync": lambda n: (
+        None
+        if n < 2
+        else [
+            "--actor-num-gpus-per-node",
+            str(n // 2),
+            "--rollout-num-gpus",
+            str(n - n // 2),
+            "--rollout-schedule",
+            "sync",
+        ]
+    ),  # fmt: skip
+    "split_async": lambda n: (
+        None
+        if n < 2
+        else [
+            "--actor-num-gpus-per-node",
+            str(n // 2),
+            "--rollout-num-gpus",
+            str(n - n // 2),
+            "--rollout-schedule",
+            "one_step",
+        ]
+    ),  # fmt: skip
+}
+COLUMNS = {
+    "step": "perf/step_time",
+    "rollout": "perf/rollout_time",
+    "log-probs": "perf/log_probs_time",
+    "train": "perf/train_time",
+    "sync": "perf/weight_sync_time",
+}
+
+
+def python_path() -> str:
+    """This checkout first, then whatever the caller's ``PYTHONPATH`` holds (where the dependencies may be)."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
+def run_job(model: str, gpus: list[int], flags: list[str], out: Path, steps: int) -> list[dict]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONPATH": python_path()}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "runtime.cli", "--hf-checkpoint", model, *JOB, *flags, "--num-rollout", str(steps),
+           "--output-dir", str(out)]  # fmt: skip
+    with open(out.with_suffix(".log"), "w") as log:
+        code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if code != 0:
+        tail = out.with_suffix(".log").read_text()[-1500:]
+        raise RuntimeError(f"{' '.join(flags)} on GPUs {gpus} failed ({code}):\n{tail}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def medians(rows: list[dict], warmup: int) -> dict[str, float]:
+    kept = [r for r in rows if r["step"] >= warmup]
+    return {
+        name: statistics.median(r[key] for r in kept) if all(r.get(key) is not None for r in kept) else float("nan")
+        for name, key in COLUMNS.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--model", help="an HF folder instead of building --preset")
+    parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    # split_sync is the one-step schedule's baseline; it is left out by default to keep the run short.
+    parser.add_argument("--placements", nargs="+", default=["colocated_dp", "split_async"], choices=list(PLACEMENTS))
+    parser.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import torch
+
+    have = torch.cuda.device_count()
+    counts = [n for n in args.gpus if n <= have]
+    if not counts:
+        raise SystemExit(f"bench_scale needs GPUs: this host has {have}")
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-scale-"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = str(out / args.preset)
+        if not (Path(model) / "config.json").exists():
+            subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--preset", args.preset, model],
+                           check=True, env={**os.environ, "PYTHONPATH": python_path()})  # fmt: skip
+    jobs = [(n, name, flags) for n in counts for name in args.placements if (flags := PLACEMENTS[name](n))]
+    # Waves of jobs on disjoint GPUs: each wave fills the host's GPUs with the largest jobs first.
+    waves: list[list[tuple[int, str, list[str]]]] = []
+    for job in sorted(jobs, key=lambda j: -j[0]):
+        for wave in waves if args.parallel else []:
+            if sum(j[0] for j in wave) + job[0] <= have:
+                wave.append(job)
+                break
+        else:
+            waves.append([job])
+    results: dict[tuple[int, str], dict[str, float]] = {}
+    for wave in waves:
+        start = 0
+        placed = []
+        for n, name, flags in wave:
+            placed.append((n, name, flags, list(range(start, start + n))))
+            start += n
+        began = time.perf_counter()
+        with ThreadPoolExecutor(len(placed)) as pool:
+            futures = {
+                (n, name): pool.submit(run_job, model, gpus, flags, out / f"{n}gpu-{name}", args.steps)
+                for n, name, flags, gpus in placed
+            }
+            for key, future in futures.items():
+                results[key] = medians(future.result(), args.warmup)
+        print(f"(wave {[f'{n} GPU {name}' for n, name, _, _ in placed]}: {time.perf_counter() - began:.0f} s)")
+    base = results.get((1, "colocated_dp"), {}).get("step")
+    header = ["GPUs", "plan", *COLUMNS, "speed-up", "efficiency", "step / async bound"]
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+    for (n, name), m in sorted(results.items()):
+        speedup = base / m["step"] if base else float("nan")
+        bound = m["step"] / (max(m["rollout"], m["train"]) + m["sync"]) if name == "split_async" else None
+        cells = [str(n), name, *(f"{m[c]:.3f}" for c in COLUMNS), f"{speedup:.2f}x", f"{speedup / n:.2f}"]
+        print("| " + " | ".join([*cells, f"{bound:.2f}" if bound else "-"]) + " |")
+    for n in counts:
+        measured = {name: m["step"] for (k, name), m in results.items() if k == n}
+        fastest = min(measured, key=measured.get)
+        ratio = f", {measured[fastest] / base:.2f}x one GPU's step" if base else ""
+        print(f"{n} GPU(s): fastest {fastest} ({measured[fastest]:.3f} s{ratio}); default plan {DEFAULT_PLAN}")
+    print(f"(model {args.preset if args.model is None else model}, {args.steps} steps, medians of steps >= "
+          f"{args.warmup}; logs in {out})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
