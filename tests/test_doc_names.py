@@ -30,6 +30,8 @@ EXTERNAL = {
     "train.py": "slime's entry script",
     "train_async.py": "slime's entry script",
     "examples/on_policy_distillation": "slime's example folder",
+    "examples/fully_async/run-qwen2.5-0.5B-fully_async.sh": "slime's example script",
+    "examples/retool/retool_qwen3_4b_rl.sh": "slime's example script",
     "consistent_hashing": "slime's router policy",
     "min_eval_samples": "a key of slime's evaluation config",
     "multimodal_keys": "a key of slime's evaluation config",

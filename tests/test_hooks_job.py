@@ -105,13 +105,26 @@ def test_built_in_rollout_with_fan_out_sample_hooks_and_all_samples(ray_session,
         rollout_all_samples_process_path=f"{PLUGIN}:see_all_samples",
         rollout_sample_filter_path=f"{PLUGIN}:remove_second_turn",
         custom_reward_post_process_path=f"{PLUGIN}:reward_post_process",
+        dump_details=str(tmp_path / "dump"),
     )
     (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+
     assert "train/loss" in row and row["train/num_steps"] == 1
     assert len(plugin.CALLS["tag"]) == 8 and {c["rollout_id"] for c in plugin.CALLS["tag"]} == {0}
     assert plugin.CALLS["all_samples"] == [{"groups": 2, "data_source": "BufferedPromptSource"}]
     assert plugin.CALLS["sample_filter"] == [{"groups": 2}]
     assert plugin.CALLS["reward_post_process"] == [{"n": 8}]
+    # What the hooks did reached the trained batch (the step's dumps, --dump-details):
+    samples = torch.load(tmp_path / "dump" / "rollout_data" / "0.pt", weights_only=False)["samples"]
+    batch = torch.load(tmp_path / "dump" / "train_data" / "0.pt", weights_only=False)["batch"]
+    assert batch["response_lengths"].tolist() == [s["response_length"] for s in samples] == [1, 2] * 4
+    assert all(s["metadata"]["tagged"] for s in samples)  # the sample hook's mark
+    # The filter removed each second turn: kept in the batch, with no token trained.
+    assert [s["remove_sample"] for s in samples] == [s["metadata"]["turn"] == 1 for s in samples] == [False, True] * 4
+    assert batch["mask"].sum(1).tolist() == [1, 0] * 4
+    # The post-process's rewards (2 r - 1) replace the group normalisation as the advantages.
+    want = [2.0 * s["reward"] - 1.0 for s in samples]
+    assert batch["rewards"].tolist() == want and batch["sequence_advantages"].tolist() == want
 
 
 def _conversations(n, *, seed):

@@ -600,11 +600,18 @@ def test_raising_reward_function_is_counted_and_the_run_goes_on(ray_session, tmp
             """
         )
     )
-    cfg = small_cfg(tmp_path, custom_rm_path=f"{hook}:reward")
+    dump = tmp_path / "dump"
+    cfg = small_cfg(tmp_path, custom_rm_path=f"{hook}:reward", dump_details=str(dump))
     result = run(cfg, progress=False)
     rows = read_metrics(result.output_dir / METRICS_FILE)
     assert len(rows) == 2
-    assert sum(r["reward/errors"] for r in rows) > 0
+    for row in rows:
+        # Each step's count is the samples whose reward raised (an odd first digit), each of them scored 0.
+        samples = torch.load(dump / "rollout_data" / f"{row['step']}.pt", weights_only=False)["samples"]
+        raised = [s for s in samples if s["response"].startswith(("1", "3", "5", "7", "9"))]
+        assert row["reward/errors"] == len(raised), row["step"]
+        assert all(s["reward"] == 0.0 for s in raised)
+    assert sum(r["reward/errors"] for r in rows) > 0  # the case is not trivial
     assert all(r["reward/num_scored"] == 16 for r in rows)
     assert (result.output_dir / "final_model" / "config.json").is_file()
 
@@ -659,12 +666,36 @@ def test_dump_details_then_replay_without_engines_then_rollout_only(ray_session,
 
 def test_on_policy_distillation_with_a_teacher_model_in_the_trainers(ray_session, tmp_path):
     teacher = make_tiny_model(tmp_path / "teacher", alphabet=task.ALPHABET, seed=7)
+    dump = tmp_path / "dump"
     cfg = small_cfg(
-        tmp_path, num_rollout=1, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher), opd_kl_coef=0.5
+        tmp_path,
+        num_rollout=1,
+        use_opd=True,
+        opd_type="megatron",
+        opd_teacher_load=str(teacher),
+        opd_kl_coef=0.5,
+        dump_details=str(dump),
     )
-    (row,) = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
-    # A different model: its log-probs differ from the student's, and the reverse KL reaches the advantages.
-    assert row["train/opd_reverse_kl"] != 0.0 and row["rollout/advantage_abs_mean"] > 0
+    result = run(cfg, progress=False)
+    (row,) = read_metrics(result.output_dir / METRICS_FILE)
+    # The reverse KL is the student's log-prob minus the teacher's over the trained tokens: recomputed here from
+    # the step's batch with both models (float32 on the CPU; other batch shapes than the trainer's, so within a few
+    # float32 roundings of log-probs of about -3: 1e-4).
+    batch = torch.load(dump / "train_data" / "0.pt", weights_only=False)["batch"]
+    student = AutoModelForCausalLM.from_pretrained(result.output_dir / "base_model", dtype=torch.float32)
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    mask = batch[keys.MASK]
+    at = batch["prompt_lengths"][:, None] - 1 + torch.arange(mask.shape[1])
+    at = at.clamp(max=batch["tokens"].shape[1] - 1)
+    with torch.no_grad():
+        per_token = []
+        for model in (student, teacher_model):
+            log_probs = model(input_ids=batch["tokens"]).logits.log_softmax(-1)
+            rows = torch.arange(len(at))[:, None]
+            per_token.append(log_probs[rows, at].gather(-1, batch["response_tokens"][..., None])[..., 0])
+    want = ((per_token[0] - per_token[1])[mask]).mean().item()
+    assert row["train/opd_reverse_kl"] == pytest.approx(want, abs=1e-4)
+    assert abs(want) > 1e-2  # a different model: the case is not trivial
 
 
 def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
@@ -790,5 +821,10 @@ def test_default_job_learns_within_ten_minutes(tmp_path):
     rewards = [r["rollout/reward_mean"] for r in read_metrics(result.output_dir / METRICS_FILE)]
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     print(f"default job: {len(rewards)} steps, first-10 reward {first:.3f}, last-10 {last:.3f}, wall {wall:.0f}s")
-    assert last - first >= 0.3
+    # README.md: 0.045 -> 0.985 with the default seed. Another CPU's rounding can send the run down another seed's
+    # path, so the band is the seeds' (docs/runtime.md, the sync column of the 5-seed table: last-10 0.585 to 0.995):
+    # it starts at chance (0.045; 0.15 is over three times that) and ends where the worst seed ended or above.
+    assert len(rewards) == 250
+    assert first <= 0.15, first
+    assert last >= 0.55, last
     assert wall <= 600
