@@ -39,6 +39,7 @@ EXTERNAL = {
     "~/.ray/auth_token": "Ray's token file",
     "./my_rewards.py": "the user's file in an example",
     ".step_N.partial/": "a pattern: N is the step",
+    ".final_model.partial/": "the export's temporary folder, made and removed at run time",
     "len_b": "math notation: sample b's length",
 }
 

@@ -229,8 +229,10 @@ def test_ref_load_and_load_take_megatron_checkpoints_by_slimes_rule(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
+    # Given the torch backend, a torch_dist --ref-load is refused (unset, it selects megatron: runtime.slime_compat).
     with pytest.raises(ConfigError, match="Megatron torch_dist checkpoints need --train-backend megatron"):
-        _parse("--ref-load", str(ref))
+        _parse("--train-backend", "torch", "--ref-load", str(ref))
+    assert _parse("--ref-load", str(ref)).train.train_backend == "megatron"
     mega = ("--train-backend", "megatron")
     # No --load: the actor starts from the reference's checkpoint, as in slime.
     assert role_paths(_parse(*mega, "--ref-load", str(ref))) == {"reference": str(ref), "actor": str(ref)}

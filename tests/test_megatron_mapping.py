@@ -289,7 +289,8 @@ def test_shape_flags_disagreeing_with_config_json_are_each_named(tmp_path):
 
 
 def test_megatron_flags_under_the_torch_backend_are_named(tmp_path):
-    problems = _problems([*_megatron_job(tmp_path), "--tensor-model-parallel-size", "2", "--lr-decay-style", "cosine"])
+    argv = [*_megatron_job(tmp_path), "--train-backend", "torch", "--tensor-model-parallel-size", "2"]
+    problems = _problems([*argv, "--lr-decay-style", "cosine"])
     for name in ("--tensor-model-parallel-size", "--lr-decay-style"):
         assert any(p.startswith(f"{name}: a Megatron flag") for p in problems), problems
 
