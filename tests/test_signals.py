@@ -1,5 +1,6 @@
-"""SIGTERM and Ctrl-C stop a job cleanly (issue 29): the last completed step is saved under --save, the exit status is
-128 + the signal's number, the message is one line, and --load goes on from the saved step."""
+"""Stops a job resumes from (issue 29): SIGTERM and Ctrl-C save the last completed step under --save, exit 128 + the
+signal's number with one line, and --load goes on from the saved step; a stop during the final export is finished by
+--load."""
 
 import json
 import os
@@ -97,3 +98,25 @@ def test_sigterm_saves_the_last_completed_step_and_load_goes_on(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == list(range(saved + 1))  # the resumed run logged exactly the step after the saved ones
+
+
+def test_a_job_stopped_during_its_final_export_finishes_it_on_load(tmp_path, capsys):
+    """The last step is saved, then the export is cut off (only its partial folder is left): --load with the same
+    flags exports final_model/ without training again; once it is there, --load refuses (nothing is left)."""
+    from transformers import AutoConfig
+
+    from runtime.cli import EXIT_BAD_INPUT, main
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job = [*SMALL, "--output-dir", str(out), "--save", str(ckpt), "--num-rollout", "2"]
+    assert main(job) == 0
+    final = out / "final_model"
+    final.rename(out / ".final_model.partial")  # as a kill during the export leaves it (export_final's rename undone)
+    (out / ".final_model.partial" / "model.safetensors").unlink()
+    assert main([*job, "--load", str(ckpt)]) == 0
+    assert _steps(out) == [0, 1]  # nothing trained again
+    assert AutoConfig.from_pretrained(final) is not None and any(final.glob("*.safetensors"))
+    assert not (out / ".final_model.partial").exists()
+    capsys.readouterr()
+    assert main([*job, "--load", str(ckpt)]) == EXIT_BAD_INPUT
+    assert "nothing is left to train and final_model/ is exported" in capsys.readouterr().err
