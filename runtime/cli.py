@@ -6,11 +6,12 @@ placement plan, and the command exits 0 (2 with the problems listed) without sta
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
 from runtime.config import Config, ConfigError, _tree_value, eval_datasets, format_config, parse_args, read_yaml_tree
-from runtime.errors import JobError
+from runtime.errors import JobError, JobInterrupted
 from runtime.hooks import HookError
 from runtime.slime_compat import backend_choice, switches_in
 from runtime.train.algo import advantage_config, check_supported, loss_config, model_roles
@@ -47,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError, HookError) as err:
         print(f"rlcore-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except JobInterrupted as err:
+        print(f"rlcore-run: {err}", file=sys.stderr)
+        return 128 + err.signum
+    except KeyboardInterrupt:  # Ctrl-C before the job installed its handlers (model and data being prepared)
+        print("rlcore-run: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
     except JobError as err:
         print(f"rlcore-run: {err}", file=sys.stderr)
         return EXIT_JOB_STOPPED

@@ -2244,7 +2244,14 @@ def _check_checkpoints(problems: list[str], cfg: Config) -> None:
     --train-backend megatron, where the actor's weights start: :func:`runtime.cluster.checkpoint.actor_start`), or a
     folder that does not exist yet or is empty (the job starts afresh, as slime's); ``--save`` is a directory that
     exists or can be created."""
-    from runtime.cluster.checkpoint import CheckpointError, actor_start, resolve, starts_fresh, verify
+    from runtime.cluster.checkpoint import (
+        CheckpointError,
+        actor_start,
+        final_export_done,
+        resolve,
+        starts_fresh,
+        verify,
+    )
 
     try:
         start = actor_start(
@@ -2262,13 +2269,30 @@ def _check_checkpoints(problems: list[str], cfg: Config) -> None:
         except (FileNotFoundError, CheckpointError) as err:
             problems.append(str(err))
         else:
-            if step >= cfg.rollout.num_rollout:
+            # A job stopped during its final export (its last step saved, final_model/ not written) finishes the
+            # export on --load: the output folder's config.yaml (the stopped run's) ends at this step.
+            finishing = (
+                step == cfg.rollout.num_rollout
+                and not cfg.debug.debug_rollout_only
+                and not final_export_done(os.path.join(cfg.output_dir, "final_model"))
+                and _earlier_num_rollout(cfg.output_dir) == step
+            )
+            if step >= cfg.rollout.num_rollout and not finishing:
                 problems.append(
                     f"--load {cfg.ckpt.load}: the checkpoint is at step {step}, at or past --num-rollout "
-                    f"{cfg.rollout.num_rollout}: nothing is left to train (raise --num-rollout to go on)"
+                    f"{cfg.rollout.num_rollout}: nothing is left to train and final_model/ is exported (raise "
+                    "--num-rollout to go on)"
                 )
     if cfg.ckpt.save is not None and (problem := _not_creatable_dir(cfg.ckpt.save)):
         problems.append(f"--save {cfg.ckpt.save}: {problem}")
+
+
+def _earlier_num_rollout(output_dir: str) -> int | None:
+    """``--num-rollout`` of the run that last wrote ``output_dir`` (its ``config.yaml``), or None."""
+    try:
+        return _tree_value(read_yaml_tree(os.path.join(output_dir, "config.yaml")), "num_rollout")
+    except ConfigError:
+        return None
 
 
 def _check_opd_teacher(problems: list[str], cfg: Config) -> None:

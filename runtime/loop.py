@@ -78,6 +78,7 @@ from runtime.rollout.replay import ReplaySource, save_rollout_data
 from runtime.rollout.rewards import RewardHub, check_label_types, reward_error_rate
 from runtime.rollout.sample import Sample
 from runtime.rollout.source import SCHEDULES, EventLoopThread, PromptFeed, RolloutSettings
+from runtime.signals import StopSignals
 from runtime.slime_compat import num_rollout_of_epochs, train_iters
 from runtime.train.algo import (
     advantage_config,
@@ -107,10 +108,12 @@ def run(cfg: Config, *, progress: bool = True) -> RunResult:
     ``--max-trainer-restarts`` times."""
     had_ray = ray.is_initialized()
     restarts, history = 0, []
+    signals = StopSignals()
     try:
         while True:
             try:
-                return _run(cfg, progress=progress, history=history)
+                with signals.installed():
+                    return _run(cfg, progress=progress, history=history, signals=signals)
             except TrainerDied as err:
                 cfg, resumed_at = restart_config(cfg, err, restarts=restarts)
                 restarts += 1
@@ -162,7 +165,9 @@ def restart_config(cfg: Config, err: TrainerDied, *, restarts: int) -> tuple[Con
     return dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load=load)), step
 
 
-def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunResult:
+def _run(
+    cfg: Config, *, progress: bool, history: list[dict[str, Any]], signals: StopSignals | None = None
+) -> RunResult:
     """One attempt at the job; each step's metrics are appended to ``history`` as it is logged."""
     # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
     check_supported(cfg)
@@ -198,6 +203,8 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
         for e in evals:
             cleanup.callback(e.hub.close)
         _init_ray(cfg)  # kept across trainer restarts; run() shuts it down
+        if signals is not None:  # over the handler ray.init may have set
+            cleanup.enter_context(signals.installed())
         placement = create_placement(cfg)
         cleanup.callback(ray.util.remove_placement_group, placement.group)
         trainers = TrainerGroup(
@@ -334,6 +341,7 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
             feed=job_data,
             with_optimizer=not cfg.ckpt.no_save_optim,
             on_save=job_data.on_save,
+            signals=signals,
         )
         cleanup.push(last.on_exit)
         reward_error_rates: list[float] = []
@@ -451,9 +459,10 @@ def _run(cfg: Config, *, progress: bool, history: list[dict[str, Any]]) -> RunRe
 class LastStep:
     """The job's last completed step (trained, logged, committed) and whether it is saved.
 
-    ``on_exit`` (an ``ExitStack`` exit callback) saves it under ``--save`` when a ``JobError`` stops the job and it
-    is not saved yet, so the user can fix the cause and ``--load`` it; not when the trainers already hold a later,
-    uncommitted step, nor when saving is what failed.
+    ``on_exit`` (an ``ExitStack`` exit callback) saves it under ``--save`` when a ``JobError`` stops the job (also
+    ``JobInterrupted``: SIGTERM or Ctrl-C, which ``signals`` holds back while a step trains) and it is not saved yet,
+    so the user can fix the cause and ``--load`` it; not when the trainers already hold a later, uncommitted step,
+    nor when saving is what failed.
     """
 
     def __init__(
@@ -466,17 +475,23 @@ class LastStep:
         feed: Any,
         with_optimizer: bool = True,
         on_save: Any = None,
+        signals: StopSignals | None = None,
     ):
         self.root, self.start, self.with_optimizer, self.on_save = root, start, with_optimizer, on_save
+        self.signals = signals
         self.completed = self.saved = start
         self.trained_ahead = False
         self._state = {"trainers": trainers, "engines": engines, "feed": feed}
 
     def training(self) -> None:
         self.trained_ahead = True
+        if self.signals is not None:
+            self.signals.defer()
 
     def complete(self, step: int) -> None:
         self.completed, self.trained_ahead = step, False
+        if self.signals is not None:
+            self.signals.release()  # a stop signal that waited for this step raises JobInterrupted now
 
     def save(self) -> Path:
         folder = checkpoint.save(self.root, self.completed, with_optimizer=self.with_optimizer, **self._state)

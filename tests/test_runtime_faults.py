@@ -402,7 +402,7 @@ def test_a_hook_failing_mid_run_saves_the_last_step_then_resume_repairs_the_metr
     assert main([*job, "--load", str(ckpt), "--num-rollout", "1"]) == EXIT_BAD_INPUT
     _, err = _err_lines(capsys)
     assert err == [f"rlcore-run: --load {ckpt}: the checkpoint is at step 1, at or past --num-rollout 1: nothing is "
-                   "left to train (raise --num-rollout to go on)"]  # fmt: skip
+                   "left to train and final_model/ is exported (raise --num-rollout to go on)"]  # fmt: skip
     loop_state = ckpt / "step_000001" / checkpoint.LOOP_STATE
     intact = loop_state.read_bytes()
     loop_state.write_bytes(intact[:-10])

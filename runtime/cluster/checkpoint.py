@@ -255,6 +255,13 @@ def export_final(trainers: Any, folder: str | os.PathLike[str]) -> Path:
     return folder
 
 
+def final_export_done(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a finished :func:`export_final`: config and weights (the rename is its last act)."""
+    folder = Path(folder)
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return (folder / "config.json").is_file() and weights
+
+
 def is_job_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` names a complete rlcore checkpoint (a step folder, or a ``--save`` root with ``latest``)."""
     try:
