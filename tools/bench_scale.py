@@ -38,33 +38,21 @@ from runtime.cluster.plan import plan_for  # noqa: E402
 JOB = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
        "--micro-batch-size", "8", "--rollout-max-response-len", "512"]  # fmt: skip
 
+
+def _split(n: int, schedule: str) -> list[str] | None:
+    """Half the n GPUs train, the rest generate, under ``schedule``; None below two GPUs."""
+    if n < 2:
+        return None
+    trainers = n // 2
+    return ["--actor-num-gpus-per-node", str(trainers), "--rollout-num-gpus", str(n - trainers), "--rollout-schedule",
+            schedule]  # fmt: skip
+
+
 # Placement name -> its flags on n GPUs (None: the placement needs more GPUs than n).
 PLACEMENTS: dict[str, Callable[[int], list[str] | None]] = {
     "colocated_dp": lambda n: ["--colocate", "--actor-num-gpus-per-node", str(n)],
-    "split_sync": lambda n: (
-        None
-        if n < 2
-        else [
-            "--actor-num-gpus-per-node",
-            str(n // 2),
-            "--rollout-num-gpus",
-            str(n - n // 2),
-            "--rollout-schedule",
-            "sync",
-        ]
-    ),  # fmt: skip
-    "split_async": lambda n: (
-        None
-        if n < 2
-        else [
-            "--actor-num-gpus-per-node",
-            str(n // 2),
-            "--rollout-num-gpus",
-            str(n - n // 2),
-            "--rollout-schedule",
-            "one_step",
-        ]
-    ),  # fmt: skip
+    "split_sync": lambda n: _split(n, "sync"),
+    "split_async": lambda n: _split(n, "one_step"),
 }
 COLUMNS = {
     "step": "perf/step_time",

@@ -430,14 +430,20 @@ class HFEngine:
     ) -> None:
         """Receive one bucket broadcast by the trainer and load it as :meth:`load_weights` does (SGLang's
         ``/update_weights_from_distributed``)."""
-        if group_name not in self._weight_groups:
-            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
-        device = self.device if self.device.type == "cuda" else "cpu"
-        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        bucket = self._receive_bucket(names, dtypes, shapes, group_name)
         self.load_weights(bucket, weight_version=weight_version)
         if weight_version is not None:
             # A whole update (a restarted engine's rejoin) supersedes weights staged before it.
             self._staged, self._staged_version = {}, None
+
+    def _receive_bucket(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> dict[str, torch.Tensor]:
+        """One bucket broadcast by the trainer over the weight-update group ``group_name``, on this engine's device."""
+        if group_name not in self._weight_groups:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        device = self.device if self.device.type == "cuda" else "cpu"
+        return weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
 
     def stage_weights_from_distributed(
         self,
@@ -450,10 +456,7 @@ class HFEngine:
     ) -> None:
         """Receive one bucket as :meth:`update_weights_from_distributed` does, into a second buffer: the model keeps
         sampling with its current weights (this runs beside ``generate``) until :meth:`commit_staged_weights`."""
-        if group_name not in self._weight_groups:
-            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
-        device = self.device if self.device.type == "cuda" else "cpu"
-        bucket = weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        bucket = self._receive_bucket(names, dtypes, shapes, group_name)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # received before the trainer is told so
         self._staged.update(bucket)
