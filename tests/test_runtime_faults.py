@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -413,22 +414,24 @@ def test_a_hook_failing_mid_run_saves_the_last_step_then_resume_repairs_the_metr
     loop_state.write_bytes(intact)
 
     # 3. A crash left a row of the step to rerun and a torn line; resume (with an async reward that blocks on one
-    # call in four, past --reward-timeout): each step has one row, and the blocked calls are timed out.
+    # sample in four, past --reward-timeout): each step has one row, and the blocked calls are timed out and killed.
     with open(out / METRICS_FILE, "a") as fh:
         fh.write(json.dumps({"step": 1, "stale": 1}) + '\n{"step": 2, "rollout/rew')
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
     reward = _hook(
         tmp_path,
         "blocking_reward",
-        """
-        import itertools
+        f"""
+        import os
         import time
+        from pathlib import Path
 
         from runtime.demo import task
 
-        calls = itertools.count()
-
         async def reward(args, sample, **kwargs):
-            if next(calls) % 4 == 0:
+            if sample.index % 4 == 0:
+                Path({str(blocked)!r}, str(os.getpid())).touch()
                 time.sleep(60)
             return task.score(sample.response, sample.label)
         """,
@@ -443,6 +446,12 @@ def test_a_hook_failing_mid_run_saves_the_last_step_then_resume_repairs_the_metr
     assert [r["step"] for r in read_metrics(out / LEDGER_FILE)] == [0, 1, 2]
     assert all(r["reward/num_scored"] == 16 for r in rows[1:])
     assert sum(r["reward/timeouts"] for r in rows[1:]) > 0 and all(r["reward/errors"] == 0 for r in rows[1:])
+    # The blocked calls ran in worker processes, each killed at its timeout: none of them is left running, and no
+    # thread of the hub's.
+    pids = [int(p.name) for p in blocked.iterdir()]
+    assert pids and os.getpid() not in pids
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not [t for t in threading.enumerate() if t.name == "reward"]
 
 
 def test_a_reward_that_always_fails_stops_the_job(ray_session, tmp_path, capsys):

@@ -1,11 +1,13 @@
 """runtime.rollout.rewards, .filters and runtime.hooks: custom rewards, failure counting, filters, hooks."""
 
 import asyncio
+import os
 import pickle
 import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from math_verify import parse, verify
@@ -14,7 +16,7 @@ from runtime.config import RewardConfig
 from runtime.demo import task
 from runtime.hooks import HookError, HookFailure, load_function
 from runtime.rollout.filters import DynamicFilterOutput, check_reward_nonzero_std, filter_groups, load_filter
-from runtime.rollout.rewards import RewardHub, is_batched
+from runtime.rollout.rewards import BUILTIN_ISOLATION, RM_NAMES, RewardHub, is_batched, reward_isolation
 from runtime.rollout.sample import Sample
 
 
@@ -104,6 +106,7 @@ def test_custom_async_per_sample_runs_concurrently(tmp_path):
     )
     hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:reward"))
     assert hub.is_async and not hub.batched
+    _score(hub, _samples([("a", "a")]))  # the workers fork on the first call: not what is timed below
     samples = _samples([("a", "a"), ("b", "c")] * 4)
     start = time.perf_counter()
     assert _score(hub, samples) == [1.0, 0.0] * 4
@@ -118,33 +121,44 @@ def test_custom_batched_sync_and_async(tmp_path):
         """
         from runtime.rollout.sample import Sample
 
-        CALLS = []
-
         def by_name(args, samples, **kwargs):
-            CALLS.append(len(samples))
+            args.write(len(samples))
             mean = sum(len(s.response) for s in samples) / len(samples)
             return [len(s.response) - mean for s in samples]
 
         async def by_annotation(args, group: list[Sample], **kwargs):
-            CALLS.append(len(group))
+            args.write(len(group))
             return [float(i) for i in range(len(group))]
 
         def wrong_length(args, samples):
             return [1.0]
         """,
     )
-    module = load_function(f"{path}:by_name").__module__
-    calls = __import__("sys").modules[module].CALLS
-    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_name"))
+    log = _CallLog(tmp_path / "calls")  # the calls run in worker processes: they leave their trace in a file
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_name"), args=log)
     assert hub.batched and not hub.is_async
     assert _score(hub, _samples([("a", None), ("abc", None)])) == [-1.0, 1.0]
-    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_annotation"))
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:by_annotation"), args=log)
     assert hub.batched and hub.is_async
     assert _score(hub, _samples([("a", None)] * 3)) == [0.0, 1.0, 2.0]
-    assert calls == [2, 3]  # one call per batch
+    assert log.read() == [2, 3]  # one call per batch
     hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:wrong_length"))
     assert _score(hub, _samples([("a", None)] * 3)) == [0.0, 0.0, 0.0]
     assert hub.pop_metrics()["reward/errors"] == 3
+
+
+class _CallLog:
+    """``args`` of a reward that notes each call's number in a file, from whichever process runs it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write(self, value):
+        with open(self.path, "a") as fh:
+            fh.write(f"{value}\n")
+
+    def read(self):
+        return [int(line) for line in self.path.read_text().split()] if self.path.exists() else []
 
 
 def test_raising_reward_gives_zero_and_counts(tmp_path):
@@ -193,7 +207,7 @@ def test_timing_out_reward_gives_zero_and_counts(tmp_path):
             return 1.0
 
         def slow_sync(args, sample):
-            time.sleep(0.6 if sample.index == 0 else 0)
+            time.sleep(30 if sample.index == 0 else 0)
             return 1.0
 
         async def slow_batch(args, samples):
@@ -205,7 +219,9 @@ def test_timing_out_reward_gives_zero_and_counts(tmp_path):
         hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:{name}", reward_timeout=0.2))
         start = time.perf_counter()
         assert _score(hub, _samples([("x", None)] * 3)) == [0.0, 1.0, 1.0]
-        assert time.perf_counter() - start < 0.5
+        # 0.2 s, then the kill (pebble looks every 0.1 s) and the first call's forks, with slack for a loaded
+        # machine: far from the 30 s the call would take.
+        assert time.perf_counter() - start < 3.0
         metrics = hub.pop_metrics()
         assert (metrics["reward/timeouts"], metrics["reward/errors"]) == (1, 0), name
         hub.close()
@@ -418,7 +434,64 @@ def test_a_reward_that_raises_a_base_exception_is_a_counted_error(tmp_path, body
     assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (1, 0)
 
 
-def test_a_hung_reward_costs_one_timeout_a_step_and_its_threads_do_not_pile_up(tmp_path):
+def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_hung_reward_is_killed_costs_one_timeout_a_step_and_leaves_no_process_or_thread(tmp_path):
+    hung, flag = tmp_path / "hung", tmp_path / "hang"
+    hung.mkdir()
+    flag.touch()
+    path = _hook(
+        tmp_path,
+        "sleeps",
+        f"""
+        import os
+        import time
+        from pathlib import Path
+
+        def sleeps(args, sample):
+            if Path({str(flag)!r}).exists():
+                Path({str(hung)!r}, str(os.getpid())).touch()
+                time.sleep(3600)
+            return 1.0
+        """,
+    )
+    timeout, workers, n = 0.5, 8, 160
+    threads_before = set(threading.enumerate())
+    me = psutil.Process()
+    children_before = {c.pid for c in me.children(recursive=True)}
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:sleeps", reward_timeout=timeout), max_workers=workers)
+    assert hub.isolation == "process"
+    seen = set()
+    for _ in range(2):  # two steps
+        start = time.perf_counter()
+        assert _score_or_fail(hub, _samples([("x", None)] * n)) == [0.0] * n
+        wall = time.perf_counter() - start
+        # One timeout a step (the wave of 8 calls that started, then the rest not started), then up to 0.1 s until
+        # pebble looks, the 8 kills one after another and the first step's forks, with slack for a loaded 2-core
+        # machine (3 s measured at a load of 12); a timeout per wave of 8 would take n / 8 x 0.5 = 10 s.
+        assert wall < 2 * timeout + 2.5, wall
+        assert hub.pop_metrics()["reward/timeouts"] == n
+        pids = {int(p.name) for p in hung.iterdir()} - seen
+        # The 8 calls of the step ran in worker processes, and each was killed before score() returned.
+        assert len(pids) == workers and os.getpid() not in pids
+        assert not [pid for pid in pids if _running(pid)]
+        seen |= pids
+    flag.unlink()
+    assert _score_or_fail(hub, _samples([("x", None)] * n)) == [1.0] * n  # fresh workers score again
+    hub.close()
+    assert not [c.pid for c in me.children(recursive=True) if c.pid not in children_before and _running(c.pid)]
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - threads_before
+
+
+def test_a_hung_reward_in_threads_costs_one_timeout_a_step_and_its_threads_do_not_pile_up(tmp_path):
     path = _hook(
         tmp_path,
         "hangs",
@@ -430,11 +503,14 @@ def test_a_hung_reward_costs_one_timeout_a_step_and_its_threads_do_not_pile_up(t
         def hangs(args, sample):
             release.wait()
             return 1.0
+
+        hangs.isolation = "thread"  # the hub's own process: the test releases the event there
         """,
     )
     release = load_function(f"{path}:hangs").__globals__["release"]
     timeout, workers, n = 0.4, 8, 40
     hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:hangs", reward_timeout=timeout), max_workers=workers)
+    assert hub.isolation == "thread"
     before = threading.active_count()
     try:
         for _ in range(2):  # two steps
@@ -455,3 +531,51 @@ def test_a_hung_reward_costs_one_timeout_a_step_and_its_threads_do_not_pile_up(t
     assert threading.active_count() == before
     # The hung threads gave their slots back as they returned: every call runs again.
     assert _score_or_fail(hub, _samples([("x", None)] * n)) == [1.0] * n
+
+
+def test_a_reward_in_a_worker_sets_fields_on_the_sample_and_a_dying_worker_is_a_counted_error(tmp_path):
+    path = _hook(
+        tmp_path,
+        "worker_rm",
+        """
+        import os
+
+        def tags(args, sample):
+            sample.metadata["scored_by"] = os.getpid()
+            return 1.0
+
+        def dies(args, sample):
+            if sample.index == 1:
+                os._exit(7)
+            return 1.0
+        """,
+    )
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:tags"))
+    samples = _samples([("x", None)] * 3)
+    assert _score(hub, samples) == [1.0] * 3
+    # What the function set on its copy of the sample came back, from another process.
+    pids = {s.metadata["scored_by"] for s in samples}
+    assert pids and os.getpid() not in pids
+    hub.close()
+    hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:dies", reward_timeout=5.0))
+    assert _score_or_fail(hub, _samples([("x", None)] * 3)) == [1.0, 0.0, 1.0]
+    metrics = hub.pop_metrics()
+    assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (1, 0)
+    assert _score_or_fail(hub, _samples([("x", None)] * 3))[0] == 1.0  # a fresh worker replaced the dead one
+    hub.close()
+
+
+def test_where_each_reward_runs():
+    # Every built-in type has its place; math-verify's run in killable workers, the string rules in threads.
+    assert set(BUILTIN_ISOLATION) == set(RM_NAMES)
+    places = {name: RewardHub(RewardConfig(rm_type=name, rm_url="http://127.0.0.1:1")).isolation for name in RM_NAMES}
+    assert places == BUILTIN_ISOLATION
+    assert RewardHub(RewardConfig(rm_type="boxed_math")).isolation == "process"
+    assert RewardHub(RewardConfig(custom_rm_path="runtime.demo.task:reward")).isolation == "process"
+
+    def in_threads(args, sample):
+        return 1.0
+
+    in_threads.isolation = "threads"
+    with pytest.raises(ValueError, match=r"isolation must be one of \('process', 'thread'\), got 'threads'"):
+        reward_isolation(in_threads)

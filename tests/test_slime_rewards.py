@@ -99,21 +99,29 @@ def test_reward_key_and_eval_reward_key_pick_the_scalar_of_a_dict_reward():
 
 
 def test_group_rm_calls_a_batched_function_once_per_group(tmp_path):
-    hook = tmp_path / "group_rm.py"
+    hook, log = tmp_path / "group_rm.py", tmp_path / "calls.jsonl"
+    # The calls run in worker processes: each notes the groups it saw in a file.
     hook.write_text(
-        "calls = []\n"
+        "import json\n"
         "async def reward(args, samples, **kwargs):\n"
-        "    calls.append(sorted(s.group_index for s in samples))\n"
+        f"    with open({str(log)!r}, 'a') as fh:\n"
+        "        fh.write(json.dumps(sorted(s.group_index for s in samples)) + '\\n')\n"
         "    return [float(len(samples))] * len(samples)\n"
     )
+
+    def calls():
+        seen = [json.loads(line) for line in log.read_text().splitlines()]
+        log.unlink()
+        return seen
+
     samples = [Sample(index=i, group_index=i // 3) for i in range(9)]
     hub = RewardHub(RewardConfig(custom_rm_path=f"{hook}:reward", group_rm=True))
     assert asyncio.run(hub.score(samples)) == [3.0] * 9
-    calls = hub.fn.__globals__["calls"]
-    assert sorted(calls) == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
-    calls.clear()
+    assert sorted(calls()) == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
     per_round = RewardHub(RewardConfig(custom_rm_path=f"{hook}:reward"))
-    assert asyncio.run(per_round.score(samples)) == [9.0] * 9 and len(per_round.fn.__globals__["calls"]) == 1
+    assert asyncio.run(per_round.score(samples)) == [9.0] * 9 and len(calls()) == 1
+    hub.close()
+    per_round.close()
 
 
 # ---------------------------------------------------------------- remote_rm

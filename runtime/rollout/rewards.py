@@ -12,21 +12,29 @@ without it. ``--rm-type`` names a built-in type instead (``runtime.rollout.rm_hu
 reward is stored whole in ``sample.reward``; the scalar that trains is its ``--reward-key`` entry (``score`` when the
 flag is unset; ``--eval-reward-key`` for evaluation).
 
-Every call, sync or async, runs in a thread of its own (an async one on its own event loop in that thread), at most
+Every call, sync or async, runs in a worker process (an async one on an event loop of its own there), at most
 ``max_workers`` at a time, so that no call, not even an ``async def`` that blocks (``time.sleep``, a synchronous HTTP
-client), can stall the rollout's event loop or outlive ``--reward-timeout``. A call that raises (anything:
-``sys.exit()`` and ``KeyboardInterrupt`` included), returns something that is not a finite number, or runs past
-``--reward-timeout`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts`` in ``pop_metrics()``); the
-job goes on (``--max-reward-error-rate`` bounds how long, in the loop). The timeout of a call counts from the moment
-its thread starts, not from when it began waiting for one of the ``max_workers`` slots; a batched function has one
-deadline for its batch. ``remote_rm`` times its own requests (``--reward-timeout`` per attempt, with retries).
+client), can stall the rollout's event loop or outlive ``--reward-timeout``: a call past its timeout is killed with its
+worker (SIGTERM, then SIGKILL), and a fresh worker takes its place. The workers are forked from the hub's process on
+its first call (the function, ``args`` and every module loaded so far come with the fork, nothing is re-imported), so
+a function keeps module-level state per worker, not across workers; the sample it is given is a copy, and what it
+sets on it is copied back. A function that needs to run in the hub's own process (it calls Ray, or shares state
+between calls) says so with ``fn.isolation = "thread"``; ``random`` (one seeded generator) and ``remote_rm`` (HTTP with
+its own timeouts) run there too. There, every call has a thread of its own (an async one on its own event loop in
+that thread); a timed-out thread cannot be killed from Python and runs on until the function returns, keeping its
+slot until then, so at most ``max_workers`` threads of a hub are ever alive.
 
-A hung reward costs about one ``--reward-timeout`` a step, and its threads do not pile up. A timed-out call cannot be
-killed from Python: its (daemon) thread runs on until the function returns, and keeps its slot until then, so at most
-``max_workers`` threads of a hub are ever alive. The calls of one ``score`` share a progress deadline: a call still
-waiting for a slot when no call has finished for ``--reward-timeout`` seconds is not started and counts as a
-timeout. A function that hangs on every call therefore costs one timeout a step (not one per ``max_workers``
-samples), and one that hangs now and then loses only the calls that hang.
+A call that raises (anything: ``sys.exit()`` and ``KeyboardInterrupt`` included), returns something that is not a
+finite number, ends its worker, or runs past ``--reward-timeout`` gives reward 0 and is counted (``reward/errors``,
+``reward/timeouts`` in ``pop_metrics()``); the job goes on (``--max-reward-error-rate`` bounds how long, in the loop).
+The timeout of a call counts from the moment it starts, not from when it began waiting for one of the
+``max_workers`` slots; a batched function has one deadline for its batch. ``remote_rm`` times its own requests
+(``--reward-timeout`` per attempt, with retries).
+
+A hung reward costs about one ``--reward-timeout`` a step and leaves nothing behind. The calls of one ``score`` share
+a progress deadline: a call still waiting for a slot when no call has finished for ``--reward-timeout`` seconds is
+not started and counts as a timeout. A function that hangs on every call therefore costs one timeout a step (not
+one per ``max_workers`` samples), and one that hangs now and then loses only the calls that hang.
 """
 
 from __future__ import annotations
@@ -38,10 +46,14 @@ import functools
 import inspect
 import logging
 import math
+import multiprocessing
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import pebble
 
 from runtime.config import RewardConfig
 from runtime.hooks import load_function
@@ -168,6 +180,48 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
+ISOLATIONS = ("process", "thread")
+# Where the built-in types run. In worker processes: those that call math-verify (sympy), which can run away on an
+# adversarial answer. In the hub's process: the string rules, bounded and cheap (a worker's fork would cost more
+# than they do); random, whose one seeded generator would repeat itself in every worker; remote_rm, which bounds and
+# retries its own HTTP requests.
+BUILTIN_ISOLATION: dict[str, str] = {
+    "math": "process",
+    "deepscaler": "process",
+    "dapo": "process",
+    "builtin": "thread",
+    "exact_match": "thread",
+    "f1": "thread",
+    "gpqa": "thread",
+    "random": "thread",
+    "remote_rm": "thread",
+}
+
+
+def _load_math_verify() -> None:
+    # In the hub's process before the workers fork, so that they inherit math-verify (and sympy) loaded instead of
+    # each importing it on its first call (seconds of CPU apiece).
+    import math_verify  # noqa: F401
+
+    _answer_extraction()
+
+
+# What a built-in type loads before its workers fork.
+_WARM_UP: dict[str, Callable[[], None]] = {name: _load_math_verify for name in ("math", "deepscaler", "dapo")}
+
+
+def reward_isolation(fn: Callable[..., Any], rm_type: str | None = None) -> str:
+    """Where a reward function's calls run: ``"process"`` (killable; every custom function unless it says otherwise)
+    or ``"thread"`` (the hub's own process), from ``fn.isolation`` when set, else ``BUILTIN_ISOLATION[rm_type]``."""
+    explicit = getattr(fn, "isolation", None)
+    if explicit is not None:
+        if explicit not in ISOLATIONS:
+            name = getattr(fn, "__name__", type(fn).__name__)
+            raise ValueError(f"reward function {name!r}: isolation must be one of {ISOLATIONS}, got {explicit!r}")
+        return explicit
+    return "process" if rm_type is None else BUILTIN_ISOLATION[rm_type.removeprefix("boxed_")]
+
+
 def _as_reward(value: Any, key: str | None = None) -> tuple[float, float | dict[str, Any]]:
     """``(scalar reward, what to store in sample.reward)``; raises ``ValueError`` for anything else. The scalar of a
     dict reward is its ``key`` entry (``score`` when None)."""
@@ -234,12 +288,14 @@ class RewardHub:
         # slime's --group-rm says a custom function takes a group's samples; a built-in type scores one at a time.
         self.batched = (cfg.group_rm and cfg.custom_rm_path is not None) or is_batched(self.fn)
         self.is_async = _is_async(self.fn)
+        self.isolation = reward_isolation(self.fn, None if cfg.custom_rm_path is not None else cfg.rm_type)
         # remote_rm bounds each HTTP attempt by --reward-timeout itself, so that it can retry.
         self._timeout = None if isinstance(self.fn, RemoteRewardModel) else cfg.reward_timeout
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         self._max_workers = max_workers
         self._init_slots()
+        self._workers = self._worker_pool()
         self._metrics = self._zero_metrics()
 
     def _init_slots(self) -> None:
@@ -263,9 +319,12 @@ class RewardHub:
         return metrics
 
     def close(self) -> None:
-        """Nothing to release: each call has its own thread (threads of timed-out calls finish on their own)."""
+        """Stop the worker processes (a later ``score`` forks fresh ones); threads of timed-out calls of a
+        ``"thread"`` hub finish on their own."""
         with self._lock:
             self._free = self._free_loop = None
+        if self._workers is not None:
+            self._workers.close()
 
     async def score(self, samples: Sequence[Sample]) -> list[float]:
         """Score ``samples``, set each ``sample.reward``, and return the scalar rewards (0.0 where scoring failed)."""
@@ -302,8 +361,7 @@ class RewardHub:
         return rewards
 
     async def _score_one(self, sample: Sample, progress: _Progress) -> tuple[float, float | dict[str, Any]]:
-        call = functools.partial(self.fn, self.args, sample)
-        value = await self._guarded(call, count=1, what=f"sample {sample.index}", progress=progress)
+        value = await self._guarded(sample, count=1, what=f"sample {sample.index}", progress=progress)
         if value is _FAILED:
             return 0.0, 0.0
         try:
@@ -317,8 +375,7 @@ class RewardHub:
     ) -> list[tuple[float, float | dict[str, Any]]]:
         n = len(samples)
         failed = [(0.0, 0.0)] * n
-        call = functools.partial(self.fn, self.args, samples)
-        values = await self._guarded(call, count=n, what=f"{n} samples", progress=progress)
+        values = await self._guarded(samples, count=n, what=f"{n} samples", progress=progress)
         if values is _FAILED:
             return failed
         if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != n:
@@ -334,9 +391,10 @@ class RewardHub:
                 results.append((0.0, 0.0))
         return results
 
-    async def _guarded(self, call: Callable[[], Any], *, count: int, what: str, progress: _Progress) -> Any:
-        """Run one reward call under the timeout; ``_FAILED`` (counted, logged) if it raises, times out, or is not
-        started because no call of this ``score`` finished for ``--reward-timeout`` seconds."""
+    async def _guarded(self, payload: Any, *, count: int, what: str, progress: _Progress) -> Any:
+        """Call the function on ``payload`` (a sample, or a list of them) under the timeout; ``_FAILED`` (counted,
+        logged) if it raises, times out, or is not started because no call of this ``score`` finished for
+        ``--reward-timeout`` seconds."""
         if not await self._acquire(progress):
             self._metrics["reward/timeouts"] += count
             logger.warning(
@@ -348,6 +406,27 @@ class RewardHub:
                 what,
             )
             return _FAILED
+        try:
+            if self._workers is not None:
+                result, err = await self._workers.call(payload, self._timeout)
+            else:
+                result, err = await self._call_in_thread(functools.partial(self.fn, self.args, payload))
+        except TimeoutError:
+            self._metrics["reward/timeouts"] += count
+            logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
+            return _FAILED
+        else:
+            progress.mark()  # before the slot is given back: a call waiting for it sees the deadline moved
+        finally:
+            await self._release()
+        if err is not None:
+            self._record_error(err, what, count=count)
+            return _FAILED
+        return result
+
+    async def _call_in_thread(self, call: Callable[[], Any]) -> tuple[Any, Exception | None]:
+        """``(result, None)`` or ``(None, error)`` of ``call`` in a thread of its own; ``TimeoutError`` past the
+        timeout, the thread then keeping its slot until it returns."""
         ticket = _Ticket()
 
         async def attempt() -> tuple[Any, Exception | None]:
@@ -359,34 +438,26 @@ class RewardHub:
                 return None, err
 
         try:
-            result, err = await asyncio.wait_for(attempt(), timeout=self._timeout)
-        except TimeoutError:
-            self._metrics["reward/timeouts"] += count
-            logger.warning("reward %s timed out after %.1fs on %s: reward 0", self.name, self.cfg.reward_timeout, what)
-            return _FAILED
+            return await asyncio.wait_for(attempt(), timeout=self._timeout)
         finally:
             with self._lock:
                 # A thread still running keeps its slot until it returns (see the module docstring).
                 ticket.abandoned = not ticket.finished
                 self._stuck += ticket.abandoned
-            await self._release()
-        progress.mark()
-        if err is not None:
-            self._record_error(err, what, count=count)
-            return _FAILED
-        return result
 
     async def _acquire(self, progress: _Progress) -> bool:
         """Take a slot; False when none frees up before no call of this ``score`` has finished for the timeout."""
         free = self._get_free()
         async with free:
-            while self._active + self._stuck >= self._max_workers:
-                if self._timeout is None:
-                    await free.wait()
-                    continue
-                remaining = progress.last + self._timeout - time.monotonic()
-                if remaining <= 0:
+            waited = False
+            while waited or self._active + self._stuck >= self._max_workers:
+                # A slot freed by a call that timed out (a killed worker) does not move the deadline either.
+                remaining = None if self._timeout is None else progress.last + self._timeout - time.monotonic()
+                if remaining is not None and remaining <= 0:
                     return False
+                if self._active + self._stuck < self._max_workers:
+                    break
+                waited = True
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(free.wait(), remaining)
             self._active += 1
@@ -441,7 +512,7 @@ class RewardHub:
         # A hub may be shipped to a Ray actor: the function is re-imported there by path (a hook loaded
         # from a file is not importable by module name) and the slots start empty there.
         state = dict(self.__dict__)
-        for name in ("fn", "_lock", "_free", "_free_loop", "_active", "_stuck"):
+        for name in ("fn", "_lock", "_free", "_free_loop", "_active", "_stuck", "_workers"):
             del state[name]
         return state
 
@@ -449,6 +520,14 @@ class RewardHub:
         self.__dict__.update(state)
         self._init_slots()
         _, self.fn = _resolve(self.cfg, **self._resolve_kwargs)
+        self._workers = self._worker_pool()
+
+    def _worker_pool(self) -> _WorkerPool | None:
+        if self.isolation != "process":
+            return None
+        builtin = self.cfg.custom_rm_path is None
+        warm_up = _WARM_UP.get(self.cfg.rm_type.removeprefix("boxed_")) if builtin else None
+        return _WorkerPool(self.fn, self.args, self._max_workers, warm_up=warm_up)
 
 
 _FAILED = object()
@@ -475,10 +554,97 @@ class _Ticket:
 class RewardCallExit(Exception):
     """A reward call that raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException``: counted as an
     error like any other, so that it neither ends the rollout's thread (the job would wait for it forever) nor the
-    job."""
+    job. Made from the exception, or (unpickled from a worker) from its message."""
 
-    def __init__(self, err: BaseException):
-        super().__init__(f"raised {type(err).__name__}({', '.join(map(repr, err.args))})")
+    def __init__(self, err: BaseException | str):
+        message = err if isinstance(err, str) else f"raised {type(err).__name__}({', '.join(map(repr, err.args))})"
+        super().__init__(message)
+
+
+class RewardWorkerDied(Exception):
+    """A reward call whose worker process ended under it (``os._exit``, a crash, a kill from outside)."""
+
+
+class _WorkerPool:
+    """Reward calls in worker processes forked from this one (``pebble.ProcessPool``) on the first call: a call past
+    its timeout is killed with its worker, which a fresh fork replaces, so nothing of it is left running."""
+
+    def __init__(self, fn: Callable[..., Any], args: Any, workers: int, *, warm_up: Callable[[], None] | None = None):
+        self._fn, self._args, self._workers, self._warm_up = fn, args, workers, warm_up
+        self._pool: pebble.ProcessPool | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> pebble.ProcessPool:
+        with self._lock:
+            if self._pool is None:
+                if self._warm_up is not None:
+                    self._warm_up()
+                # Forked, not spawned: a worker starts in milliseconds with every module and the function already
+                # loaded (a spawned one would re-import them, about a second of CPU each, and needs picklable
+                # functions). A worker only runs the reward function and never touches the parent's threads' state.
+                self._pool = pebble.ProcessPool(
+                    max_workers=self._workers,
+                    initializer=_worker_init,
+                    initargs=(self._fn, self._args),
+                    context=multiprocessing.get_context("fork"),
+                )
+            return self._pool
+
+    async def call(self, payload: Any, timeout: float | None) -> tuple[Any, Exception | None]:
+        """``(result, None)`` or ``(None, error)`` of the function on ``payload``; ``TimeoutError`` past ``timeout``
+        seconds from the call's start in its worker, once that worker is killed. What the function set on the
+        sample(s) of ``payload`` is copied back onto them."""
+        future = self._get().schedule(_worker_call, args=(payload,), timeout=timeout)
+        try:
+            result, err, returned = await asyncio.wrap_future(future)
+        except pebble.ProcessExpired as died:
+            return None, RewardWorkerDied(f"its worker process ended with exit code {died.exitcode}")
+        except (pickle.PicklingError, TypeError, AttributeError) as err:  # the payload could not reach the worker
+            return None, err
+        if returned is not None:
+            for mine, theirs in zip(payload if isinstance(payload, list) else [payload], returned, strict=True):
+                mine.__dict__.update(theirs.__dict__)
+        return result, err
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join(timeout=10)
+
+
+# The function and args of this worker process, set by _worker_init as it starts.
+_WORKER: tuple[Callable[..., Any], Any] | None = None
+
+
+def _worker_init(fn: Callable[..., Any], args: Any) -> None:
+    global _WORKER
+    _WORKER = fn, args
+
+
+def _worker_call(payload: Any) -> tuple[Any, Exception | None, list[Any] | None]:
+    """In a worker: ``(result, None, samples as the function left them)`` or ``(None, error, None)``; an error is
+    returned, never raised, so that the parent tells the function's own ``TimeoutError`` from the pool's, and a
+    ``SystemExit`` does not end the worker."""
+    assert _WORKER is not None, "a reward worker runs only after _worker_init"
+    fn, args = _WORKER
+    try:
+        result = _call_to_end(functools.partial(fn, args, payload))
+    except Exception as err:
+        return None, _portable(err), None
+    except BaseException as err:  # sys.exit() and the like
+        return None, RewardCallExit(err), None
+    return result, None, payload if isinstance(payload, list) else [payload]
+
+
+def _portable(err: Exception) -> Exception:
+    """``err``, or a ``RuntimeError`` naming it when it cannot be pickled back to the parent."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
 
 
 def reward_error_rate(metrics: dict[str, float]) -> float:
