@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test run lint bench-gae gpu-suite
+.PHONY: test test-slow run lint bench-gae gpu-suite
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ lint: $(STAMP)
 
 test: lint
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
+
+# The tests marked slow (deselected by `make test`): the learning runs, the parametrizations that repeat a mechanism
+# the default suite already runs, every kernel case under Triton's interpreter. `-m 'slow or not slow'` runs all.
+test-slow: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m slow
 
 run: $(STAMP)
 	$(BIN)/rlcore-run

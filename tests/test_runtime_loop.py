@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute, sequence_advantages
+from rlcore.losses import approx_kl
 from runtime import demo
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.cluster import checkpoint
@@ -51,6 +52,7 @@ from runtime.train.batch import (
     merge_shards,
     shard_for_ranks,
 )
+from runtime.train.step import train_rollout
 
 SMALL = {
     "rollout_batch_size": 4,
@@ -425,15 +427,30 @@ class TestActors:
         seq_adv = td[keys.ADVANTAGES][:, 0].view(4, 4)
         torch.testing.assert_close(seq_adv.sum(1), torch.zeros(4), atol=1e-5, rtol=0)
 
-    def test_weight_sync_makes_engine_equal_trainer(self, rig):
+    def test_weight_sync_makes_engine_equal_trainer(self, rig, model_path):
         cfg, trainers, engines, ctx = rig
         before = engines.get_weights()
         samples, _, _ = _rollout(ctx, cfg, seed=100)
         td = build_batch(samples, pad_token_id=ctx.tokenizer.pad_token_id)
         adv_cfg = advantage_config(cfg)
-        metrics = trainers.train_rollout(sequence_advantages(td, adv_cfg), global_batch_size=8, adv_cfg=adv_cfg)
-        assert metrics["num_steps"] == 2 and metrics["grad_norm"] > 0
+        batch = sequence_advantages(td, adv_cfg)
+        metrics = trainers.train_rollout(batch, global_batch_size=8, adv_cfg=adv_cfg)
         weights = trainers.get_weights()
+        # The same two optimizer steps taken here, in this process, by a fresh trainer on the model the actor
+        # started from: the actor trained on the whole batch once, with the run's settings, and returned the
+        # weights it trained. Float32 on the CPU, but another process's thread count sums the gradients in
+        # another order: the norm agrees to a few float32 roundings (rtol 1e-4), and the two Adam steps of lr 1e-3
+        # to well under one step (atol lr / 100).
+        local = TorchTrainer(
+            model_path, train_cfg=cfg.train, loss_cfg=loss_config(cfg), temperature=1.0, roles=model_roles(cfg), seed=0
+        )
+        want = train_rollout(local, batch, global_batch_size=8, adv_cfg=adv_cfg)
+        assert metrics["num_steps"] == want["num_steps"] == 2
+        assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert want["grad_norm"] > 1e-3  # the case is not trivial: the gradient is not zero
+        trained = local.get_weights()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, trained[name], rtol=0, atol=cfg.train.lr / 100, msg=name)
         assert any(not torch.equal(weights[k], before[k]) for k in weights), "training did not change the weights"
         # Buckets far smaller than the model: the weights arrive in many pieces, the version with the last one.
         sync = make_weight_sync(trainers, engines, bucket_bytes=4096)
@@ -709,6 +726,7 @@ def test_start_rollout_id_and_save_hf_every_save(ray_session, tmp_path):
 
 def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path):
     # One optimizer step per rollout, so each step's KL to the reference is measured before the step's update.
+    dump = tmp_path / "dump"
     cfg = small_cfg(
         tmp_path,
         num_rollout=3,
@@ -716,11 +734,32 @@ def test_ref_update_interval_makes_the_reference_the_actor(ray_session, tmp_path
         use_kl_loss=True,
         ref_update_interval=2,
         reset_optimizer_states=True,
+        dump_details=str(dump),
+        save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
+        save_interval=1,
     )
-    rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
+    result = run(cfg, progress=False)
+    rows = read_metrics(result.output_dir / METRICS_FILE)
     kl = [row["train/approx_kl_ref"] for row in rows]
-    assert kl[0] == 0.0 and kl[1] != 0.0  # the initial model, then one step away from it
+    assert kl[0] == 0.0  # the initial model is the reference
     assert kl[2] == 0.0  # the reference was refreshed after step 2 (--ref-update-interval 2)
+    # Step 1: the policy one step away from the initial model (the reference), recomputed here from the step's batch
+    # with both HF models: the actor as saved after step 0, the base model. Float32 on the CPU in other batch shapes
+    # than the trainers': log-probs of about -3 agree to a few float32 roundings, the token mean of their KL to
+    # 1e-6 (and the KL is far larger than that).
+    batch = torch.load(dump / "train_data" / "1.pt", weights_only=False)["batch"]
+    mask = batch[keys.MASK]
+    at = (batch["prompt_lengths"][:, None] - 1 + torch.arange(mask.shape[1])).clamp(max=batch["tokens"].shape[1] - 1)
+    per_token = []
+    for path in (tmp_path / "hf" / "iter_0", result.output_dir / "base_model"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            log_probs = model(input_ids=batch["tokens"]).logits.log_softmax(-1)
+        rows_index = torch.arange(len(at))[:, None]
+        per_token.append(log_probs[rows_index, at].gather(-1, batch["response_tokens"][..., None])[..., 0])
+    want = approx_kl(per_token[0], per_token[1], kind=cfg.algo.kl_loss_type)[mask].double().mean().item()
+    assert kl[1] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert want > 1e-4  # one step away: the case is not trivial
 
 
 def test_eval_config_datasets_with_their_own_settings_and_passrate(ray_session, tmp_path):
