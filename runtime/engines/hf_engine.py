@@ -502,6 +502,9 @@ class HFEngine:
         the graph live for one call, and releasing them returns the blocks the allocator kept to the device."""
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
+            # Merged projections (runtime.engines.fused) hold the weights the parameters view: drop them first, so
+            # that moving the parameters frees the device memory.
+            fuse_model(self.model, on=False)
             self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -513,6 +516,8 @@ class HFEngine:
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" in self._released_tags and self.device.type == "cuda":
             self.model.to(self.device)
+            if self.fused:
+                fuse_model(self.model)
         self._released_tags -= tags
         self.released = bool(self._released_tags)
 
