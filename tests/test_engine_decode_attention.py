@@ -306,3 +306,31 @@ def test_merged_projections_follow_every_weight_update(tmp_path):
     assert all(torch.equal(v, new[k]) for k, v in engine.get_weights().items() if ".layers." in k)  # untied ones
     fuse_model(engine.model, on=False)
     assert not any("_rlcore_merged" in vars(m) for m in engine.model.modules())
+
+
+def test_a_merged_projection_with_biases_computes_each_projection():
+    """Qwen2's q/k/v carry biases: merged, one matmul over the merged weight and bias gives each projection's output
+    (float32: the same dot products, summed in the order a wider matmul picks: float32 rounding of values of order 1),
+    and every parameter, bias included, is a view of the merged tensors."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from runtime.engines.fused import merge_projections
+
+    config = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        separate = [getattr(attention, f"{p}_proj")(x) for p in "qkv"]
+        weight, bias, sizes = merge_projections(attention, ("q_proj", "k_proj", "v_proj"))
+        merged = F.linear(x, weight, bias).split(sizes, dim=-1)
+    assert bias is not None and sizes == (64, 32, 32)
+    for got, want in zip(merged, separate, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for p in "qkv":
+        for param, whole in (
+            (attention.get_submodule(f"{p}_proj").weight, weight),
+            (attention.get_submodule(f"{p}_proj").bias, bias),
+        ):
+            assert param.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
