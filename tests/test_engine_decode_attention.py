@@ -165,9 +165,9 @@ def _tiny(family: str, dtype=torch.float32):
 @needs_triton
 @pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
 def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
-    """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
-    the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
-    forward's to float32 rounding, and fusing off again restores the HF forwards."""
+    """Every norm, MLP, attention and decoder layer of the model fused (15 modules in two Qwen3 layers: four norms,
+    the MLP, the attention and the layer itself per layer, and the final norm); logits with and without a
+    transformers cache equal the HF forward's to float32 rounding, and fusing off again restores the HF forwards."""
     from runtime.engines.fused import fuse_model
 
     device = "cpu" if INTERPRETED else "cuda"
@@ -180,7 +180,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
         cached = model(input_ids=ids).logits  # through a DynamicCache, as generate() runs
         assert fuse_model(model, on=False) == fused_count
         assert not any("forward" in vars(m) for m in model.modules())
-    assert fused_count == (13 if family == "qwen3" else 9)
+    assert fused_count == (15 if family == "qwen3" else 11)
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
 
@@ -209,11 +209,12 @@ def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
 
 @needs_triton
 def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
-    """bf16 in, bf16 out: rotary, RMSNorm and SiLU x up equal torch's eager ops (rounded where they round); the norm
-    and the SiLU may differ by one bf16 step in rare elements (float32 summation order, Triton's fast exp/rsqrt)."""
+    """bf16 in, bf16 out: rotary, RMSNorm (alone and after a residual add) and SiLU x up equal torch's eager ops
+    (rounded where they round); the norms and the SiLU may differ by one bf16 step in rare elements (float32
+    summation order, Triton's fast exp/rsqrt)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from runtime.engines.fused import rms_norm, rotary, silu_mul
+    from runtime.engines.fused import add_rms_norm, rms_norm, rotary, silu_mul
 
     device = "cpu" if INTERPRETED else "cuda"
     gen = torch.Generator().manual_seed(0)
@@ -227,9 +228,16 @@ def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
     assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
     norm = Qwen3RMSNorm(64, eps=1e-6).bfloat16().to(device)
     norm.weight.data = randn(64, scale=0.3) + 1
-    x, gate_up = randn(6, 64, scale=2.0), randn(4, 200, scale=3.0)
+    x, gate_up, delta = randn(6, 64, scale=2.0), randn(4, 200, scale=3.0), randn(6, 64)
     gate, up = gate_up.chunk(2, dim=-1)
-    for got, want in ((rms_norm(x, norm.weight, 1e-6), norm(x)), (silu_mul(gate_up), F.silu(gate) * up)):
+    total, normed = add_rms_norm(x, delta, norm.weight, 1e-6)
+    assert torch.equal(total, x + delta)  # one float32 add rounded to bf16, as torch's
+    pairs = (
+        (rms_norm(x, norm.weight, 1e-6), norm(x)),
+        (silu_mul(gate_up), F.silu(gate) * up),
+        (normed, norm(x + delta)),
+    )
+    for got, want in pairs:
         step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)  # one bf16 step
         assert (got == want).float().mean() > 0.99 and bool(((got.float() - want.float()).abs() <= step).all())
 

@@ -136,7 +136,7 @@ def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     rounding of the HF one."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from runtime.engines.fused import fuse_model, rms_norm, rotary, silu_mul
+    from runtime.engines.fused import add_rms_norm, fuse_model, rms_norm, rotary, silu_mul
 
     engine, prompts = engine_and_prompts
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -152,9 +152,11 @@ def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     rq, rk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     fq, fk = rotary(q, k, cos, sin)
     assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
+    assert torch.equal(add_rms_norm(x, up[:, :1024].contiguous(), norm.weight, 1e-6)[0], x + up[:, :1024])
     for name, got, want in (
         ("rms_norm", rms_norm(x, norm.weight, 1e-6), norm(x)),
         ("silu_mul", silu_mul(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up),
+        ("add_rms_norm", add_rms_norm(x, up[:, :1024].contiguous(), norm.weight, 1e-6)[1], norm(x + up[:, :1024])),
     ):
         equal = (got == want).float().mean().item()
         # One bf16 step at the value: 2**-7 of its magnitude's power of two.

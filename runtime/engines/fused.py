@@ -7,6 +7,8 @@ a CUDA graph. :func:`fuse_model` swaps, on the engine's own model instance only,
 knows (tables below) for ones that run one kernel where eager runs many:
 
 - RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``MistralRMSNorm``): :func:`rms_norm`, one kernel;
+- the decoder layer of those families: the residual add after the attention and the norm after it in one kernel
+  (:func:`add_rms_norm`);
 - the SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): gate and up as one matmul, then
   :func:`silu_mul` on its two halves, then ``down_proj``;
 - the attention of those families: q, k and v as one matmul, the q/k norms (when the model has them) read from it in
@@ -59,6 +61,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ROUND_OUT=_rounding(out.dtype),
     )  # fmt: skip
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it in one kernel: ``total = x + delta`` (rounded to their dtype, as
+    torch's add) and :func:`rms_norm` of ``total``. x, delta ``[..., D]`` contiguous, alike; weight ``[D]``."""
+    if x.shape != delta.shape or x.dtype != delta.dtype or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"add_rms_norm: x and delta must be alike [..., {weight.shape[0]}], got {x.shape}, {delta.shape}"
+        )
+    if not (x.is_contiguous() and delta.is_contiguous()):
+        raise ValueError("add_rms_norm: x and delta must be contiguous")
+    dim = x.shape[-1]
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _add_rms_norm_kernel[(x.numel() // dim,)](
+        x, delta, total, weight, out, eps, dim, BLOCK=triton.next_power_of_2(dim), ROUND=_rounding(x.dtype),
+        ROUND_OUT=_rounding(out.dtype),
+    )  # fmt: skip
+    return total, out
 
 
 def token_stride(x: torch.Tensor) -> int | None:
@@ -176,6 +199,26 @@ def merge_projections(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[
     return weight, bias, sizes
 
 
+def _decoder_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+    position_embeddings=None, **kwargs,
+):  # fmt: skip
+    """The Llama / Qwen decoder layer (norm, attention, residual add, norm, MLP, residual add) with the residual add
+    after the attention and the norm after it as one kernel (:func:`add_rms_norm`)."""
+    norm = self.post_attention_layernorm
+    attended, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states, normed = add_rms_norm(hidden_states.contiguous(), attended, norm.weight, norm.variance_epsilon)
+    return hidden_states + self.mlp(normed)
+
+
 # module class name -> the forward that replaces it (and what the module must have for it to apply)
 FUSED_FORWARDS = {
     "LlamaRMSNorm": _norm_forward,
@@ -190,6 +233,10 @@ FUSED_FORWARDS = {
     "Qwen2Attention": _attention_forward,
     "Qwen3Attention": _attention_forward,
     "MistralAttention": _attention_forward,
+    "LlamaDecoderLayer": _decoder_layer_forward,
+    "Qwen2DecoderLayer": _decoder_layer_forward,
+    "Qwen3DecoderLayer": _decoder_layer_forward,
+    "MistralDecoderLayer": _decoder_layer_forward,
 }
 
 
@@ -204,6 +251,9 @@ def _applies(module: torch.nn.Module, forward) -> bool:
         return type(getattr(module, "act_fn", None)).__name__ in SILU
     if forward is _norm_forward:
         return hasattr(module, "variance_epsilon") and module.weight.dim() == 1
+    if forward is _decoder_layer_forward:
+        norm = getattr(module, "post_attention_layernorm", None)
+        return FUSED_FORWARDS.get(type(norm).__name__) is _norm_forward and _applies(norm, _norm_forward)
     return True
 
 
@@ -274,6 +324,23 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
         out = _round(w * normed, ROUND_OUT)
         tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, d_ptr, total_ptr, w_ptr, out_ptr, eps, dim, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+        ROUND_OUT: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        real = cols < dim
+        x = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
+        total = _round(x + d, ROUND)
+        tl.store(total_ptr + row * dim + cols, total.to(total_ptr.dtype.element_ty), mask=real)
+        variance = tl.sum(total * total, 0) / dim
+        normed = _round(total * tl.rsqrt(variance + eps), ROUND)
+        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, _round(w * normed, ROUND_OUT).to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
     def _rotary_kernel(
