@@ -129,6 +129,8 @@ def sample_tokens(
 
     ``kernel`` (:data:`PLAIN_SAMPLERS`): with nothing to truncate and no kept set to report, ``triton`` draws in one
     Triton kernel (:mod:`runtime.engines.sampling`) what ``torch`` draws in about fifteen passes over the logits.
+    With both top-k and top-p, the kept set comes from the ``k`` largest logits (:func:`top_p_after_top_k`), not
+    from a sort of the vocabulary.
     """
     if kernel not in PLAIN_SAMPLERS:
         raise ValueError(f"kernel must be one of {sorted(PLAIN_SAMPLERS)}, got {kernel!r}")
@@ -139,10 +141,12 @@ def sample_tokens(
     scaled = logits.float() * (1.0 / temperature)
     log_probs = torch.log_softmax(scaled, dim=-1)
     kept = scaled
-    if 0 < top_k < scaled.shape[-1]:
+    if 0 < top_k < scaled.shape[-1] and top_p < 1.0:
+        kept = scaled.masked_fill(~top_p_after_top_k(scaled, top_k=top_k, top_p=top_p), float("-inf"))
+    elif 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         kept = kept.masked_fill(kept < kth, float("-inf"))
-    if top_p < 1.0:
+    elif top_p < 1.0:
         ordered, order = kept.sort(dim=-1, descending=True, stable=True)
         probs = ordered.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs
@@ -155,6 +159,40 @@ def sample_tokens(
     keep[torch.arange(len(tokens), device=keep.device), tokens] = True
     renormalised = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
     return tokens, renormalised.gather(-1, tokens[:, None]).squeeze(-1), keep
+
+
+def top_p_after_top_k(scaled: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens :func:`sample_tokens` keeps under top-k then top-p, without sorting the vocabulary: scaled
+    ``[B, V]`` float32 logits -> ``[B, V]`` bool.
+
+    Top-k keeps the tokens at or above the k-th largest value ``kth``: those strictly above it (fewer than ``k``,
+    all among ``torch.topk``'s ``k``) and a run of ``t`` tokens tied at ``kth``. In top-p's order (value descending,
+    ties by token id) the strictly-above come first, sorted here among the ``k`` alone; the run follows, its
+    ``r``-th token (by id) with ``S + r q`` of the kept mass before it (``S`` the mass strictly above, ``q`` one tied
+    token's), kept while that is at most ``top_p``. So the sort is over ``k`` values, and the vocabulary is read only
+    by elementwise passes and one running count of the tied tokens.
+    """
+    values, ids = torch.topk(scaled, top_k, dim=-1)
+    kth = values[:, -1:]
+    by_id, at = ids.sort(dim=-1)  # ties among the k in top-p's order: by token id, then a stable sort by value
+    values, order = values.gather(-1, at).sort(dim=-1, descending=True, stable=True)
+    ids = by_id.gather(-1, order)
+    top = values[:, :1]
+    above = values > kth
+    tied = scaled == kth
+    weight_above = torch.where(above, torch.exp(values - top), 0.0)
+    weight_tied = torch.exp(kth - top)
+    mass = weight_above.sum(-1, keepdim=True) + tied.sum(-1, keepdim=True) * weight_tied
+    probs = weight_above / mass
+    running = probs.cumsum(dim=-1)
+    keep_above = above & (running - probs <= top_p)
+    mass_above = running[:, -1:]
+    one_tied = weight_tied / mass
+    # The run keeps its r-th token while mass_above + r * one_tied <= top_p: r <= (top_p - mass_above) / one_tied.
+    room = torch.where(one_tied > 0, (top_p - mass_above) / one_tied, float("inf"))
+    tied_kept = torch.where(mass_above <= top_p, room.floor() + 1, 0.0)
+    keep = torch.zeros_like(tied).scatter_(-1, ids, keep_above)
+    return keep | (tied & (tied.cumsum(dim=-1) <= tied_kept))
 
 
 def plain_sample_torch(
