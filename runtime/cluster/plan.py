@@ -10,12 +10,21 @@ Three plans use every GPU of a host (``docs/runtime.md``, "Default placement on 
   ``split_async``).
 
 :func:`plan_for` picks from :data:`PLAN_BY_GPUS`, the plan ``tools/bench_scale.py`` measured fastest at each GPU
-count (issue 26's job, Qwen3-0.6B, 8 prompts x 8 samples x 512 tokens); a count it has no entry for takes the entry
-of the largest count below it. One GPU colocates (there is nothing to split). Two GPUs (two H100s, 2026-11-27,
-a76d515): one GPU 3.70 s a step; ``colocated_dp`` 4.50 s, its DP=2 train step slower than one GPU's;
-``split_async`` 1.97 s, 0.53x one GPU's step. Four GPUs: see :data:`PLAN_BY_GPUS`. Any placement flag
-(:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the plan and this rule
-(:func:`describe`).
+count (issue 26's job, Qwen3-0.6B, 8 prompts x 8 samples x 512 tokens, medians of steps 2-3); a count it has no entry
+for takes the entry of the largest count below it. One GPU colocates (there is nothing to split).
+
+- Two GPUs (two H100s, 2026-11-27, a76d515): one GPU 3.70 s a step; ``colocated_dp`` 4.50 s, its DP=2 train step
+  slower than one GPU's; ``split_async`` 1.97 s, 0.53x one GPU's step.
+- Four GPUs (four H200s, 2026-11-27, 35335e8): ``one_trainer_async`` 1.58 s, ``split_async`` 1.78 s, against
+  ``split_async`` on two of the same GPUs 2.09 s. A second trainer gains nothing at this batch (train 1.35 s at DP=2
+  against 1.38 s on one GPU) and its sync gathers FSDP shards (0.22 s against 0.06 s), while a third engine shortens
+  the rollout (1.65 s against 1.83 s). ``colocated_dp`` on four GPUs was not measured (its run was cut off): its step
+  is the sum of rollout, log-probs, training and sync, and the rollout alone took 1.65 s on three engines (2.10 s on
+  one: decoding is bound by its 512 sequential steps more than by the batch), so four colocated engines would leave
+  no room under 1.58 s for the rest.
+
+Any placement flag (:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the
+plan and this rule (:func:`describe`).
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ PLANS: dict[str, Plan] = {
     ),
 }
 # GPU count -> the plan measured fastest there (see the module docstring); other counts take the largest entry below.
-PLAN_BY_GPUS: dict[int, str] = {1: "colocated_dp", 2: "split_async", 4: "split_async"}
+PLAN_BY_GPUS: dict[int, str] = {1: "colocated_dp", 2: "split_async", 4: "one_trainer_async"}
 
 
 def plan_for(gpus: int) -> str:

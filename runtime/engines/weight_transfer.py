@@ -5,8 +5,9 @@ way SGLang 0.5.23 makes it (``sglang.srt.utils.common.init_custom_process_group`
 ``master_address:master_port``, a ``PrefixStore`` named after the group, ``_new_process_group_helper``), so the
 trainer side here interoperates with a real SGLang server. A weight update is then a series of buckets: the trainer
 tells every engine the bucket's ``names`` / ``dtypes`` / ``shapes`` (SGLang's ``UpdateWeightsFromDistributedReqInput``)
-and broadcasts each tensor from rank 0, in that order; each engine allocates the tensors, receives them and loads
-them. NCCL on GPUs, gloo on the CPU (where the tests run it for real).
+and broadcasts it from rank 0: under ``load_format="flattened_bucket"`` (:data:`FLAT`, what the trainers send) as one
+``uint8`` buffer of the tensors' bytes back to back, which each engine receives whole and unpacks as views; without
+it, each tensor in that order. NCCL on GPUs, gloo on the CPU (where the tests run it for real).
 
 The embedded engine (``runtime.engines.hf_engine.HFEngine``) and the test's fake SGLang server receive with
 :func:`receive_bucket`; the trainer sends with :func:`send_bucket`.
