@@ -65,8 +65,9 @@ SMALL = {
 }
 
 
-@pytest.mark.slow  # about 80 s on 2 cores; tests/test_scale_cuda.py runs one_step on GPUs
-def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_path, monkeypatch):
+@pytest.mark.slow  # 80-230 s on 2 loaded cores; tests/test_scale_cuda.py runs one_step on GPUs
+@pytest.mark.parametrize("engines", [1, 3])  # 3: one_trainer_async's shape on four GPUs (the rollout split three ways)
+def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(engines, tmp_path, monkeypatch):
     """The embedded engine over a gloo weight-update group (--update-weight-transport nccl on the CPU), one_step: every
     sync but the last is staged (sent while the next rollout samples, not after it) and swapped in before the rollout
     after; each rollout is sampled whole by the weights one step behind (a swap that came late would show a lag of 2,
@@ -87,7 +88,8 @@ def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_pa
 
         monkeypatch.setattr(DistributedSync, name, spy)
     settings = {"rollout_schedule": "one_step", "update_weight_transport": "nccl", "num_rollout": 4}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    settings["rollout_num_gpus"] = engines
+    ray.init(num_cpus=1 + engines, include_dashboard=False, log_to_driver=False)
     try:
         cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **settings, **SMALL))
         rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
