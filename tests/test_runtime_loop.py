@@ -450,7 +450,9 @@ class TestActors:
         assert want["grad_norm"] > 1e-3  # the case is not trivial: the gradient is not zero
         trained = local.get_weights()
         for name, value in weights.items():
-            torch.testing.assert_close(value, trained[name], rtol=0, atol=cfg.train.lr / 100, msg=name)
+            torch.testing.assert_close(
+                value, trained[name], rtol=0, atol=cfg.train.lr / 100, msg=lambda m, name=name: f"{name}: {m}"
+            )
         assert any(not torch.equal(weights[k], before[k]) for k in weights), "training did not change the weights"
         # Buckets far smaller than the model: the weights arrive in many pieces, the version with the last one.
         sync = make_weight_sync(trainers, engines, bucket_bytes=4096)
