@@ -39,7 +39,6 @@ from runtime.config.schema import (  # noqa: F401
     BUILTIN_JOB_DEFAULTS,
     FORGE_ROLLOUT_PATHS,
     KL_COEF_IGNORED,
-    MEGATRON_ATTENTION_BACKENDS,
     MODEL_SHAPE_FIELDS,
     NVIDIA_GPUS_DIR,
     RM_TYPES,
@@ -79,4 +78,4 @@ from runtime.config.yaml_io import (  # noqa: F401
     read_yaml_tree,
     to_dict,
 )
-from runtime.train.backends.megatron_options import MEGATRON_VALUES_BUILT  # noqa: F401  (the backend's table)
+from runtime.train.backends.megatron_options import MEGATRON_ATTENTION_BACKENDS, MEGATRON_VALUES_BUILT  # noqa: F401

@@ -4,16 +4,17 @@ that relate settings, each naming its flags.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.machinery
 import importlib.util
 import json
 import os
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_compat
+from runtime.cluster import weight_sync_options
 from runtime.config.evalsets import _eval_dataset_problems, eval_datasets
 from runtime.config.resolve import from_dict
 from runtime.config.schema import (
@@ -29,12 +30,11 @@ from runtime.config.schema import (
     top_p_replay,
 )
 from runtime.config.typecheck import _type_problems
-from runtime.config.yaml_io import _tree_value, megatron_role_overrides, read_yaml_tree
-from runtime.engines import sglang_flags
-from runtime.engines.registry import sglang_urls
+from runtime.config.yaml_io import _tree_value, read_yaml_tree
+from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, engine_options
 from runtime.hooks import HookError, resolve_hook
-from runtime.train.backends import TRAIN_BACKENDS, backend_options, lora_options
-from runtime.train.backends.megatron_options import MEGATRON_VALUES_BUILT  # the values the Megatron backend builds
+from runtime.rollout import schedule_options
+from runtime.train.backends import TRAIN_BACKEND_OPTIONS, backend_options
 
 # Flags whose range is rlcore's: flag field -> (rlcore config class name, its field, the flags of the fields its rule
 # compares it with). Each value is checked by building that class with it (and those), so the range is the one rlcore
@@ -110,28 +110,6 @@ def _check_positive(problems: list[str], cfg: Config) -> None:
         problems.append("--rollout-stop: stop strings must not be empty")
     if r.rollout_top_k != -1 and r.rollout_top_k < 1:
         problems.append(f"--rollout-top-k must be -1 (off) or >= 1, got {r.rollout_top_k!r}")
-    _check_lora(problems, cfg)
-
-
-def _check_lora(problems: list[str], cfg: Config) -> None:
-    t = cfg.train
-    if t.lora_rank == 0:
-        return
-    if cfg.algo.ref_update_interval is not None:
-        problems.append(
-            "--ref-update-interval with --lora-rank: the LoRA reference is the base model under the adapters, which "
-            "is never trained (checkpoints hold the adapters only); drop one of them"
-        )
-    if t.lora_alpha <= 0:
-        problems.append(f"--lora-alpha must be > 0, got {t.lora_alpha!r}")
-    if not 0 <= t.lora_dropout < 1:
-        problems.append(f"--lora-dropout must be in [0, 1), got {t.lora_dropout!r}")
-    try:
-        lora_options.parse_target_modules(t.lora_target_modules)  # the same parse the backend applies
-    except ValueError as err:
-        problems.append(str(err))
-    if importlib.util.find_spec("peft") is None:
-        problems.append("--lora-rank needs the peft package (pip install peft)")
 
 
 def _check_required(problems: list[str], cfg: Config) -> None:
@@ -220,11 +198,6 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
                 f"--max-tokens-per-gpu {t.max_tokens_per_gpu} cannot hold one sample of up to {longest} tokens "
                 f"(--rollout-max-prompt-len {prompt_len} + --rollout-max-response-len {r.rollout_max_response_len})"
             )
-    if res.colocate and res.rollout_num_gpus != procs:
-        problems.append(
-            f"--colocate shares devices: --rollout-num-gpus {res.rollout_num_gpus} must equal --actor-num-nodes x "
-            f"--actor-num-gpus-per-node = {procs}"
-        )
 
 
 def _check_paths(problems: list[str], cfg: Config) -> None:
@@ -393,8 +366,6 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             "needs --async (--rollout-schedule one_step) and --update-weights-interval 1; under the sync schedule the "
             "actor's own weights sampled the rollout, and under fully_async a batch mixes weight versions"
         )
-    if cfg.train.use_stateless_adam and not cfg.ckpt.no_save_optim:
-        problems.append("--use-stateless-adam keeps no optimizer state to save: add --no-save-optim (as slime asks)")
     if cfg.ckpt.save_interval is not None and cfg.ckpt.save is None and cfg.ckpt.save_hf is None:
         problems.append("--save-interval needs --save (the checkpoint directory) or --save-hf")
     if cfg.ckpt.save_hf is not None:
@@ -512,17 +483,19 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             f"--kl-coef {a.kl_coef} (KL in the reward) and --kl-loss-coef {a.kl_loss_coef} (KL loss) cannot both be "
             "set, as in slime"
         )
-    _check_megatron(problems, cfg)
-    _check_backend_fields(problems, cfg)
+    _check_model_shape(problems, cfg)
+    _check_plugins(problems, cfg)
     _check_hook_combinations(problems, cfg)
-    _check_sglang(problems, cfg)
-    _check_schedule(problems, cfg)
+    weight_sync_options.check(problems, cfg)
+    _check_offload(problems, cfg)
+    _check_colocate(problems, cfg)
+    schedule_options.check(problems, cfg)
     _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install 'rlcore[wandb]')")
 
 
-def _read_config_json(path: str) -> dict[str, Any] | None:
+def read_config_json(path: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(path, "config.json")) as fh:
             value = json.load(fh)
@@ -531,7 +504,7 @@ def _read_config_json(path: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _installed(dotted: str) -> bool:
+def installed(dotted: str) -> bool:
     """Whether the module ``dotted`` can be imported, found without importing it or its parents (``find_spec`` of
     ``a.b`` imports ``a``, and megatron's ``__init__`` imports torch)."""
     top, *rest = dotted.split(".")
@@ -543,128 +516,92 @@ def _installed(dotted: str) -> bool:
     return spec is not None
 
 
-def _check_backend_fields(problems: list[str], cfg: Config) -> None:
-    """A flag that another training backend declares as its own (``OWN_FIELDS`` of its options module, named in
-    ``runtime.train.backends.TRAIN_BACKEND_OPTIONS``), set away from its default, is refused: the chosen backend
-    would ignore it. Which flags belong to which backend is the backends' declaration, not a list kept here."""
-    chosen = cfg.train.train_backend
+# The plug-in kinds: the flag that chooses one -> its registry of options modules and the loader of one. Each module
+# declares ``OWN_FIELDS`` (its flags: refused under another choice) and, when it has rules, ``check(problems, cfg)``
+# (run when it is chosen). Which flag belongs to which plug-in is the plug-ins' declaration, not a list kept here.
+PLUGIN_KINDS: dict[str, tuple[Mapping[str, str], Callable[[str], Any]]] = {
+    "train_backend": (TRAIN_BACKEND_OPTIONS, backend_options),
+    "rollout_engine": (ROLLOUT_ENGINE_OPTIONS, engine_options),
+}
+
+
+def _check_plugins(problems: list[str], cfg: Config) -> None:
+    """A flag that a plug-in not chosen declares as its own, set away from its default, is refused (the chosen one
+    would ignore it); the chosen plug-in's own rules run."""
     # The defaults of this kind of job (the built-in job has its own, --lora-modules-to-save among them).
     defaults = from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data)
-    for owner in TRAIN_BACKENDS:
-        if owner == chosen:
-            continue
-        for name, what in backend_options(owner).OWN_FIELDS.items():
-            if getattr(cfg, name) != getattr(defaults, name):
-                problems.append(f"{flag(name)}: {what}, used by --train-backend {owner} only")
+    for kind, (registry, options) in PLUGIN_KINDS.items():
+        chosen = getattr(cfg, kind)
+        for owner in registry:
+            if owner == chosen:
+                continue
+            for name, what in options(owner).OWN_FIELDS.items():
+                if getattr(cfg, name) != getattr(defaults, name):
+                    shown = _SPECS[name][1].metadata.get("flag", flag(name))
+                    problems.append(f"{shown}: {what}, used by {flag(kind)} {owner} only")
+        check = getattr(options(chosen), "check", None)
+        if check is not None:
+            check(problems, cfg)
 
 
-def _check_megatron(problems: list[str], cfg: Config) -> None:
-    """--train-backend megatron's flags: used only there, consistent, and (with the model shape flags, any backend)
-    in agreement with --hf-checkpoint's config.json."""
+def _check_model_shape(problems: list[str], cfg: Config) -> None:
+    """The model-shape flags slime's scripts pass (any backend) agree with ``--hf-checkpoint``'s config.json (slime's
+    _hf_validate_args); a config.json the Megatron backend cannot build is its own check's to report."""
     from runtime.train.backends import megatron_config
 
-    t = cfg.train
-    hf = _read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
-    shape = None
-    if hf is not None:
-        source = f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json"
-        try:
-            shape = megatron_config.shape_from_hf(hf, source=source)
-        except ValueError as err:
-            if t.train_backend == "megatron":
-                problems.append(str(err))
-        if shape is not None:
-            given = {name: getattr(cfg.model, name) for name in MODEL_SHAPE_FIELDS}
-            problems.extend(megatron_config.shape_flag_problems(given, shape, source=source))
-    if t.train_backend != "megatron":
-        if t.recompute_granularity == "selective":
-            problems.append(
-                "--recompute-granularity selective (Megatron's core-attention recompute): the torch backend "
-                "recomputes whole decoder layers only (full)"
-            )
+    hf = read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
+    if hf is None:
         return
-    if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
-        problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
-    if t.distributed_timeout_minutes <= 0:
-        problems.append(f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
-    if t.padded_vocab_size is not None and t.padded_vocab_size < 1:
-        problems.append(f"--padded-vocab-size must be >= 1, got {t.padded_vocab_size}")
-    elif shape is not None and t.padded_vocab_size is not None:
-        try:
-            megatron_config.vocab_rows(
-                dataclasses.replace(shape, padded_vocab_size=t.padded_vocab_size),
-                tp_size=max(t.tensor_model_parallel_size, 1),
+    source = f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json"
+    try:
+        shape = megatron_config.shape_from_hf(hf, source=source)
+    except ValueError:
+        return
+    given = {name: getattr(cfg.model, name) for name in MODEL_SHAPE_FIELDS}
+    problems.extend(megatron_config.shape_flag_problems(given, shape, source=source))
+
+
+def _check_colocate(problems: list[str], cfg: Config) -> None:
+    """``--colocate``'s rules, in one place: trainers and engines take turns on the same devices."""
+    res, s = cfg.resources, cfg.sglang
+    procs = res.num_trainer_procs
+    if res.colocate and res.rollout_num_gpus != procs:
+        problems.append(
+            f"--colocate shares devices: --rollout-num-gpus {res.rollout_num_gpus} must equal --actor-num-nodes x "
+            f"--actor-num-gpus-per-node = {procs}"
+        )
+    if s.update_weight_transport == "ipc" and not res.colocate:
+        problems.append(
+            "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
+            "--colocate"
+        )
+    for name in ("offload_rollout", "offload_train"):
+        if res.colocate and cfg.rollout.rollout_engine == "sglang" and getattr(s, name) is False:
+            problems.append(
+                f"--colocate shares devices between trainers and SGLang servers, which hold a fixed fraction of "
+                f"their GPU: it needs {flag(name)}"
             )
-        except ValueError as err:
-            problems.append(str(err))
-    if t.megatron_config_path is not None:
-        # parse_args applied the actor entry; a Config built otherwise still has its file checked.
-        try:
-            megatron_role_overrides(t.megatron_config_path, role="actor")
-        except ConfigError as err:
-            problems.extend(err.problems)
-    if t.model_name is not None:
-        try:
-            if shape is None:
-                megatron_config.mapping_of_name(t.model_name)
-            else:
-                megatron_config.weight_mapping(t.model_name, shape)
-        except ValueError as err:
-            problems.append(str(err))
-    if cfg.algo.loss_type == "custom_loss" or cfg.algo.custom_pg_loss_reducer_function_path is not None:
+    if cfg.rollout.rollout_schedule != "sync" and res.colocate:
         problems.append(
-            "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
-            "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
+            f"--rollout-schedule {cfg.rollout.rollout_schedule} (--async / --fully-async) overlaps rollout and "
+            "training, which needs trainers and engines on separate devices: colocated mode (--colocate) stays "
+            "synchronous"
         )
-    if cfg.algo.custom_tis_function_path is not None or cfg.algo.use_rollout_entropy:
+
+
+def _check_offload(problems: list[str], cfg: Config) -> None:
+    s = cfg.sglang
+    if s.offload and not (s.offload_train and s.offload_rollout):
         problems.append(
-            "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
-            "Megatron backend's loss and log-prob passes do not call them yet)"
+            "--offload turns --offload-train and --offload-rollout on: it cannot go with --no-offload-train or "
+            "--no-offload-rollout"
         )
-    if not _installed("megatron.core"):
-        problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")
-    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
-    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
-        if value < 1:
-            problems.append(f"{flag(name)} must be >= 1, got {value}")
-    if cp != 1:
-        problems.append(
-            f"--context-parallel-size {cp}: context parallelism needs Transformer Engine's attention, which "
-            "rlcore's Megatron backend (the local layer spec) does not use yet"
-        )
-    procs = cfg.resources.num_trainer_procs
-    if tp >= 1 and pp >= 1 and procs % (tp * pp):
-        problems.append(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide the trainer "
-            f"processes ({procs}: --actor-num-nodes x --actor-num-gpus-per-node)"
-        )
-    if t.recompute_granularity == "full" and (t.recompute_method is None or t.recompute_num_layers is None):
-        problems.append(
-            "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers"
-        )
-    if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
-        problems.append("--recompute-method and --recompute-num-layers apply with --recompute-granularity full only")
-    if t.lr_warmup_fraction is not None and t.lr_warmup_iters:
-        problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one (as Megatron)")
-    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
-        problems.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
-    if t.min_lr > t.lr:
-        problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
-    if t.lr_decay_style != "constant" and t.lr_decay_iters is None and cfg.rollout.num_epoch is None:
-        # With --num-epoch, slime derives it from the dataset's size at the start (runtime.loop.resolve_num_rollout).
-        problems.append(
-            f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout or --num-epoch to "
-            "derive it)"
-        )
-    for name, (values, why) in MEGATRON_VALUES_BUILT.items():
-        value = getattr(t, name)
-        if value not in values:
-            shown = ", ".join(map(str, values))
-            problems.append(f"{flag(name)} {value}: {why} (takes {shown})")
-    if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
-        problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
-    if shape is not None:
-        problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
+    for name in ("offload_rollout", "offload_train"):
+        if getattr(s, name) and cfg.rollout.rollout_schedule != "sync":
+            problems.append(
+                f"{flag(name)} takes turns between rollout and training: it needs --rollout-schedule sync, not "
+                f"{cfg.rollout.rollout_schedule}"
+            )
 
 
 def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
@@ -776,127 +713,6 @@ def _check_debug(problems: list[str], cfg: Config) -> None:
             "the debug modes (--debug-rollout-only, --debug-train-only, --load-debug-rollout-data) start from "
             "--hf-checkpoint: they cannot go with --load or --sft-warmup-steps"
         )
-
-
-def _check_sglang(problems: list[str], cfg: Config) -> None:
-    s, res = cfg.sglang, cfg.resources
-    uses_sglang = cfg.rollout.rollout_engine == "sglang"
-    if cfg.rollout.sglang_url and s.rollout_external_engine_addrs:
-        problems.append("--sglang-url is an alias of --rollout-external-engine-addrs: give one of them")
-    if s.update_weight_transport == "lora_adapter":
-        t = cfg.train
-        if t.lora_rank == 0 or cfg.rollout.rollout_engine != "sglang":
-            problems.append(
-                "--update-weight-transport lora_adapter pushes LoRA adapters to SGLang engines: it needs --lora-rank "
-                "and --rollout-engine sglang"
-            )
-        if t.lora_modules_to_save:
-            problems.append(
-                "--update-weight-transport lora_adapter sends the adapters only: --lora-modules-to-save "
-                f"{t.lora_modules_to_save!r} trains whole modules too (drop it, or push merged weights)"
-            )
-        if s.check_weight_update_equal:
-            problems.append(
-                "--check-weight-update-equal compares the engines' weights with the trainer's merged ones; under "
-                "--update-weight-transport lora_adapter the engines keep the base weights and hold the adapter apart"
-            )
-    if s.update_weight_transport == "ipc" and not res.colocate:
-        problems.append(
-            "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
-            "--colocate"
-        )
-    if s.update_weight_transport == "ipc" and cfg.train.train_backend == "megatron" and res.num_trainer_procs > 1:
-        problems.append(
-            "--update-weight-transport ipc reaches one engine from the Megatron backend: with more than one trainer "
-            "process give nccl or disk (unset under --colocate: disk)"
-        )
-    if s.update_weight_transport == "ipc" and uses_sglang and s.rollout_num_gpus_per_engine > 1:
-        problems.append(
-            "--update-weight-transport ipc is built for one GPU per SGLang engine: with --rollout-num-gpus-per-engine "
-            "> 1 give nccl or disk (unset under --colocate: disk)"
-        )
-    if cfg.rollout.engine_compile and uses_sglang:
-        problems.append("--engine-compile is for the embedded engine (--rollout-engine hf); SGLang compiles its own")
-    if cfg.rollout.engine_max_running_requests is not None and uses_sglang:
-        problems.append(
-            "--engine-max-running-requests is for the embedded engine (--rollout-engine hf); SGLang servers take "
-            "--sglang-max-running-requests"
-        )
-    for name in ("sglang_url", "rollout_external_engine_addrs"):
-        if getattr(cfg, name) and not uses_sglang:
-            problems.append(f"{flag(name)} is used only with --rollout-engine sglang")
-    for which, values in (("server", s.sglang_args), ("router", s.router_args)):
-        problems.extend(sglang_flags.passthrough_problems(which, values))
-        if values and not uses_sglang:
-            prefix = sglang_flags.SERVER_PREFIX if which == "server" else sglang_flags.ROUTER_PREFIX
-            problems.append(f"{prefix}* flags are used only with --rollout-engine sglang")
-    if s.rollout_num_gpus_per_engine < 1:
-        problems.append(f"--rollout-num-gpus-per-engine must be >= 1, got {s.rollout_num_gpus_per_engine}")
-    if s.offload and not (s.offload_train and s.offload_rollout):
-        problems.append(
-            "--offload turns --offload-train and --offload-rollout on: it cannot go with --no-offload-train or "
-            "--no-offload-rollout"
-        )
-    if s.rollout_num_gpus_per_engine >= 1 and res.rollout_num_gpus % s.rollout_num_gpus_per_engine:
-        problems.append(
-            f"--rollout-num-gpus {res.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
-            f"{s.rollout_num_gpus_per_engine} (each engine takes that many)"
-        )
-    if uses_sglang and not sglang_urls(cfg) and s.rollout_num_gpus_per_engine > res.num_gpus_per_node:
-        problems.append(
-            f"--rollout-num-gpus-per-engine {s.rollout_num_gpus_per_engine} > --num-gpus-per-node "
-            f"{res.num_gpus_per_node}: an engine would span nodes, and rlcore launches single-node SGLang servers only"
-        )
-    if s.rollout_num_gpus_per_engine != 1 and not uses_sglang:
-        problems.append("--rollout-num-gpus-per-engine applies to SGLang engines (--rollout-engine sglang) only")
-    if (s.sglang_router_ip is None) != (s.sglang_router_port is None):
-        problems.append("--sglang-router-ip and --sglang-router-port go together (the address of a running router)")
-    if s.sglang_router_port is not None and not 0 < s.sglang_router_port < 65536:
-        problems.append(f"--sglang-router-port must be in [1, 65535], got {s.sglang_router_port}")
-    if s.sglang_router_ip is not None and s.router_args:
-        problems.append("--router-* flags configure the router rlcore launches: not with --sglang-router-ip")
-    if s.sglang_router_request_timeout_secs <= 0 or s.sglang_server_startup_timeout <= 0:
-        problems.append("--sglang-router-request-timeout-secs and --sglang-server-startup-timeout must be > 0")
-    if not s.sglang_server_command.split():
-        problems.append("--sglang-server-command must not be empty")
-    for name in ("offload_rollout", "offload_train"):
-        if res.colocate and uses_sglang and getattr(s, name) is False:
-            problems.append(
-                f"--colocate shares devices between trainers and SGLang servers, which hold a fixed fraction of "
-                f"their GPU: it needs {flag(name)}"
-            )
-        if getattr(s, name) and cfg.rollout.rollout_schedule != "sync":
-            problems.append(
-                f"{flag(name)} takes turns between rollout and training: it needs --rollout-schedule sync, not "
-                f"{cfg.rollout.rollout_schedule}"
-            )
-    if uses_sglang and s.sglang_router_ip is None and importlib.util.find_spec("sglang_router") is None:
-        problems.append(
-            "--rollout-engine sglang launches the SGLang router, which needs the sglang-router package "
-            "(pip install 'rlcore[sglang]'), or give a running one with --sglang-router-ip/--sglang-router-port"
-        )
-
-
-def _check_schedule(problems: list[str], cfg: Config) -> None:
-    r = cfg.rollout
-    if r.rollout_schedule != "sync" and cfg.resources.colocate:
-        problems.append(
-            f"--rollout-schedule {r.rollout_schedule} (--async / --fully-async) overlaps rollout and training, which "
-            "needs trainers and engines on separate devices: colocated mode (--colocate) stays synchronous"
-        )
-    if r.rollout_schedule == "fully_async" and r.max_staleness < r.update_weights_interval - 1:
-        problems.append(
-            f"--max-staleness {r.max_staleness} must be >= --update-weights-interval {r.update_weights_interval} - 1: "
-            "between two weight syncs the engines sample with one version for that many steps"
-        )
-    if r.partial_rollout and r.rollout_schedule != "fully_async":
-        problems.append("--partial-rollout resumes generations cut off at a weight update: it needs --fully-async")
-    if r.partial_rollout and r.custom_generate_function_path:
-        problems.append(
-            "--partial-rollout continues the default generation; it cannot resume a --custom-generate-function-path"
-        )
-    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
-        problems.append("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
 
 
 def validate(cfg: Config) -> Config:

@@ -12,13 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.engines.registry import ROLLOUT_ENGINES
-from runtime.train.backends import TRAIN_BACKENDS
+from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
+from runtime.option_fields import bounded, described, flag, hook  # noqa: F401  (flag: runtime.config.flag)
+from runtime.train.backends import TRAIN_BACKEND_OPTIONS, TRAIN_BACKENDS, backend_options
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
-# Megatron's --attention-backend choices (megatron.core.transformer.enums.AttnBackend).
-MEGATRON_ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
@@ -50,20 +49,17 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+# The metadata helpers every section uses (runtime.option_fields: the plug-ins' options modules use them too).
+_help, _bounded, _hook_help = described, bounded, hook
 
 
-def _bounded(*, help: str, **bounds: float) -> dict[str, Any]:
-    """Metadata of a number field with bounds (``gt``, ``ge``, ``lt``, ``le``): the type check enforces them
-    (pydantic's constraints; None, where the field allows it, is exempt) and a value out of them is reported as
-    ``--flag must be > 0, got 0``."""
-    return {"help": help, "bounds": bounds}
-
-
-def _hook_help(text: str) -> dict[str, Any]:
-    """Metadata of a hook flag: validation resolves it (``runtime.hooks.resolve_hook``) before anything starts."""
-    return {"help": text, "hook": True}
+def _plugin_options(section: str) -> tuple[type, ...]:
+    """The options dataclasses that the plug-ins (training backends, engines) declare for ``section``: the section
+    inherits their fields, so ``cfg.train.tensor_model_parallel_size`` is a field the Megatron backend declares.
+    Every plug-in's fields are there; the chosen plug-in's are checked, another's refused when set
+    (``runtime.config.checks``)."""
+    modules = [backend_options(n) for n in TRAIN_BACKEND_OPTIONS] + [engine_options(n) for n in ROLLOUT_ENGINE_OPTIONS]
+    return tuple(dict.fromkeys(m.OPTIONS[section] for m in modules if section in m.OPTIONS))
 
 
 @dataclass(frozen=True)
@@ -163,7 +159,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(*_plugin_options("rollout")):
     rollout_batch_size: int | None = field(
         default=None, metadata=_bounded(gt=0, help="prompts per rollout step (required)")
     )
@@ -267,26 +263,6 @@ class RolloutConfig:
     )
     rollout_engine: Literal[ROLLOUT_ENGINE_NAMES] = field(
         default="hf", metadata=_help("rollout engine: embedded transformers (hf) or running SGLang servers (sglang)")
-    )
-    sglang_url: str | None = field(
-        default=None, metadata=_help("alias of --rollout-external-engine-addrs (comma-separated base URLs)")
-    )
-    engine_compile: bool = field(
-        default=False,
-        metadata=_help(
-            "ours: the embedded engine (--rollout-engine hf) on a GPU runs its decode step through torch.compile "
-            "before capturing it as a CUDA graph: faster decoding (Qwen3-0.6B, 64x512 on an H100: 2.3 s instead of "
-            "3.9 s) for a compile of about a minute per batch size and 128-token cache-length bucket"
-        ),
-    )
-    engine_max_running_requests: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0,
-            help="ours: the embedded engine (--rollout-engine hf) decodes at most N prompts at once over a KV cache "
-            "of N rows; a row that stops is refilled with a waiting prompt (continuous refill). Default: all prompts "
-            "of a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)",
-        ),
     )
     rollout_schedule: Literal[ROLLOUT_SCHEDULES] = field(
         default="sync",
@@ -489,7 +465,7 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(*_plugin_options("train")):
     # slime's flag is --train-backend (megatron/fsdp there); rlcore's first backend is torch (HF model, FSDP2).
     train_backend: Literal[TRAIN_BACKEND_NAMES] = field(default="torch", metadata=_help("training backend"))
     global_batch_size: int | None = field(
@@ -525,16 +501,6 @@ class TrainConfig:
         ),
     )
     lr: float = field(default=1e-6, metadata=_bounded(gt=0, help="learning rate (AdamW)"))
-    keep_old_actor: bool = field(
-        default=False,
-        metadata=_help(
-            "one-step async: old log-probs from a CPU copy of the weights that sampled the rollout (needs --async)"
-        ),
-    )
-    use_stateless_adam: bool = field(
-        default=False,
-        metadata=_help("AdamW with its moments reset at every step and stored nowhere (needs --no-save-optim)"),
-    )
     train_env_vars: dict = field(
         default_factory=dict,
         metadata=_help("JSON object of environment variables for the trainer processes, e.g. PyTorch allocator ones"),
@@ -548,30 +514,6 @@ class TrainConfig:
             "bf16 training; bare --bf16 is Megatron's switch (true); absent is auto: bf16 where the device supports it"
         ),
     )
-    attn_implementation: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = field(
-        default="auto",
-        metadata=_help(
-            "torch backend: the trainer's attention (transformers' attn_implementation, or varlen: PyTorch's "
-            "flash varlen kernel over packed sequences, no mask); auto: varlen on a GPU whose PyTorch has it, else "
-            "transformers' default"
-        ),
-    )
-    torch_compile: bool = field(
-        default=False,
-        metadata=_help(
-            "torch backend: torch.compile each decoder layer (fuses its norms, rotary, activation and residual "
-            "adds; the first steps pay the compile)"
-        ),
-    )
-    # --train-backend megatron: Megatron's flags under slime's names and Megatron's meanings (the torch backend
-    # refuses them away from their defaults, naming the flag).
-    tensor_model_parallel_size: int = field(default=1, metadata=_help("Megatron: tensor-parallel ranks per model"))
-    pipeline_model_parallel_size: int = field(default=1, metadata=_help("Megatron: pipeline stages"))
-    context_parallel_size: int = field(default=1, metadata=_help("Megatron: context-parallel ranks (needs TE)"))
-    sequence_parallel: bool = field(
-        default=False,
-        metadata=_help("Megatron: sequence parallelism within TP (off at TP 1, which Megatron-LM turns it off at)"),
-    )
     recompute_granularity: Literal["full", "selective"] | None = field(
         default=None,
         metadata=_help(
@@ -579,130 +521,8 @@ class TrainConfig:
             "(every decoder layer checkpointed)"
         ),
     )
-    attention_backend: Literal[MEGATRON_ATTENTION_BACKENDS] = field(
-        default="auto",
-        metadata=_help(
-            "Megatron: core attention; auto/flash: PyTorch's scaled_dot_product_attention (flash or memory-efficient "
-            "kernels on GPUs), local/unfused: Megatron's unfused DotProductAttention (materialises seq x seq scores)"
-        ),
-    )
-    recompute_method: Literal["uniform", "block"] | None = field(
-        default=None, metadata=_help("Megatron: which layers --recompute-granularity full recomputes")
-    )
-    recompute_num_layers: int | None = field(default=None, metadata=_help("Megatron: layers per recompute unit"))
-    optimizer: Literal["adam"] = field(default="adam", metadata=_help("Megatron: adam (AdamW; sgd is not built)"))
-    adam_beta1: float = field(default=0.9, metadata=_help("Megatron: Adam beta1"))
-    adam_beta2: float = field(default=0.999, metadata=_help("Megatron: Adam beta2"))
-    adam_eps: float = field(default=1e-8, metadata=_help("Megatron: Adam epsilon"))
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = field(
-        default="constant",
-        metadata=_help("Megatron: learning-rate decay (ours: default constant, as slime's scripts; Megatron linear)"),
-    )
     lr_decay_iters: int | None = field(
         default=None, metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps")
-    )
-    lr_warmup_iters: int = field(default=0, metadata=_help("Megatron: linear warm-up steps"))
-    lr_warmup_fraction: float | None = field(
-        default=None, metadata=_help("Megatron: warm-up as a fraction of --lr-decay-iters (instead of iters)")
-    )
-    min_lr: float = field(default=0.0, metadata=_help("Megatron: the decay's floor"))
-    accumulate_allreduce_grads_in_fp32: bool = field(
-        default=False, metadata=_help("Megatron: keep and all-reduce gradients in float32 under --bf16")
-    )
-    use_distributed_optimizer: bool = field(
-        default=True, metadata=_help("Megatron: shard optimizer state over data-parallel ranks (slime forces it on)")
-    )
-    overlap_grad_reduce: bool = field(
-        default=False,
-        metadata=_help(
-            "Megatron: DDP reduces each gradient bucket during the last micro-batch's backward, as soon as it is ready"
-        ),
-    )
-    bias_swiglu_fusion: bool = field(
-        default=True,
-        metadata=_help(
-            "Megatron: SwiGLU as megatron-core's fused function (torch.compile'd, on GPUs; the CPU runs it eagerly); "
-            "--no-bias-swiglu-fusion turns it off"
-        ),
-    )
-    ddp_bucket_size: int | None = field(
-        default=None,
-        metadata=_help("Megatron: parameters per DDP gradient bucket (default: megatron-core's, 40M or 1M x DP)"),
-    )
-    # slime's flags of its Megatron backend (docs/runtime.md, "The Megatron backend"); the torch backend refuses them
-    # away from their defaults, naming the flag.
-    distributed_backend: Literal["nccl", "gloo"] = field(
-        default="nccl",
-        metadata=_help("Megatron: the trainers' torch.distributed backend (on the CPU always gloo, whatever given)"),
-    )
-    distributed_timeout_minutes: int = field(
-        default=10,
-        metadata=_help("Megatron: timeout of the trainers' collectives (the process group and Megatron's groups)"),
-    )
-    padded_vocab_size: int | None = field(
-        default=None,
-        metadata=_help(
-            "Megatron: rows of the embedding and output layer (the padding rows start at zero; exports cut them "
-            "off); unset: the vocabulary rounded up to a multiple of 128 x TP"
-        ),
-    )
-    model_name: str | None = field(
-        default=None,
-        metadata=_help(
-            "the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one); unset: "
-            "config.json's model class"
-        ),
-    )
-    custom_model_provider_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(pre_process, post_process, vp_stage=None) -> GPTModel, in place of the model the Megatron backend "
-            "builds (runtime.train.backends.megatron_backend.provider_context() gives its config and layer spec)"
-        ),
-    )
-    recompute_loss_function: bool = field(
-        default=False,
-        metadata=_help("Megatron: recompute the loss in backward, keeping only the logits (same loss and gradients)"),
-    )
-    megatron_config_path: str | None = field(
-        default=None,
-        metadata=_help("YAML of per-role Megatron overrides (slime's megatron: [{role: actor, overrides: {...}}])"),
-    )
-    attention_dropout: float = field(
-        default=0.0, metadata=_help("Megatron: attention dropout, 0.0 only (ours: default 0.0; Megatron 0.1)")
-    )
-    hidden_dropout: float = field(
-        default=0.0, metadata=_help("Megatron: hidden-state dropout, 0.0 only (ours: default 0.0; Megatron 0.1)")
-    )
-    expert_model_parallel_size: int = field(default=1, metadata=_help("Megatron: expert-parallel ranks (1: dense)"))
-    expert_tensor_parallel_size: int = field(
-        default=1, metadata=_help("Megatron: tensor-parallel ranks of the experts (1: dense, which has none)")
-    )
-    deterministic_mode: bool = field(
-        default=False, metadata=_help("Megatron: TransformerConfig.deterministic_mode (deterministic kernels only)")
-    )
-    optimizer_cpu_offload: bool = field(
-        default=False,
-        metadata=_help("Megatron: the optimizer's state and step on the CPU (all of it; GPUs only, not GPU-tested)"),
-    )
-    overlap_cpu_optimizer_d2h_h2d: bool = field(
-        default=False,
-        metadata=_help("Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)"),
-    )
-    # LoRA (ours: slime has none; the names follow verl's lora_rank / lora_alpha and peft's LoraConfig).
-    lora_rank: int = field(default=0, metadata=_bounded(ge=0, help="LoRA rank through peft; 0 trains every weight"))
-    lora_alpha: float = field(default=16.0, metadata=_help("LoRA alpha: the adapters are scaled by alpha / rank"))
-    lora_dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
-    lora_target_modules: str = field(
-        default="all-linear",
-        metadata=_help("modules given adapters: all-linear (every linear but the LM head) or names, q_proj,v_proj"),
-    )
-    lora_modules_to_save: str = field(
-        default="",
-        metadata=_help(
-            "modules trained in full beside the adapters (peft's modules_to_save; a name matches every module ending "
-            "with it: norm = every RMSNorm), comma-separated"
-        ),
     )
     only_train_params_name_list: list[str] | None = field(
         default=None, metadata=_help("regexes (re.search) of the parameters to train; all others are frozen")
@@ -721,10 +541,6 @@ class TrainConfig:
         metadata=_hook_help(
             "fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None, before each optimizer step"
         ),
-    )
-    lora_export: Literal["merged", "adapter"] = field(
-        default="merged",
-        metadata=_help("HF exports of a LoRA run: adapters merged into the weights, or a peft adapter folder"),
     )
 
 
@@ -1004,34 +820,10 @@ class DebugConfig:
 
 
 @dataclass(frozen=True)
-class SGLangConfig:
-    """The SGLang fleet of ``--rollout-engine sglang``: launched servers (or running ones), the router in front,
-    weight sync. ``sglang_args`` / ``router_args`` hold the ``--sglang-*`` / ``--router-*`` passthrough flags by
-    SGLang's own names (``runtime.engines.sglang_flags``); they have no flag of their own."""
+class SGLangConfig(*_plugin_options("sglang")):
+    """The engines' fleet: the SGLang engine's options (``runtime.engines.sglang_options``: servers, router,
+    passthrough flags), the weight sync and the offloads between rollout and training."""
 
-    rollout_num_gpus_per_engine: int = field(
-        default=1, metadata=_help("GPUs per SGLang server (its tensor-parallel size); --rollout-num-gpus in all")
-    )
-    rollout_external_engine_addrs: str | None = field(
-        default=None,
-        metadata=_help("use these running SGLang servers (comma- or space-separated host:port or URLs); no launch"),
-    )
-    sglang_server_command: str = field(
-        default="python -m sglang.launch_server",
-        metadata=_help("ours: the command that starts one SGLang server (the launcher appends its flags)"),
-    )
-    sglang_server_startup_timeout: float = field(
-        default=600.0, metadata=_help("ours: seconds a launched server may take to answer /health_generate")
-    )
-    sglang_router_ip: str | None = field(
-        default=None, metadata=_help("use the running SGLang router at this address instead of launching one")
-    )
-    sglang_router_port: int | None = field(
-        default=None, metadata=_help("port of the router (with --sglang-router-ip)")
-    )
-    sglang_router_request_timeout_secs: int = field(
-        default=14400, metadata=_help("seconds the router waits for one request")
-    )
     update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
         default=None,
         metadata=_help(
@@ -1087,8 +879,6 @@ class SGLangConfig:
         ),
     )
     offload: bool = field(default=False, metadata=_help("--offload-train and --offload-rollout both on (slime's)"))
-    sglang_args: dict = field(default_factory=dict, metadata={"help": "--sglang-<flag> values", "passthrough": True})
-    router_args: dict = field(default_factory=dict, metadata={"help": "--router-<flag> values", "passthrough": True})
 
 
 @dataclass(frozen=True)
@@ -1246,11 +1036,6 @@ def teacher_from_samples(cfg: Config) -> bool:
     """Whether the teacher's log-probs come with the samples (``--use-opd --opd-type sglang``: a teacher server,
     asked by a reward or generate function), not from a teacher model in the trainers."""
     return cfg.algo.use_opd and cfg.algo.opd_type == "sglang"
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a field: ``rollout_batch_size`` -> ``--rollout-batch-size``."""
-    return "--" + name.replace("_", "-")
 
 
 def _field_specs() -> dict[str, tuple[str | None, dataclasses.Field, Any]]:
