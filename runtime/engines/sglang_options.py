@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.option_fields import described, own_fields
+from runtime.option_fields import described, own_fields, slime
 
 _OWN = "a flag of the SGLang servers"
 
@@ -23,12 +23,16 @@ class SGLangOptions:
     OWN = _OWN
 
     rollout_num_gpus_per_engine: int = field(
-        default=1, metadata=described("GPUs per SGLang server (its tensor-parallel size); --rollout-num-gpus in all")
+        default=1,
+        metadata=described(
+            "GPUs per SGLang server (its tensor-parallel size); --rollout-num-gpus in all", slime=slime("cluster", 1)
+        ),
     )
     rollout_external_engine_addrs: str | None = field(
         default=None,
         metadata=described(
-            "use these running SGLang servers (comma- or space-separated host:port or URLs); no launch"
+            "use these running SGLang servers (comma- or space-separated host:port or URLs); no launch",
+            slime=slime("rollout", None),
         ),
     )
     sglang_server_command: str = field(
@@ -39,13 +43,16 @@ class SGLangOptions:
         default=600.0, metadata=described("ours: seconds a launched server may take to answer /health_generate")
     )
     sglang_router_ip: str | None = field(
-        default=None, metadata=described("use the running SGLang router at this address instead of launching one")
+        default=None,
+        metadata=described(
+            "use the running SGLang router at this address instead of launching one", slime=slime("sglang", None)
+        ),
     )
     sglang_router_port: int | None = field(
-        default=None, metadata=described("port of the router (with --sglang-router-ip)")
+        default=None, metadata=described("port of the router (with --sglang-router-ip)", slime=slime("sglang", None))
     )
     sglang_router_request_timeout_secs: int = field(
-        default=14400, metadata=described("seconds the router waits for one request")
+        default=14400, metadata=described("seconds the router waits for one request", slime=slime("sglang", 14400))
     )
     sglang_args: dict = field(
         default_factory=dict,

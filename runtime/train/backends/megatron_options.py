@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.option_fields import described, flag, hook, own_fields
+from runtime.option_fields import described, flag, hook, own_fields, slime
 
 # Megatron's --attention-backend choices (megatron.core.transformer.enums.AttnBackend).
 MEGATRON_ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
@@ -161,6 +161,12 @@ class MegatronOptions:
         metadata=described(
             own="a flag of slime's Megatron backend",
             text="Megatron: the trainers' torch.distributed backend (on the CPU always gloo, whatever given)",
+            slime=slime(
+                "megatron (reset by slime)",
+                "nccl",
+                differs="--train-backend megatron only (the torch backend refuses it); trainers "
+                "on the CPU use gloo whatever is given",
+            ),
         ),
     )
     distributed_timeout_minutes: int = field(
@@ -168,6 +174,9 @@ class MegatronOptions:
         metadata=described(
             own="a flag of slime's Megatron backend",
             text="Megatron: timeout of the trainers' collectives (the process group and Megatron's groups)",
+            slime=slime(
+                "megatron (reset by slime)", 10, differs="--train-backend megatron only (the torch backend refuses it)"
+            ),
         ),
     )
     padded_vocab_size: int | None = field(
@@ -176,6 +185,12 @@ class MegatronOptions:
             own="a flag of slime's Megatron backend",
             text="Megatron: rows of the embedding and output layer (the padding rows start at zero; exports cut them "
             "off); unset: the vocabulary rounded up to a multiple of 128 x TP",
+            slime=slime(
+                "megatron (reset by slime)",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); exports cut "
+                "the padding off; smaller than the vocabulary is refused",
+            ),
         ),
     )
     model_name: str | None = field(
@@ -184,6 +199,13 @@ class MegatronOptions:
             own="a flag of slime's Megatron backend",
             text="the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one); unset: "
             "config.json's model class",
+            slime=slime(
+                "rollout",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it): "
+                "picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3); MoE and other "
+                "families' names are refused",
+            ),
         ),
     )
     custom_model_provider_path: str | None = field(
@@ -192,6 +214,12 @@ class MegatronOptions:
             "fn(pre_process, post_process, vp_stage=None) -> GPTModel, in place of the model the Megatron backend "
             "builds (runtime.train.backends.megatron_backend.provider_context() gives its config and layer spec)",
             own="a flag of slime's Megatron backend",
+            slime=slime(
+                "train",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); the "
+                "returned GPTModel is checked tensor by tensor against --hf-checkpoint",
+            ),
         ),
     )
     recompute_loss_function: bool = field(
@@ -199,6 +227,7 @@ class MegatronOptions:
         metadata=described(
             own="a flag of slime's Megatron backend",
             text="Megatron: recompute the loss in backward, keeping only the logits (same loss and gradients)",
+            slime=slime("train", False, differs="--train-backend megatron only (the torch backend refuses it)"),
         ),
     )
     megatron_config_path: str | None = field(
@@ -206,6 +235,13 @@ class MegatronOptions:
         metadata=described(
             own="a flag of slime's Megatron backend",
             text="YAML of per-role Megatron overrides (slime's megatron: [{role: actor, overrides: {...}}])",
+            slime=slime(
+                "algo",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); the "
+                "actor entry's overrides take the trainers' flags (train and algo sections); a critic entry is "
+                "refused (the Megatron critic trains with the actor's flags)",
+            ),
         ),
     )
 

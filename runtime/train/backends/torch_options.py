@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.option_fields import described, own_fields
+from runtime.option_fields import described, own_fields, slime
 from runtime.train.backends import lora_options
 
 
@@ -23,6 +23,7 @@ class TorchOptions(lora_options.LoraOptions):
         metadata=described(
             own="the torch backend's stateless AdamW (Megatron's optimizer keeps its moments)",
             text="AdamW with its moments reset at every step and stored nowhere (needs --no-save-optim)",
+            slime=slime("algo", False),
         ),
     )
     keep_old_actor: bool = field(
@@ -31,6 +32,12 @@ class TorchOptions(lora_options.LoraOptions):
             own="a copy of the policy the torch backend keeps",
             text="one-step async: old log-probs from a CPU copy of the weights that sampled the rollout (needs "
             "--async)",
+            slime=slime(
+                "rollout",
+                False,
+                differs="needs --async and --update-weights-interval 1 (where slime's "
+                "queue holds the sampling weights)",
+            ),
         ),
     )
     attn_implementation: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = field(
