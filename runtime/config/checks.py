@@ -33,7 +33,7 @@ from runtime.config.typecheck import _type_problems
 from runtime.config.yaml_io import _tree_value, read_yaml_tree
 from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, engine_options
 from runtime.hooks import HookError, resolve_hook
-from runtime.rollout import schedule_options
+from runtime.rollout.schedule_options import SCHEDULE_OPTIONS, schedule_options
 from runtime.train.backends import TRAIN_BACKEND_OPTIONS, backend_options
 
 # Flags whose range is rlcore's: flag field -> (rlcore config class name, its field, the flags of the fields its rule
@@ -489,7 +489,6 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
     weight_sync_options.check(problems, cfg)
     _check_offload(problems, cfg)
     _check_colocate(problems, cfg)
-    schedule_options.check(problems, cfg)
     _check_debug(problems, cfg)
     if cfg.log.use_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--use-wandb needs the wandb package (pip install 'rlcore[wandb]')")
@@ -522,6 +521,7 @@ def installed(dotted: str) -> bool:
 PLUGIN_KINDS: dict[str, tuple[Mapping[str, str], Callable[[str], Any]]] = {
     "train_backend": (TRAIN_BACKEND_OPTIONS, backend_options),
     "rollout_engine": (ROLLOUT_ENGINE_OPTIONS, engine_options),
+    "rollout_schedule": (SCHEDULE_OPTIONS, schedule_options),
 }
 
 

@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
 from runtime.option_fields import bounded, described, flag, hook, slime  # noqa: F401  (flag: runtime.config.flag)
+from runtime.rollout.schedule_options import SCHEDULE_OPTIONS
 from runtime.train.backends import TRAIN_BACKEND_OPTIONS, TRAIN_BACKENDS, backend_options
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
-ROLLOUT_SCHEDULES = ("sync", "one_step", "fully_async")
+ROLLOUT_SCHEDULES = tuple(SCHEDULE_OPTIONS)
 # --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
 WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
 
@@ -59,6 +60,7 @@ def _plugin_options(section: str) -> tuple[type, ...]:
     Every plug-in's fields are there; the chosen plug-in's are checked, another's refused when set
     (``runtime.config.checks``)."""
     modules = [backend_options(n) for n in TRAIN_BACKEND_OPTIONS] + [engine_options(n) for n in ROLLOUT_ENGINE_OPTIONS]
+    modules += list(SCHEDULE_OPTIONS.values())
     return tuple(dict.fromkeys(m.OPTIONS[section] for m in modules if section in m.OPTIONS))
 
 
@@ -404,27 +406,6 @@ class RolloutConfig(*_plugin_options("rollout")):
     update_weight_buffer_size: int = field(
         default=512 * 1024**2,
         metadata=_bounded(gt=0, help="bytes per bucket of a weight sync", slime=slime("rollout", 536870912)),
-    )
-    max_staleness: int = field(
-        default=1,
-        metadata=_bounded(
-            ge=0,
-            help="ours, fully_async: a group admitted at weight version v is trained by step v + N "
-            "(admission control)",
-        ),
-    )
-    partial_rollout: bool = field(
-        default=False,
-        metadata=_help(
-            "fully_async: cut generations off at a weight update and resume them with the new weights",
-            slime=slime("rollout", False, differs="needs --fully-async (ours), where generations cross syncs"),
-        ),
-    )
-    mask_offpolicy_in_partial_rollout: bool = field(
-        default=False,
-        metadata=_help(
-            "partial rollout: tokens sampled before the weight update leave the loss", slime=slime("rollout", False)
-        ),
     )
 
 
