@@ -1,6 +1,7 @@
 """runtime.rollout.rewards, .filters and runtime.hooks: custom rewards, failure counting, filters, hooks."""
 
 import asyncio
+import gc
 import os
 import pickle
 import textwrap
@@ -511,7 +512,11 @@ def test_a_hung_reward_in_threads_costs_one_timeout_a_step_and_its_threads_do_no
     timeout, workers, n = 0.4, 8, 40
     hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:hangs", reward_timeout=timeout), max_workers=workers)
     assert hub.isolation == "thread"
-    before = threading.active_count()
+
+    def reward_threads():  # the hub's own (other tests' hubs may still be winding down beside them)
+        return sum(t.name == "reward" for t in threading.enumerate())
+
+    before = reward_threads()
     try:
         for _ in range(2):  # two steps
             start = time.perf_counter()
@@ -522,13 +527,13 @@ def test_a_hung_reward_in_threads_costs_one_timeout_a_step_and_its_threads_do_no
             assert wall < 3 * timeout, wall
             assert hub.pop_metrics()["reward/timeouts"] == n
             # At most max_workers threads hang (not one per timed-out call: 40, then 80).
-            assert threading.active_count() - before <= workers
+            assert reward_threads() - before <= workers
     finally:
         release.set()
     deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while reward_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert threading.active_count() == before
+    assert reward_threads() == before
     # The hung threads gave their slots back as they returned: every call runs again.
     assert _score_or_fail(hub, _samples([("x", None)] * n)) == [1.0] * n
 
@@ -557,12 +562,21 @@ def test_a_reward_in_a_worker_sets_fields_on_the_sample_and_a_dying_worker_is_a_
     pids = {s.metadata["scored_by"] for s in samples}
     assert pids and os.getpid() not in pids
     hub.close()
+    children_before = {c.pid for c in psutil.Process().children()}
     hub = RewardHub(RewardConfig(custom_rm_path=f"{path}:dies", reward_timeout=5.0))
     assert _score_or_fail(hub, _samples([("x", None)] * 3)) == [1.0, 0.0, 1.0]
     metrics = hub.pop_metrics()
     assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (1, 0)
     assert _score_or_fail(hub, _samples([("x", None)] * 3))[0] == 1.0  # a fresh worker replaced the dead one
-    hub.close()
+    # A hub dropped without close() stops its workers as it is collected.
+    workers = [c for c in psutil.Process().children() if c.pid not in children_before and _running(c.pid)]
+    assert workers
+    del hub
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while [c for c in workers if _running(c.pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [c.pid for c in workers if _running(c.pid)]
 
 
 def test_where_each_reward_runs():

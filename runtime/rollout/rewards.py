@@ -50,6 +50,7 @@ import multiprocessing
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -572,6 +573,7 @@ class _WorkerPool:
     def __init__(self, fn: Callable[..., Any], args: Any, workers: int, *, warm_up: Callable[[], None] | None = None):
         self._fn, self._args, self._workers, self._warm_up = fn, args, workers, warm_up
         self._pool: pebble.ProcessPool | None = None
+        self._stop: weakref.finalize | None = None
         self._lock = threading.Lock()
 
     def _get(self) -> pebble.ProcessPool:
@@ -588,6 +590,8 @@ class _WorkerPool:
                     initargs=(self._fn, self._args),
                     context=multiprocessing.get_context("fork"),
                 )
+                # A hub dropped without close() (a test's, a caller's) stops its workers when it is collected.
+                self._stop = weakref.finalize(self, _stop_pool, self._pool)
             return self._pool
 
     async def call(self, payload: Any, timeout: float | None) -> tuple[Any, Exception | None]:
@@ -608,10 +612,15 @@ class _WorkerPool:
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.stop()
-            pool.join(timeout=10)
+            pool, stop, self._pool, self._stop = self._pool, self._stop, None, None
+        if pool is not None and stop is not None:
+            stop()  # _stop_pool(pool), once
+
+
+def _stop_pool(pool: pebble.ProcessPool) -> None:
+    """End ``pool``'s workers (stop() only marks it stopped; join() ends them) and its threads."""
+    pool.stop()
+    pool.join(timeout=10)
 
 
 # The function and args of this worker process, set by _worker_init as it starts.
