@@ -16,7 +16,7 @@ from runtime.engines import HFEngine, SamplingParams
 from runtime.engines.base import stop_string_end
 from runtime.engines.sglang_engine import SGLangEngine, sampling_params_to_sglang
 from runtime.evaluation import EvalSet
-from runtime.loop import sampling_params
+from runtime.job import sampling_params
 
 
 @pytest.fixture(scope="module")
