@@ -23,7 +23,6 @@ and bf16 weights cast once per optimizer step from the float32 ones, gradients s
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import time
@@ -47,6 +46,13 @@ from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
+from runtime.train.backends.torch_checkpoint import TRAINED_ONLY
+from runtime.train.backends.torch_models import (
+    checkpoint_blocks,
+    compile_blocks,
+    replace_lm_head_with_value_head,
+    uses_bf16,
+)
 from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import (
     STORE_PREFIX,
@@ -62,6 +68,7 @@ from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import (
     ModelInputs,
     in_row_order,
+    micro_batches,
     pack_by_tokens,
     packed_inputs,
     padded_inputs,
@@ -75,8 +82,6 @@ ROLLOUT_ENTROPY = {keys.OLD_LOG_PROBS: keys.OLD_ENTROPY, keys.REF_LOG_PROBS: key
 # slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
 # The roles this backend builds a model for; others are refused by name at construction.
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
-# The critic's value head starts as slime's: weights drawn from N(0, 0.02^2) (Megatron's init_method_std), bias 0.
-VALUE_HEAD_INIT_STD = 0.02
 
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
@@ -84,108 +89,11 @@ def _identity(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def _checkpoint_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
-    """Activation checkpointing of every decoder block of ``model`` (``--recompute-granularity full``): a block keeps
-    its inputs only and runs its forward again in the backward (``torch.utils.checkpoint``, non-reentrant). The
-    block's ``forward`` is wrapped in place, so its module, its parameter names and FSDP2's hooks around its call stay
-    as they are (the recompute runs inside the block's backward, where FSDP2 has gathered its parameters). Works
-    whether the model is in train or eval mode (transformers' own checkpointing runs in train mode only, and the
-    trainer keeps dropout off). Returns the number of blocks wrapped."""
-    from torch.utils.checkpoint import checkpoint
-
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
-            count += 1
-    if count == 0:
-        raise ValueError(
-            f"--recompute-granularity full: {type(model).__name__} names no decoder block class to checkpoint "
-            "(transformers' _no_split_modules)"
-        )
-    return count
-
-
-def _compile_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
-    """``torch.compile`` every decoder block of ``model`` in place (``--torch-compile``; ``nn.Module.compile``, so
-    names, hooks and a checkpointed ``forward`` stay). The blocks share one compiled graph (their parameters are
-    the graph's inputs); packed micro-batches of changing length turn dynamic after the first recompile."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            module.compile()
-            count += 1
-    if count == 0:
-        raise ValueError(f"--torch-compile: {type(model).__name__} names no decoder block class (_no_split_modules)")
-    return count
-
-
 def _host_lengths(mb: TensorDict) -> list[int] | None:
     """Each row's valid response tokens, counted where the micro-batch lives if that is the host (then the fused
     loss queues its work without waiting for the device); ``None`` for a batch already on the device."""
     mask = mb[keys.MASK]
     return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
-
-
-def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | None) -> list[TensorDict]:
-    """Cut ``td`` (rows in order) into micro-batches.
-
-    With ``max_tokens`` rows are packed greedily while ``rows x longest sequence`` stays within the budget (the
-    padded size the forward pass really costs); otherwise ``micro_batch_size`` rows each.
-    """
-    n = td.batch_size[0]
-    if max_tokens is None:
-        return [td[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
-    lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
-    out, start, longest = [], 0, 0
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            raise ValueError(f"sample {i} has {length} tokens, over --max-tokens-per-gpu {max_tokens}")
-        longest_with = max(longest, length)
-        if i > start and (i - start + 1) * longest_with > max_tokens:
-            out.append(td[start:i])
-            start, longest_with = i, length
-        longest = longest_with
-    out.append(td[start:n])
-    return out
-
-
-def _replace_lm_head_with_value_head(model: torch.nn.Module, *, seed: int) -> None:
-    """Turn a causal LM into a critic, as slime's ``LinearForLastLayer``: the LM head becomes ``Linear(hidden, 1)``
-    with weights from N(0, ``VALUE_HEAD_INIT_STD``^2) drawn from ``seed`` (the same on every rank) and bias 0, so the
-    model's ``logits`` [b, t, 1] are the values. The head is no longer tied to the embeddings, and a final logit
-    soft-cap (Gemma 2) is turned off: values are not logits."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    old = model.get_output_embeddings()
-    head = torch.nn.Linear(old.in_features, 1, bias=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
-        head.bias.zero_()
-    for cfg in {id(model.config): model.config, id(config): config}.values():
-        cfg.tie_word_embeddings = False
-        if getattr(cfg, "final_logit_softcapping", None) is not None:
-            cfg.final_logit_softcapping = None
-    model.set_output_embeddings(head)
-
-
-def _uses_bf16(setting: str, device: torch.device) -> bool:
-    if setting == "true":
-        return True
-    if setting == "false":
-        return False
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
-def _trained_only_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Frozen parameters (a LoRA run's base model) are not checkpointed: they are the --hf-checkpoint's. strict=False
-    # lets set_state_dict leave them as they are.
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-_TRAINED_ONLY = _trained_only_options()
 
 
 class TorchTrainer:
@@ -242,7 +150,7 @@ class TorchTrainer:
                     backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
                 )
             self.group = dist.group.WORLD
-        self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
+        self.bf16 = uses_bf16(train_cfg.bf16, self.device)
         # Inside a bf16 _step_scope on one process: (parameter, its float32 data, float32 gradient sum or None).
         self._masters: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]] | None = None
         self.model = self._load(AutoModelForCausalLM, trainable=True)
@@ -326,7 +234,7 @@ class TorchTrainer:
     ) -> torch.nn.Module:
         model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32, **self._attention())
         if value_head:
-            _replace_lm_head_with_value_head(model, seed=self.seed)
+            replace_lm_head_with_value_head(model, seed=self.seed)
         if not trainable:
             model.requires_grad_(False)
         elif not value_head and (self.hooks.only_train or self.hooks.freeze):
@@ -347,9 +255,9 @@ class TorchTrainer:
         model.to(self.device)
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         if trainable and self.cfg.recompute_granularity == "full":
-            _checkpoint_blocks(model, block_names)
+            checkpoint_blocks(model, block_names)
         if self.cfg.torch_compile:
-            _compile_blocks(model, block_names)
+            compile_blocks(model, block_names)
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -911,7 +819,7 @@ class TorchTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=TRAINED_ONLY)
         model_sd = self._trained_entries(model_sd)
         state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
         if self.critic is not None:
@@ -926,7 +834,7 @@ class TorchTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=TRAINED_ONLY)
         model_sd = self._trained_entries(model_sd)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         if any(key.startswith("optim") for key in saved):
@@ -937,12 +845,12 @@ class TorchTrainer:
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
-                options=_TRAINED_ONLY,
+                options=TRAINED_ONLY,
             )
         else:  # saved with --no-save-optim: the optimizer starts afresh (or keeps what it has)
             state = {"model": model_sd}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["model"], options=_TRAINED_ONLY)
+            set_model_state_dict(self.model, state["model"], options=TRAINED_ONLY)
         if self.critic is not None:
             self._load_critic(path, saved)
         if self.old_actor is not None:
