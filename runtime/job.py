@@ -109,6 +109,7 @@ def build_job(
 ) -> Job:
     """Check ``cfg``'s model, data, reward and hooks, start Ray and the job's parts (each released by ``cleanup``),
     restore ``--load`` and push the starting weights; the returned job's rollout source has started."""
+    # Model, data, reward, hooks: everything that can fail on user input fails here, before Ray starts.
     check_supported(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,9 +124,9 @@ def build_job(
     evals = [] if cfg.debug.train_only else [EvalSet(d, prompts, eval_hub(cfg, d)) for d, prompts in eval_sets or []]
     for e in evals:
         cleanup.callback(e.hub.close)
-    hooks = load_rollout_hooks(cfg)
     r = cfg.rollout
     filter_fn = load_filter(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
+    hooks = load_rollout_hooks(cfg)
 
     init_ray(cfg)  # kept across trainer restarts; runtime.loop.run shuts it down
     if signals is not None:  # over the handler ray.init may have set
