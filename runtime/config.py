@@ -120,6 +120,23 @@ class ModelConfig:
     use_rotary_position_embeddings: bool | None = field(
         default=None, metadata=_help("Megatron: rotary position embeddings (--position-embedding-type rope)")
     )
+    # Megatron's MoE shape flags (runtime.train.backends.megatron_moe), checked against config.json alike.
+    num_experts: int | None = field(default=None, metadata=_help("Megatron: experts per MoE layer (num_experts)"))
+    moe_router_topk: int | None = field(
+        default=None, metadata=_help("Megatron: experts per token (num_experts_per_tok)")
+    )
+    moe_ffn_hidden_size: int | None = field(
+        default=None, metadata=_help("Megatron: an expert's MLP width (moe_intermediate_size)")
+    )
+    moe_router_pre_softmax: bool | None = field(
+        default=None, metadata=_help("Megatron: softmax over all experts, top k unnormalised (not norm_topk_prob)")
+    )
+    moe_router_score_function: str | None = field(
+        default=None, metadata=_help("Megatron: the router's score function (softmax for Qwen3-MoE)")
+    )
+    moe_layer_freq: str | None = field(
+        default=None, metadata=_help("Megatron: MoE layers, an int N (every N-th) or a list such as [1]*48")
+    )
 
 
 @dataclass(frozen=True)
@@ -697,6 +714,21 @@ class TrainConfig:
     expert_model_parallel_size: int = field(default=1, metadata=_help("Megatron: expert-parallel ranks (1: dense)"))
     expert_tensor_parallel_size: int = field(
         default=1, metadata=_help("Megatron: tensor-parallel ranks of the experts (1: dense, which has none)")
+    )
+    # Megatron's MoE training flags (runtime.train.backends.megatron_options lists the values built).
+    moe_grouped_gemm: bool = field(
+        default=False, metadata=_help("Megatron: experts through torch._grouped_mm instead of a per-expert loop")
+    )
+    moe_token_dispatcher_type: str = field(
+        default="alltoall", metadata=_help("Megatron: MoE token dispatcher, alltoall (ours: default alltoall)")
+    )
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss", metadata=_help("Megatron: the router's balancing loss (inert at --moe-aux-loss-coeff 0)")
+    )
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=_help("Megatron: balancing loss weight, 0.0 only"))
+    moe_router_dtype: str | None = field(default=None, metadata=_help("Megatron: router dtype, fp32 or fp64"))
+    moe_token_drop_policy: str = field(
+        default="probs", metadata=_help("Megatron: which tokens a full expert drops (no capacity here: none)")
     )
     deterministic_mode: bool = field(
         default=False, metadata=_help("Megatron: TransformerConfig.deterministic_mode (deterministic kernels only)")
@@ -2648,7 +2680,11 @@ def _check_megatron(problems: list[str], cfg: Config) -> None:
     if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
     if shape is not None:
-        problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
+        problems.extend(
+            megatron_config.parallel_problems(
+                shape, tp_size=max(tp, 1), pp_size=max(pp, 1), ep_size=max(t.expert_model_parallel_size, 1)
+            )
+        )
 
 
 def _check_hook_combinations(problems: list[str], cfg: Config) -> None:
