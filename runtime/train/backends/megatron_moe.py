@@ -272,13 +272,20 @@ _GROUPED_MM_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.f
 
 
 def grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``x`` and ``w``: a dtype of its kernels on their device, and every
-    operand's rows 16-byte aligned."""
+    """Whether ``torch._grouped_mm`` takes ``x`` and ``w``: a dtype of its kernels on their device, each operand
+    row- or column-major in its last two dimensions with a 16-byte aligned leading stride and start."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
         return False
-    return all(t.stride(-1) == 1 or t.stride(-2) == 1 for t in (x, w)) and all(
-        (t.shape[-1] * t.element_size()) % 16 == 0 and (t.shape[-2] * t.element_size()) % 16 == 0 for t in (x, w)
-    )
+    return all(_aligned(t) for t in (x, w))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return False
+    if t.stride(-1) == 1:
+        return (t.stride(-2) * size) % 16 == 0
+    return t.stride(-2) == 1 and (t.stride(-1) * size) % 16 == 0
 
 
 __all__ = [
