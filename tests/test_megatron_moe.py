@@ -312,3 +312,98 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
     finally:
         mega.shutdown()
         torch_backend.shutdown()
+
+
+# ------------------------------------------------------------------ expert parallelism over gloo
+
+STEPS = 3
+
+
+def _train_steps(backend, cfg, td, rows: slice) -> list[dict[str, float]]:
+    """``STEPS`` RL steps over ``td[rows]`` (this rank's shard): old log-probs recomputed each step and perturbed by
+    a fixed function of the global row and position (so that the ratio is not one), GRPO advantages (the shards hold
+    whole groups)."""
+    from rlcore import keys
+    from rlcore.advantages import compute
+    from runtime.train.algo import advantage_config
+
+    mask = td[keys.MASK]
+    perturb = 0.05 * torch.sin(torch.arange(mask.numel(), dtype=torch.float32)).view_as(mask)
+    metrics = []
+    for _ in range(STEPS):
+        part = td[rows].clone()
+        part.update(backend.compute_log_probs(part))
+        part.set(keys.OLD_LOG_PROBS, part[keys.OLD_LOG_PROBS] + perturb[rows])
+        part = compute(part, advantage_config(cfg))
+        metrics.append(backend.train(part, per_step_rows=part.batch_size[0]))
+    return metrics
+
+
+def _run(backend, cfg, td, rows: slice) -> dict:
+    """The logits of the shard's first micro-batch, its log-probs, ``STEPS`` steps' metrics and the exported
+    weights."""
+    from rlcore import keys
+
+    with backend._shims(), torch.no_grad():
+        logits = backend._logits(backend.model, td[rows])[..., :203].clone()
+    log_probs = backend.compute_log_probs(td[rows])[keys.OLD_LOG_PROBS]
+    metrics = _train_steps(backend, cfg, td, rows)
+    return {"logits": logits, "log_probs": log_probs, "metrics": metrics, "weights": backend.get_weights()}
+
+
+def _ep_worker(rank, port, path, tmp, out):
+    from test_megatron_backend import make_batch, trainer
+
+    cfg = _job(tmp, expert_model_parallel_size=2, actor_num_gpus_per_node=2)
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port)
+    try:
+        assert mega.dp_info() == (rank, 2)  # EP splits the experts of the two data-parallel replicas
+        result = _run(mega, cfg, make_batch(203), slice(4 * rank, 4 * rank + 4))
+        result["experts"] = sorted(n for n, _ in mega.model.named_parameters() if moe.is_expert(n))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        mega.shutdown()
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_ranks_equal_one(tmp_path):
+    """EP=2 over gloo (two processes, each a data-parallel rank with half the experts and half the rows) against EP=1
+    (one process, all rows): the same logits and log-probs, the same losses and gradient norms over three steps,
+    the same exported weights."""
+    import torch.multiprocessing as mp
+    from test_megatron_backend import _free_port, make_batch, trainer
+
+    path = save_qwen3_moe(tmp_path / "m")
+    out = str(tmp_path / "ep2.pt")
+    mp.spawn(_ep_worker, args=(_free_port(), path, tmp_path, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    # Each rank holds 4 of the 8 experts of each of the 2 layers (2 tensors each).
+    assert len(ranks[0]["experts"]) == 2 * 4 * 2
+    cfg = _job(tmp_path)
+    one = trainer("megatron", path, cfg)
+    try:
+        td = make_batch(203)
+        want = _run(one, cfg, td, slice(0, 8))
+        for r, got in enumerate(ranks):
+            # A shard is as wide as its own longest row; causal attention: wider padding changes no real column.
+            width = got["logits"].shape[1]
+            torch.testing.assert_close(got["logits"], want["logits"][4 * r : 4 * r + 4, :width], **LOGIT_TOL)
+        from rlcore import keys
+
+        mask = td[keys.MASK]
+        got_lp = torch.cat([r["log_probs"] for r in ranks])
+        torch.testing.assert_close(got_lp[mask], want["log_probs"][mask], **LOGIT_TOL)
+        for step in range(STEPS):
+            for name in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+                values = {r["metrics"][step][name] for r in ranks}
+                assert len(values) == 1, (step, name, values)  # reduced over the data-parallel ranks
+                assert values.pop() == pytest.approx(want["metrics"][step][name], rel=1e-4, abs=1e-6), (step, name)
+        assert ranks[1]["weights"] is None
+        exported = ranks[0]["weights"]
+        assert set(exported) == set(want["weights"])
+        for name, value in want["weights"].items():
+            # Adam moves an element by about lr (1e-3) x sign(gradient) a step: where a gradient is near zero,
+            # float32 rounding may move it differently, by a fraction of a step in each of the three.
+            torch.testing.assert_close(exported[name], value, rtol=0, atol=6e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        one.shutdown()

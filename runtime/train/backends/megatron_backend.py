@@ -786,6 +786,16 @@ class MegatronTrainer:
     ) -> list[dict[str, torch.Tensor]]:
         """Forward (and backward unless ``forward_only``) over micro-batches ``parts``; each micro-batch's outputs
         (``log_probs`` when ``loss_fn`` is None, else ``loss_fn``'s metrics) on every rank of the pipeline."""
+        if self.ep > 1:
+            # Each MoE layer's forward and backward exchange tokens over the expert-parallel ranks: every rank must
+            # run as many micro-batches, or the alltoall of the one with more waits forever.
+            most, least = self._dp_max(len(parts)), -self._dp_max(-len(parts))
+            if most != least:
+                raise ValueError(
+                    f"--expert-model-parallel-size {self.ep}: the data-parallel ranks' shards split into "
+                    f"{least} to {most} micro-batches; expert parallelism needs one count (give every rank "
+                    "as many rows, or --use-dynamic-batch-size, which agrees on the count)"
+                )
         if self.pp == 1:
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
