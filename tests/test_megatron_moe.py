@@ -254,12 +254,15 @@ def _routes(module, sink: list) -> list:
 
 @pytest.mark.parametrize("grouped_gemm", [False, True], ids=["sequential", "grouped"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_logits_and_expert_choices_equal_transformers(norm_topk_prob, grouped_gemm, tmp_path):
+def test_logits_and_expert_choices_equal_transformers(norm_topk_prob, grouped_gemm, tmp_path, monkeypatch):
     from test_megatron_backend import make_batch, trainer
     from transformers import AutoModelForCausalLM
 
     from runtime.train.roles import ACTOR
 
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     path = save_qwen3_moe(tmp_path / "m", norm_topk_prob=norm_topk_prob)
     mega = trainer("megatron", path, _job(tmp_path, moe_grouped_gemm=grouped_gemm), roles=(ACTOR,))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -269,10 +272,13 @@ def test_logits_and_expert_choices_equal_transformers(norm_topk_prob, grouped_ge
         hooks = _routes(mega.model, got_routes) + _routes(hf, want_routes)
         with mega._shims(), torch.no_grad():
             logits = mega._logits(mega.model, mb)
+            megatron_calls = len(calls)  # transformers' experts may call it too
             tokens, _, _ = mega._inputs(mb)
             want = hf(input_ids=tokens).logits
         for hook in hooks:
             hook.remove()
+        # --moe-grouped-gemm: both expert layers of both MoE layers through torch._grouped_mm; else none.
+        assert megatron_calls == (4 if grouped_gemm else 0)
         assert len(got_routes) == len(want_routes) == 2
         for got, expected in zip(got_routes, want_routes, strict=True):
             assert torch.equal(got, expected)
