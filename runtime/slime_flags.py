@@ -249,7 +249,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "rollout",
         None,
         DIFFERS,
-        f"{MEGATRON_ONLY}: picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3); MoE and "
+        f"{MEGATRON_ONLY}: picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3, qwen3moe); "
         "other families' names are refused",
     ),
     _f(

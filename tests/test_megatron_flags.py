@@ -220,7 +220,9 @@ def test_padded_vocab_rows_start_at_zero_and_exports_cut_them_off(tmp_path):
     out = convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), model_name="llama")
     exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert torch.equal(exported["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
-    with pytest.raises(ValueError, match="--model-name qwen3moe: a mixture-of-experts model"):
+    with pytest.raises(
+        ValueError, match="--model-name qwen3moe: slime's qwen3_moe mapping is for MoE models; this llama"
+    ):
         convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_moe"), model_name="qwen3moe")
 
 

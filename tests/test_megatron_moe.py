@@ -36,10 +36,10 @@ QWEN3_MOE = dict(
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def qwen3_moe_config(**overrides):
+def qwen3_moe_config(model_type: str = "qwen3_moe", **overrides):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("qwen3_moe", **{**QWEN3_MOE, **overrides})
+    return AutoConfig.for_model(model_type, **{**QWEN3_MOE, **overrides})
 
 
 def save_qwen3_moe(folder, *, seed: int = 0, **overrides) -> str:
@@ -133,6 +133,70 @@ def test_expert_parallelism_must_split_the_experts_of_a_moe_model():
     dense = mc.shape_from_hf(qwen3_moe_config().to_dict() | {"model_type": "qwen3"})
     (problem,) = mc.parallel_problems(dense, tp_size=1, pp_size=1, ep_size=2)
     assert "dense qwen3 model" in problem
+
+
+def _moe_job(tmp_path, model_type: str = "qwen3_moe") -> list[str]:
+    """A real job's command line under --train-backend megatron whose config.json is the tiny Qwen3-MoE's (or, with
+    ``model_type`` qwen3, the same model dense)."""
+    folder = tmp_path / f"hf_{model_type}"
+    qwen3_moe_config(model_type).save_pretrained(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input": "1+1", "label": "2"}\n')
+    return [
+        "--train-backend",
+        "megatron",
+        "--hf-checkpoint",
+        str(folder),
+        "--prompt-data",
+        str(prompts),
+        "--rm-type",
+        "math",
+        "--rollout-max-response-len",
+        "8",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+    ]
+
+
+def _problems(argv) -> list[str]:
+    from runtime.config import ConfigError, parse_args
+
+    try:
+        parse_args(argv)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def test_the_job_takes_slimes_moe_flags_and_names_each_disagreement(tmp_path):
+    job = _moe_job(tmp_path)
+    slime = [
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "[1]*2",
+        "--moe-router-score-function", "softmax", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0", "--moe-token-drop-policy", "probs",
+        "--moe-permute-fusion", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+    ]  # fmt: skip
+    assert _problems([*job, *slime]) == []
+    problems = _problems([*job, "--num-experts", "16", "--moe-router-topk", "4", "--expert-model-parallel-size", "3"])
+    assert sorted(p.split()[0] for p in problems) == [
+        "--expert-model-parallel-size",
+        "--moe-router-topk",
+        "--num-experts",
+    ], problems
+    # Under the torch backend the training flags are refused (the shape flags are checked against config.json there
+    # too); on a dense checkpoint expert parallelism has nothing to split.
+    torch_job = [*job, "--train-backend", "torch", "--moe-grouped-gemm"]
+    assert _problems(torch_job) == ["--moe-grouped-gemm: a Megatron flag, used by --train-backend megatron only"]
+    (problem,) = _problems([*_moe_job(tmp_path, "qwen3"), "--expert-model-parallel-size", "2"])
+    assert "--expert-model-parallel-size 2" in problem and "dense qwen3 model" in problem
+    (problem,) = _problems([*job, "--moe-enable-deepep"])
+    assert problem.startswith("--moe-enable-deepep: a Megatron flag rlcore's Megatron backend does not take: DeepEP")
 
 
 def test_model_name_picks_slimes_qwen3moe_mapping():

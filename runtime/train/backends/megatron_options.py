@@ -88,7 +88,7 @@ MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
         "the balancing loss is not scaled over rlcore's micro-batches and data-parallel ranks yet (slime's RL "
         "scripts pass 0: RL does not train the balance)",
     ),
-    "moe_router_dtype": ((None, "fp32", "fp64"), "megatron-core's router computes in fp32, fp64 or the model's dtype"),
+    "moe_router_dtype": (("fp32", "fp64", None), "megatron-core's router computes in fp32, fp64 or the model's dtype"),
     "moe_token_drop_policy": (
         ("probs", "position"),
         "megatron-core's two policies (inert here: no --moe-expert-capacity-factor, no token is dropped)",
@@ -98,6 +98,6 @@ MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
 # Every flag this backend alone reads -> what it is (the refusal under another backend names it).
 OWN_FIELDS: dict[str, str] = {
     **{name: "a Megatron flag" for name in MEGATRON_TRAIN_FIELDS},
-    **{name: "a Megatron MoE flag" for name in MEGATRON_MOE_FIELDS},
+    **{name: "a Megatron flag" for name in MEGATRON_MOE_FIELDS},
     **{name: "a flag of slime's Megatron backend" for name in MEGATRON_SLIME_FIELDS},
 }
