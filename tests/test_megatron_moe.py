@@ -477,3 +477,41 @@ def test_expert_parallel_two_ranks_equal_one(tmp_path):
             torch.testing.assert_close(exported[name], value, rtol=0, atol=6e-5, msg=lambda m, n=name: f"{n}: {m}")
     finally:
         one.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_grpo_steps_at_ep2_through_rlcore_run_on_the_cpu(monkeypatch, tmp_path):
+    """The CPU twin of tests/test_megatron_moe_cuda.py's job: the built-in task on the tiny Qwen3-MoE preset, two
+    Megatron trainer processes at EP=2 (gloo) with an engine colocated on each, three steps through rlcore-run's
+    config and loop. The engines sample with the weights the trainers hold (experts gathered from both EP ranks), in
+    float32: the recomputed log-probs equal the rollout's."""
+    import ray
+
+    from runtime import demo
+    from runtime.config import parse_args
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_preset_model
+    from runtime.logger import METRICS_FILE, read_metrics
+    from runtime.loop import run
+
+    def base_model(output_dir, *, seed):
+        return str(make_preset_model("tiny-qwen3-moe", f"{output_dir}/base_model", alphabet=task.ALPHABET, seed=seed))
+
+    monkeypatch.setattr(demo, "base_model", base_model)
+    argv = [
+        "--train-backend", "megatron", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+        "--colocate", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--global-batch-size", "16", "--output-dir", str(tmp_path / "job"),
+    ]  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run(parse_args(argv), progress=False)
+    finally:
+        ray.shutdown()
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["train/num_steps"] == 1 and 0.0 < row["train/grad_norm"] < 1e3
+        # float32 engine and trainer on the same weights: summation order only (a mis-mapped expert gives O(1)).
+        assert row["train/rollout_log_prob_abs_diff"] < 1e-4, row["train/rollout_log_prob_abs_diff"]
