@@ -94,3 +94,34 @@ def test_a_rerun_keeps_the_hand_kept_earlier_figures_and_replaces_the_rest(tmp_p
     text = out.read_text()
     assert "- **commit**: new" in text and "- **commit**: old" not in text
     assert text.endswith(earlier) and "not run (budget)" in text
+
+
+def test_lanes_take_consecutive_slices_of_the_visible_gpus_and_too_few_is_one_error():
+    assert gpu_suite.lane_devices(2, 2, None) == ["0,1", "2,3"]
+    assert gpu_suite.lane_devices(2, 1, "4,6,7") == ["4", "6"]
+    with pytest.raises(ValueError, match="needs 4 GPUs; CUDA_VISIBLE_DEVICES has 3"):
+        gpu_suite.lane_devices(2, 2, "0,1,2")
+
+
+def test_lanes_run_items_at_the_same_time_each_with_its_own_gpus(tmp_path, monkeypatch):
+    # Two fake benches that each record the GPUs they see and wait until the other has started: they finish only if
+    # the two lanes run them at the same time.
+    script = (
+        "import os, sys, time, pathlib; d = pathlib.Path(sys.argv[1]); n = sys.argv[2]\n"
+        "(d / n).write_text(os.environ.get('CUDA_VISIBLE_DEVICES', ''))\n"
+        "end = time.time() + 20\n"
+        "while len(list(d.iterdir())) < 2 and time.time() < end: time.sleep(0.05)\n"
+        "print('both' if len(list(d.iterdir())) == 2 else 'alone')\n"
+    )
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    monkeypatch.setattr(gpu_suite, "test_files", lambda root=None: [])
+    monkeypatch.setattr(gpu_suite, "BENCHES", tuple((n, ["-c", script, str(seen), n], 60) for n in ("one", "two")))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    out = tmp_path / "results.md"
+    code = gpu_suite.main(["--lanes", "2", "--gpus-per-lane", "2", "--out", str(out), "--log-dir", str(tmp_path)])
+    assert code == 0
+    assert sorted(p.read_text() for p in seen.iterdir()) == ["0,1", "2,3"]
+    text = out.read_text()
+    assert text.count("```\nboth\n```") == 2  # each bench saw the other running
+    assert "- **lanes**: lane 0: GPUs 0,1, lane 1: GPUs 2,3" in text

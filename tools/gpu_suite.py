@@ -3,12 +3,16 @@
     python tools/gpu_suite.py                                   # everything, in the order below, on this machine
     python tools/gpu_suite.py --budget-s 240 --commit abc1234   # stop starting new items after 240 s
     python tools/gpu_suite.py --only test_megatron_cuda.py,logprob_gap --out /tmp/gpu-results.md
+    python tools/gpu_suite.py --lanes 2 --gpus-per-lane 2       # four GPUs: two items at a time, two GPUs each
     python tools/gpu_suite.py --list                            # the items and their commands; runs nothing
 
 Each test file runs in its own ``pytest -v`` process (a process group, killed whole at its timeout); its log is
 parsed for each test's outcome, so a file cut off by its timeout still reports the tests it finished. Each bench
 prints a table; its output is copied into the results. The results file is rewritten after every item, so a run
 killed from outside still leaves a file that says what finished.
+
+With ``--lanes N`` the items run N at a time, each lane on its own ``--gpus-per-lane`` GPUs (``CUDA_VISIBLE_DEVICES``):
+a lane that finishes an item takes the next one not yet started, in the order above (:func:`lane_devices`).
 
 The file is regenerated on each run (the previous one is in git history), except its hand-kept last section,
 ``## Earlier figures``, which is carried over as it is: GPU figures from runs made before this tool, or by commands
@@ -28,6 +32,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,11 +95,28 @@ def parse_pytest_log(text: str) -> tuple[dict[str, int], list[str]]:
     return counts, [t for t, o in outcomes.items() if o in ("FAILED", "ERROR")]
 
 
-def run_item(command: list[str], *, timeout_s: float, log: Path) -> tuple[str, float, str]:
+def lane_devices(lanes: int, gpus_per_lane: int, visible: str | None) -> list[str]:
+    """Each lane's ``CUDA_VISIBLE_DEVICES``: consecutive slices of ``visible`` (the devices this run may use, from
+    its own ``CUDA_VISIBLE_DEVICES``; unset: 0, 1, ...). ``ValueError`` when the slices need more devices than that.
+    """
+    devices = visible.split(",") if visible else [str(i) for i in range(lanes * gpus_per_lane)]
+    if lanes * gpus_per_lane > len(devices):
+        raise ValueError(
+            f"--lanes {lanes} x --gpus-per-lane {gpus_per_lane} needs {lanes * gpus_per_lane} GPUs; "
+            f"CUDA_VISIBLE_DEVICES has {len(devices)}"
+        )
+    return [",".join(devices[i * gpus_per_lane : (i + 1) * gpus_per_lane]) for i in range(lanes)]
+
+
+def run_item(
+    command: list[str], *, timeout_s: float, log: Path, env: dict[str, str] | None = None
+) -> tuple[str, float, str]:
     """Run ``command`` from the repository root in its own process group; (status, seconds, output)."""
     start = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         try:
             code = proc.wait(timeout=timeout_s)
             status = "finished" if code == 0 else f"exit {code}"
@@ -194,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="the commit under test (default: git rev-parse HEAD)")
     parser.add_argument("--note", default=None, help="a line for the results' header (why a run was cut short, say)")
     parser.add_argument("--list", action="store_true", help="print the items and their commands; run nothing")
+    parser.add_argument("--lanes", type=int, default=1, help="items run at a time, each on its own GPUs")
+    parser.add_argument("--gpus-per-lane", type=int, default=1, help="GPUs each lane's items see (with --lanes > 1)")
     args = parser.parse_args(argv)
 
     items = [(p.name, [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(p.relative_to(ROOT))],
@@ -225,19 +249,47 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     earlier = earlier_section(out.read_text()) if out.is_file() else ""
     results = [Result(name, cmd) for name, cmd, _ in items]
-    clock = time.monotonic()
-    for result, (_, cmd, timeout) in zip(results, items, strict=True):
-        left = None if args.budget_s is None else args.budget_s - (time.monotonic() - clock)
-        if left is not None and left <= 0:
-            result.status = "not run (budget)"
-            continue
-        limit = timeout if left is None else min(timeout, left)
-        result.status, result.seconds, result.output = run_item(cmd, timeout_s=limit, log=logs / f"{result.name}.log")
-        if result.name.endswith(".py"):
-            result.counts, result.failed = parse_pytest_log(result.output)
-            result.outcomes = test_outcomes(result.output)
-        print(f"{result.name}: {result.status} in {result.seconds:.0f} s {result.counts or ''}", flush=True)
-        out.write_text(render(results, header=header, earlier=earlier))
+    if args.lanes < 1 or args.gpus_per_lane < 1:
+        parser.error("--lanes and --gpus-per-lane must be at least 1")
+    if args.lanes == 1:
+        devices = [os.environ.get("CUDA_VISIBLE_DEVICES")]
+    else:
+        try:
+            devices = lane_devices(args.lanes, args.gpus_per_lane, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as err:
+            parser.error(str(err))
+        header["lanes"] = ", ".join(f"lane {i}: GPUs {d}" for i, d in enumerate(devices))
+    clock, lock = time.monotonic(), threading.Lock()
+    pending = list(zip(results, items, strict=True))
+
+    def lane(visible: str | None) -> None:
+        env = dict(os.environ) if visible is None else {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+        while True:
+            with lock:
+                if not pending:
+                    return
+                result, (_, cmd, timeout) = pending.pop(0)
+            left = None if args.budget_s is None else args.budget_s - (time.monotonic() - clock)
+            if left is not None and left <= 0:
+                result.status = "not run (budget)"
+                continue
+            limit = timeout if left is None else min(timeout, left)
+            log = logs / f"{result.name}.log"
+            result.status, result.seconds, result.output = run_item(cmd, timeout_s=limit, log=log, env=env)
+            if result.name.endswith(".py"):
+                result.counts, result.failed = parse_pytest_log(result.output)
+                result.outcomes = test_outcomes(result.output)
+            with lock:
+                where = "" if visible is None else f" on GPUs {visible}"
+                print(f"{result.name}: {result.status} in {result.seconds:.0f} s{where} {result.counts or ''}",
+                      flush=True)  # fmt: skip
+                out.write_text(render(results, header=header, earlier=earlier))
+
+    threads = [threading.Thread(target=lane, args=(d,), daemon=True) for d in devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     out.write_text(render(results, header=header, earlier=earlier))
     return 0 if all(r.status == "finished" for r in results) else 1
 
