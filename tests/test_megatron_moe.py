@@ -384,6 +384,34 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
         torch_backend.shutdown()
 
 
+def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(tmp_path):
+    """The actor saved as ``torch_dist`` (megatron-core stores each layer's experts as one tensor, global expert index
+    first): the HF converter's state equals the trainer's exported weights, and a trainer started from the folder
+    holds the same weights."""
+    from test_megatron_backend import job, trainer
+
+    from runtime.train.backends import megatron_checkpoint as mck
+    from runtime.train.roles import ACTOR
+
+    path = save_qwen3_moe(tmp_path / "m")
+    cfg = job(tmp_path)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+    try:
+        weights = mega.get_weights()
+        mega.save_model(str(tmp_path / "ckpt"))
+    finally:
+        mega.shutdown()
+    shape = mc.shape_from_hf(qwen3_moe_config().to_dict())
+    converted = mck.hf_state_from_checkpoint(tmp_path / "ckpt", shape)
+    assert set(converted) == set(weights) and all(torch.equal(converted[k], weights[k]) for k in weights)
+    loaded = trainer("megatron", path, cfg, roles=(ACTOR,), role_paths={ACTOR.name: str(tmp_path / "ckpt")})
+    try:
+        again = loaded.get_weights()
+        assert all(torch.equal(again[k], weights[k]) for k in weights)
+    finally:
+        loaded.shutdown()
+
+
 # ------------------------------------------------------------------ expert parallelism over gloo
 
 STEPS = 3

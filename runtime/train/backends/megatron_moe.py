@@ -195,6 +195,20 @@ def expert_to_hf(
             yield p + "down_proj.weight", part
 
 
+# A torch_dist checkpoint's whole expert tensor of one layer (megatron-core's SequentialMLP stores the local experts
+# of every EP rank as one tensor with the global expert index first: [E, ...]).
+_WHOLE_EXPERTS = re.compile(r"mlp\.experts\.experts\.(linear_fc1|linear_fc2)\.weight")
+
+
+def split_whole_experts(rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """``{local-spec name (without decoder.layers.i.): expert e's tensor}`` of a checkpoint's whole expert tensor
+    ``rest`` of one layer (``[E, ...]``); None for any other tensor."""
+    match = _WHOLE_EXPERTS.fullmatch(rest)
+    if match is None:
+        return None
+    return {f"mlp.experts.local_experts.{e}.{match.group(1)}.weight": value[e] for e in range(value.shape[0])}
+
+
 # ------------------------------------------------------------------ megatron-core
 
 # --moe-router-load-balancing-type values megatron-core 0.16.1 takes that leave the routes as the router scores them
@@ -302,5 +316,6 @@ __all__ = [
     "local_experts",
     "moe_from_hf",
     "moe_to_megatron",
+    "split_whole_experts",
     "transformer_config_kwargs",
 ]
