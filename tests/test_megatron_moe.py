@@ -385,9 +385,9 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
 
 
 def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(tmp_path):
-    """The actor saved as ``torch_dist`` (megatron-core stores each layer's experts as one tensor, global expert index
-    first): the HF converter's state equals the trainer's exported weights, and a trainer started from the folder
-    holds the same weights."""
+    """The actor exported as an HF folder (``save_pretrained``'s per-expert names) and saved as ``torch_dist``
+    (megatron-core stores each layer's experts as one tensor, global expert index first): both equal the trainer's
+    exported weights, and a trainer started from the ``torch_dist`` folder holds the same weights."""
     from test_megatron_backend import job, trainer
 
     from runtime.train.backends import megatron_checkpoint as mck
@@ -399,8 +399,13 @@ def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(tmp_path):
     try:
         weights = mega.get_weights()
         mega.save_model(str(tmp_path / "ckpt"))
+        mega.save_hf(str(tmp_path / "hf_out"))  # the job's final export: transformers' model, experts fused
     finally:
         mega.shutdown()
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
     shape = mc.shape_from_hf(qwen3_moe_config().to_dict())
     converted = mck.hf_state_from_checkpoint(tmp_path / "ckpt", shape)
     assert set(converted) == set(weights) and all(torch.equal(converted[k], weights[k]) for k in weights)

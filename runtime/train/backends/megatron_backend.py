@@ -1167,13 +1167,15 @@ class MegatronTrainer:
         """A HF folder (config, safetensors, tokenizer) that ``from_pretrained`` loads, written by rank 0."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from runtime.engines.checkpoint_layout import load_checkpoint_state_dict
+
         weights = self.get_weights()
         if self.rank != 0:
             return
         mw.check_hf_state(weights, self.shape, source="the exported weights")
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not (self.shape.tie_embeddings and k == mw.LM_HEAD)]
+        # The weights are in the checkpoint's names (an MoE model's experts one tensor each), the model's fused.
+        missing, unexpected = load_checkpoint_state_dict(model, weights)
         if missing or unexpected:
             raise RuntimeError(f"save_hf: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.save_pretrained(path)
