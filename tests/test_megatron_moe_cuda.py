@@ -96,8 +96,12 @@ def _ep2_worker(rank, port, path, tmp, out):
 
     from runtime.train.roles import ACTOR
 
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
     cfg = _job(tmp, expert_model_parallel_size=2, actor_num_gpus_per_node=2, bf16="false")
-    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device="cuda")
+    mega = trainer(
+        "megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device=f"cuda:{rank}"
+    )
     try:
         mb = make_batch(203)[4 * rank : 4 * rank + 4]
         with torch.no_grad():
