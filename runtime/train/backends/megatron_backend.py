@@ -567,7 +567,7 @@ class MegatronTrainer:
         params = dict(model.named_parameters())
         if value_head:
             mcritic.check_critic_state(
-                params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=what
+                params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, ep_size=self.ep, what=what
             )
         else:
             mw.check_megatron_state(
