@@ -48,6 +48,18 @@ def holds_torch_dist(path: str | os.PathLike[str] | None) -> bool:
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
+def holds_megatron_job(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` is an rlcore job checkpoint (a step folder, or a ``--save`` root whose ``latest`` names one)
+    that the Megatron backend saved: its trainers' folder is ``torch_dist`` (the torch backend's is
+    torch.distributed.checkpoint's own layout, with no ``metadata.json``). A resume by ``--load`` alone then runs the
+    backend that wrote it."""
+    from runtime.cluster.checkpoint import TRAINER_DIR, is_job_checkpoint, resolve  # light: no torch
+
+    if path is None or not is_job_checkpoint(path):
+        return False
+    return holds_torch_dist(resolve(path) / TRAINER_DIR)
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     """The training backend a command line runs, and why (one line, printed by ``--dry-run``)."""
@@ -63,12 +75,15 @@ def infer_train_backend(
 
     ``given``: the ``--train-backend`` the user set (command line or YAML), None when unset. ``megatron_flags``: the
     Megatron-only flags the job sets (by name, in command-line order). ``checkpoints``: checkpoint flag -> path
-    (``--load``, ``--ref-load``). An explicit choice wins; else Megatron-only flags or a ``torch_dist`` checkpoint
-    select ``megatron`` (slime's only backend); else ``torch``.
+    (``--load``, ``--ref-load``). An explicit choice wins; else Megatron-only flags, a ``torch_dist`` checkpoint or a
+    job checkpoint the Megatron backend saved (a resume by ``--load`` alone) select ``megatron`` (slime's only
+    backend); else ``torch``.
     """
     if given is not None:
         return BackendChoice(given, "--train-backend given")
     held = [f"{name} {path}" for name, path in checkpoints.items() if holds_torch_dist(path)]
+    # A job checkpoint of the Megatron backend: the run resumed by --load alone, with no Megatron flag given again.
+    resumed = [f"{name} {path}" for name, path in checkpoints.items() if holds_megatron_job(path)]
     reasons = []
     if megatron_flags:
         more = len(megatron_flags) - 4
@@ -77,6 +92,9 @@ def infer_train_backend(
     if held:
         verb = "holds" if len(held) == 1 else "hold"
         reasons.append(f"{' and '.join(held)} {verb} a Megatron torch_dist checkpoint")
+    if resumed:
+        verb = "holds" if len(resumed) == 1 else "hold"
+        reasons.append(f"{' and '.join(resumed)} {verb} a job checkpoint of the Megatron backend")
     if reasons:
         return BackendChoice("megatron", "inferred as slime runs: " + "; ".join(reasons))
     return BackendChoice("torch", "inferred: no Megatron-only flag and no torch_dist checkpoint (the default)")

@@ -1,11 +1,13 @@
 """Every flag of slime's own argument groups, and what ``rlcore-run`` does with it: one table, read by the parser
 (which flags to accept and refuse, and why) and rendered into ``docs/runtime.md`` (``python -m runtime.slime_flags
---write docs/runtime.md``; a test checks the two agree).
+--write docs/runtime.md``; a test checks the two agree). The supported rows are generated from the config's fields
+(each field's ``slime`` metadata: ``runtime.option_fields.slime``), one source for the flag, its default, help and
+YAML key; the refused rows are :data:`REFUSED_FLAGS`.
 
 Each entry is one of
 
-- ``yes``: a flag of ``runtime/config.py`` under slime's name, default and meaning;
-- ``differs``: a flag of ``runtime/config.py`` under slime's name whose default, values or behaviour differ as the
+- ``yes``: a field of ``runtime.config`` under slime's name, default and meaning;
+- ``differs``: a field of ``runtime.config`` under slime's name whose default, values or behaviour differ as the
   note says (by design, or until the named issue lands);
 - ``refused``: accepted by the parser at slime's default (so a slime script that spells the default out runs) and
   refused at validation, naming the flag and why, when set to anything else;
@@ -18,6 +20,7 @@ listed under the group that resets them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -125,66 +128,36 @@ _OPT_INT = {"type": int}
 _OPT_FLOAT = {"type": float}
 _LIST = {"kind": "list"}
 
-SLIME_FLAGS: tuple[SlimeFlag, ...] = (
-    # cluster
-    _f(
-        "--actor-num-nodes",
-        "cluster",
-        1,
-        DIFFERS,
-        "above 1 only when rlcore-run joins a Ray cluster (RAY_ADDRESS); its own Ray is one node on 127.0.0.1",
-    ),
-    _f("--actor-num-gpus-per-node", "cluster", 8, YES, "built-in job: 1 (on a CPU a GPU is a process)"),
-    _f(
-        "--rollout-num-gpus",
-        "cluster",
-        None,
-        DIFFERS,
-        "unset: the trainers' GPUs under --colocate (slime's rule), else one engine's (slime needs it given); with "
-        "--rollout-external-engine-addrs one engine's per server (slime asks each server for its GPUs)",
-        type=int,
-    ),
-    _f("--rollout-num-gpus-per-engine", "cluster", 1, YES),
-    _f(
-        "--num-gpus-per-node",
-        "cluster",
-        8,
-        YES,
-        "launched server i gets --random-seed --seed + i x this; an engine wider than it (a multi-node server) is "
-        "refused",
-    ),
-    _true(
-        "--colocate",
-        "cluster",
-        DIFFERS,
-        "the embedded engine offloads only when trainer and engine do not fit their GPU together (auto)",
-    ),
-    _true(
-        "--offload",
-        "cluster",
-        DIFFERS,
-        "sets --offload-train and --offload-rollout; refused beside --no-offload-train/-rollout (slime lets it win)",
-    ),
-    _f(
-        "--offload-train",
-        "cluster",
-        None,
-        DIFFERS,
-        "unset under --colocate: auto (offload in the first step, then only if needed; SGLang engines always)",
-        kind="true",
-    ),
-    _f("--offload-rollout", "cluster", None, DIFFERS, "unset under --colocate: auto, as --offload-train", kind="true"),
+# slime's argument groups, in the order of its arguments.py (the table's order).
+GROUPS = (
+    "cluster",
+    "train",
+    "rollout",
+    "fault_tolerance",
+    "data",
+    "eval",
+    "algo",
+    "on_policy_distillation",
+    "wandb",
+    "tensorboard",
+    "debug",
+    "network",
+    "reward_model",
+    "rollout_buffer",
+    "custom_megatron_plugins",
+    "mtp_training",
+    "ci",
+    "mode",
+    "sglang",
+    "megatron (reset by slime)",
+)
+
+# slime's flags that rlcore-run refuses away from slime's default, and why. The flags it supports are fields of the
+# config, whose row (group, default, where rlcore differs) is on the field: ``runtime.option_fields.slime``.
+REFUSED_FLAGS: tuple[SlimeFlag, ...] = (
     # train
     _f("--qwen-gdn-backend", "train", "fla", REFUSED, "selects a Qwen gated-delta-net kernel, a path rlcore lacks"),
-    _f("--train-env-vars", "train", {}, YES, type=_json),
     _f("--update-weight-mode", "train", "full", REFUSED, DELTA_SYNC),
-    _f(
-        "--update-weight-transport",
-        "train",
-        "nccl",
-        DIFFERS,
-        "unset: nccl for SGLang engines, the object store for the embedded engine",
-    ),
     _true(
         "--release-train",
         "train",
@@ -193,24 +166,8 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "them from the step's --save (slime needs full disk weight sync for it); rlcore's trainers are long-lived "
         "actors that keep their process groups, optimizer state and RNG in memory across steps",
     ),
-    _f(
-        "--update-weight-disk-dir",
-        "train",
-        None,
-        DIFFERS,
-        "unset with --update-weight-transport disk: a temporary folder (slime refuses the job)",
-    ),
-    _true("--update-weight-disk-keep-files", "train", YES),
     _f("--update-weight-delta-encoding", "train", "xor", REFUSED, DELTA_SETTING),
     _f("--update-weight-delta-checksum", "train", "xxh3-128", REFUSED, DELTA_SETTING),
-    _f(
-        "--custom-update-weight-post-write-path",
-        "train",
-        None,
-        DIFFERS,
-        "called once, in the driver, after trainer rank 0 (rlcore's only writer) wrote the folder; slime calls it on "
-        "every trainer rank",
-    ),
     _f(
         "--update-weight-local-checkpoint-dir",
         "train",
@@ -219,22 +176,12 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "engines fill it through /pull_weights, an endpoint of slime's patched SGLang that SGLang 0.5.23 lacks",
     ),
     _f(
-        "--custom-model-provider-path",
-        "train",
-        None,
-        DIFFERS,
-        f"{MEGATRON_ONLY}; the returned GPTModel is checked tensor by tensor against --hf-checkpoint",
-    ),
-    _true("--recompute-loss-function", "train", DIFFERS, MEGATRON_ONLY),
-    _f(
         "--log-probs-chunk-size",
         "train",
         -1,
         REFUSED,
         "rlcore's fused log-prob kernel never materialises float32 logits and picks its own chunks",
     ),
-    _f("--only-train-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
-    _f("--freeze-params-name-list", "train", None, YES, "regexes (re.search) over the backend's parameter names"),
     _true(
         "--allgather-cp",
         "train",
@@ -243,63 +190,6 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "rlcore builds dense Llama/Qwen models and no context parallelism (--context-parallel-size is refused)",
     ),
     # rollout
-    _f("--hf-checkpoint", "rollout", None, YES, "unset: the built-in tiny model"),
-    _f(
-        "--model-name",
-        "rollout",
-        None,
-        DIFFERS,
-        f"{MEGATRON_ONLY}: picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3, qwen3moe); "
-        "other families' names are refused",
-    ),
-    _f(
-        "--rollout-function-path",
-        "rollout",
-        "slime.rollout.sglang_rollout.generate_rollout",
-        DIFFERS,
-        "unset: the built-in rollout (slime's default path is accepted and means it); --fully-async refused",
-    ),
-    _f("--rollout-temperature", "rollout", 1.0, YES),
-    _f(
-        "--rollout-top-p",
-        "rollout",
-        1.0,
-        YES,
-        "below 1: nucleus replay (embedded engine, torch backend); --no-rollout-top-p-replay (ours) opts out",
-    ),
-    _f("--rollout-top-k", "rollout", -1, YES),
-    _f(
-        "--rollout-max-context-len",
-        "rollout",
-        None,
-        YES,
-        "as in slime: sets --rollout-max-prompt-len's default (context - 1) and checks it",
-    ),
-    _f("--rollout-max-prompt-len", "rollout", None, YES),
-    _f("--rollout-max-response-len", "rollout", None, YES, "built-in job: 8"),
-    _true("--rollout-skip-special-tokens", "rollout", YES, "built-in job: on"),
-    _f("--rollout-stop", "rollout", None, YES, "", **_LIST),
-    _f("--rollout-stop-token-ids", "rollout", None, YES),
-    _true("--rollout-shuffle", "rollout", YES, "built-in job: on"),
-    _f("--rollout-seed", "rollout", 42, YES, "the built-in task's prompts are drawn and shuffled from --seed"),
-    _f("--over-sampling-batch-size", "rollout", None, DIFFERS, "rounds run in order (not first-completed)"),
-    _f("--dynamic-sampling-filter-path", "rollout", None, YES),
-    _true("--partial-rollout", "rollout", DIFFERS, "needs --fully-async (ours), where generations cross syncs"),
-    _true("--mask-offpolicy-in-partial-rollout", "rollout", YES),
-    _f("--custom-generate-function-path", "rollout", None, YES, "engines through runtime.rollout.engine_generate"),
-    _f("--rollout-sample-hook-path", "rollout", [], YES, kind="append"),
-    _f("--custom-rollout-log-function-path", "rollout", None, YES),
-    _f("--custom-eval-rollout-log-function-path", "rollout", None, YES),
-    _f("--buffer-filter-path", "rollout", None, YES, "the default data source's buffer (rollout functions)"),
-    _f("--update-weight-buffer-size", "rollout", 512 * 1024**2, YES),
-    _f("--update-weights-interval", "rollout", 1, YES),
-    _true(
-        "--keep-old-actor",
-        "rollout",
-        DIFFERS,
-        "needs --async and --update-weights-interval 1 (where slime's queue holds the sampling weights)",
-    ),
-    _f("--rollout-data-postprocess-path", "rollout", None, YES, "on every trainer rank, over its shard"),
     _f(
         "--rollout-data-transport",
         "rollout",
@@ -307,231 +197,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         REFUSED,
         "nixl is a hardware transport rlcore lacks; batches go through Ray's object store",
     ),
-    _f("--rollout-external-engine-addrs", "rollout", None, YES, **_LIST),
-    # fault tolerance
-    _true(
-        "--use-fault-tolerance",
-        "fault_tolerance",
-        DIFFERS,
-        "on by default (--no-use-fault-tolerance is slime's default); a dead engine's requests go to live engines at "
-        "once and it is restarted at once, not at the next weight update",
-    ),
-    _f("--rollout-health-check-interval", "fault_tolerance", 30.0, YES),
-    _f("--rollout-health-check-timeout", "fault_tolerance", 30.0, YES),
-    _f("--rollout-health-check-first-wait", "fault_tolerance", 0.0, YES),
     # data
-    _f("--num-rollout", "data", None, YES, "built-in job: 250; unset: from --num-epoch"),
-    _f("--num-epoch", "data", None, YES),
-    _disable("--disable-rollout-global-dataset", "data", YES),
-    _f(
-        "--data-source-path",
-        "data",
-        "slime.rollout.data_source.RolloutDataSourceWithBuffer",
-        DIFFERS,
-        "unset: the prompt data with a buffer (slime's default path is accepted and means it)",
-    ),
-    _f("--prompt-data", "data", None, YES, "unset: the built-in task"),
-    _true("--apply-chat-template", "data", YES),
-    _f("--apply-chat-template-kwargs", "data", {}, YES),
-    _f("--input-key", "data", "input", YES),
-    _f("--label-key", "data", None, YES),
     _f("--multimodal-keys", "data", None, REFUSED, TEXT_ONLY, type=_json),
-    _f("--metadata-key", "data", "metadata", YES),
-    _f("--tool-key", "data", "tools", YES),
-    _f("--start-rollout-id", "data", None, YES),
-    _f("--rollout-batch-size", "data", None, YES, "required, as in slime; built-in job: 32"),
-    _f("--n-samples-per-prompt", "data", 1, YES, "built-in job: 8; 1 is refused with a group baseline (by design)"),
-    _f("--num-steps-per-rollout", "data", None, YES),
-    _true("--balance-data", "data", DIFFERS, "greedy within each optimizer step (slime: Karmarkar-Karp)"),
     _true("--balance-by-flops", "data", REFUSED, PACKING),
-    _true(
-        "--use-dynamic-batch-size",
-        "data",
-        DIFFERS,
-        "torch backend: a packed row per micro-batch (attention split by position ids); megatron: rows grouped by "
-        "real tokens, each group padded (no THD packing without Transformer Engine)",
-    ),
-    _f(
-        "--max-tokens-per-gpu",
-        "data",
-        None,
-        DIFFERS,
-        "real tokens with --use-dynamic-batch-size; without it, rows x longest row, applied whenever set",
-    ),
-    _f(
-        "--log-probs-max-tokens-per-gpu",
-        "data",
-        None,
-        DIFFERS,
-        "both backends; counted as --max-tokens-per-gpu is (real tokens with --use-dynamic-batch-size)",
-        **_OPT_INT,
-    ),
-    # eval
-    _f("--eval-function-path", "eval", None, YES, "unset: the rollout function when one is given"),
-    _f("--eval-prompt-data", "eval", None, YES, "name/path pairs; one bare path is named aime, as in slime"),
-    _f(
-        "--eval-config",
-        "eval",
-        None,
-        DIFFERS,
-        "read with PyYAML (no OmegaConf interpolation); per-dataset keys beyond rlcore-run's are refused by name",
-    ),
-    _true("--skip-eval-before-train", "eval", YES),
-    _f("--eval-input-key", "eval", None, YES),
-    _f("--eval-label-key", "eval", None, YES),
-    _f("--eval-tool-key", "eval", None, YES),
-    _f("--n-samples-per-eval-prompt", "eval", 1, YES),
-    _f("--eval-temperature", "eval", None, YES),
-    _f("--eval-top-p", "eval", None, YES),
-    _f("--eval-top-k", "eval", None, YES),
-    _f("--eval-max-response-len", "eval", None, YES),
-    _f("--eval-max-prompt-len", "eval", None, YES),
-    _f("--eval-min-new-tokens", "eval", None, YES, **_OPT_INT),
-    _f("--eval-max-context-len", "eval", None, YES, "as in slime: recorded, defaulting to --rollout-max-context-len"),
     # algo
-    _f(
-        "--ref-load",
-        "algo",
-        None,
-        DIFFERS,
-        "an HF folder (any backend) or, with --train-backend megatron, a torch_dist checkpoint, which is also the "
-        "actor's start when --load holds no checkpoint (slime's rule); the torch backend takes HF folders only",
-    ),
-    _f(
-        "--ref-ckpt-step",
-        "algo",
-        None,
-        YES,
-        "with --train-backend megatron: iter_NNNNNNN of a --ref-load save root (also the actor's start from it)",
-        **_OPT_INT,
-    ),
-    _f("--save-hf", "algo", None, YES),
-    _f("--num-critic-only-steps", "algo", 0, YES),
-    _f(
-        "--megatron-config-path",
-        "algo",
-        None,
-        DIFFERS,
-        f"{MEGATRON_ONLY}; the actor entry's overrides take the trainers' flags (train and algo sections); a critic "
-        "entry is refused (the Megatron critic trains with the actor's flags)",
-    ),
-    _f("--eps-clip", "algo", 0.2, YES),
-    _f("--eps-clip-high", "algo", None, YES),
-    _f("--eps-clip-c", "algo", None, YES),
-    _f("--value-clip", "algo", 0.2, YES, "the critic's value loss (ppo)"),
-    _f("--kl-coef", "algo", 0.0, YES, "ignored by grpo/gspo/cispo/dr_grpo, as slime ignores it"),
-    _f("--loss-type", "algo", "policy_loss", YES),
-    _f("--custom-loss-function-path", "algo", None, DIFFERS, "logits [1, T, V] over the padded rows, one by one"),
-    _f("--kl-loss-type", "algo", "k1", YES),
-    _f(
-        "--advantage-estimator",
-        "algo",
-        "grpo",
-        DIFFERS,
-        "adds dr_grpo, rloo, on_policy_distillation; ppo's critic is a value-head copy of the model in the trainers",
-    ),
-    _disable("--disable-compute-advantages-and-returns", "algo", YES, "with --loss-type sft_loss or custom_loss"),
-    _f("--custom-advantage-function-path", "algo", None, YES, "on every trainer rank, over its shard"),
-    _true("--use-kl-loss", "algo", YES, "built-in job: on"),
-    _f("--kl-loss-coef", "algo", 0.0, YES),
-    _true("--use-unbiased-kl", "algo", YES),
-    _f("--ref-update-interval", "algo", None, YES),
-    _f("--entropy-coef", "algo", 0.0, YES),
-    _f("--gamma", "algo", 1.0, YES),
-    _f("--lambd", "algo", 1.0, YES),
-    _true("--normalize-advantages", "algo", DIFFERS, "not required for reinforce_plus_plus[_baseline]"),
-    _disable("--disable-grpo-std-normalization", "algo", YES),
-    _disable("--disable-rewards-normalization", "algo", YES),
-    _true("--use-rollout-entropy", "algo", DIFFERS, "torch backend only; not in the --keep-old-actor pass"),
-    _true("--get-mismatch-metrics", "algo", YES),
-    _true("--reset-optimizer-states", "algo", YES),
-    _true("--use-stateless-adam", "algo", YES),
-    _true("--use-rollout-logprobs", "algo", YES),
-    _true("--use-tis", "algo", YES),
-    _f("--tis-clip", "algo", 2.0, YES),
-    _f("--tis-clip-low", "algo", 0.0, YES),
-    _f("--custom-tis-function-path", "algo", None, DIFFERS, "torch backend only; metrics are token means"),
-    _f("--custom-pg-loss-reducer-function-path", "algo", None, YES, "the pg term's reducer (--loss-agg-mode is ours)"),
     _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
-    _true("--use-opsm", "algo", YES),
-    _f("--opsm-delta", "algo", 1e-4, YES),
-    # on-policy distillation
-    _true("--use-opd", "on_policy_distillation", YES),
-    _f(
-        "--opd-type",
-        "on_policy_distillation",
-        None,
-        YES,
-        "megatron: a teacher model in the trainers, any backend; sglang: a teacher server, through slime's "
-        "on_policy_distillation reward pair",
-    ),
-    _f("--opd-kl-coef", "on_policy_distillation", 1.0, YES),
-    _f(
-        "--opd-teacher-load",
-        "on_policy_distillation",
-        None,
-        DIFFERS,
-        "an HF folder; with --train-backend megatron also a torch_dist checkpoint (slime: a Megatron checkpoint)",
-    ),
-    _f(
-        "--opd-teacher-ckpt-step",
-        "on_policy_distillation",
-        None,
-        DIFFERS,
-        f"{MEGATRON_ONLY}: iter_NNNNNNN of a --opd-teacher-load save root",
-        **_OPT_INT,
-    ),
-    # wandb
-    _true("--use-wandb", "wandb", YES),
-    _f("--wandb-mode", "wandb", None, YES),
-    _f("--wandb-dir", "wandb", None, YES, "unset: --output-dir"),
-    _f("--wandb-key", "wandb", None, YES),
-    _f("--wandb-host", "wandb", None, YES),
-    _f("--wandb-team", "wandb", None, YES),
-    _f("--wandb-group", "wandb", None, YES),
-    _disable("--disable-wandb-random-suffix", "wandb", YES),
-    _true("--wandb-always-use-train-step", "wandb", YES, "TensorBoard's axis too; metrics.jsonl keeps the rollout"),
-    _true("--log-multi-turn", "wandb", YES),
-    _true("--log-passrate", "wandb", YES),
-    _f("--log-reward-category", "wandb", None, YES),
-    _true(
-        "--log-correct-samples",
-        "wandb",
-        YES,
-        "rollout/correct_entropy is the mean over correct samples (slime's sums their sample means)",
-    ),
-    _f("--wandb-run-id", "wandb", None, YES),
-    # tensorboard
-    _true("--use-tensorboard", "tensorboard", YES, "built-in job: on"),
-    _f("--tb-project-name", "tensorboard", None, YES, "unset (and no $TENSORBOARD_DIR): --output-dir/tensorboard"),
-    _f("--tb-experiment-name", "tensorboard", None, YES),
-    # debug
-    _f("--save-debug-rollout-data", "debug", None, YES, "evaluation rollouts are not saved"),
-    _f(
-        "--load-forge-rollout-data",
-        "debug",
-        None,
-        YES,
-        "read by --rollout-function-path slime.rollout.forge_load.generate_rollout (engines stay live)",
-    ),
-    _f("--load-debug-rollout-data-subsample", "debug", None, YES),
-    _f("--save-debug-train-data", "debug", None, DIFFERS, "one file per step: the whole batch, from the driver"),
-    _f("--dump-details", "debug", None, YES),
-    _f("--memory-snapshot-dir", "debug", ".", YES),
-    _f("--memory-snapshot-num-steps", "debug", None, YES, **_OPT_INT),
-    _f(
-        "--profile-target",
-        "debug",
-        ["train_overall"],
-        DIFFERS,
-        "train_overall only (train_actor / train_log_probs are Megatron's --use-pytorch-profiler targets)",
-        **_LIST,
-    ),
-    _f("--memory-recorder", "debug", "torch", DIFFERS, "torch only (memray is not a dependency)"),
-    _true("--check-weight-update-equal", "debug", YES),
     # network
-    _f("--http-proxy", "network", None, DIFFERS, "used by --rm-type remote_rm's requests (not the engines')"),
     _true(
         "--use-distributed-post",
         "network",
@@ -539,41 +211,13 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "spreads SGLang HTTP posts over per-node Ray actors of a multi-node fleet; rlcore-run runs on one node and "
         "posts from the driver's event loop",
     ),
-    # reward model
-    _f(
-        "--rm-type",
-        "reward_model",
-        None,
-        DIFFERS,
-        "default builtin (ours: the built-in task's); adds exact_match; no ifbench; dapo and deepscaler compare with "
-        "math-verify",
-    ),
-    _f("--reward-key", "reward_model", None, DIFFERS, "unset: a dict reward trains on its 'score'"),
-    _f("--eval-reward-key", "reward_model", None, YES),
-    _true("--group-rm", "reward_model", YES),
-    _f("--rm-url", "reward_model", None, YES),
-    _f(
-        "--custom-rm-path",
-        "reward_model",
-        None,
-        DIFFERS,
-        "without --group-rm a batched function (told by its signature) is called once per sampling round",
-    ),
-    _f("--custom-reward-post-process-path", "reward_model", None, YES),
-    _f("--custom-convert-samples-to-train-data-path", "reward_model", None, YES, "its rewards are final"),
     # rollout buffer
     _f("--rollout-buffer-url", "rollout_buffer", None, REFUSED, ROLLOUT_BUFFER),
     _f("--fetch-trajectory-retry-times", "rollout_buffer", -1, REFUSED, ROLLOUT_BUFFER),
     _f("--min-batch-collection-ratio", "rollout_buffer", 1.0, REFUSED, ROLLOUT_BUFFER),
     _f("--rollout-task-type", "rollout_buffer", "math", REFUSED, ROLLOUT_BUFFER),
-    _f("--loss-mask-type", "rollout_buffer", "qwen", YES, "sft_rollout's loss masks by chat template"),
     _f("--data-pad-size-multiplier", "rollout_buffer", 128, REFUSED, PACKING),
-    _f("--rollout-sample-filter-path", "rollout_buffer", None, YES),
-    _f("--rollout-all-samples-process-path", "rollout_buffer", None, YES, "built-in rollout; not with --fully-async"),
     # custom Megatron plugins
-    _f("--custom-megatron-init-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
-    _f("--custom-megatron-before-log-prob-hook-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
-    _f("--custom-megatron-before-train-step-hook-path", "custom_megatron_plugins", None, DIFFERS, TORCH_HOOKS),
     _f("--megatron-deepgemm-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
     _f("--megatron-deepgemm-forward-modules", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
     _f("--megatron-deepgemm-moe-forward-layers", "custom_megatron_plugins", None, REFUSED, DEEPGEMM, **_LIST),
@@ -588,28 +232,7 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
     _f("--ci-train-rollout-logprob-abs-diff-threshold", "ci", 0.1, REFUSED, CI_ONLY),
     _f("--ci-save-grad-norm", "ci", None, REFUSED, CI_ONLY),
     _f("--ci-load-grad-norm", "ci", None, REFUSED, CI_ONLY),
-    # _pre_parse_mode
-    _f(
-        "--train-backend",
-        "mode",
-        "megatron",
-        DIFFERS,
-        "default torch (by design); megatron: megatron-core, local spec",
-    ),
-    _true("--debug-rollout-only", "mode", YES),
-    _true("--debug-train-only", "mode", DIFFERS, "needs --load-debug-rollout-data"),
-    _f("--load-debug-rollout-data", "mode", None, YES),
     # SGLang (slime/backends/sglang_utils/arguments.py)
-    _f("--sglang-router-ip", "sglang", None, YES),
-    _f("--sglang-router-port", "sglang", None, YES),
-    _f("--sglang-router-request-timeout-secs", "sglang", 14400, YES),
-    _f(
-        "--sglang-server-concurrency",
-        "sglang",
-        512,
-        YES,
-        "requests in flight through the router: this x the engines (slime's semaphore)",
-    ),
     _f("--prefill-num-servers", "sglang", None, REFUSED, PD_DISAGGREGATION, **_OPT_INT),
     _f(
         "--sglang-config",
@@ -620,14 +243,6 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "of regular servers, from --rollout-num-gpus and the --sglang-* flags",
     ),
     # Megatron flags whose defaults slime resets (reset_arg)
-    _f(
-        "--distributed-backend",
-        "megatron (reset by slime)",
-        "nccl",
-        DIFFERS,
-        f"{MEGATRON_ONLY}; trainers on the CPU use gloo whatever is given",
-    ),
-    _f("--distributed-timeout-minutes", "megatron (reset by slime)", 10, DIFFERS, MEGATRON_ONLY),
     _true(
         "--freeze-indexer",
         "megatron (reset by slime)",
@@ -635,19 +250,6 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "freezes the indexer of DeepSeek sparse attention (DSA), a module of models rlcore does not build (dense "
         "Llama/Qwen only); --freeze-params-name-list freezes parameters by name",
     ),
-    _f("--global-batch-size", "megatron (reset by slime)", None, YES, "unset: rollout x n / steps per rollout"),
-    _f("--micro-batch-size", "megatron (reset by slime)", 1, YES, "built-in job: 8"),
-    _f("--eval-interval", "megatron (reset by slime)", None, YES),
-    _f(
-        "--load",
-        "megatron (reset by slime)",
-        None,
-        DIFFERS,
-        "rlcore's own checkpoint folders (step_NNNNNN) to resume; with --train-backend megatron also a torch_dist "
-        "checkpoint, whose weights the actor starts from (optimizer, RNG and step afresh)",
-    ),
-    _f("--save", "megatron (reset by slime)", None, YES),
-    _f("--save-interval", "megatron (reset by slime)", None, YES),
     _true(
         "--async-save",
         "megatron (reset by slime)",
@@ -655,33 +257,43 @@ SLIME_FLAGS: tuple[SlimeFlag, ...] = (
         "Megatron-LM's asynchronous save (megatron.training.async_utils, a background writer finalised at the next "
         "save): rlcore saves synchronously, so a checkpoint's latest pointer and manifest name only finished files",
     ),
-    _true("--no-save-optim", "megatron (reset by slime)", YES),
-    _f("--seed", "megatron (reset by slime)", 1234, YES),
-    _f("--clip-grad", "megatron (reset by slime)", 1.0, YES),
-    _true("--calculate-per-token-loss", "megatron (reset by slime)", YES, "built-in job: on"),
-    _f("--lr", "megatron (reset by slime)", 1e-6, YES, "built-in job: 1e-3"),
-    _f("--wandb-project", "megatron (reset by slime)", None, YES),
-    _true("--record-memory-history", "megatron (reset by slime)", YES, "the trainers' CUDA allocator; needs CUDA"),
-    _f(
-        "--custom-config-path",
-        "megatron (reset by slime)",
-        None,
-        YES,
-        "its keys override the command line; the ones that are no flag reach hooks as args.<key>",
-    ),
-    _f(
-        "--padded-vocab-size",
-        "megatron (reset by slime)",
-        None,
-        DIFFERS,
-        f"{MEGATRON_ONLY}; exports cut the padding off; smaller than the vocabulary is refused",
-        **_OPT_INT,
-    ),
 )
-BY_NAME: dict[str, SlimeFlag] = {f.name: f for f in SLIME_FLAGS}
-if len(BY_NAME) != len(SLIME_FLAGS):
-    raise RuntimeError("a slime flag is listed twice")
-PARSED_REFUSED = tuple(f for f in SLIME_FLAGS if f.status == REFUSED)
+PARSED_REFUSED = REFUSED_FLAGS
+
+
+def supported_flags() -> tuple[SlimeFlag, ...]:
+    """slime's flags that rlcore-run supports, generated from the config's fields (each field's ``slime`` row): the
+    flag, slime's group and default, and ``differs`` with its note where rlcore differs from slime."""
+    from runtime.config import _SPECS, flag
+
+    rows = []
+    for name, (_, f, _) in _SPECS.items():
+        row = f.metadata.get("slime")
+        if row is not None:
+            status, note = (YES, row.note) if row.differs is None else (DIFFERS, row.differs)
+            rows.append(SlimeFlag(flag(name), row.group, row.default, status, note))
+    return tuple(rows)
+
+
+@functools.cache
+def _table() -> tuple[tuple[SlimeFlag, ...], dict[str, SlimeFlag]]:
+    rows = sorted(REFUSED_FLAGS + supported_flags(), key=lambda f: (GROUPS.index(f.group), f.name))
+    by_name = {f.name: f for f in rows}
+    if len(by_name) != len(rows):
+        raise RuntimeError("a slime flag is listed twice (refused here and a field's row)")
+    return tuple(rows), by_name
+
+
+def __getattr__(name: str) -> Any:
+    # SLIME_FLAGS (every slime flag, by group) and BY_NAME are built on first use: the supported rows come from the
+    # config's fields, and the config imports this module.
+    if name == "SLIME_FLAGS":
+        return _table()[0]
+    if name == "BY_NAME":
+        return _table()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 REFUSED_BY_DEST: dict[str, SlimeFlag] = {f.dest: f for f in PARSED_REFUSED}
 
 # Flags slime generates or takes from Megatron, by prefix or name: refused with the issue that brings them.
@@ -827,8 +439,8 @@ _SWITCH_PREFIX = "megatron_switch:"
 def unknown_flag_problem(arg: str) -> str:
     """The problem to report for a flag the parser did not take: whose it is and why it is refused."""
     name = arg.split("=", 1)[0]
-    if name in BY_NAME:
-        return f"{name}: {BY_NAME[name].note}"
+    if name in _table()[1]:
+        return f"{name}: {_table()[1][name].note}"
     for prefix, reason in _OWNED_PREFIXES:
         if name.startswith(prefix):
             return f"{name}: {reason}"
@@ -903,7 +515,7 @@ def refused_problems(values: dict[str, Any]) -> list[str]:
 
 def counts() -> dict[str, int]:
     out = {status: 0 for status in STATUSES}
-    for f in SLIME_FLAGS:
+    for f in _table()[0]:
         out[f.status] += 1
     return out
 
@@ -928,13 +540,13 @@ def render_markdown() -> str:
     lines = [
         _DOC_BEGIN,
         "",
-        f"{len(SLIME_FLAGS)} flags: {c[YES]} supported as in slime, {c[DIFFERS]} supported with a difference, "
+        f"{len(_table()[0])} flags: {c[YES]} supported as in slime, {c[DIFFERS]} supported with a difference, "
         f"{c[REFUSED]} accepted at slime's default and refused otherwise.",
         "",
         "| group | flag | slime default | rlcore-run | note |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for f in SLIME_FLAGS:
+    for f in _table()[0]:
         note = f.note.replace("|", "\\|")
         lines.append(f"| {f.group} | `{f.name}` | {_cell(f.default)} | {_STATUS_WORDS[f.status]} | {note} |")
     lines += [

@@ -531,15 +531,23 @@ class FakeSGLangServer:
             version = body.get("weight_version")
             if version is not None and not isinstance(version, str):
                 raise BadRequest(f"weight_version must be a string or null, got {version!r}")
+            load_format = body.get("load_format")
+            if load_format not in weight_transfer.LOAD_FORMATS:
+                raise BadRequest(f"load_format must be None or 'flattened_bucket' here, got {load_format!r}")
         except BadRequest as e:
             return _validation_error(str(e))
         group = self.weight_groups.get(body.get("group_name", weight_transfer.DEFAULT_GROUP))
         if group is None:
             return _failure("Failed to update parameter online: the weight-update group is not initialized.")
         # The broadcast is received in full before the bucket is checked: every rank must take part in it.
-        bucket = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes)
-        )
+        # SGLang 0.5.23 receives a "flattened_bucket" as one uint8 buffer of the tensors' bytes back to back
+        # (FlattenedTensorBucket.empty: an empty bucket or an unaligned tensor is refused before the broadcast).
+        try:
+            bucket = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes, load_format=load_format)
+            )
+        except ValueError as e:
+            return _failure(f"Failed to update parameter online: {e}.")
         try:
             self._load_state(bucket)
         except ValueError as e:

@@ -9,6 +9,7 @@ strings and the binary fractions chosen for floats, so the comparisons are exact
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from typing import Any, Literal
@@ -171,38 +172,54 @@ def test_agreeing_schedule_flags_resolve(argv, schedule):
     assert resolve_args(argv).rollout.rollout_schedule == schedule
 
 
-def _owned() -> list[tuple[str, str]]:
-    from runtime.train.backends import TRAIN_BACKENDS, backend_options
+def _owned() -> list[tuple[str, str, str]]:
+    """(choosing flag's field, plug-in, field) for every field a plug-in declares its own (runtime.config.checks'
+    PLUGIN_KINDS: the training backends' and the engines' options modules)."""
+    from runtime.config.checks import PLUGIN_KINDS
 
-    return [(owner, name) for owner in TRAIN_BACKENDS for name in backend_options(owner).OWN_FIELDS]
+    return [
+        (kind, owner, name)
+        for kind, (registry, options) in PLUGIN_KINDS.items()
+        for owner in registry
+        for name in options(owner).OWN_FIELDS
+    ]
 
 
-def test_backend_options_name_fields_of_the_schema_owned_once():
-    owned = [name for _, name in _owned()]
+def test_plugin_options_name_fields_of_the_schema_owned_once():
+    owned = [name for _, _, name in _owned()]
     assert set(owned) <= set(_SPECS), set(owned) - set(_SPECS)
     assert len(owned) == len(set(owned))
+    # Each is a field of the section that the plug-in's options dataclass is composed into.
+    from runtime.config.checks import PLUGIN_KINDS
+
+    for kind, owner, name in _owned():
+        options = PLUGIN_KINDS[kind][1](owner).OPTIONS
+        section = _SPECS[name][0]
+        assert name in {f.name for f in dataclasses.fields(options[section])}, (owner, name)
 
 
-@pytest.mark.parametrize(("owner", "name"), _owned(), ids=lambda x: x)
-def test_a_backends_own_flag_is_refused_under_another_backend_with_the_reason(tmp_path, owner, name):
+@pytest.mark.parametrize(("kind", "owner", "name"), _owned(), ids=lambda x: x)
+def test_a_plugins_own_flag_is_refused_under_another_choice_with_the_reason(tmp_path, kind, owner, name):
     from runtime.config import ConfigError, parse_args
-    from runtime.train.backends import TRAIN_BACKENDS
+    from runtime.config.checks import PLUGIN_KINDS
 
     default = getattr(_DEFAULTS, name)
     value = not default if isinstance(default, bool) else _other_value(name)
     if value is _ONLY_CHOICE:
         pytest.skip(f"{flag(name)} has one value: it cannot be set away from its default")
     value = _with_files(tmp_path, name, value)
-    argv = _argv(name, value)
-    refusal = f"{flag(name)}: "
-    for backend in TRAIN_BACKENDS:
+    argv = [] if _SPECS[name][1].metadata.get("passthrough") else _argv(name, value)
+    if not argv:
+        pytest.skip(f"{name} has no flag of its own (passthrough: tests/test_sglang_flags.py)")
+    refusal = _SPECS[name][1].metadata.get("flag", flag(name)) + ": "
+    for choice in PLUGIN_KINDS[kind][0]:
         try:
-            parse_args([*argv, "--train-backend", backend])
+            parse_args([*argv, flag(kind), choice])
             problems = []
         except ConfigError as err:
             problems = err.problems
-        mine = [p for p in problems if p.startswith(refusal) and f"used by --train-backend {owner} only" in p]
-        assert bool(mine) == (backend != owner), (backend, problems)
+        mine = [p for p in problems if p.startswith(refusal) and f"used by {flag(kind)} {owner} only" in p]
+        assert bool(mine) == (choice != owner), (choice, problems)
 
 
 def _bounded_fields() -> list[tuple[str, dict]]:

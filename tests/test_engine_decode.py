@@ -86,6 +86,28 @@ def test_sample_reports_the_nucleus_and_the_log_prob_over_it(batch, vocab, tempe
     )
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    vocab=st.integers(2, 40),
+    levels=st.integers(1, 5),
+    top_k=st.integers(1, 12),
+    top_p=st.sampled_from([0.37, 0.61, 0.93]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_top_p_after_a_top_k_pre_pass_keeps_the_sorted_vocabularys_nucleus_under_ties(
+    batch, vocab, levels, top_k, top_p, seed
+):
+    """Logits of a few integer levels tie often, at the k-th value and inside the nucleus: the kept set (top-k with
+    the k-th's ties, then top-p in value-then-id order), found from the k largest alone, is the float64 reference's.
+    (The top-p levels are not sums of equal tied probabilities, so no boundary is hit exactly.)"""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (batch, vocab), generator=gen).float() * 0.8
+    _, _, keep = sample_tokens(logits, temperature=0.7, top_k=top_k, top_p=top_p, generator=gen, nucleus=True)
+    allowed = _kept_reference(logits, temperature=0.7, top_k=top_k, top_p=top_p)
+    assert torch.equal(keep, allowed > 0)
+
+
 @pytest.mark.parametrize(("top_k", "top_p"), [(-1, 1.0), (3, 1.0), (-1, 0.7), (4, 0.6)])
 def test_sample_draws_from_the_truncated_distribution(top_k, top_p):
     gen = torch.Generator().manual_seed(7)

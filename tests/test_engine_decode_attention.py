@@ -165,9 +165,9 @@ def _tiny(family: str, dtype=torch.float32):
 @needs_triton
 @pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
 def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
-    """Every norm, MLP and attention of the model fused (13 modules in two Qwen3 layers: four norms, the MLP and
-    the attention per layer, and the final norm); logits with and without a transformers cache equal the HF
-    forward's to float32 rounding, and fusing off again restores the HF forwards."""
+    """Every norm, MLP, attention and decoder layer of the model fused (15 modules in two Qwen3 layers: four norms,
+    the MLP, the attention and the layer itself per layer, and the final norm); logits with and without a
+    transformers cache equal the HF forward's to float32 rounding, and fusing off again restores the HF forwards."""
     from runtime.engines.fused import fuse_model
 
     device = "cpu" if INTERPRETED else "cuda"
@@ -180,7 +180,7 @@ def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
         cached = model(input_ids=ids).logits  # through a DynamicCache, as generate() runs
         assert fuse_model(model, on=False) == fused_count
         assert not any("forward" in vars(m) for m in model.modules())
-    assert fused_count == (13 if family == "qwen3" else 9)
+    assert fused_count == (15 if family == "qwen3" else 11)
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
 
@@ -209,11 +209,12 @@ def test_triton_kernel_fused_engine_decodes_the_hf_modules_tokens():
 
 @needs_triton
 def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
-    """bf16 in, bf16 out: rotary, RMSNorm and SiLU x up equal torch's eager ops (rounded where they round); the norm
-    and the SiLU may differ by one bf16 step in rare elements (float32 summation order, Triton's fast exp/rsqrt)."""
+    """bf16 in, bf16 out: rotary, RMSNorm (alone and after a residual add) and SiLU x up equal torch's eager ops
+    (rounded where they round); the norms and the SiLU may differ by one bf16 step in rare elements (float32
+    summation order, Triton's fast exp/rsqrt)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from runtime.engines.fused import rms_norm, rotary, silu_mul
+    from runtime.engines.fused import add_rms_norm, rms_norm, rotary, silu_mul
 
     device = "cpu" if INTERPRETED else "cuda"
     gen = torch.Generator().manual_seed(0)
@@ -227,10 +228,53 @@ def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
     assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
     norm = Qwen3RMSNorm(64, eps=1e-6).bfloat16().to(device)
     norm.weight.data = randn(64, scale=0.3) + 1
-    x, gate, up = randn(6, 64, scale=2.0), randn(4, 100, scale=3.0), randn(4, 100)
-    for got, want in ((rms_norm(x, norm.weight, 1e-6), norm(x)), (silu_mul(gate, up), F.silu(gate) * up)):
+    x, gate_up, delta = randn(6, 64, scale=2.0), randn(4, 200, scale=3.0), randn(6, 64)
+    gate, up = gate_up.chunk(2, dim=-1)
+    total, normed = add_rms_norm(x, delta, norm.weight, 1e-6)
+    assert torch.equal(total, x + delta)  # one float32 add rounded to bf16, as torch's
+    pairs = (
+        (rms_norm(x, norm.weight, 1e-6), norm(x)),
+        (silu_mul(gate_up), F.silu(gate) * up),
+        (normed, norm(x + delta)),
+    )
+    for got, want in pairs:
         step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)  # one bf16 step
         assert (got == want).float().mean() > 0.99 and bool(((got.float() - want.float()).abs() <= step).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_plain_sampling_draws_the_inverse_cdf_token(dtype):
+    """The one-kernel plain sampler against a float64 inverse CDF over 1000 tokens in blocks of 128: the same token
+    wherever the uniform's target is farther than float32 rounding from a boundary between two tokens, the
+    untruncated log-prob to float32 rounding, and never a token of probability zero (logit -inf), even for uniforms
+    next to 0 and 1."""
+    from runtime.engines.sampling import plain_sample_triton
+
+    device = "cpu" if INTERPRETED else "cuda"
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab, temperature = 48, 1000, 0.7
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    logits[:, torch.randperm(vocab, generator=gen)[:300]] = float("-inf")
+    logits[0, :-1] = float("-inf")  # one token left
+    uniforms = torch.rand(rows, generator=gen)
+    uniforms[1:4] = torch.tensor([0.0, 1 - 2**-24, 0.5])
+    tokens, log_probs = plain_sample_triton(logits.to(device), uniforms.to(device), temperature=temperature, block=128)
+    tokens, log_probs = tokens.cpu(), log_probs.cpu()
+    scaled = logits.double() / temperature
+    probs = torch.softmax(scaled, -1)
+    cdf = probs.cumsum(-1)
+    target = uniforms.double() * cdf[:, -1]
+    want = ((cdf > target[:, None]) & (probs > 0)).int().argmax(-1)
+    # A float32 running sum of 1000 terms of total 1 is within 1000 x float32 epsilon (6e-5) of float64's.
+    clear = ((cdf - target[:, None]).abs() > 6e-5).all(-1)
+    assert clear.sum() > rows // 2
+    assert torch.equal(tokens[clear], want[clear])
+    assert bool((logits.gather(1, tokens[:, None]) > float("-inf")).all())
+    want_lp = torch.log_softmax(scaled, -1).gather(1, tokens[:, None])[:, 0]
+    # float32 log-softmax of values of order 10: a few float32 ulps.
+    torch.testing.assert_close(log_probs.double(), want_lp, rtol=0, atol=1e-5)
+    assert int(tokens[0]) == vocab - 1
 
 
 @pytest.mark.skipif(INTERPRETED or triton is None, reason="this process already runs interpreted, or no Triton")
@@ -240,4 +284,61 @@ def test_triton_kernel_under_the_interpreter():
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
     result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "5 passed" in result.stdout, result.stdout[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.skipif(triton is None, reason="fuse_model needs Triton")
+def test_merged_projections_follow_every_weight_update(tmp_path):
+    """fuse_model runs q/k/v and gate/up as one matmul each over one merged tensor; the engine's update paths write
+    the modules' parameters, which are views of it, so after a weight update the merged weights are the new ones
+    (a merge that copied the weights instead would keep sampling the old ones); unfusing drops the merged tensors."""
+    from runtime.demo import task
+    from runtime.demo.tiny_model import make_tiny_model
+    from runtime.engines import HFEngine
+    from runtime.engines.fused import fuse_model
+
+    engine = HFEngine(str(make_tiny_model(tmp_path / "m", alphabet=task.ALPHABET, seed=0)), seed=0)
+    layers = engine.model.model.layers
+    assert fuse_model(engine.model) > 0
+    gen = torch.Generator().manual_seed(1)
+    new = {name: torch.randn(t.shape, generator=gen) for name, t in engine.get_weights().items()}
+    engine.load_weights(new, weight_version=1)
+    for i, layer in enumerate(layers):
+        at = f"model.layers.{i}."
+        weight, bias, sizes = layer.self_attn._rlcore_merged
+        want = torch.cat([new[at + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(weight, want) and sizes == tuple(len(new[at + f"self_attn.{p}_proj.weight"]) for p in "qkv")
+        weight, _, _ = layer.mlp._rlcore_merged
+        assert torch.equal(weight, torch.cat([new[at + "mlp.gate_proj.weight"], new[at + "mlp.up_proj.weight"]]))
+        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert all(torch.equal(v, new[k]) for k, v in engine.get_weights().items() if ".layers." in k)  # untied ones
+    fuse_model(engine.model, on=False)
+    assert not any("_rlcore_merged" in vars(m) for m in engine.model.modules())
+
+
+def test_a_merged_projection_with_biases_computes_each_projection():
+    """Qwen2's q/k/v carry biases: merged, one matmul over the merged weight and bias gives each projection's output
+    (float32: the same dot products, summed in the order a wider matmul picks: float32 rounding of values of order 1),
+    and every parameter, bias included, is a view of the merged tensors."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from runtime.engines.fused import merge_projections
+
+    config = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        separate = [getattr(attention, f"{p}_proj")(x) for p in "qkv"]
+        weight, bias, sizes = merge_projections(attention, ("q_proj", "k_proj", "v_proj"))
+        merged = F.linear(x, weight, bias).split(sizes, dim=-1)
+    assert bias is not None and sizes == (64, 32, 32)
+    for got, want in zip(merged, separate, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for p in "qkv":
+        for param, whole in (
+            (attention.get_submodule(f"{p}_proj").weight, weight),
+            (attention.get_submodule(f"{p}_proj").bias, bias),
+        ):
+            assert param.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()

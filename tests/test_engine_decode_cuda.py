@@ -136,7 +136,7 @@ def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     rounding of the HF one."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from runtime.engines.fused import fuse_model, rms_norm, rotary, silu_mul
+    from runtime.engines.fused import add_rms_norm, fuse_model, rms_norm, rotary, silu_mul
 
     engine, prompts = engine_and_prompts
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -152,9 +152,11 @@ def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     rq, rk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     fq, fk = rotary(q, k, cos, sin)
     assert torch.equal(fq, rq.transpose(1, 2)) and torch.equal(fk, rk.transpose(1, 2))
+    assert torch.equal(add_rms_norm(x, up[:, :1024].contiguous(), norm.weight, 1e-6)[0], x + up[:, :1024])
     for name, got, want in (
         ("rms_norm", rms_norm(x, norm.weight, 1e-6), norm(x)),
-        ("silu_mul", silu_mul(gate, up), torch.nn.functional.silu(gate) * up),
+        ("silu_mul", silu_mul(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up),
+        ("add_rms_norm", add_rms_norm(x, up[:, :1024].contiguous(), norm.weight, 1e-6)[1], norm(x + up[:, :1024])),
     ):
         equal = (got == want).float().mean().item()
         # One bf16 step at the value: 2**-7 of its magnitude's power of two.
@@ -172,3 +174,21 @@ def test_the_fused_kernels_round_as_the_hf_modules_do(engine_and_prompts):
     gap = (torch.log_softmax(fused, -1) - torch.log_softmax(plain, -1)).abs().max().item()
     print(f"fused vs HF modules, bf16: largest log-prob gap {gap:.3e}")
     assert gap < 0.05
+
+
+def test_released_weights_come_back_merged_and_free_their_memory(engine_and_prompts):
+    """Releasing the weights drops the merged q/k/v and gate/up tensors with them (the device memory goes back);
+    resuming merges them again, the parameters views of them, and the engine generates what it generated before."""
+    engine, prompts = engine_and_prompts
+    before = _run(engine, prompts[:4], graph=False, seed=9)
+    held = torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    engine.release_memory(["weights"])
+    assert torch.cuda.memory_allocated() <= held - weights
+    engine.resume_memory(["weights"])
+    for layer in engine.model.model.layers:
+        weight, _, _ = layer.self_attn._rlcore_merged
+        assert layer.self_attn.v_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert torch.equal(weight[: layer.self_attn.q_proj.weight.shape[0]], layer.self_attn.q_proj.weight)
+    after = _run(engine, prompts[:4], graph=False, seed=9)
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]

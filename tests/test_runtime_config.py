@@ -451,7 +451,11 @@ def test_rule_ranges():
 
 def test_rule_combinations(tmp_path):
     assert "--save-interval needs --save" in _problems(["--save-interval", "2"])
-    assert "--sglang-url is used only with --rollout-engine sglang" in _problems(["--sglang-url", "http://h:30000"])
+    refusal = (
+        "--sglang-url: an alias of --rollout-external-engine-addrs (running SGLang servers), used by --rollout-engine "
+        "sglang only"
+    )
+    assert refusal in _problems(["--sglang-url", "http://h:30000"])
     cfg = parse_args(["--rollout-engine", "sglang", "--sglang-url", "http://a:30000,http://b:30000"])
     assert cfg.rollout.sglang_url == "http://a:30000,http://b:30000"
     argv = ["--over-sampling-batch-size", "4", "--rollout-batch-size", "8"]
@@ -509,7 +513,11 @@ def test_engine_max_running_requests_is_positive_reaches_the_embedded_engine_and
 
     assert "--engine-max-running-requests must be > 0" in _problems(["--engine-max-running-requests", "0"])
     argv = ["--rollout-engine", "sglang", "--sglang-url", "http://h:1", "--engine-max-running-requests", "4"]
-    assert "--engine-max-running-requests is for the embedded engine" in _problems(argv)
+    refusal = (
+        "--engine-max-running-requests: a flag of the embedded engine (SGLang servers take --sglang-* flags), used by "
+        "--rollout-engine hf only"
+    )
+    assert refusal in _problems(argv)
     cfg = parse_args(["--engine-max-running-requests", "4"])
     assert engine_kind("hf").kwargs(cfg, "m", 0)["max_running_requests"] == 4
     assert engine_kind("hf").kwargs(parse_args([]), "m", 0)["max_running_requests"] is None

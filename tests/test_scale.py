@@ -7,16 +7,26 @@ from runtime.cluster import plan
 from runtime.config import from_dict, validate
 
 
-@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
 def test_no_placement_flag_on_gpus_gets_the_default_plan_over_all_of_them(gpus):
     settings = plan.default_placement({}, gpus=gpus)
-    assert settings == plan.PLANS["colocated_dp" if gpus == 1 else "split_async"].settings(gpus)
+    # The table's entry for this count, or for the largest count below it (3 GPUs: two's plan, 8: four's).
+    measured = max(n for n in plan.PLAN_BY_GPUS if n <= gpus)
+    assert settings == plan.PLANS[plan.PLAN_BY_GPUS[measured]].settings(gpus)
+    assert plan.plan_for(1) == "colocated_dp" and plan.plan_for(gpus) == plan.PLAN_BY_GPUS[measured]
     trainers = settings["actor_num_gpus_per_node"]
     assert trainers + (0 if settings.get("colocate") else settings["rollout_num_gpus"]) == gpus
 
 
+def test_every_measured_count_names_a_plan_and_fewer_than_one_gpu_has_none():
+    assert set(plan.PLAN_BY_GPUS.values()) <= set(plan.PLANS) and 1 in plan.PLAN_BY_GPUS
+    with pytest.raises(ValueError, match="at least one GPU, got 0"):
+        plan.plan_for(0)
+
+
 def test_the_gpu_count_given_is_the_one_used():
-    assert plan.default_placement({"actor_num_gpus_per_node": 4}, gpus=8) == plan.PLANS["split_async"].settings(4)
+    four = plan.PLANS[plan.plan_for(4)].settings(4)
+    assert plan.default_placement({"actor_num_gpus_per_node": 4}, gpus=8) == four
     assert plan.default_placement({"actor_num_gpus_per_node": 1}, gpus=8) == {
         "colocate": True,
         "actor_num_gpus_per_node": 1,
@@ -29,16 +39,19 @@ def test_any_placement_flag_or_no_gpu_leaves_the_job_as_it_is(flag):
     assert plan.default_placement({}, gpus=0) == {}
 
 
-def test_split_async_uses_every_gpu():
-    for gpus in (2, 3, 4):
-        s = plan.PLANS["split_async"].settings(gpus)
+@pytest.mark.parametrize("name", ["split_async", "one_trainer_async"])
+def test_the_split_plans_use_every_gpu_one_step_apart(name):
+    for gpus in (2, 3, 4, 8):
+        s = plan.PLANS[name].settings(gpus)
         assert s["actor_num_gpus_per_node"] + s["rollout_num_gpus"] == gpus and s["rollout_schedule"] == "one_step"
+        assert s["actor_num_gpus_per_node"] == (gpus // 2 if name == "split_async" else 1)
 
 
 def test_the_dry_run_prints_the_plan_and_the_rule(tmp_path):
     report = dry_run_report(validate(from_dict(None, output_dir=str(tmp_path))))
     line = next(line for line in report.splitlines() if line.strip().startswith("plan "))
-    assert f"Default on N >= 2 GPUs with no placement flag: {plan.DEFAULT_PLAN}" in line
+    for n, name in plan.PLAN_BY_GPUS.items():
+        assert f"{n} GPU(s): {name}" in line
 
 
 SMALL = {
@@ -52,8 +65,9 @@ SMALL = {
 }
 
 
-@pytest.mark.slow  # about 80 s on 2 cores; tests/test_scale_cuda.py runs one_step on GPUs
-def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_path, monkeypatch):
+@pytest.mark.slow  # 80-230 s on 2 loaded cores; tests/test_scale_cuda.py runs one_step on GPUs
+@pytest.mark.parametrize("engines", [1, 3])  # 3: one_trainer_async's shape on four GPUs (the rollout split three ways)
+def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(engines, tmp_path, monkeypatch):
     """The embedded engine over a gloo weight-update group (--update-weight-transport nccl on the CPU), one_step: every
     sync but the last is staged (sent while the next rollout samples, not after it) and swapped in before the rollout
     after; each rollout is sampled whole by the weights one step behind (a swap that came late would show a lag of 2,
@@ -74,7 +88,8 @@ def test_one_step_async_stages_the_weights_while_the_next_rollout_samples(tmp_pa
 
         monkeypatch.setattr(DistributedSync, name, spy)
     settings = {"rollout_schedule": "one_step", "update_weight_transport": "nccl", "num_rollout": 4}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    settings["rollout_num_gpus"] = engines
+    ray.init(num_cpus=1 + engines, include_dashboard=False, log_to_driver=False)
     try:
         cfg = validate(from_dict(None, output_dir=str(tmp_path / "out"), **settings, **SMALL))
         rows = read_metrics(run(cfg, progress=False).output_dir / METRICS_FILE)
@@ -145,3 +160,35 @@ def test_staged_weights_leave_the_model_alone_until_the_swap(tmp_path):
     weights = engine.get_weights()
     assert all(torch.equal(weights[n], other[n].to(weights[n].dtype)) for n in names)
     assert engine.commit_staged_weights() is None and engine.weight_version() == 7
+
+
+def test_bench_scale_prints_the_table_of_saved_medians_and_the_fastest_plan(tmp_path, monkeypatch):
+    """``tools/bench_scale.py --report-only``: jobs run in separate invocations (on disjoint GPUs) print as one table,
+    speed-up against the one-GPU job, the async bound for the one-step plans, and the fastest plan per count."""
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.syspath_prepend("tools")
+    import bench_scale
+
+    parts = {"rollout": 2.0, "log-probs": 0.3, "train": 1.5, "sync": 0.1}
+    for (n, name), step in {(1, "colocated_dp"): 4.0, (4, "colocated_dp"): 3.0, (4, "one_trainer_async"): 2.0}.items():
+        bench_scale.result_file(tmp_path, n, name).write_text(json.dumps({"step": step, **parts}))
+    assert bench_scale.PLACEMENTS["one_trainer_async"](4)[:4] == [
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "3",
+    ]
+    assert bench_scale.PLACEMENTS["one_trainer_async"](2) is None  # on two GPUs it is split_async
+    out = subprocess.run(
+        [sys.executable, "tools/bench_scale.py", "--gpus", "1", "4", "--report-only", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = {tuple(line.split(" | ")[:2]): line for line in out.splitlines() if line.startswith("| ")}
+    assert "| 2.00x | 0.50 | 0.95 |" in rows[("| 4", "one_trainer_async")]  # 4 / 2 s; 2 / (max(2, 1.5) + 0.1)
+    assert "| 1.33x | 0.33 | - |" in rows[("| 4", "colocated_dp")]
+    assert (
+        f"4 GPU(s): fastest one_trainer_async (2.000 s, 0.50x one GPU's step); default plan {plan.plan_for(4)}" in out
+    )

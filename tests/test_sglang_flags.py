@@ -159,7 +159,9 @@ def test_sglang_flags_need_the_sglang_engine():
     assert parse_args(["--sglang-mem-fraction-static", "0.7"]).rollout.rollout_engine == "sglang"
     with pytest.raises(ConfigError) as info:
         parse_args(["--rollout-engine", "hf", "--sglang-mem-fraction-static", "0.7"])
-    assert "--sglang-* flags are used only with --rollout-engine sglang" in str(info.value)
+    assert "--sglang-* flags: SGLang server flags, passed through, used by --rollout-engine sglang only" in str(
+        info.value
+    )
     # The embedded engine receives over a weight-update group too.
     assert parse_args(["--update-weight-transport", "nccl"]).sglang.update_weight_transport == "nccl"
 

@@ -381,3 +381,16 @@ def test_balance_data_keeps_each_step_and_evens_the_ranks_tokens(dp_size):
     assert spread <= max(lengths)  # greedy on equal counts: within one row's length
     assert spread <= (plain.max(0).values - plain.min(0).values).max()
     assert parse_args(["--balance-data"]).data.balance_data
+
+
+def test_the_supported_rows_are_generated_from_the_fields_rows():
+    """One source: a supported row is its field's ``slime`` metadata, and no refused flag is a field."""
+    from runtime.slime_flags import BY_NAME, REFUSED_FLAGS
+
+    rows = {name: f.metadata["slime"] for name, (_, f, _) in _SPECS.items() if "slime" in f.metadata}
+    assert {entry.name for entry in SLIME_FLAGS if entry.status != REFUSED} == {flag(name) for name in rows}
+    for name, row in rows.items():
+        entry = BY_NAME[flag(name)]
+        assert (entry.group, entry.default) == (row.group, row.default), name
+        assert (entry.status, entry.note) == ((YES, row.note) if row.differs is None else (DIFFERS, row.differs))
+    assert not {entry.dest for entry in REFUSED_FLAGS} & set(_SPECS)

@@ -8,9 +8,10 @@
 Decoders: ``graph`` is the engine as it runs on a GPU (the step's forward and its sampling replayed as CUDA graphs,
 the Triton decode attention, a group's prompt prefilled and cached once), ``graph-compile`` the same with the step's
 forward through ``torch.compile`` before capture, ``graph-unshared`` without sharing a group's prompt,
-``graph-torch-attention`` with the plain torch decode attention (reads every cache column), ``graph-unfused`` with
-transformers' own eager norms, MLP and rotary instead of the fused Triton kernels, ``eager`` the same loop without
-the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
+``graph-torch-attention`` with the plain torch decode attention (reads every cache column) and sampling,
+``graph-unfused`` with transformers' own eager modules (norms, MLP, rotary, separate q/k/v and gate/up projections,
+the decoder layer's residual adds) instead of the fused Triton kernels and merged projections, ``eager`` the same
+loop without the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
 baseline, not an engine). The random-init preset never emits EOS, so every response runs to its length. Each
 (decoder, size) is run once untimed ("first call", which compiles for graph-compile), then timed (``--repeats``,
 median). Peak memory is the CUDA allocator's, reset per size; "beyond weights" subtracts the memory held before.
@@ -39,8 +40,8 @@ import time
 
 import torch
 
-# decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention kernel (None: the default),
-# fused Triton norms/MLP/rotary)
+# decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention and plain sampling kernel (None:
+# the default), fused Triton kernels and merged projections)
 DECODERS = {
     "graph": (True, False, True, None, True),
     "graph-compile": (True, True, True, None, True),

@@ -48,12 +48,23 @@ def _split(n: int, schedule: str) -> list[str] | None:
             schedule]  # fmt: skip
 
 
-# Placement name -> its flags on n GPUs (None: the placement needs more GPUs than n).
+def _one_trainer(n: int) -> list[str] | None:
+    """One GPU trains, the other n - 1 generate, one step apart; None below three GPUs (on two it is split_async)."""
+    if n < 3:
+        return None
+    return ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", str(n - 1), "--rollout-schedule", "one_step"]
+
+
+# Placement name -> its flags on n GPUs (None: the placement needs more GPUs than n). The names are the plans of
+# runtime.cluster.plan.PLANS, and split_sync (split_async's schedule-free baseline).
 PLACEMENTS: dict[str, Callable[[int], list[str] | None]] = {
     "colocated_dp": lambda n: ["--colocate", "--actor-num-gpus-per-node", str(n)],
     "split_sync": lambda n: _split(n, "sync"),
     "split_async": lambda n: _split(n, "one_step"),
+    "one_trainer_async": _one_trainer,
 }
+# Placements run one step apart, whose step has issue 26's bound.
+ASYNC = ("split_async", "one_trainer_async")
 COLUMNS = {
     "step": "perf/step_time",
     "rollout": "perf/rollout_time",
@@ -68,17 +79,28 @@ def python_path() -> str:
     return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
 
 
-def run_job(model: str, gpus: list[int], flags: list[str], out: Path, steps: int) -> list[dict]:
+def run_job(model: str, gpus: list[int], flags: list[str], out: Path, steps: int, timeout: float) -> list[dict]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONPATH": python_path()}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "runtime.cli", "--hf-checkpoint", model, *JOB, *flags, "--num-rollout", str(steps),
            "--output-dir", str(out)]  # fmt: skip
     with open(out.with_suffix(".log"), "w") as log:
-        code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        try:
+            code = subprocess.run(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = f"timed out after {timeout:g} s"
     if code != 0:
         tail = out.with_suffix(".log").read_text()[-1500:]
         raise RuntimeError(f"{' '.join(flags)} on GPUs {gpus} failed ({code}):\n{tail}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def result_file(out: Path, n: int, name: str) -> Path:
+    """Where a job's medians are kept, so that a later ``--report-only`` prints them with other runs' (jobs of one
+    table may run in separate invocations on disjoint GPUs)."""
+    return out / f"{n}gpu-{name}.medians.json"
 
 
 def medians(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -97,25 +119,55 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     # split_sync is the one-step schedule's baseline; it is left out by default to keep the run short.
-    parser.add_argument("--placements", nargs="+", default=["colocated_dp", "split_async"], choices=list(PLACEMENTS))
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        default=["colocated_dp", "split_async", "one_trainer_async"],
+        choices=list(PLACEMENTS),
+    )
     parser.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--skip", nargs="*", default=[], metavar="N:PLACEMENT", help="jobs left out, e.g. 2:colocated_dp"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="run nothing: print the table of the jobs whose medians --out holds"
+    )
     parser.add_argument("--out", default=None)
+    parser.add_argument("--job-timeout", type=float, default=900, help="seconds a job may take before it is stopped")
     args = parser.parse_args()
     import torch
 
-    have = torch.cuda.device_count()
+    have = torch.cuda.device_count() if not args.report_only else max(args.gpus)
     counts = [n for n in args.gpus if n <= have]
     if not counts:
         raise SystemExit(f"bench_scale needs GPUs: this host has {have}")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-scale-"))
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
-    if model is None:
+    if model is None and not args.report_only:
         model = str(out / args.preset)
         if not (Path(model) / "config.json").exists():
             subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--preset", args.preset, model],
                            check=True, env={**os.environ, "PYTHONPATH": python_path()})  # fmt: skip
-    jobs = [(n, name, flags) for n in counts for name in args.placements if (flags := PLACEMENTS[name](n))]
+    # One GPU runs its one plan (every speed-up's base) whatever --placements says.
+    jobs = [(1, "colocated_dp", PLACEMENTS["colocated_dp"](1))] if 1 in counts else []
+    jobs += [
+        (n, name, flags)
+        for n in counts
+        for name in args.placements
+        if n > 1 and (flags := PLACEMENTS[name](n)) and f"{n}:{name}" not in args.skip
+    ]
+    results: dict[tuple[int, str], dict[str, float]] = {}
+    if args.report_only:
+        jobs, results = (
+            [],
+            {
+                (n, name): json.loads(result_file(out, n, name).read_text())
+                for n in counts
+                for name in PLACEMENTS
+                if result_file(out, n, name).is_file()
+            },
+        )
     # Waves of jobs on disjoint GPUs: each wave fills the host's GPUs with the largest jobs first.
     waves: list[list[tuple[int, str, list[str]]]] = []
     for job in sorted(jobs, key=lambda j: -j[0]):
@@ -125,7 +177,6 @@ def main() -> None:
                 break
         else:
             waves.append([job])
-    results: dict[tuple[int, str], dict[str, float]] = {}
     for wave in waves:
         start = 0
         placed = []
@@ -135,22 +186,34 @@ def main() -> None:
         began = time.perf_counter()
         with ThreadPoolExecutor(len(placed)) as pool:
             futures = {
-                (n, name): pool.submit(run_job, model, gpus, flags, out / f"{n}gpu-{name}", args.steps)
+                (n, name): pool.submit(
+                    run_job, model, gpus, flags, out / f"{n}gpu-{name}", args.steps, args.job_timeout
+                )
                 for n, name, flags, gpus in placed
             }
             for key, future in futures.items():
-                results[key] = medians(future.result(), args.warmup)
-        print(f"(wave {[f'{n} GPU {name}' for n, name, _, _ in placed]}: {time.perf_counter() - began:.0f} s)")
+                try:
+                    results[key] = medians(future.result(), args.warmup)
+                except RuntimeError as err:  # a failed job is reported and the others go on
+                    print(f"{key[0]} GPU {key[1]}: {err}", flush=True)
+                    continue
+                result_file(out, *key).write_text(json.dumps(results[key]))
+        print(
+            f"(wave {[f'{n} GPU {name}' for n, name, _, _ in placed]}: {time.perf_counter() - began:.0f} s)",
+            flush=True,
+        )
     base = results.get((1, "colocated_dp"), {}).get("step")
     header = ["GPUs", "plan", *COLUMNS, "speed-up", "efficiency", "step / async bound"]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
     for (n, name), m in sorted(results.items()):
         speedup = base / m["step"] if base else float("nan")
-        bound = m["step"] / (max(m["rollout"], m["train"]) + m["sync"]) if name == "split_async" else None
+        bound = m["step"] / (max(m["rollout"], m["train"]) + m["sync"]) if name in ASYNC else None
         cells = [str(n), name, *(f"{m[c]:.3f}" for c in COLUMNS), f"{speedup:.2f}x", f"{speedup / n:.2f}"]
         print("| " + " | ".join([*cells, f"{bound:.2f}" if bound else "-"]) + " |")
     for n in counts:
         measured = {name: m["step"] for (k, name), m in results.items() if k == n}
+        if not measured:
+            continue
         fastest = min(measured, key=measured.get)
         ratio = f", {measured[fastest] / base:.2f}x one GPU's step" if base else ""
         print(f"{n} GPU(s): fastest {fastest} ({measured[fastest]:.3f} s{ratio}); default plan {plan_for(n)}")

@@ -15,7 +15,8 @@ before its clock starts, and the receiver confirms it has each bucket before the
 - ``ipc``: handles to the sender's memory (CUDA IPC on GPU 0, shared memory on the CPU) sent to another process,
   which copies each bucket before it answers (``--update-weight-transport ipc``, colocated engines);
 - ``gloo`` / ``nccl``: a ``torch.distributed`` broadcast from rank 0 to rank 1 in another process, over the group
-  ``runtime.engines.weight_transfer`` makes (``--update-weight-transport nccl``; gloo on the CPU).
+  ``runtime.engines.weight_transfer`` makes (``--update-weight-transport nccl``; gloo on the CPU), one flat buffer
+  per bucket as the runtime sends it; ``nccl_per_tensor``: one broadcast per tensor instead, for comparison.
 
 One bucket is in memory at a time on each side, so a 4B model needs about two buckets of memory, not 8 GB.
 """
@@ -50,7 +51,8 @@ LINKS = {
     "disk": "page cache / disk",
     "object_store": "shared memory",
     "gloo": "TCP loopback",
-    "nccl": "NVLink",
+    "nccl": "NVLink, one flat buffer per bucket",
+    "nccl_per_tensor": "NVLink, one broadcast per tensor",
     "ipc": "CUDA IPC (GPU) or shared memory (CPU), one device",
 }
 
@@ -154,7 +156,7 @@ def time_object_store(plans: list, dtype: torch.dtype) -> float:
     return total
 
 
-def _receive(port: int, plans: list, dtype: torch.dtype, backend: str, rounds: int) -> None:
+def _receive(port: int, plans: list, dtype: torch.dtype, backend: str, rounds: int, load_format: str | None) -> None:
     device = "cuda:1" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(1)
@@ -173,7 +175,10 @@ def _receive(port: int, plans: list, dtype: torch.dtype, backend: str, rounds: i
         for plan in plans:
             names = [n for n, _ in plan]
             dtypes = [weight_transfer.dtype_name(dtype)] * len(plan)
-            bucket = weight_transfer.receive_bucket(group, names, dtypes, [list(s) for _, s in plan], device=device)
+            shapes = [list(s) for _, s in plan]
+            bucket = weight_transfer.receive_bucket(
+                group, names, dtypes, shapes, device=device, load_format=load_format
+            )
             for name, value in bucket.items():
                 model[name].copy_(value)
         torch.distributed.broadcast(ack, src=1, group=group)  # every bucket is in the model
@@ -184,18 +189,21 @@ def _receive(port: int, plans: list, dtype: torch.dtype, backend: str, rounds: i
 PEAK_BYTES = 1 << 30
 
 
-def time_broadcast(plans: list, dtype: torch.dtype, backend: str, rounds: int = 3) -> tuple[float, float]:
+def time_broadcast(
+    plans: list, dtype: torch.dtype, backend: str, rounds: int = 3, load_format: str | None = weight_transfer.FLAT
+) -> tuple[float, float]:
     """Seconds of one push (the median of ``rounds``) and the link's peak bytes/s (one broadcast of
     ``PEAK_BYTES``). A push is what ``TrainerWorker.broadcast_buckets`` does over NCCL: each bucket cast from the
-    trainer's float32 weights to ``dtype`` on its GPU, its broadcast started, and only then the previous one waited
-    on (so one bucket is cast while the other is in flight); the clock stops when the receiver has copied every
-    bucket into its model."""
+    trainer's float32 weights to ``dtype`` on its GPU, packed into one flat buffer (``load_format``, the runtime's;
+    None: one broadcast per tensor, as before), its broadcast started, and only then the previous one waited on (so
+    one bucket is cast while the other is in flight); the clock stops when the receiver has copied every bucket into
+    its model."""
     device = "cuda:0" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(0)
     port = free_port()
     receiver = multiprocessing.get_context("spawn").Process(
-        target=_receive, args=(port, plans, dtype, backend, rounds)
+        target=_receive, args=(port, plans, dtype, backend, rounds, load_format)
     )
     receiver.start()
     group = weight_transfer.init_weights_update_group(
@@ -225,11 +233,11 @@ def time_broadcast(plans: list, dtype: torch.dtype, backend: str, rounds: int = 
         for i, plan in enumerate(plans):
             master = masters[i] if on_gpu else materialise(plan, torch.float32)
             bucket = {name: value.to(dtype) for name, value in master.items()}
-            started = (bucket, weight_transfer.start_bucket(group, bucket, device=device))
+            started = weight_transfer.start_bucket(group, bucket, device=device, load_format=load_format)
             if in_flight is not None:
-                weight_transfer.finish_bucket(group, in_flight[1])
+                weight_transfer.finish_bucket(group, in_flight)
             in_flight = started
-        weight_transfer.finish_bucket(group, in_flight[1])
+        weight_transfer.finish_bucket(group, in_flight)
         torch.distributed.broadcast(ack, src=1, group=group)
         sync()
         times.append(time.perf_counter() - start)
@@ -283,6 +291,8 @@ TRANSPORTS = {
     "object_store": time_object_store,
     "gloo": lambda plans, dtype: time_broadcast(plans, dtype, "gloo", rounds=1),
     "nccl": lambda plans, dtype: time_broadcast(plans, dtype, "nccl"),
+    # The same with one broadcast per tensor (the runtime before flat buckets), for comparison.
+    "nccl_per_tensor": lambda plans, dtype: time_broadcast(plans, dtype, "nccl", load_format=None),
 }
 
 
@@ -292,7 +302,7 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", default=["disk", "object_store", "gloo"], choices=list(TRANSPORTS))
     parser.add_argument("--bucket-mb", type=int, default=512, help="bucket size (--update-weight-buffer-size)")
     args = parser.parse_args()
-    if "nccl" in args.transports and torch.cuda.device_count() < 2:
+    if any(t.startswith("nccl") for t in args.transports) and torch.cuda.device_count() < 2:
         raise SystemExit("nccl needs two GPUs")
     dtype = torch.bfloat16
     print(

@@ -23,6 +23,7 @@ CATEGORIES = (
     ("_rms_norm", "fused norm"),
     ("_rotary", "fused rotary"),
     ("_silu_mul", "fused SiLU x up"),
+    ("_plain_sample", "sampling"),
     ("gemm", "matmul"),
     ("gemv", "matmul"),
     ("cutlass", "matmul"),

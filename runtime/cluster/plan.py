@@ -1,19 +1,30 @@
 """The placement a job gets on N GPUs when it names no placement beyond the GPU count.
 
-Two plans can use every GPU of a host (``docs/runtime.md``, "Default placement on N GPUs"):
+Three plans use every GPU of a host (``docs/runtime.md``, "Default placement on N GPUs"):
 
 - ``colocated_dp``: the trainer data-parallel over all N GPUs and an engine colocated on each (verl's hybrid engine):
   rollout, log-probs and training each spread over N devices, weights cross by CUDA IPC, nothing overlaps;
-- ``split_async``: half the GPUs train, the other half generate, one step apart (``--rollout-schedule one_step``):
-  the step costs the longer of rollout and training plus an NCCL weight sync.
+- ``split_async``: half the GPUs train (data-parallel), the other half generate, one step apart
+  (``--rollout-schedule one_step``): the step costs the longer of rollout and training plus an NCCL weight sync;
+- ``one_trainer_async``: one GPU trains, the other N - 1 generate, one step apart (on two GPUs it is
+  ``split_async``).
 
-:func:`plan_for` picks by the GPU count: one GPU colocates (there is nothing to split); two or more run
-:data:`DEFAULT_PLAN`, ``split_async``, which ``tools/bench_scale.py`` measured faster on two H100s (issue 26's job,
-Qwen3-0.6B, 8 prompts x 8 samples x 512 tokens, 2026-11-27: one GPU 3.70 s a step; two GPUs colocated_dp 4.50 s,
-0.82x one GPU's speed, its DP=2 train step slower than one GPU's; split_async 1.97 s, 0.53x one GPU's step). Four GPUs
-follow the two-GPU measurement; they were not measured. Any placement
-flag (:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the plan and this
-rule (:func:`describe`).
+:func:`plan_for` picks from :data:`PLAN_BY_GPUS`, the plan ``tools/bench_scale.py`` measured fastest at each GPU
+count (issue 26's job, Qwen3-0.6B, 8 prompts x 8 samples x 512 tokens, medians of steps 2-3); a count it has no entry
+for takes the entry of the largest count below it. One GPU colocates (there is nothing to split).
+
+- Two GPUs (two H100s, 2026-11-27, a76d515): one GPU 3.70 s a step; ``colocated_dp`` 4.50 s, its DP=2 train step
+  slower than one GPU's; ``split_async`` 1.97 s, 0.53x one GPU's step.
+- Four GPUs (four H200s, 2026-11-27, 35335e8): ``one_trainer_async`` 1.58 s, ``split_async`` 1.78 s, against
+  ``split_async`` on two of the same GPUs 2.09 s. A second trainer gains nothing at this batch (train 1.35 s at DP=2
+  against 1.38 s on one GPU) and its sync gathers FSDP shards (0.22 s against 0.06 s), while a third engine shortens
+  the rollout (1.65 s against 1.83 s). ``colocated_dp`` on four GPUs was not measured (its run was cut off): its step
+  is the sum of rollout, log-probs, training and sync, and the rollout alone took 1.65 s on three engines (2.10 s on
+  one: decoding is bound by its 512 sequential steps more than by the batch), so four colocated engines would leave
+  no room under 1.58 s for the rest.
+
+Any placement flag (:data:`PLACEMENT_FLAGS`) means the user chose, and nothing is changed. ``--dry-run`` prints the
+plan and this rule (:func:`describe`).
 """
 
 from __future__ import annotations
@@ -58,15 +69,24 @@ PLANS: dict[str, Plan] = {
         },
         summary="half the GPUs train, half generate, one step apart (NCCL sync)",
     ),
+    "one_trainer_async": Plan(
+        settings=lambda gpus: {
+            "actor_num_gpus_per_node": 1,
+            "rollout_num_gpus": gpus - 1,
+            "rollout_schedule": "one_step",
+        },
+        summary="one GPU trains, the others generate, one step apart (NCCL sync)",
+    ),
 }
-# The plan of two or more GPUs, measured faster (see the module docstring); one GPU colocates.
-DEFAULT_PLAN = "split_async"
-ONE_GPU_PLAN = "colocated_dp"
+# GPU count -> the plan measured fastest there (see the module docstring); other counts take the largest entry below.
+PLAN_BY_GPUS: dict[int, str] = {1: "colocated_dp", 2: "split_async", 4: "one_trainer_async"}
 
 
 def plan_for(gpus: int) -> str:
     """The default plan's name on ``gpus`` GPUs (at least 1)."""
-    return ONE_GPU_PLAN if gpus < 2 else DEFAULT_PLAN
+    if gpus < 1:
+        raise ValueError(f"a plan needs at least one GPU, got {gpus}")
+    return PLAN_BY_GPUS[max(n for n in PLAN_BY_GPUS if n <= gpus)]
 
 
 def default_placement(given: Mapping[str, Any], *, gpus: int) -> dict[str, Any]:
@@ -88,7 +108,8 @@ def describe(cfg: Any) -> str:
         if res.colocate
         else f"{trainers} trainer device(s) + {engines} engine device(s), schedule {schedule}"
     )
+    rule = "; ".join(f"{n} GPU(s): {name}" for n, name in sorted(PLAN_BY_GPUS.items()))
     return (
-        f"{shape}. Default on N >= 2 GPUs with no placement flag: {DEFAULT_PLAN} ({PLANS[DEFAULT_PLAN].summary}), "
-        "measured faster than colocating on two GPUs (runtime/cluster/plan.py, docs/runtime.md); one GPU colocates"
+        f"{shape}. Default with no placement flag, by GPU count ({rule}; more GPUs take the largest count below), "
+        "measured fastest (runtime/cluster/plan.py, docs/runtime.md)"
     )

@@ -15,7 +15,8 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
 
 - ``nccl``: trainer rank 0 and every engine join one ``torch.distributed`` group (SGLang's
   ``init_weights_update_group``, once), then each bucket is one ``update_weights_from_distributed`` call per engine
-  while rank 0 broadcasts its tensors (``runtime.engines.weight_transfer``); NCCL when the trainer has a GPU, gloo on
+  while rank 0 broadcasts it as one flat buffer of its tensors' bytes (SGLang's ``load_format="flattened_bucket"``;
+  ``runtime.engines.weight_transfer``), which the engines unpack as views; NCCL when the trainer has a GPU, gloo on
   the CPU. SGLang servers and the embedded engine both receive this way.
 
 - ``ipc``: for engines colocated with trainer rank 0 (the default under ``--colocate``). Each bucket stays where

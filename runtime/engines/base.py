@@ -190,9 +190,11 @@ class RolloutEngine(Protocol):
         *,
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
+        load_format: str | None = None,
     ) -> None:
-        """Receive one bucket that rank 0 broadcasts over the group, tensor by tensor in ``names`` order, and load it
-        as :meth:`load_weights` loads a bucket (``weight_version`` with the last bucket of an update)."""
+        """Receive one bucket that rank 0 broadcasts over the group, tensor by tensor in ``names`` order (or as one
+        flat buffer of their bytes under ``load_format="flattened_bucket"``, SGLang's), and load it as
+        :meth:`load_weights` loads a bucket (``weight_version`` with the last bucket of an update)."""
         ...
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

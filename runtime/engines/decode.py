@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.engines.decode_attention import DECODE_ATTENTION, default_kernel
+from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
 CACHE_KWARG = "rlcore_cache"  # the model call's keyword that carries the DecodeCache down to engine_attention
@@ -110,6 +111,7 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
     nucleus: bool = False,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Draw one token per row. logits ``[B, V]`` -> tokens ``[B]`` int64, log-probs ``[B]`` float32, and with
     ``nucleus`` the kept set ``[B, V]`` bool (else None).
@@ -124,21 +126,32 @@ def sample_tokens(
     ``nucleus`` (top-p nucleus replay, ``--rollout-top-p-replay``): the kept set is what top-k and top-p left (the
     drawn token is always in it), and the log-prob is the drawn token's under the distribution it was drawn from,
     ``softmax`` over the kept set (:func:`rlcore.kernels.nucleus_log_probs`, which the trainer replays).
+
+    ``kernel`` (:data:`PLAIN_SAMPLERS`): with nothing to truncate and no kept set to report, ``triton`` draws in one
+    Triton kernel (:mod:`runtime.engines.sampling`) what ``torch`` draws in about fifteen passes over the logits.
+    With both top-k and top-p, the kept set comes from the ``k`` largest logits (:func:`top_p_after_top_k`), not
+    from a sort of the vocabulary.
     """
+    if kernel not in PLAIN_SAMPLERS:
+        raise ValueError(f"kernel must be one of {sorted(PLAIN_SAMPLERS)}, got {kernel!r}")
+    if uniforms is None:
+        uniforms = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+    if not (0 < top_k < logits.shape[-1] or top_p < 1.0 or nucleus):
+        return (*PLAIN_SAMPLERS[kernel](logits, uniforms, temperature=temperature), None)
     scaled = logits.float() * (1.0 / temperature)
     log_probs = torch.log_softmax(scaled, dim=-1)
     kept = scaled
-    if 0 < top_k < scaled.shape[-1]:
+    if 0 < top_k < scaled.shape[-1] and top_p < 1.0:
+        kept = scaled.masked_fill(~top_p_after_top_k(scaled, top_k=top_k, top_p=top_p), float("-inf"))
+    elif 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         kept = kept.masked_fill(kept < kth, float("-inf"))
-    if top_p < 1.0:
+    elif top_p < 1.0:
         ordered, order = kept.sort(dim=-1, descending=True, stable=True)
         probs = ordered.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs
         ordered = ordered.masked_fill(before > top_p, float("-inf"))
         kept = torch.empty_like(kept).scatter_(-1, order, ordered)
-    if uniforms is None:
-        uniforms = torch.rand(scaled.shape[0], generator=generator, device=scaled.device)
     tokens = inverse_cdf(kept.softmax(dim=-1), uniforms)
     if not nucleus:
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1), None
@@ -146,6 +159,54 @@ def sample_tokens(
     keep[torch.arange(len(tokens), device=keep.device), tokens] = True
     renormalised = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
     return tokens, renormalised.gather(-1, tokens[:, None]).squeeze(-1), keep
+
+
+def top_p_after_top_k(scaled: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens :func:`sample_tokens` keeps under top-k then top-p, without sorting the vocabulary: scaled
+    ``[B, V]`` float32 logits -> ``[B, V]`` bool.
+
+    Top-k keeps the tokens at or above the k-th largest value ``kth``: those strictly above it (fewer than ``k``,
+    all among ``torch.topk``'s ``k``) and a run of ``t`` tokens tied at ``kth``. In top-p's order (value descending,
+    ties by token id) the strictly-above come first, sorted here among the ``k`` alone; the run follows, its
+    ``r``-th token (by id) with ``S + r q`` of the kept mass before it (``S`` the mass strictly above, ``q`` one tied
+    token's), kept while that is at most ``top_p``. So the sort is over ``k`` values, and the vocabulary is read only
+    by elementwise passes and one running count of the tied tokens.
+    """
+    values, ids = torch.topk(scaled, top_k, dim=-1)
+    kth = values[:, -1:]
+    by_id, at = ids.sort(dim=-1)  # ties among the k in top-p's order: by token id, then a stable sort by value
+    values, order = values.gather(-1, at).sort(dim=-1, descending=True, stable=True)
+    ids = by_id.gather(-1, order)
+    top = values[:, :1]
+    above = values > kth
+    tied = scaled == kth
+    weight_above = torch.where(above, torch.exp(values - top), 0.0)
+    weight_tied = torch.exp(kth - top)
+    mass = weight_above.sum(-1, keepdim=True) + tied.sum(-1, keepdim=True) * weight_tied
+    probs = weight_above / mass
+    running = probs.cumsum(dim=-1)
+    keep_above = above & (running - probs <= top_p)
+    mass_above = running[:, -1:]
+    one_tied = weight_tied / mass
+    # The run keeps its r-th token while mass_above + r * one_tied <= top_p: r <= (top_p - mass_above) / one_tied.
+    room = torch.where(one_tied > 0, (top_p - mass_above) / one_tied, float("inf"))
+    tied_kept = torch.where(mass_above <= top_p, room.floor() + 1, 0.0)
+    keep = torch.zeros_like(tied).scatter_(-1, ids, keep_above)
+    return keep | (tied & (tied.cumsum(dim=-1) <= tied_kept))
+
+
+def plain_sample_torch(
+    logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` with nothing truncated, in torch: logits ``[B, V]``, uniforms ``[B]`` -> tokens ``[B]``
+    int64 and log-probs ``[B]`` float32."""
+    scaled = logits.float() * (1.0 / temperature)
+    tokens = inverse_cdf(scaled.softmax(dim=-1), uniforms)
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# sample_tokens' kernel -> how it draws when nothing is truncated
+PLAIN_SAMPLERS = {"torch": plain_sample_torch, "triton": plain_sample_triton}
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -321,11 +382,12 @@ def decode(
     all stopped, at the next check (every ``check_every`` steps). ``cuda_graph`` (default: on CUDA) replays the
     decode step's forward, and its sampling, as CUDA graphs; ``compile`` runs that forward through ``torch.compile``
     first (compiled once per row count and cache size, which are rounded up so that calls share it). ``kernel``:
-    the decode attention (``torch`` or ``triton``; default: ``triton`` on CUDA). ``is_aborted`` is read after every
-    step; once true the call returns what was sampled so far. Before ``min_new_tokens`` tokens a row cannot draw a
-    stop id (its logits are -inf there, as transformers' min-new-tokens processor does; the log-probs are then of
-    that constrained distribution). ``stopped`` (at each check, given the token lists of the rows still running)
-    marks rows as stopped for a reason of the caller's, such as a stop string; it only ends them early.
+    the decode attention and the plain sampler (``torch`` or ``triton``; default: ``triton`` on CUDA).
+    ``is_aborted`` is read after every step; once true the call returns what was sampled so far. Before
+    ``min_new_tokens`` tokens a row cannot draw a stop id (its logits are -inf there, as transformers'
+    min-new-tokens processor does; the log-probs are then of that constrained distribution). ``stopped`` (at each
+    check, given the token lists of the rows still running) marks rows as stopped for a reason of the caller's,
+    such as a stop string; it only ends them early.
     ``on_cache`` is shown the :class:`DecodeCache` once it is built (tests measure it). ``nucleus``: report each
     draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets of the steps since the
     last check are kept on the device and read back at the check, with no sync of their own.
@@ -351,6 +413,7 @@ def decode(
     slots = group_rows * per_group
     all_uniforms = prompt_uniforms(seeds, max_new_tokens)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    kernel = kernel or default_kernel(device)
     cache = DecodeCache(
         layers=layers,
         groups=group_rows,
@@ -358,7 +421,7 @@ def decode(
         width=width,
         max_new_tokens=columns,
         device=device,
-        kernel=kernel or default_kernel(device),
+        kernel=kernel,
     )
     if on_cache is not None:
         on_cache(cache)
@@ -431,6 +494,7 @@ def decode(
             top_p=top_p,
             uniforms=uniforms.gather(1, column)[:, 0],
             nucleus=nucleus,
+            kernel=kernel,
         )
         live = ~done
         out_tokens.scatter_(1, column, torch.where(live, tokens, out_tokens.gather(1, column)[:, 0])[:, None])

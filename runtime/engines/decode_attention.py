@@ -11,7 +11,9 @@ real columns are read (the cache is sized for the longest response, the reads fo
 - :func:`decode_attention_reference`: plain torch (float32 scores and softmax), the CPU path and the tests' reference.
 - :func:`decode_attention_triton`: Triton (flash-decoding): the key range of each (group, key/value head) is cut into
   parts of ``chunk`` columns (the prompt's parts read by all ``n`` samples' queries at once, a response's parts by its
-  sample's), each part keeps its running max, sum and weighted values, and a second kernel merges the parts.
+  sample's), each part keeps its running max, sum and weighted values over the blocks of ``block_n`` columns that
+  hold real keys (the others are skipped: at short contexts most of the cache's capacity is), and a second kernel
+  merges the parts.
 
 Both take scores and the softmax in float32 and round the probabilities to the values' dtype before they weight the
 values (flash attention's arithmetic); the output is in the query's dtype.
@@ -136,6 +138,35 @@ def default_kernel(device: torch.device) -> str:
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` accumulated in float32; in exact float32 arithmetic for float32 inputs (not TF32)."""
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _attend_block(
+        q, k_base, v_base, start, lo, hi, row_on, scale, run_max, run_sum, acc,
+        DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """One block of ``BLOCK_N`` key columns from ``start`` (those outside ``[lo, hi)`` masked, their loads reading
+        nothing) folded into the rows' running max, sum and weighted values (flash attention's online softmax)."""
+        col = start + tl.arange(0, BLOCK_N)
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        col_real = (col >= lo) & (col < hi)
+        k = tl.load(k_base + col[:, None] * DK + dk[None, :], mask=col_real[:, None] & (dk[None, :] < DK), other=0.0)
+        s = tl.where(row_on[:, None] & col_real[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(s, 1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(run_max - shift)
+        v = tl.load(v_base + col[:, None] * DV + dv[None, :], mask=col_real[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return new_max, run_sum * alpha + tl.sum(p, 1), acc
+
+    @triton.jit
     def _part_kernel(
         q_ptr, pk_ptr, pv_ptr, rk_ptr, rv_ptr, start_ptr, len_ptr, max_ptr, sum_ptr, acc_ptr,
         scale, width, m, n, prefix_parts, resp_parts, stride_qs, stride_qh,
@@ -176,32 +207,16 @@ if triton is not None:
         run_max = tl.full([ROWS], float("-inf"), tl.float32)
         run_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-        cols = tl.arange(0, BLOCK_N)
-        # A fixed number of blocks per part; columns outside [lo, hi) are masked, so their loads read nothing.
-        for start in range(0, CHUNK, BLOCK_N):
-            col = first + start + cols
-            col_real = (col >= lo) & (col < hi)
-            k = tl.load(
-                k_base + col[:, None] * DK + dk[None, :], mask=col_real[:, None] & (dk[None, :] < DK), other=0.0
-            )
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(row_on[:, None] & col_real[None, :], s * scale, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(s, 1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(run_max - shift)
-            run_sum = run_sum * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + col[:, None] * DV + dv[None, :], mask=col_real[:, None] & (dv[None, :] < DV), other=0.0
-            )
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            run_max = new_max
+        # Only the blocks that hold real columns ([lo, hi)) run: a part past a row's length, or a prompt part left
+        # of its start, loads and multiplies nothing. (A fixed trip count with a skip, not a loop bounded by loaded
+        # values, which Triton's interpreter cannot run.)
+        for offset in range(0, CHUNK, BLOCK_N):
+            start = first + offset
+            if (start < hi) & (start + BLOCK_N > lo):
+                run_max, run_sum, acc = _attend_block(
+                    q, k_base, v_base, start, lo, hi, row_on, scale, run_max, run_sum, acc,
+                    DK=DK, DV=DV, BLOCK_N=BLOCK_N, BLOCK_DK=BLOCK_DK, BLOCK_DV=BLOCK_DV, IEEE=IEEE,
+                )  # fmt: skip
         at = (grp * HKV + kv) * parts + part
         tl.store(max_ptr + at * ROWS + rows, run_max)
         tl.store(sum_ptr + at * ROWS + rows, run_sum)

@@ -7,15 +7,27 @@ a CUDA graph. :func:`fuse_model` swaps, on the engine's own model instance only,
 knows (tables below) for ones that run one kernel where eager runs many:
 
 - RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``MistralRMSNorm``): :func:`rms_norm`, one kernel;
-- the SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): :func:`silu_mul` between the matmuls;
-- the attention of those families: rotary on queries and keys in one kernel (:func:`rotary`), then the model's
-  attention function (the engine's).
+- the decoder layer of those families: the residual add after the attention and the norm after it in one kernel
+  (:func:`add_rms_norm`);
+- the SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): gate and up as one matmul, then
+  :func:`silu_mul` on its two halves, then ``down_proj``;
+- the attention of those families: q, k and v as one matmul, the q/k norms (when the model has them) read from it in
+  place, rotary on queries and keys in one kernel (:func:`rotary`), then the model's attention function (the
+  engine's).
+
+**Merged projections** (:func:`merge_projections`): the weights of ``q_proj``/``k_proj``/``v_proj`` (and of
+``gate_proj``/``up_proj``) are concatenated once into one tensor, and each module's own parameter becomes a view of
+its rows of it. A weight update copies into the parameters (``HFEngine.load_weights``), so it writes the merged
+tensor itself: the two cannot drift apart. Moving the model (``model.to``) gives each parameter its own storage
+again, so the engine unfuses before it moves the model and fuses after (``HFEngine.release_memory`` /
+``resume_memory``).
 
 Each kernel rounds where torch's eager ops round (RMSNorm: float32 math, downcast, then the weight product rounded
 in the output dtype; rotary: each product and the sum rounded to the input dtype; SiLU, then the product, each
 rounded), so the fused model computes what the trainer's HF model computes, up to float32 summation order inside a
-kernel and Triton's fast ``exp`` and ``rsqrt`` (relative errors near 1e-7, far below a bf16 step). Weights stay the
-modules' own parameters, so weight updates reach the fused forwards unchanged.
+kernel and Triton's fast ``exp`` and ``rsqrt`` (relative errors near 1e-7, far below a bf16 step), and a merged
+matmul's output columns are each the dot product the separate matmul computes (cuBLAS may pick another kernel for
+the wider matrix, which may round differently in the last bit).
 (Triton's CPU interpreter rounds float32 to bfloat16 by truncation, so the bf16 rounding is checked on a GPU only,
 ``tests/test_engine_decode_cuda.py``.)
 """
@@ -35,62 +47,106 @@ except ImportError:  # pragma: no cover - the CPU engine never fuses
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` over the last dim, in the dtype
-    torch promotes ``weight`` and ``x`` to. x ``[..., D]`` contiguous, weight ``[D]``."""
-    if x.shape[-1] != weight.shape[0] or not x.is_contiguous():
-        raise ValueError(f"rms_norm: x must be contiguous [..., {weight.shape[0]}], got {list(x.shape)}")
-    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    torch promotes ``weight`` and ``x`` to; the output is contiguous. x ``[..., H, D]`` whose rows of ``D`` lie back
+    to back within a token (a contiguous tensor, or a view of some heads' columns of a merged projection,
+    :func:`token_stride`); weight ``[D]``."""
+    x = x if x.dim() > 1 else x[None]
+    stride = token_stride(x)
+    if x.shape[-1] != weight.shape[0] or stride is None:
+        raise ValueError(f"rms_norm: x must be [..., {weight.shape[0]}] with rows back to back, got {list(x.shape)}")
+    dim, heads = x.shape[-1], x.shape[-2]
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _rms_norm_kernel[(rows,)](
-        x, weight, out, eps, dim, BLOCK=triton.next_power_of_2(dim), ROUND=_rounding(x.dtype),
+    _rms_norm_kernel[(x.numel() // dim,)](
+        x, weight, out, eps, dim, heads, stride, BLOCK=triton.next_power_of_2(dim), ROUND=_rounding(x.dtype),
         ROUND_OUT=_rounding(out.dtype),
     )  # fmt: skip
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it in one kernel: ``total = x + delta`` (rounded to their dtype, as
+    torch's add) and :func:`rms_norm` of ``total``. x, delta ``[..., D]`` contiguous, alike; weight ``[D]``."""
+    if x.shape != delta.shape or x.dtype != delta.dtype or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"add_rms_norm: x and delta must be alike [..., {weight.shape[0]}], got {x.shape}, {delta.shape}"
+        )
+    if not (x.is_contiguous() and delta.is_contiguous()):
+        raise ValueError("add_rms_norm: x and delta must be contiguous")
+    dim = x.shape[-1]
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _add_rms_norm_kernel[(x.numel() // dim,)](
+        x, delta, total, weight, out, eps, dim, BLOCK=triton.next_power_of_2(dim), ROUND=_rounding(x.dtype),
+        ROUND_OUT=_rounding(out.dtype),
+    )  # fmt: skip
+    return total, out
+
+
+def token_stride(x: torch.Tensor) -> int | None:
+    """The stride between the tokens of ``x [..., H, D]`` (every dim before the heads flattened into one) when each
+    token's ``H`` rows of ``D`` elements lie back to back and the tokens are evenly spaced; else None."""
+    if x.dim() < 2:
+        return None
+    *lead, heads, dim = x.shape
+    *lead_strides, stride_h, stride_d = x.stride()
+    if (dim > 1 and stride_d != 1) or (heads > 1 and stride_h != dim):
+        return None
+    token, inner = None, 1
+    for size, stride in zip(reversed(lead), reversed(lead_strides), strict=True):
+        if size == 1:
+            continue
+        if token is None:
+            token = stride
+        elif stride != token * inner:
+            return None
+        inner *= size
+    return heads * dim if token is None else token
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, each product and the sum rounded
-    to ``x``'s dtype) on q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]`` (contiguous) with cos/sin
-    ``[B or 1, T, D]``."""
+    to ``x``'s dtype) on q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]`` (heads back to back, :func:`token_stride`)
+    with cos/sin ``[B or 1, T, D]``; the outputs are contiguous."""
     tokens, dim = q.shape[0] * q.shape[1], q.shape[-1]
-    if cos.shape[-1] != dim or cos.dim() != 3 or not (q.is_contiguous() and k.is_contiguous()):
+    stride_q, stride_k = token_stride(q), token_stride(k)
+    if cos.shape[-1] != dim or cos.dim() != 3 or q.dim() != 4 or stride_q is None or stride_k is None:
         raise ValueError(
-            f"rotary: q, k [B, T, H, D] contiguous and cos [B, T, D], got {q.shape}, {k.shape}, {cos.shape}"
+            f"rotary: q, k [B, T, H, D] (heads back to back) and cos [B, T, D], got {q.shape}, {k.shape}, {cos.shape}"
         )
     cos, sin = (t.expand(q.shape[0], q.shape[1], dim).contiguous() for t in (cos, sin))
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     hq, hk = q.shape[2], k.shape[2]
     _rotary_kernel[(tokens, hq + hk)](
-        q,
-        k,
-        cos,
-        sin,
-        q_out,
-        k_out,
-        hq,
-        dim,
-        HALF=dim // 2,
-        BLOCK=triton.next_power_of_2(dim // 2),
-        ROUND=_rounding(q.dtype),
-    )
+        q, k, cos, sin, q_out, k_out, hq, dim, stride_q, stride_k,
+        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), ROUND=_rounding(q.dtype),
+    )  # fmt: skip
     return q_out, k_out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the SiLU rounded to the dtype before the product (torch's two eager ops)."""
-    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError(f"silu_mul: gate and up must be contiguous and alike, got {gate.shape}, {up.shape}")
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, ROUND=_rounding(gate.dtype))
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for gate_up ``[..., 2I]`` contiguous (the gate in its first ``I`` columns, up in the
+    rest: the merged gate/up matmul's output) -> ``[..., I]``; the SiLU rounded to the dtype before the product
+    (torch's two eager ops)."""
+    if gate_up.shape[-1] % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"silu_mul: gate_up must be contiguous [..., 2I], got {list(gate_up.shape)}")
+    width = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype, device=gate_up.device)
+    n = out.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate_up, out, n, width, BLOCK=1024, ROUND=_rounding(gate_up.dtype))
     return out
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states.contiguous(), self.weight, self.variance_epsilon)
+    x = hidden_states if token_stride(hidden_states) is not None else hidden_states.contiguous()
+    return rms_norm(x, self.weight, self.variance_epsilon).view(hidden_states.shape)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    weight, bias, _ = self._rlcore_merged
+    return self.down_proj(silu_mul(torch.nn.functional.linear(x, weight, bias)))
 
 
 def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
@@ -101,9 +157,9 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    weight, bias, sizes = self._rlcore_merged
+    query, key, value = torch.nn.functional.linear(hidden_states, weight, bias).split(sizes, dim=-1)
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape).transpose(1, 2)
     if getattr(self, "q_norm", None) is not None:
         query, key = self.q_norm(query), self.k_norm(key)
     query, key = rotary(query, key, *position_embeddings)
@@ -115,6 +171,52 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
         self, query.transpose(1, 2), key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
     )
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def merge_projections(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
+    """Concatenate the weights (and biases) of ``module``'s ``nn.Linear`` children ``names`` along their output rows
+    into one tensor each and make every child's parameter a view of its rows of it; returns ``(weight, bias or None,
+    output sizes)``, or None (nothing changed) unless the children are plain ``nn.Linear`` alike in input size,
+    dtype, device and in having a bias."""
+    linears = [getattr(module, name, None) for name in names]
+    if not all(type(linear) is torch.nn.Linear for linear in linears):
+        return None
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    alike = {(w.shape[1], w.dtype, w.device, b is None) for w, b in zip(weights, biases, strict=True)}
+    if len(alike) != 1:
+        return None
+    sizes = tuple(w.shape[0] for w in weights)
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in weights])
+        for param, rows in zip(weights, weight.split(sizes), strict=True):
+            param.data = rows
+        bias = None
+        if biases[0] is not None:
+            bias = torch.cat([b.detach() for b in biases])
+            for param, rows in zip(biases, bias.split(sizes), strict=True):
+                param.data = rows
+    return weight, bias, sizes
+
+
+def _decoder_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+    position_embeddings=None, **kwargs,
+):  # fmt: skip
+    """The Llama / Qwen decoder layer (norm, attention, residual add, norm, MLP, residual add) with the residual add
+    after the attention and the norm after it as one kernel (:func:`add_rms_norm`)."""
+    norm = self.post_attention_layernorm
+    attended, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states, normed = add_rms_norm(hidden_states.contiguous(), attended, norm.weight, norm.variance_epsilon)
+    return hidden_states + self.mlp(normed)
 
 
 # module class name -> the forward that replaces it (and what the module must have for it to apply)
@@ -131,10 +233,17 @@ FUSED_FORWARDS = {
     "Qwen2Attention": _attention_forward,
     "Qwen3Attention": _attention_forward,
     "MistralAttention": _attention_forward,
+    "LlamaDecoderLayer": _decoder_layer_forward,
+    "Qwen2DecoderLayer": _decoder_layer_forward,
+    "Qwen3DecoderLayer": _decoder_layer_forward,
+    "MistralDecoderLayer": _decoder_layer_forward,
 }
 
 
 SILU = ("SiLU", "SiLUActivation")  # torch's module and transformers' ACT2FN["silu"]
+
+# the fused forward -> the projections it runs as one matmul (merge_projections)
+MERGED = {_attention_forward: ("q_proj", "k_proj", "v_proj"), _mlp_forward: ("gate_proj", "up_proj")}
 
 
 def _applies(module: torch.nn.Module, forward) -> bool:
@@ -142,12 +251,17 @@ def _applies(module: torch.nn.Module, forward) -> bool:
         return type(getattr(module, "act_fn", None)).__name__ in SILU
     if forward is _norm_forward:
         return hasattr(module, "variance_epsilon") and module.weight.dim() == 1
+    if forward is _decoder_layer_forward:
+        norm = getattr(module, "post_attention_layernorm", None)
+        return FUSED_FORWARDS.get(type(norm).__name__) is _norm_forward and _applies(norm, _norm_forward)
     return True
 
 
 def fuse_model(model: torch.nn.Module, *, on: bool = True) -> int:
-    """Give the modules of ``model`` that :data:`FUSED_FORWARDS` names their fused forward (this instance only), or
-    with ``on=False`` their class's own again; returns how many modules changed. Fusing needs Triton."""
+    """Give the modules of ``model`` that :data:`FUSED_FORWARDS` names their fused forward (this instance only), with
+    their :data:`MERGED` projections merged (:func:`merge_projections`), or with ``on=False`` their class's own
+    forward again and no merged tensors held (the parameters stay views of them until the model moves); returns how
+    many modules changed. Fusing needs Triton."""
     if on and triton is None:
         raise RuntimeError("fuse_model needs Triton")
     count = 0
@@ -155,10 +269,16 @@ def fuse_model(model: torch.nn.Module, *, on: bool = True) -> int:
         forward = FUSED_FORWARDS.get(type(module).__name__)
         if forward is None or not _applies(module, forward):
             continue
-        if on:
+        if not on:
+            vars(module).pop("forward", None)
+            vars(module).pop("_rlcore_merged", None)
+        else:
+            merged = merge_projections(module, MERGED[forward]) if forward in MERGED else None
+            if forward in MERGED and merged is None:
+                continue
             module.forward = types.MethodType(forward, module)
-        elif "forward" in vars(module):
-            del module.forward
+            if merged is not None:
+                module._rlcore_merged = merged
         count += 1
     return count
 
@@ -191,12 +311,14 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, w_ptr, out_ptr, eps, dim, BLOCK: tl.constexpr, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr
-    ):
+        x_ptr, w_ptr, out_ptr, eps, dim, heads, stride_token, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+        ROUND_OUT: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         real = cols < dim
-        xf = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
+        src = x_ptr + (row // heads) * stride_token + (row % heads) * dim
+        xf = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
         variance = tl.sum(xf * xf, 0) / dim
         normed = _round(xf * tl.rsqrt(variance + eps), ROUND)
         w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
@@ -204,20 +326,37 @@ if triton is not None:
         tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, d_ptr, total_ptr, w_ptr, out_ptr, eps, dim, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+        ROUND_OUT: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        real = cols < dim
+        x = tl.load(x_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
+        total = _round(x + d, ROUND)
+        tl.store(total_ptr + row * dim + cols, total.to(total_ptr.dtype.element_ty), mask=real)
+        variance = tl.sum(total * total, 0) / dim
+        normed = _round(total * tl.rsqrt(variance + eps), ROUND)
+        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, _round(w * normed, ROUND_OUT).to(out_ptr.dtype.element_ty), mask=real)
+
+    @triton.jit
     def _rotary_kernel(
-        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        ROUND: tl.constexpr,
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, stride_q, stride_k, HALF: tl.constexpr,
+        BLOCK: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         real = cols < HALF
         if head < hq:
-            src = q_ptr + (token * hq + head) * dim
+            src = q_ptr + token * stride_q + head * dim
             dst = q_out + (token * hq + head) * dim
         else:
             hk = tl.num_programs(1) - hq
-            src = k_ptr + (token * hk + head - hq) * dim
+            src = k_ptr + token * stride_k + (head - hq) * dim
             dst = k_out + (token * hk + head - hq) * dim
         x1 = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + cols, mask=real, other=0.0).to(tl.float32)
@@ -232,10 +371,11 @@ if triton is not None:
         tl.store(dst + HALF + cols, hi.to(q_out.dtype.element_ty), mask=real)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, n, width, BLOCK: tl.constexpr, ROUND: tl.constexpr):
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         real = at < n
-        g = tl.load(gate_ptr + at, mask=real, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + at, mask=real, other=0.0).to(tl.float32)
+        gate_at = (at // width) * 2 * width + at % width
+        g = tl.load(gate_up_ptr + gate_at, mask=real, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + gate_at + width, mask=real, other=0.0).to(tl.float32)
         silu = _round(g / (1.0 + tl.exp(-g)), ROUND)
         tl.store(out_ptr + at, _round(silu * u, ROUND).to(out_ptr.dtype.element_ty), mask=real)

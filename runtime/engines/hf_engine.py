@@ -427,23 +427,25 @@ class HFEngine:
         *,
         group_name: str = weight_transfer.DEFAULT_GROUP,
         weight_version: int | None = None,
+        load_format: str | None = None,
     ) -> None:
         """Receive one bucket broadcast by the trainer and load it as :meth:`load_weights` does (SGLang's
-        ``/update_weights_from_distributed``)."""
-        bucket = self._receive_bucket(names, dtypes, shapes, group_name)
+        ``/update_weights_from_distributed``; ``load_format="flattened_bucket"``: the bucket as one flat buffer)."""
+        bucket = self._receive_bucket(names, dtypes, shapes, group_name, load_format)
         self.load_weights(bucket, weight_version=weight_version)
         if weight_version is not None:
             # A whole update (a restarted engine's rejoin) supersedes weights staged before it.
             self._staged, self._staged_version = {}, None
 
     def _receive_bucket(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, load_format: str | None
     ) -> dict[str, torch.Tensor]:
         """One bucket broadcast by the trainer over the weight-update group ``group_name``, on this engine's device."""
         if group_name not in self._weight_groups:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
         device = self.device if self.device.type == "cuda" else "cpu"
-        return weight_transfer.receive_bucket(self._weight_groups[group_name], names, dtypes, shapes, device=device)
+        group = self._weight_groups[group_name]
+        return weight_transfer.receive_bucket(group, names, dtypes, shapes, device=device, load_format=load_format)
 
     def stage_weights_from_distributed(
         self,
@@ -453,10 +455,11 @@ class HFEngine:
         *,
         group_name: str = weight_transfer.DEFAULT_GROUP,
         weight_version: int | None = None,
+        load_format: str | None = None,
     ) -> None:
         """Receive one bucket as :meth:`update_weights_from_distributed` does, into a second buffer: the model keeps
         sampling with its current weights (this runs beside ``generate``) until :meth:`commit_staged_weights`."""
-        bucket = self._receive_bucket(names, dtypes, shapes, group_name)
+        bucket = self._receive_bucket(names, dtypes, shapes, group_name, load_format)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # received before the trainer is told so
         self._staged.update(bucket)
@@ -502,6 +505,9 @@ class HFEngine:
         the graph live for one call, and releasing them returns the blocks the allocator kept to the device."""
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" not in self._released_tags and self.device.type == "cuda":
+            # Merged projections (runtime.engines.fused) hold the weights the parameters view: drop them first, so
+            # that moving the parameters frees the device memory.
+            fuse_model(self.model, on=False)
             self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -513,6 +519,8 @@ class HFEngine:
         tags = _memory_tags(tags)
         if "weights" in tags and "weights" in self._released_tags and self.device.type == "cuda":
             self.model.to(self.device)
+            if self.fused:
+                fuse_model(self.model)
         self._released_tags -= tags
         self.released = bool(self._released_tags)
 

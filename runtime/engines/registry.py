@@ -1,8 +1,9 @@
 """Rollout engines by ``--rollout-engine`` name: what each needs from the cluster and how to build one.
 
 A new engine is one module with a class implementing :class:`runtime.engines.base.RolloutEngine` plus one entry in
-:data:`ROLLOUT_ENGINES`. The engine group (``runtime.cluster.engines``) and the weight sync read these entries; they
-never name an engine class.
+:data:`ROLLOUT_ENGINES`; an engine with flags of its own adds an options module (its fields, as
+``runtime.engines.sglang_options``) and one entry in :data:`ROLLOUT_ENGINE_OPTIONS`. The engine group
+(``runtime.cluster.engines``) and the weight sync read these entries; they never name an engine class.
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
         restartable=True,
     ),
 }
+
+
+# Each engine's options module: ``OPTIONS`` (config section -> the dataclass of its fields there), ``OWN_FIELDS`` (the
+# flags only it reads; refused under another engine) and, when it has rules, ``check(problems, cfg)``. Light: the
+# config imports them to build its sections, without the engine's dependencies.
+ROLLOUT_ENGINE_OPTIONS: dict[str, str] = {
+    "hf": "runtime.engines.hf_options",
+    "sglang": "runtime.engines.sglang_options",
+}
+
+
+def engine_options(name: str) -> Any:
+    """The options module of ``--rollout-engine name`` (see :data:`ROLLOUT_ENGINE_OPTIONS`)."""
+    return importlib.import_module(ROLLOUT_ENGINE_OPTIONS[name])
 
 
 def engine_kind(name: str) -> EngineKind:

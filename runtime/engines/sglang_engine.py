@@ -544,10 +544,14 @@ class SGLangEngine:
         *,
         group_name: str = weight_transfer.DEFAULT_GROUP,
         weight_version: int | None = None,
+        load_format: str | None = None,
     ) -> None:
-        """Have the server receive one bucket the trainer broadcasts (``/update_weights_from_distributed``); the
-        call returns once the server has loaded it. ``weight_version`` (the last bucket) becomes its version."""
+        """Have the server receive one bucket the trainer broadcasts (``/update_weights_from_distributed``; under
+        ``load_format="flattened_bucket"`` as one flat buffer); the call returns once the server has loaded it.
+        ``weight_version`` (the last bucket) becomes its version."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        if load_format is not None:
+            payload["load_format"] = load_format
         if weight_version is not None:
             check_weight_version(weight_version)
             payload["weight_version"] = str(weight_version)

@@ -5,8 +5,9 @@ way SGLang 0.5.23 makes it (``sglang.srt.utils.common.init_custom_process_group`
 ``master_address:master_port``, a ``PrefixStore`` named after the group, ``_new_process_group_helper``), so the
 trainer side here interoperates with a real SGLang server. A weight update is then a series of buckets: the trainer
 tells every engine the bucket's ``names`` / ``dtypes`` / ``shapes`` (SGLang's ``UpdateWeightsFromDistributedReqInput``)
-and broadcasts each tensor from rank 0, in that order; each engine allocates the tensors, receives them and loads
-them. NCCL on GPUs, gloo on the CPU (where the tests run it for real).
+and broadcasts it from rank 0: under ``load_format="flattened_bucket"`` (:data:`FLAT`, what the trainers send) as one
+``uint8`` buffer of the tensors' bytes back to back, which each engine receives whole and unpacks as views; without
+it, each tensor in that order. NCCL on GPUs, gloo on the CPU (where the tests run it for real).
 
 The embedded engine (``runtime.engines.hf_engine.HFEngine``) and the test's fake SGLang server receive with
 :func:`receive_bucket`; the trainer sends with :func:`send_bucket`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -107,30 +109,107 @@ def abort_group(group: Any) -> None:
         pass
 
 
-def start_bucket(group: Any, bucket: dict[str, torch.Tensor], *, device: torch.device | str = "cpu") -> list[Any]:
-    """Enqueue the broadcast of every tensor of ``bucket`` from rank 0 (the caller), in order, and return at once
-    with the operations' handles (:func:`finish_bucket` waits on them). A tensor already on ``device`` is sent from
-    where it lies (no copy); the caller keeps ``bucket`` alive until the handles complete. Aborts the group when an
-    enqueue fails."""
-    handles = []
+# SGLang's ``load_format`` for a bucket sent as one flat buffer (``UpdateWeightsFromDistributedReqInput.load_format``;
+# ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket``): the bucket's tensors' bytes back to back, in its
+# order, with no padding, broadcast as one ``uint8`` tensor. One collective per bucket instead of one per tensor.
+FLAT = "flattened_bucket"
+# How a bucket crosses: ``load_format`` -> whether it goes as one flat buffer.
+LOAD_FORMATS: dict[str | None, bool] = {None: False, FLAT: True}
+
+
+def _flat_of(load_format: str | None) -> bool:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    return LOAD_FORMATS[load_format]
+
+
+def flat_layout(
+    names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: Sequence[Sequence[int]]
+) -> tuple[list[tuple[str, torch.dtype, torch.Size, int, int]], int]:
+    """Where each tensor of a flat bucket lies: ``[(name, dtype, shape, first byte, end byte)]`` and the total bytes.
+    As SGLang's receiver does, refuses an empty bucket and a tensor whose offset is not a multiple of its element
+    size (its bytes could not be viewed as its dtype in place)."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    if not names:
+        raise ValueError("a flat bucket needs at least one tensor")
+    layout, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        shape = torch.Size(shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r} of a flat bucket has a negative dimension: {list(shape)}")
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"tensor {name!r} of a flat bucket starts at byte {offset}, not a multiple of {dtype}'s size"
+            )
+        end = offset + shape.numel() * dtype.itemsize
+        layout.append((name, dtype, shape, offset, end))
+        offset = end
+    return layout, offset
+
+
+def pack_bucket(bucket: dict[str, torch.Tensor], *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``bucket``'s tensors as one flat ``uint8`` buffer on ``device`` (:data:`FLAT`'s layout): each copied once into
+    its place, from wherever it lies."""
+    layout, total = flat_layout(*bucket_meta(bucket))
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    for name, dtype, shape, start, end in layout:
+        flat[start:end].view(dtype).view(shape).copy_(bucket[name])
+    return flat
+
+
+def unpack_bucket(
+    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a flat bucket as views of ``flat`` (no copy): the inverse of :func:`pack_bucket`."""
+    layout, total = flat_layout(names, dtypes, shapes)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != total:
+        raise ValueError(f"a flat bucket of these tensors is {total} uint8 bytes, got {flat.dtype} {list(flat.shape)}")
+    return {name: flat[start:end].view(dtype).view(shape) for name, dtype, shape, start, end in layout}
+
+
+@dataclass
+class Sending:
+    """A bucket's broadcasts in flight (:func:`start_bucket`): their handles and the tensors they send, held here
+    until :func:`finish_bucket` (a flat buffer packed for the send has no other owner)."""
+
+    handles: list[Any]
+    tensors: list[torch.Tensor]
+
+
+def start_bucket(
+    group: Any, bucket: dict[str, torch.Tensor], *, device: torch.device | str = "cpu", load_format: str | None = None
+) -> Sending:
+    """Enqueue the broadcast of ``bucket`` from rank 0 (the caller) and return at once (:func:`finish_bucket` waits
+    on it): as one flat buffer under ``load_format=FLAT`` (packed on ``device``), else every tensor in order, one
+    already on ``device`` sent from where it lies (no copy); the caller keeps ``bucket`` alive until then. Aborts
+    the group when an enqueue fails."""
+    flat = _flat_of(load_format)
     try:
-        for tensor in bucket.values():
-            t = tensor if tensor.device == torch.device(device) and tensor.is_contiguous() else tensor.to(device)
-            handles.append(torch.distributed.broadcast(t.contiguous(), src=0, group=group, async_op=True))
+        if flat:
+            tensors = [pack_bucket(bucket, device=device)]
+        else:
+            tensors = [
+                t if t.device == torch.device(device) and t.is_contiguous() else t.to(device).contiguous()
+                for t in bucket.values()
+            ]
+        handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     except BaseException:
         abort_group(group)
         raise
-    return handles
+    return Sending(handles, tensors)
 
 
 def finish_bucket(
-    group: Any, handles: list[Any], *, failed: Callable[[], str | None] | None = None, poll_s: float = 0.01
+    group: Any, sending: Sending, *, failed: Callable[[], str | None] | None = None, poll_s: float = 0.01
 ) -> None:
-    """Wait for the broadcasts ``handles`` of :func:`start_bucket`. ``failed`` (polled every ``poll_s`` seconds while
+    """Wait for the broadcasts ``sending`` of :func:`start_bucket`. ``failed`` (polled every ``poll_s`` seconds while
     they run) says why they cannot complete, e.g. that a receiver's call failed or its process died: the group is
     then aborted and :class:`SendAborted` raised at once, instead of waiting for the group's timeout (a collective
     with a dead peer never completes under NCCL). A broadcast that fails by itself aborts the group too, so that no
     live receiver waits on it. Either way the group must not be used again."""
+    handles = sending.handles
     try:
         if failed is not None:
             while not all(h.is_completed() for h in handles):
@@ -152,11 +231,12 @@ def send_bucket(
     device: torch.device | str = "cpu",
     failed: Callable[[], str | None] | None = None,
     poll_s: float = 0.01,
+    load_format: str | None = None,
 ) -> int:
-    """Broadcast every tensor of ``bucket`` from rank 0 (the caller) and wait until it is sent (:func:`start_bucket`
-    then :func:`finish_bucket`); returns the bytes sent."""
-    handles = start_bucket(group, bucket, device=device)
-    finish_bucket(group, handles, failed=failed, poll_s=poll_s)
+    """Broadcast ``bucket`` from rank 0 (the caller) and wait until it is sent (:func:`start_bucket` then
+    :func:`finish_bucket`); returns the bytes sent."""
+    sending = start_bucket(group, bucket, device=device, load_format=load_format)
+    finish_bucket(group, sending, failed=failed, poll_s=poll_s)
     return sum(t.nbytes for t in bucket.values())
 
 
@@ -167,10 +247,17 @@ def receive_bucket(
     shapes: Sequence[Sequence[int]],
     *,
     device: torch.device | str = "cpu",
+    load_format: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Receive the tensors rank 0 broadcasts for one bucket (described by ``names`` / ``dtypes`` / ``shapes``)."""
+    """Receive the tensors rank 0 broadcasts for one bucket (described by ``names`` / ``dtypes`` / ``shapes``): one
+    flat buffer under ``load_format=FLAT``, its tensors views of it, else one broadcast per tensor."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    if _flat_of(load_format):
+        _, total = flat_layout(names, dtypes, shapes)
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        torch.distributed.broadcast(flat, src=0, group=group)
+        return unpack_bucket(flat, names, dtypes, shapes)
     out = {}
     handles = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):

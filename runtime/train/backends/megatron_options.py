@@ -1,62 +1,293 @@
-"""The Megatron backend's own options: the flags that only ``--train-backend megatron`` reads, and the values of
-Megatron's flags that it builds. Declared here, beside the backend; the config refuses these flags under another
-backend (``runtime.config``'s backend-fields check reads ``OWN_FIELDS``) and the backend's values check reads
-``MEGATRON_VALUES_BUILT``."""
+"""The Megatron backend's own options: the flags that only ``--train-backend megatron`` reads (Megatron's flags under
+slime's names and Megatron's meanings, and slime's flags of its Megatron backend), the values of Megatron's flags that
+it builds, and the rules that hold between them. Declared here, beside the backend: ``runtime.config`` composes
+:class:`MegatronOptions` into its ``train`` section (``cfg.train.tensor_model_parallel_size``), refuses these flags
+under another backend (from :data:`OWN_FIELDS`), and runs :func:`check` when this backend is chosen."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-# TrainConfig fields that only --train-backend megatron reads (lr_decay_iters is resolved for every job).
-MEGATRON_TRAIN_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "recompute_method",
-    "recompute_num_layers",
-    "optimizer",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "lr_decay_style",
-    "lr_warmup_iters",
-    "lr_warmup_fraction",
-    "min_lr",
-    "accumulate_allreduce_grads_in_fp32",
-    "use_distributed_optimizer",
-    "overlap_grad_reduce",
-    "ddp_bucket_size",
-    "bias_swiglu_fusion",
-    "attention_backend",
-    "attention_dropout",
-    "hidden_dropout",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "deterministic_mode",
-    "optimizer_cpu_offload",
-    "overlap_cpu_optimizer_d2h_h2d",
-)
-# Megatron's MoE training flags (TrainConfig fields; the MoE shape flags are ModelConfig's, checked against
-# config.json by megatron_config.SHAPE_FLAGS): runtime.train.backends.megatron_moe builds them.
-MEGATRON_MOE_FIELDS = (
-    "moe_grouped_gemm",
-    "moe_token_dispatcher_type",
-    "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff",
-    "moe_router_dtype",
-    "moe_token_drop_policy",
-)
-# slime's flags of its Megatron backend that rlcore builds for --train-backend megatron only.
-MEGATRON_SLIME_FIELDS = (
-    "distributed_backend",
-    "distributed_timeout_minutes",
-    "padded_vocab_size",
-    "model_name",
-    "custom_model_provider_path",
-    "recompute_loss_function",
-    "megatron_config_path",
-)
+from runtime.option_fields import described, flag, hook, own_fields, slime
+
+# Megatron's --attention-backend choices (megatron.core.transformer.enums.AttnBackend).
+MEGATRON_ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """Megatron's flags (the torch backend refuses them away from their defaults, naming the flag)."""
+
+    OWN = "a Megatron flag"
+
+    tensor_model_parallel_size: int = field(
+        default=1, metadata=described(own="a Megatron flag", text="Megatron: tensor-parallel ranks per model")
+    )
+    pipeline_model_parallel_size: int = field(
+        default=1, metadata=described(own="a Megatron flag", text="Megatron: pipeline stages")
+    )
+    context_parallel_size: int = field(
+        default=1, metadata=described(own="a Megatron flag", text="Megatron: context-parallel ranks (needs TE)")
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: sequence parallelism within TP (off at TP 1, which Megatron-LM turns it off at)",
+        ),
+    )
+    recompute_method: Literal["uniform", "block"] | None = field(
+        default=None,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: which layers --recompute-granularity full recomputes"
+        ),
+    )
+    recompute_num_layers: int | None = field(
+        default=None, metadata=described(own="a Megatron flag", text="Megatron: layers per recompute unit")
+    )
+    optimizer: Literal["adam"] = field(
+        default="adam", metadata=described(own="a Megatron flag", text="Megatron: adam (AdamW; sgd is not built)")
+    )
+    adam_beta1: float = field(default=0.9, metadata=described(own="a Megatron flag", text="Megatron: Adam beta1"))
+    adam_beta2: float = field(default=0.999, metadata=described(own="a Megatron flag", text="Megatron: Adam beta2"))
+    adam_eps: float = field(default=1e-8, metadata=described(own="a Megatron flag", text="Megatron: Adam epsilon"))
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = field(
+        default="constant",
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: learning-rate decay (ours: default constant, as slime's scripts; Megatron linear)",
+        ),
+    )
+    lr_warmup_iters: int = field(
+        default=0, metadata=described(own="a Megatron flag", text="Megatron: linear warm-up steps")
+    )
+    lr_warmup_fraction: float | None = field(
+        default=None,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: warm-up as a fraction of --lr-decay-iters (instead of iters)"
+        ),
+    )
+    min_lr: float = field(default=0.0, metadata=described(own="a Megatron flag", text="Megatron: the decay's floor"))
+    accumulate_allreduce_grads_in_fp32: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: keep and all-reduce gradients in float32 under --bf16"
+        ),
+    )
+    use_distributed_optimizer: bool = field(
+        default=True,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: shard optimizer state over data-parallel ranks (slime forces it on)"
+        ),
+    )
+    overlap_grad_reduce: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: DDP reduces each gradient bucket during the last micro-batch's backward, as soon as "
+            "it is ready",
+        ),
+    )
+    ddp_bucket_size: int | None = field(
+        default=None,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: parameters per DDP gradient bucket (default: megatron-core's, 40M or 1M x DP)",
+        ),
+    )
+    bias_swiglu_fusion: bool = field(
+        default=True,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: SwiGLU as megatron-core's fused function (torch.compile'd, on GPUs; the CPU runs it "
+            "eagerly); "
+            "--no-bias-swiglu-fusion turns it off",
+        ),
+    )
+    attention_backend: Literal[MEGATRON_ATTENTION_BACKENDS] = field(
+        default="auto",
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: core attention; auto/flash: PyTorch's scaled_dot_product_attention (flash or "
+            "memory-efficient "
+            "kernels on GPUs), local/unfused: Megatron's unfused DotProductAttention (materialises seq x seq scores)",
+        ),
+    )
+    attention_dropout: float = field(
+        default=0.0,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: attention dropout, 0.0 only (ours: default 0.0; Megatron 0.1)"
+        ),
+    )
+    hidden_dropout: float = field(
+        default=0.0,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: hidden-state dropout, 0.0 only (ours: default 0.0; Megatron 0.1)"
+        ),
+    )
+    expert_model_parallel_size: int = field(
+        default=1,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: expert-parallel ranks, dividing the experts (1 for a dense model)"
+        ),
+    )
+    expert_tensor_parallel_size: int = field(
+        default=1,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: tensor-parallel ranks of the experts (1: experts are whole)"
+        ),
+    )
+    deterministic_mode: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: TransformerConfig.deterministic_mode (deterministic kernels only)"
+        ),
+    )
+    optimizer_cpu_offload: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: the optimizer's state and step on the CPU (all of it; GPUs only, not GPU-tested)",
+        ),
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)",
+        ),
+    )
+    # Megatron's MoE training flags (the MoE shape flags, --num-experts and the like, are the model section's, checked
+    # against config.json by megatron_config.SHAPE_FLAGS); runtime.train.backends.megatron_moe builds them.
+    moe_grouped_gemm: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: experts through torch._grouped_mm instead of a per-expert loop"
+        ),
+    )
+    moe_token_dispatcher_type: str = field(
+        default="alltoall",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: MoE token dispatcher, alltoall (ours: default alltoall)"
+        ),
+    )
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: the router's balancing loss (inert at --moe-aux-loss-coeff 0)"
+        ),
+    )
+    moe_aux_loss_coeff: float = field(
+        default=0.0, metadata=described(own="a Megatron flag", text="Megatron: balancing loss weight, 0.0 only")
+    )
+    moe_router_dtype: str | None = field(
+        default=None, metadata=described(own="a Megatron flag", text="Megatron: router dtype, fp32 or fp64")
+    )
+    moe_token_drop_policy: str = field(
+        default="probs",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: which tokens a full expert drops (no capacity here: none)"
+        ),
+    )
+    distributed_backend: Literal["nccl", "gloo"] = field(
+        default="nccl",
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="Megatron: the trainers' torch.distributed backend (on the CPU always gloo, whatever given)",
+            slime=slime(
+                "megatron (reset by slime)",
+                "nccl",
+                differs="--train-backend megatron only (the torch backend refuses it); trainers "
+                "on the CPU use gloo whatever is given",
+            ),
+        ),
+    )
+    distributed_timeout_minutes: int = field(
+        default=10,
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="Megatron: timeout of the trainers' collectives (the process group and Megatron's groups)",
+            slime=slime(
+                "megatron (reset by slime)", 10, differs="--train-backend megatron only (the torch backend refuses it)"
+            ),
+        ),
+    )
+    padded_vocab_size: int | None = field(
+        default=None,
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="Megatron: rows of the embedding and output layer (the padding rows start at zero; exports cut them "
+            "off); unset: the vocabulary rounded up to a multiple of 128 x TP",
+            slime=slime(
+                "megatron (reset by slime)",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); exports cut "
+                "the padding off; smaller than the vocabulary is refused",
+            ),
+        ),
+    )
+    model_name: str | None = field(
+        default=None,
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one; "
+            "qwen3moe); unset: config.json's model class",
+            slime=slime(
+                "rollout",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it): "
+                "picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3, qwen3moe); other "
+                "families' names are refused",
+            ),
+        ),
+    )
+    custom_model_provider_path: str | None = field(
+        default=None,
+        metadata=hook(
+            "fn(pre_process, post_process, vp_stage=None) -> GPTModel, in place of the model the Megatron backend "
+            "builds (runtime.train.backends.megatron_backend.provider_context() gives its config and layer spec)",
+            own="a flag of slime's Megatron backend",
+            slime=slime(
+                "train",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); the "
+                "returned GPTModel is checked tensor by tensor against --hf-checkpoint",
+            ),
+        ),
+    )
+    recompute_loss_function: bool = field(
+        default=False,
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="Megatron: recompute the loss in backward, keeping only the logits (same loss and gradients)",
+            slime=slime("train", False, differs="--train-backend megatron only (the torch backend refuses it)"),
+        ),
+    )
+    megatron_config_path: str | None = field(
+        default=None,
+        metadata=described(
+            own="a flag of slime's Megatron backend",
+            text="YAML of per-role Megatron overrides (slime's megatron: [{role: actor, overrides: {...}}])",
+            slime=slime(
+                "algo",
+                None,
+                differs="--train-backend megatron only (the torch backend refuses it); the "
+                "actor entry's overrides take the trainers' flags (train and algo sections); a critic entry is "
+                "refused (the Megatron critic trains with the actor's flags)",
+            ),
+        ),
+    )
+
+
+# Each section of the config this backend adds fields to.
+OPTIONS: dict[str, type] = {"train": MegatronOptions}
+# Every flag this backend alone reads -> what it is (the refusal under another backend names it).
+OWN_FIELDS: dict[str, str] = own_fields(MegatronOptions)
+# Megatron's own flags (the others are slime's flags of its Megatron backend).
+MEGATRON_TRAIN_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what == MegatronOptions.OWN)
+MEGATRON_SLIME_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what != MegatronOptions.OWN)
 _MOE_TP = "experts are whole on every tensor-parallel rank (expert tensor parallelism is not built)"
 _NO_DROPOUT = (
     "the Megatron backend trains with dropout off, so that its old and new log-probs are computed alike (slime's "
@@ -95,9 +326,106 @@ MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
 }
 
-# Every flag this backend alone reads -> what it is (the refusal under another backend names it).
-OWN_FIELDS: dict[str, str] = {
-    **{name: "a Megatron flag" for name in MEGATRON_TRAIN_FIELDS},
-    **{name: "a Megatron flag" for name in MEGATRON_MOE_FIELDS},
-    **{name: "a flag of slime's Megatron backend" for name in MEGATRON_SLIME_FIELDS},
-}
+
+def check(problems: list[str], cfg: Any) -> None:
+    """``--train-backend megatron``'s rules: its flags consistent with each other, with the trainer processes and with
+    ``--hf-checkpoint``'s model, and the job's other settings ones this backend runs."""
+    from runtime.config.checks import installed, read_config_json
+    from runtime.config.schema import ConfigError
+    from runtime.config.yaml_io import megatron_role_overrides
+    from runtime.train.backends import megatron_config
+
+    t = cfg.train
+    hf = read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
+    shape = None
+    if hf is not None:
+        try:
+            shape = megatron_config.shape_from_hf(hf, source=f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json")
+        except ValueError as err:
+            problems.append(str(err))
+    if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
+        problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
+    if t.distributed_timeout_minutes <= 0:
+        problems.append(f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
+    if t.padded_vocab_size is not None and t.padded_vocab_size < 1:
+        problems.append(f"--padded-vocab-size must be >= 1, got {t.padded_vocab_size}")
+    elif shape is not None and t.padded_vocab_size is not None:
+        try:
+            megatron_config.vocab_rows(
+                dataclasses.replace(shape, padded_vocab_size=t.padded_vocab_size),
+                tp_size=max(t.tensor_model_parallel_size, 1),
+            )
+        except ValueError as err:
+            problems.append(str(err))
+    if t.megatron_config_path is not None:
+        # parse_args applied the actor entry; a Config built otherwise still has its file checked.
+        try:
+            megatron_role_overrides(t.megatron_config_path, role="actor")
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if t.model_name is not None:
+        try:
+            if shape is None:
+                megatron_config.mapping_of_name(t.model_name)
+            else:
+                megatron_config.weight_mapping(t.model_name, shape)
+        except ValueError as err:
+            problems.append(str(err))
+    if cfg.algo.loss_type == "custom_loss" or cfg.algo.custom_pg_loss_reducer_function_path is not None:
+        problems.append(
+            "--loss-type custom_loss and --custom-pg-loss-reducer-function-path are hooks of the torch backend's loss "
+            "(handed the HF model's logits); --train-backend megatron runs policy_loss and sft_loss"
+        )
+    if cfg.algo.custom_tis_function_path is not None or cfg.algo.use_rollout_entropy:
+        problems.append(
+            "--custom-tis-function-path and --use-rollout-entropy are built for --train-backend torch only (the "
+            "Megatron backend's loss and log-prob passes do not call them yet)"
+        )
+    if not installed("megatron.core"):
+        problems.append("--train-backend megatron needs megatron-core 0.16.1: pip install 'rlcore[megatron]'")
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if value < 1:
+            problems.append(f"{flag(name)} must be >= 1, got {value}")
+    if cp != 1:
+        problems.append(
+            f"--context-parallel-size {cp}: context parallelism needs Transformer Engine's attention, which "
+            "rlcore's Megatron backend (the local layer spec) does not use yet"
+        )
+    procs = cfg.resources.num_trainer_procs
+    if tp >= 1 and pp >= 1 and procs % (tp * pp):
+        problems.append(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide the trainer "
+            f"processes ({procs}: --actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if t.recompute_granularity == "full" and (t.recompute_method is None or t.recompute_num_layers is None):
+        problems.append(
+            "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers"
+        )
+    if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
+        problems.append("--recompute-method and --recompute-num-layers apply with --recompute-granularity full only")
+    if t.lr_warmup_fraction is not None and t.lr_warmup_iters:
+        problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one (as Megatron)")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        problems.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
+    if t.min_lr > t.lr:
+        problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    if t.lr_decay_style != "constant" and t.lr_decay_iters is None and cfg.rollout.num_epoch is None:
+        # With --num-epoch, slime derives it from the dataset's size at the start (runtime.loop.resolve_num_rollout).
+        problems.append(
+            f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout or --num-epoch to "
+            "derive it)"
+        )
+    for name, (values, why) in MEGATRON_VALUES_BUILT.items():
+        value = getattr(t, name)
+        if value not in values:
+            shown = ", ".join(map(str, values))
+            problems.append(f"{flag(name)} {value}: {why} (takes {shown})")
+    if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
+        problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
+    if shape is not None:
+        problems.extend(
+            megatron_config.parallel_problems(
+                shape, tp_size=max(tp, 1), pp_size=max(pp, 1), ep_size=max(t.expert_model_parallel_size, 1)
+            )
+        )

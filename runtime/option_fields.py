@@ -1,0 +1,64 @@
+"""How a setting is declared, wherever it is declared: the field metadata every section of the config and every
+plug-in's options module (a training backend's, an engine's) uses, and the flag name of a field.
+
+A leaf module (it imports nothing of the runtime): the plug-ins' options modules import it, and ``runtime.config``
+composes their dataclasses into its sections, so neither imports the other at load time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SlimeRow:
+    """How slime has a field's flag (``runtime.slime_flags`` generates its table from these): slime's argument group
+    and default, and where rlcore differs (``differs``: the note; None: as slime, with an optional ``note``)."""
+
+    group: str
+    default: Any
+    differs: str | None = None
+    note: str = ""
+
+
+def slime(group: str, default: Any, *, differs: str | None = None, note: str = "") -> SlimeRow:
+    """A field's row of slime's flag table: ``slime("rollout", 1, differs="...")``."""
+    return SlimeRow(group, default, differs, note)
+
+
+def described(text: str, *, own: str | None = None, slime: SlimeRow | None = None) -> dict[str, Any]:
+    """Metadata of a field: its ``--help`` text; for a plug-in's own field ``own``, what it is (the refusal under
+    another plug-in names it: ``--adam-beta2: a Megatron flag, used by --train-backend megatron only``); for a flag
+    slime has, ``slime``, its row of slime's flag table."""
+    meta: dict[str, Any] = {"help": text}
+    if own is not None:
+        meta["own"] = own
+    if slime is not None:
+        meta["slime"] = slime
+    return meta
+
+
+def bounded(*, help: str, own: str | None = None, slime: SlimeRow | None = None, **bounds: float) -> dict[str, Any]:
+    """Metadata of a number field with bounds (``gt``, ``ge``, ``lt``, ``le``): the type check enforces them
+    (pydantic's constraints; None, where the field allows it, is exempt) and a value out of them is reported as
+    ``--flag must be > 0, got 0``."""
+    return {**described(help, own=own, slime=slime), "bounds": bounds}
+
+
+def hook(text: str, *, own: str | None = None, slime: SlimeRow | None = None) -> dict[str, Any]:
+    """Metadata of a hook flag: validation resolves it (``runtime.hooks.resolve_hook``) before anything starts."""
+    return {**described(text, own=own, slime=slime), "hook": True}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: ``rollout_batch_size`` -> ``--rollout-batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def own_fields(*options: type) -> dict[str, str]:
+    """The fields the options dataclasses ``options`` declare (a plug-in's own, which no other plug-in reads) ->
+    what each is: its ``own`` metadata, else the class's ``OWN`` text. Derived from the declarations, so a field
+    added to a plug-in's options is its own with no list to keep."""
+    return {f.name: f.metadata.get("own") or cls.OWN for cls in options for f in dataclasses.fields(cls)}
