@@ -1,5 +1,5 @@
 """SIGTERM and Ctrl-C (SIGINT) stop a job cleanly: the driver raises ``JobInterrupted``, the last completed step is
-saved under ``--save`` (``runtime.loop.LastStep``) and ``rlcore-run`` exits 128 + the signal's number.
+saved under ``--save`` (``runtime.faults.LastStep``) and ``rlcore-run`` exits 128 + the signal's number.
 
 A signal that arrives while a step trains (the trainers hold weights past the last completed step) waits for that step
 to complete, so the step that is saved is the one the trainers hold; a second signal stops at once.

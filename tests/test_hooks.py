@@ -674,8 +674,8 @@ def test_use_rollout_entropy_hands_the_actor_and_reference_entropies_to_the_hook
 
 def test_convert_samples_to_train_data_builds_the_batch_trained_on(model_path, tmp_path, plugin):
     from rlcore.advantages import sequence_advantages
-    from runtime.loop import rollout_batch
     from runtime.rollout.plugins import RolloutHooks
+    from runtime.train.driver import rollout_batch
 
     samples, plain = _batch(model_path)
     cfg = _cfg(tmp_path, disable_rewards_normalization=False)  # (GRPO's group normalisation, which the hook skips)

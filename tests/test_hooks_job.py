@@ -175,7 +175,7 @@ def test_slimes_sft_script_shape_starts_no_engine_and_logs_to_wandb(ray_session,
     length. No engine starts, the epochs set the steps, and W&B (offline) gets what metrics.jsonl holds."""
     from test_slime_scripts import wandb_history
 
-    from runtime import loop
+    from runtime import job
     from runtime.cluster.engines import EngineGroup
 
     groups = []
@@ -185,7 +185,7 @@ def test_slimes_sft_script_shape_starts_no_engine_and_logs_to_wandb(ray_session,
             super().__init__(*args, **kwargs)
             groups.append(self)
 
-    monkeypatch.setattr(loop, "EngineGroup", Recorded)
+    monkeypatch.setattr(job, "EngineGroup", Recorded)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     data = tmp_path / "sft.jsonl"

@@ -263,7 +263,7 @@ def test_ref_load_and_load_take_megatron_checkpoints_by_slimes_rule(tmp_path):
 
 def test_a_trainer_restart_before_the_first_save_starts_a_megatron_load_afresh(tmp_path):
     from runtime.cluster.trainers import TrainerDied
-    from runtime.loop import restart_config
+    from runtime.faults import restart_config
 
     start = _fake_checkpoint(tmp_path / "start")
     cfg = _parse("--train-backend", "megatron", "--load", str(start), "--save", str(tmp_path / "save"))

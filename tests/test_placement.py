@@ -79,7 +79,7 @@ def test_builtin_job_colocates_on_a_one_gpu_machine(monkeypatch, tmp_path):
 
 
 def test_colocated_offload_stops_only_when_every_trainer_and_its_engine_fit_their_device():
-    from runtime.loop import fit_together
+    from runtime.colocation import fit_together
 
     gib = 2**30
     t = {"peak": 30 * gib, "total": 80 * gib}

@@ -205,7 +205,7 @@ def test_bad_load_fails_validation_and_the_cli_exits_2(tmp_path, capsys):
 def test_a_fresh_load_reaches_a_data_source_as_given(tmp_path):
     """slime's data sources look for their state under args.load themselves; a --load folder that does not exist yet
     is handed to them as it is (a checkpoint's is its root)."""
-    from runtime.loop import job_data_source
+    from runtime.job_data import job_data_source
     from runtime.rollout.plugins import load_rollout_hooks
 
     fresh = str(tmp_path / "fresh")

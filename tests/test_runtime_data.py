@@ -312,7 +312,7 @@ def _model_dir(tmp_path, tokenizer):
 
 def test_job_prints_skipped_rows_and_checks_the_token_budget_against_the_data(tmp_path, tokenizer, capsys):
     from runtime.config import ConfigError, parse_args
-    from runtime.loop import prepare_model_and_data
+    from runtime.job_data import prepare_model_and_data
 
     rows = [{"prompt": "what is 1 plus 2 plus 3 plus 4", "label": "10"}, {"prompt": "one", "label": "1"}, "{bad"]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)

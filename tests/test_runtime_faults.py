@@ -24,9 +24,9 @@ from runtime.cluster import checkpoint, loopback
 from runtime.config import DataConfig, RewardConfig, from_dict
 from runtime.engines import SamplingParams
 from runtime.errors import JobError
+from runtime.faults import check_reward_errors
 from runtime.hooks import HookFailure, resolve_hook
 from runtime.logger import LEDGER_FILE, METRICS_FILE, read_metrics, repair_rows
-from runtime.loop import check_reward_errors
 from runtime.rollout import RolloutContext, collect_rollout
 from runtime.rollout.data import DataError, PromptDataset
 from runtime.rollout.filters import load_filter

@@ -41,7 +41,7 @@ from runtime.rollout.filters import DynamicFilterOutput
 from runtime.rollout.rewards import RewardHub
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
-from runtime.train.backends.torch_backend import TorchTrainer, micro_batches
+from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import (
     PROMPT_LENGTHS,
     RESPONSE_LENGTHS,
@@ -51,6 +51,7 @@ from runtime.train.batch import (
     merge_shards,
     shard_for_ranks,
 )
+from runtime.train.packing import micro_batches
 
 SMALL = {
     "rollout_batch_size": 4,

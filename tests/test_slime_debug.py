@@ -146,10 +146,10 @@ def test_tensorboard_dir_follows_slime(tmp_path, monkeypatch):
 def test_train_step_balances_rows_and_saves_the_batch(tmp_path):
     import torch
 
-    from runtime.loop import train_step
     from runtime.rollout.source import Rollout
     from runtime.train.algo import advantage_config
     from runtime.train.batch import RESPONSE_LENGTHS
+    from runtime.train.driver import train_step
 
     class Trainers:
         def train_rollout(self, batch, **kwargs):

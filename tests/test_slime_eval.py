@@ -4,7 +4,7 @@ dataset's setting, else the config's defaults, else the --eval-* flags, else the
 import pytest
 
 from runtime.config import ConfigError, eval_datasets, parse_args
-from runtime.loop import eval_data_config, eval_hub
+from runtime.evaluation import eval_data_config, eval_hub
 
 
 def _files(tmp_path, *names):

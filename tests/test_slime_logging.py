@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from runtime.config import ConfigError, from_dict, parse_args
+from runtime.job import axis_step
 from runtime.logger import MetricsLogger
-from runtime.loop import axis_step
 from runtime.rollout import multi_turn_metrics
 from runtime.rollout.sample import Sample
 from runtime.train.memory import MemoryHistory, memory_history

@@ -19,7 +19,8 @@ from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
-from runtime.train.backends.torch_backend import VALUE_HEAD_INIT_STD, TorchTrainer
+from runtime.train.backends.torch_backend import TorchTrainer
+from runtime.train.backends.torch_models import VALUE_HEAD_INIT_STD
 from runtime.train.batch import build_batch
 from runtime.train.roles import ACTOR, CRITIC
 from runtime.train.step import critic_targets, train_rollout

@@ -15,7 +15,8 @@ from runtime.demo.tiny_model import make_tiny_model
 from runtime.engines import HFEngine, SamplingParams
 from runtime.engines.base import stop_string_end
 from runtime.engines.sglang_engine import SGLangEngine, sampling_params_to_sglang
-from runtime.loop import EvalSet, sampling_params
+from runtime.evaluation import EvalSet
+from runtime.job import sampling_params
 
 
 @pytest.fixture(scope="module")

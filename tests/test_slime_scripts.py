@@ -141,7 +141,7 @@ def test_rl_still_needs_a_response_length(tmp_path, capsys):
 
 
 def test_num_epoch_derives_num_rollout_and_decay_iters_at_the_start(tmp_path):
-    from runtime.loop import resolve_num_rollout
+    from runtime.job_data import resolve_num_rollout
 
     _, argv = _script("run-qwen3-4B-base-sft", tmp_path)
     cfg = parse_args(argv)

@@ -9,8 +9,9 @@ import torch
 
 from runtime.config import ConfigError, from_dict, parse_args, validate
 from runtime.engines import SamplingParams
+from runtime.job import sampling_params
 from runtime.logger import METRICS_FILE, read_metrics
-from runtime.loop import run, sampling_params
+from runtime.loop import run
 from runtime.rollout.sample import Sample
 
 SMALL = {

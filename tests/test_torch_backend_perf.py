@@ -216,7 +216,7 @@ def test_packed_trainer_equals_the_padded_trainer(llama_path, tmp_path, fused, m
     """Log-probs (actor and reference), loss, metrics and the weights after a step: packed micro-batches of at most
     40 real tokens (90 for the log-prob passes; rows regrouped) against right-padded micro-batches of four rows."""
     if not fused:
-        monkeypatch.setattr(TorchTrainer, "_fused_head", lambda self, model: False)
+        monkeypatch.setattr(torch_backend, "loss_in_head", lambda model: False)
     td = build_batch(_samples(len(task.ALPHABET) + 4, seed=1), pad_token_id=0)
     padded_cfg = _cfg(tmp_path, use_kl_loss=True)
     packed_cfg = _cfg(
@@ -234,7 +234,7 @@ def test_the_fused_head_equals_the_full_logits_path(qwen3_path, tmp_path, monkey
     cfg = _cfg(tmp_path, use_kl_loss=True, use_dynamic_batch_size=True, max_tokens_per_gpu=40)
     td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=2), pad_token_id=0)
     fused = _step(_trainer(qwen3_path, cfg), td, cfg)
-    monkeypatch.setattr(TorchTrainer, "_fused_head", lambda self, model: False)
+    monkeypatch.setattr(torch_backend, "loss_in_head", lambda model: False)
     _assert_same_step(fused, _step(_trainer(qwen3_path, cfg), td, cfg))
 
 

@@ -182,7 +182,7 @@ def _check_batches(problems: list[str], cfg: Config) -> None:
         )
     prompt_len = cfg.data.rollout_max_prompt_len
     # Without --rollout-max-prompt-len the bound is the data's longest prompt: checked once the data is tokenized
-    # (runtime.loop.prepare_model_and_data, still before Ray starts).
+    # (runtime.job_data.prepare_model_and_data, still before Ray starts).
     if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
         problems.append("--use-dynamic-batch-size packs micro-batches by --max-tokens-per-gpu: set it")
     if t.log_probs_max_tokens_per_gpu is not None and t.max_tokens_per_gpu is None:

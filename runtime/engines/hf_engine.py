@@ -526,7 +526,7 @@ class HFEngine:
 
     def device_memory(self) -> dict[str, int] | None:
         """The peak of reserved GPU memory of this engine's process and its device's total (bytes); None on the
-        CPU. The colocated job reads it to decide whether offloading is needed (``runtime.loop.Offload``)."""
+        CPU. The colocated job reads it to decide whether offloading is needed (``runtime.colocation.Offload``)."""
         if self.device.type != "cuda":
             return None
         return {

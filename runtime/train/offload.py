@@ -1,8 +1,8 @@
 """A colocated trainer's state off its GPU and back: optimizer state first, then weights, in buckets.
 
 When the colocated job decides to offload (``--offload-train``, or ``auto`` once trainer and engine do not fit their
-GPU together; ``runtime.loop.Offload``), the engine has given back its KV cache and weights first, and the trainer
-then moves its state out with :class:`HostOffload`:
+GPU together; ``runtime.colocation.Offload``), the engine has given back its KV cache and weights first, and the
+trainer then moves its state out with :class:`HostOffload`:
 
 - :func:`bucket_plan` orders the tensors (every optimizer tensor before every weight, each kind in its own order) and
   cuts them into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket of its own);

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS
+
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     from runtime.config import TrainConfig
 
 
@@ -181,3 +185,26 @@ def in_row_order(values: torch.Tensor, groups: list[list[int]] | None) -> torch.
         return values
     order = torch.tensor([i for rows in groups for i in rows], dtype=torch.int64, device=values.device)
     return torch.empty_like(values).index_copy_(0, order, values)
+
+
+def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | None) -> list[TensorDict]:
+    """Cut ``td`` (rows in order) into micro-batches.
+
+    With ``max_tokens`` rows are packed greedily while ``rows x longest sequence`` stays within the budget (the
+    padded size the forward pass really costs); otherwise ``micro_batch_size`` rows each.
+    """
+    n = td.batch_size[0]
+    if max_tokens is None:
+        return [td[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+    lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
+    out, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(f"sample {i} has {length} tokens, over --max-tokens-per-gpu {max_tokens}")
+        longest_with = max(longest, length)
+        if i > start and (i - start + 1) * longest_with > max_tokens:
+            out.append(td[start:i])
+            start, longest_with = i, length
+        longest = longest_with
+    out.append(td[start:n])
+    return out

@@ -32,7 +32,7 @@ from rlcore.losses import Normalizer, critic_loss
 from runtime.train.backends import megatron_checkpoint as mck
 from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.megatron_config import ModelShape
-from runtime.train.backends.torch_backend import VALUE_HEAD_INIT_STD
+from runtime.train.backends.torch_models import VALUE_HEAD_INIT_STD
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_TOKENS
 from runtime.train.metrics import add_step, sums_and_maxima
 from runtime.train.packing import in_row_order

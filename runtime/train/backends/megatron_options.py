@@ -411,7 +411,7 @@ def check(problems: list[str], cfg: Any) -> None:
     if t.min_lr > t.lr:
         problems.append(f"--min-lr {t.min_lr} is above --lr {t.lr}")
     if t.lr_decay_style != "constant" and t.lr_decay_iters is None and cfg.rollout.num_epoch is None:
-        # With --num-epoch, slime derives it from the dataset's size at the start (runtime.loop.resolve_num_rollout).
+        # With --num-epoch, slime derives it from the data's size at the start (runtime.job_data.resolve_num_rollout).
         problems.append(
             f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters (or --num-rollout or --num-epoch to "
             "derive it)"

@@ -16,14 +16,17 @@ head, a final logit soft-cap, or top-p replay (the batch's ``NUCLEUS_IDS``), the
 materialised.
 
 Speed options (docs/runtime.md): packed micro-batches (``--use-dynamic-batch-size``, ``runtime.train.packing``),
-activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation, and
+activation recompute of every decoder layer (``--recompute-granularity full``), the attention implementation,
 and bf16 weights cast once per optimizer step from the float32 ones, gradients summed in float32
 (:meth:`TorchTrainer._step_scope`).
+
+This module is the trainer; the models it trains are built and wrapped (LoRA, recompute, compile, FSDP2, the critic's
+value head) by ``torch_models``, its checkpoints written and read by ``torch_checkpoint``, and its micro-batches cut
+by ``runtime.train.packing``.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import time
@@ -42,18 +45,18 @@ from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_ent
 from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_loss, sft_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
-from runtime.engines.checkpoint_layout import CheckpointLayout, load_checkpoint_state_dict
+from runtime.engines.checkpoint_layout import CheckpointLayout
 from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
-from runtime.train import attention
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
+from runtime.train.backends.torch_checkpoint import load_state, save_state, write_hf_folder
+from runtime.train.backends.torch_models import load_model, loss_in_head, uses_bf16
 from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
     concat_rows,
     custom_tis,
-    freeze_parameters,
     rollout_data_view,
     sum_of_sample_mean,
 )
@@ -62,6 +65,7 @@ from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
 from runtime.train.packing import (
     ModelInputs,
     in_row_order,
+    micro_batches,
     pack_by_tokens,
     packed_inputs,
     padded_inputs,
@@ -75,8 +79,6 @@ ROLLOUT_ENTROPY = {keys.OLD_LOG_PROBS: keys.OLD_ENTROPY, keys.REF_LOG_PROBS: key
 # slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
 # The roles this backend builds a model for; others are refused by name at construction.
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
-# The critic's value head starts as slime's: weights drawn from N(0, 0.02^2) (Megatron's init_method_std), bias 0.
-VALUE_HEAD_INIT_STD = 0.02
 
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
@@ -84,108 +86,11 @@ def _identity(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def _checkpoint_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
-    """Activation checkpointing of every decoder block of ``model`` (``--recompute-granularity full``): a block keeps
-    its inputs only and runs its forward again in the backward (``torch.utils.checkpoint``, non-reentrant). The
-    block's ``forward`` is wrapped in place, so its module, its parameter names and FSDP2's hooks around its call stay
-    as they are (the recompute runs inside the block's backward, where FSDP2 has gathered its parameters). Works
-    whether the model is in train or eval mode (transformers' own checkpointing runs in train mode only, and the
-    trainer keeps dropout off). Returns the number of blocks wrapped."""
-    from torch.utils.checkpoint import checkpoint
-
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
-            count += 1
-    if count == 0:
-        raise ValueError(
-            f"--recompute-granularity full: {type(model).__name__} names no decoder block class to checkpoint "
-            "(transformers' _no_split_modules)"
-        )
-    return count
-
-
-def _compile_blocks(model: torch.nn.Module, block_names: set[str]) -> int:
-    """``torch.compile`` every decoder block of ``model`` in place (``--torch-compile``; ``nn.Module.compile``, so
-    names, hooks and a checkpointed ``forward`` stay). The blocks share one compiled graph (their parameters are
-    the graph's inputs); packed micro-batches of changing length turn dynamic after the first recompile."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            module.compile()
-            count += 1
-    if count == 0:
-        raise ValueError(f"--torch-compile: {type(model).__name__} names no decoder block class (_no_split_modules)")
-    return count
-
-
 def _host_lengths(mb: TensorDict) -> list[int] | None:
     """Each row's valid response tokens, counted where the micro-batch lives if that is the host (then the fused
     loss queues its work without waiting for the device); ``None`` for a batch already on the device."""
     mask = mb[keys.MASK]
     return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
-
-
-def micro_batches(td: TensorDict, *, micro_batch_size: int, max_tokens: int | None) -> list[TensorDict]:
-    """Cut ``td`` (rows in order) into micro-batches.
-
-    With ``max_tokens`` rows are packed greedily while ``rows x longest sequence`` stays within the budget (the
-    padded size the forward pass really costs); otherwise ``micro_batch_size`` rows each.
-    """
-    n = td.batch_size[0]
-    if max_tokens is None:
-        return [td[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
-    lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
-    out, start, longest = [], 0, 0
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            raise ValueError(f"sample {i} has {length} tokens, over --max-tokens-per-gpu {max_tokens}")
-        longest_with = max(longest, length)
-        if i > start and (i - start + 1) * longest_with > max_tokens:
-            out.append(td[start:i])
-            start, longest_with = i, length
-        longest = longest_with
-    out.append(td[start:n])
-    return out
-
-
-def _replace_lm_head_with_value_head(model: torch.nn.Module, *, seed: int) -> None:
-    """Turn a causal LM into a critic, as slime's ``LinearForLastLayer``: the LM head becomes ``Linear(hidden, 1)``
-    with weights from N(0, ``VALUE_HEAD_INIT_STD``^2) drawn from ``seed`` (the same on every rank) and bias 0, so the
-    model's ``logits`` [b, t, 1] are the values. The head is no longer tied to the embeddings, and a final logit
-    soft-cap (Gemma 2) is turned off: values are not logits."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    old = model.get_output_embeddings()
-    head = torch.nn.Linear(old.in_features, 1, bias=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
-        head.bias.zero_()
-    for cfg in {id(model.config): model.config, id(config): config}.values():
-        cfg.tie_word_embeddings = False
-        if getattr(cfg, "final_logit_softcapping", None) is not None:
-            cfg.final_logit_softcapping = None
-    model.set_output_embeddings(head)
-
-
-def _uses_bf16(setting: str, device: torch.device) -> bool:
-    if setting == "true":
-        return True
-    if setting == "false":
-        return False
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
-def _trained_only_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Frozen parameters (a LoRA run's base model) are not checkpointed: they are the --hf-checkpoint's. strict=False
-    # lets set_state_dict leave them as they are.
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-_TRAINED_ONLY = _trained_only_options()
 
 
 class TorchTrainer:
@@ -208,8 +113,6 @@ class TorchTrainer:
         role_paths: Mapping[str, str] | None = None,
         hooks: TrainHooks | None = None,
     ):
-        from transformers import AutoModelForCausalLM
-
         unsupported = [role.name for role in roles if role not in SUPPORTED_ROLES]
         if unsupported or ACTOR not in roles:
             raise ValueError(
@@ -242,17 +145,17 @@ class TorchTrainer:
                     backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
                 )
             self.group = dist.group.WORLD
-        self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
+        self.bf16 = uses_bf16(train_cfg.bf16, self.device)
         # Inside a bf16 _step_scope on one process: (parameter, its float32 data, float32 gradient sum or None).
         self._masters: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]] | None = None
-        self.model = self._load(AutoModelForCausalLM, trainable=True)
+        self.model = self._load(trainable=True)
         self.lora = lora.is_lora(self.model)
         paths = dict(role_paths or {})
         # Frozen roles by the key they write (the reference's ref_log_probs). Under LoRA the reference is the actor
         # with its adapters disabled, not a second copy (unless --ref-load names another model).
         self.base_is_reference = self.lora and REFERENCE in roles and REFERENCE.name not in paths
         self.frozen = {
-            role.writes: self._load(AutoModelForCausalLM, trainable=False, path=paths.get(role.name))
+            role.writes: self._load(trainable=False, path=paths.get(role.name))
             for role in roles
             if role not in (ACTOR, CRITIC) and not (self.base_is_reference and role == REFERENCE)
         }
@@ -260,9 +163,7 @@ class TorchTrainer:
         # by a fresh linear value head, all of it trained (never LoRA), with an optimizer of its own.
         self.critic = None
         if CRITIC in roles:
-            self.critic = self._load(
-                AutoModelForCausalLM, trainable=True, path=paths.get(CRITIC.name), value_head=True
-            )
+            self.critic = self._load(trainable=True, path=paths.get(CRITIC.name), value_head=True)
         for role in roles:
             other = self.frozen.get(role.writes)
             if role != ACTOR and other is not None and other.config.vocab_size != self.model.config.vocab_size:
@@ -321,61 +222,19 @@ class TorchTrainer:
             return StatelessAdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
-    def _load(
-        self, auto_cls: Any, *, trainable: bool, path: str | None = None, value_head: bool = False
-    ) -> torch.nn.Module:
-        model = auto_cls.from_pretrained(path or self.model_path, dtype=torch.float32, **self._attention())
-        if value_head:
-            _replace_lm_head_with_value_head(model, seed=self.seed)
-        if not trainable:
-            model.requires_grad_(False)
-        elif not value_head and (self.hooks.only_train or self.hooks.freeze):
-            freeze_parameters(model, only_train=self.hooks.only_train, freeze=self.hooks.freeze)
-        elif self.cfg.lora_rank > 0 and not value_head:
-            # The adapters' random init must be the same on every rank (FSDP2 keeps each rank's own part of its own
-            # tensor): drawn on the CPU from the job's seed, not the rank's stream.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed)
-                model = lora.wrap_lora(
-                    model,
-                    rank=self.cfg.lora_rank,
-                    alpha=self.cfg.lora_alpha,
-                    dropout=self.cfg.lora_dropout,
-                    target_modules=self.cfg.lora_target_modules,
-                    modules_to_save=self.cfg.lora_modules_to_save,
-                )
-        model.to(self.device)
-        block_names = set(getattr(model, "_no_split_modules", None) or ())
-        if trainable and self.cfg.recompute_granularity == "full":
-            _checkpoint_blocks(model, block_names)
-        if self.cfg.torch_compile:
-            _compile_blocks(model, block_names)
-        if self.world_size > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
-            kwargs = {"mp_policy": mp} if mp is not None else {}
-            for module in model.modules():
-                if type(module).__name__ in block_names:
-                    fully_shard(module, **kwargs)
-            fully_shard(model, **kwargs)
-        # Training stays in eval mode: dropout on in train() but off when old log-probs are recomputed would make
-        # the on-policy ratio differ from 1 (RL trainers disable dropout for the same reason).
-        model.eval()
-        return model
-
-    def _attention(self) -> dict[str, str]:
-        """``from_pretrained``'s attention choice (``--attn-implementation``; nothing: transformers' default)."""
-        choice = self.cfg.attn_implementation
-        if choice == "auto":
-            # varlen: a flash kernel over the packed sequences, with no mask to build (flex_attention builds a
-            # BlockMask per micro-batch; SDPA a dense one). Elsewhere transformers' default.
-            if not attention.flash_varlen_available(self.device):
-                return {}
-            choice = attention.ATTENTION
-        if choice == attention.ATTENTION:
-            attention.register_attention()
-        return {"attn_implementation": choice}
+    def _load(self, *, trainable: bool, path: str | None = None, value_head: bool = False) -> torch.nn.Module:
+        """One of this trainer's models (:func:`runtime.train.backends.torch_models.load_model`)."""
+        return load_model(
+            path or self.model_path,
+            cfg=self.cfg,
+            hooks=self.hooks,
+            device=self.device,
+            seed=self.seed,
+            world_size=self.world_size,
+            bf16=self.bf16,
+            trainable=trainable,
+            value_head=value_head,
+        )
 
     def _autocast(self):
         """bf16 autocast on one process outside a :meth:`_step_scope` (inside one the weights are bf16 already)."""
@@ -466,13 +325,6 @@ class TorchTrainer:
         with self._autocast():
             out = self.critic(**inputs.model_kwargs(), use_cache=False)
         return out.logits[..., 0].float().reshape(-1)[inputs.picks]
-
-    def _fused_head(self, model: torch.nn.Module) -> bool:
-        """Whether the loss runs inside ``model``'s LM head: a plain linear head (a LoRA-wrapped head's weight alone
-        is not the layer) whose logits the model does not transform further (no final logit soft-cap)."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        softcap = getattr(config, "final_logit_softcapping", None)
-        return isinstance(model.get_output_embeddings(), torch.nn.Linear) and softcap is None
 
     def _response_hidden(
         self, model: torch.nn.Module, mb: TensorDict
@@ -634,7 +486,7 @@ class TorchTrainer:
         return in_row_order(torch.cat(outputs).cpu(), groups)
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
-        if self._fused_head(model) and NUCLEUS_IDS not in mb.keys():
+        if loss_in_head(model) and NUCLEUS_IDS not in mb.keys():
             hidden, weight, targets = self._response_hidden(model, mb)
             log_probs, _ = linear_logprobs_entropy(
                 hidden, weight, targets, temperature=self.temperature, with_entropy=False
@@ -722,7 +574,7 @@ class TorchTrainer:
                     metrics = {"loss": loss.detach()}
                 elif loss_type == "custom_loss":
                     loss, metrics = self._custom_loss(batch, norm)
-                elif self._fused_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
+                elif loss_in_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
                     hidden, weight, targets = self._response_hidden(self.model, mb)
                     loss, metrics = linear_rl_loss(
                         hidden,
@@ -906,80 +758,34 @@ class TorchTrainer:
 
     def save(self, path: str, *, with_optimizer: bool = True) -> None:
         """Trained parameters and (unless ``with_optimizer`` is False) the optimizer state, sharded with
-        torch.distributed.checkpoint, into the folder ``path``. Frozen parameters are left out: under LoRA the
-        checkpoint holds the adapters only."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
-        model_sd = self._trained_entries(model_sd)
-        state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
-        if self.critic is not None:
-            critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
-            state["critic"] = critic_sd
-            if with_optimizer:
-                state["critic_optim"] = critic_optim_sd
-        dcp.save(state, checkpoint_id=path)
+        torch.distributed.checkpoint, into the folder ``path`` (``torch_checkpoint.save_state``), and this rank's
+        RNG state. Frozen parameters are left out: under LoRA the checkpoint holds the adapters only."""
+        save_state(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            critic=self.critic,
+            critic_optimizer=self.critic_optimizer,
+            with_optimizer=with_optimizer,
+            lora_only=self.lora,
+        )
         torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED_ONLY)
-        model_sd = self._trained_entries(model_sd)
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        if any(key.startswith("optim") for key in saved):
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=_TRAINED_ONLY,
-            )
-        else:  # saved with --no-save-optim: the optimizer starts afresh (or keeps what it has)
-            state = {"model": model_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["model"], options=_TRAINED_ONLY)
-        if self.critic is not None:
-            self._load_critic(path, saved)
+        load_state(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            critic=self.critic,
+            critic_optimizer=self.critic_optimizer,
+            lora_only=self.lora,
+        )
         if self.old_actor is not None:
             # As slime loads its old actor from --load: the queue starts again from the loaded weights.
             self.old_actor, self.rollout_actor = self._actor_copy(), self._actor_copy()
         rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_path):
             self.set_rng_state(torch.load(rng_path, weights_only=False))
-
-    def _load_critic(self, path: str, saved: Mapping[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-
-        if not any(key.startswith("critic.") for key in saved):
-            raise RuntimeError(f"{path} holds no critic (saved by a job without --advantage-estimator ppo)")
-        critic_sd, optim_sd = get_state_dict(self.critic, self.critic_optimizer)
-        if any(key.startswith("critic_optim") for key in saved):
-            state = {"critic": critic_sd, "critic_optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                self.critic,
-                self.critic_optimizer,
-                model_state_dict=state["critic"],
-                optim_state_dict=state["critic_optim"],
-            )
-        else:
-            state = {"critic": critic_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.critic, state["critic"])
-
-    def _trained_entries(self, model_sd: dict[str, Any]) -> dict[str, Any]:
-        """Under LoRA, the adapters' entries only (a frozen weight tied to another, the LM head, would still be
-        listed); otherwise the whole state dict."""
-        if not self.lora:
-            return model_sd
-        trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {name: value for name, value in model_sd.items() if name in trained}
 
     def write_lora_adapter(self, path: str) -> str | None:
         """Write the adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``) that peft and
@@ -998,28 +804,15 @@ class TorchTrainer:
 
         Under LoRA the adapters are merged in (``--lora-export merged``), or the folder is a peft adapter over
         ``--hf-checkpoint`` (``--lora-export adapter``) that ``peft.PeftModel.from_pretrained`` loads."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if self.lora and self.cfg.lora_export == "adapter":
             if self.write_lora_adapter(path) is not None:
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
             return
         weights = self.get_weights()
-        if self.rank != 0:
-            return
-        config = AutoConfig.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        # A key mismatch would silently leave random weights in the saved model. The weights come in the checkpoint's
-        # layout; save_pretrained writes that layout again.
-        missing, unexpected = load_checkpoint_state_dict(model, weights)
-        if missing or unexpected:
-            raise RuntimeError(
-                f"save_hf: the trained weights do not match {self.model_path}'s architecture: missing "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
-                f"{unexpected[:5]} ({len(unexpected)})"
-            )
-        model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        if self.rank == 0:
+            write_hf_folder(path, weights, model_path=self.model_path)
 
     def release_memory(self) -> dict[str, float]:
         """On a GPU, move optimizer state, then model weights, to the host (colocated with an engine): through
