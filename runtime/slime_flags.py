@@ -316,7 +316,9 @@ MEGATRON_PARSED = frozenset(
     --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
     --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
     --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --ddp-bucket-size
-    --bias-swiglu-fusion
+    --bias-swiglu-fusion --num-experts --moe-router-topk --moe-ffn-hidden-size --moe-router-pre-softmax
+    --moe-router-score-function --moe-layer-freq --moe-grouped-gemm --moe-token-dispatcher-type
+    --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-router-dtype --moe-token-drop-policy
     """.split()
 )
 
@@ -334,7 +336,10 @@ UNFUSED = (
     "the local layer spec runs this path unfused anyway (the fused kernels need apex or Transformer Engine), so the "
     "switch changes nothing"
 )
-MOE = "MoE layers: rlcore's Megatron backend builds dense models (Llama, Qwen2, Qwen3) only"
+MOE = (
+    "a MoE layout rlcore's Megatron backend does not build yet: it builds Qwen3-MoE's (softmax router, no shared "
+    "expert, no expert bias)"
+)
 FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
 MLA = "multi-latent attention (DeepSeek, Kimi) is not built: the families built are Llama, Qwen2 and Qwen3"
 GLM4 = "GLM-4's layer layout is not built: the families built are Llama, Qwen2 and Qwen3"
@@ -344,10 +349,8 @@ FRESH = (
     "and step afresh, as slime does"
 )
 _MOE_FLAGS = """
-    --moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-router-topk --num-experts --moe-grouped-gemm
-    --moe-token-dispatcher-type --moe-router-score-function --moe-router-dtype --moe-aux-loss-coeff
-    --moe-router-load-balancing-type --moe-layer-freq --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor --moe-enable-deepep --moe-permute-fusion
+    --moe-shared-expert-intermediate-size --moe-router-enable-expert-bias --moe-router-bias-update-rate
+    --moe-router-topk-scaling-factor
 """.split()
 # Megatron's other flags that slime's run scripts use. --weight-decay and --bf16 are rlcore's own too (the torch
 # backend's), so they are parsed, not listed here.
@@ -375,6 +378,14 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         "is not installed; with --optimizer-cpu-offload too",
     ),
     **{name: MegatronFlag(False, MOE) for name in _MOE_FLAGS},
+    "--moe-permute-fusion": MegatronFlag(
+        True,
+        "megatron-core's unfused permutation is what the local layer spec runs (the fused one is Transformer "
+        "Engine's): the same tokens in the same order",
+    ),
+    "--moe-enable-deepep": MegatronFlag(
+        False, "DeepEP's flex dispatcher is not installed; the backend dispatches tokens with alltoall"
+    ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
     **{
         name: MegatronFlag(False, MLA)

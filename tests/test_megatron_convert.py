@@ -104,12 +104,12 @@ def test_a_shape_flag_that_disagrees_with_config_json_exits_2(tmp_path, capsys):
     hf = save_model("llama", tmp_path / "hf")
     argv = ["--hf-checkpoint", hf, "--save", str(tmp_path / "out"), "--hidden-size", "64", "--num-layers", "4"]
     # A model-shape flag is checked (rope agrees); Megatron's other flags, switches or not, are noted and ignored.
-    argv += ["--use-rotary-position-embeddings", "--no-rope-fusion", "--num-experts", "8"]
+    argv += ["--use-rotary-position-embeddings", "--no-rope-fusion", "--moe-router-bias-update-rate", "0"]
     with pytest.raises(SystemExit) as exit_info:
         convert_hf_to_megatron.main(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "ignored (the model is built from config.json): --no-rope-fusion --num-experts" in err
+    assert "ignored (the model is built from config.json): --no-rope-fusion --moe-router-bias-update-rate" in err
     assert "--use-rotary-position-embeddings" not in err
     assert "--hidden-size 64 disagrees with" in err and "hidden_size gives 48" in err
     assert "--num-layers" not in err.split("ignored")[1]  # 4 agrees

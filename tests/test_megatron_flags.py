@@ -119,7 +119,16 @@ def test_distributed_timeout_must_be_positive():
 
 @pytest.mark.parametrize(
     ("name", "mapping"),
-    [("qwen3", "qwen2"), ("Qwen3Config", "qwen2"), ("qwen2.5", "qwen2"), ("llama", "llama"), ("LlamaConfig", "llama")],
+    [
+        ("qwen3", "qwen2"),
+        ("Qwen3Config", "qwen2"),
+        ("qwen2.5", "qwen2"),
+        ("llama", "llama"),
+        ("LlamaConfig", "llama"),
+        ("qwen3moe", "qwen3_moe"),
+        ("qwen3-moe", "qwen3_moe"),
+        ("Qwen3MoeConfig", "qwen3_moe"),
+    ],
 )
 def test_model_names_follow_slimes_rules(name, mapping):
     assert mc.mapping_of_name(name) == mapping
@@ -128,8 +137,7 @@ def test_model_names_follow_slimes_rules(name, mapping):
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("qwen3moe", "mixture-of-experts"),
-        ("qwen3-moe", "mixture-of-experts"),
+        ("qwen2moe", "mixture-of-experts"),
         ("deepseekv3", "mixture-of-experts"),
         ("glm4moe", "mixture-of-experts"),
         ("glm4", "GLM-4's layers"),
@@ -212,7 +220,9 @@ def test_padded_vocab_rows_start_at_zero_and_exports_cut_them_off(tmp_path):
     out = convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), model_name="llama")
     exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert torch.equal(exported["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
-    with pytest.raises(ValueError, match="--model-name qwen3moe: a mixture-of-experts model"):
+    with pytest.raises(
+        ValueError, match="--model-name qwen3moe: slime's qwen3_moe mapping is for MoE models; this llama"
+    ):
         convert(str(tmp_path / "ckpt"), str(tmp_path / "hf_moe"), model_name="qwen3moe")
 
 

@@ -74,6 +74,7 @@ def test_the_table_names_the_switches_the_task_accepts_and_every_entry_says_why(
         "--no-rope-fusion",
         "--attention-softmax-in-fp32",
         "--use-checkpoint-opt_param-scheduler",
+        "--moe-permute-fusion",
     }
     for name in ("--no-rope-fusion", "--no-masked-softmax-fusion"):
         assert "unfused anyway" in slime_flags.MEGATRON_FLAGS[name].reason
@@ -109,8 +110,12 @@ OTHER_VALUES = {
     "attention_backend": ["fused"],
     "attention_dropout": ["0.1"],
     "hidden_dropout": ["0.1"],
-    "expert_model_parallel_size": ["2"],
     "expert_tensor_parallel_size": ["2"],
+    "moe_token_dispatcher_type": ["allgather"],
+    "moe_router_load_balancing_type": ["sinkhorn"],
+    "moe_aux_loss_coeff": ["0.01"],
+    "moe_router_dtype": ["fp16"],
+    "moe_token_drop_policy": ["random"],
 }
 
 

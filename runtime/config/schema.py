@@ -101,6 +101,23 @@ class ModelConfig:
     use_rotary_position_embeddings: bool | None = field(
         default=None, metadata=_help("Megatron: rotary position embeddings (--position-embedding-type rope)")
     )
+    # Megatron's MoE shape flags (runtime.train.backends.megatron_moe), checked against config.json alike.
+    num_experts: int | None = field(default=None, metadata=_help("Megatron: experts per MoE layer (num_experts)"))
+    moe_router_topk: int | None = field(
+        default=None, metadata=_help("Megatron: experts per token (num_experts_per_tok)")
+    )
+    moe_ffn_hidden_size: int | None = field(
+        default=None, metadata=_help("Megatron: an expert's MLP width (moe_intermediate_size)")
+    )
+    moe_router_pre_softmax: bool | None = field(
+        default=None, metadata=_help("Megatron: softmax over all experts, top k unnormalised (not norm_topk_prob)")
+    )
+    moe_router_score_function: str | None = field(
+        default=None, metadata=_help("Megatron: the router's score function (softmax for Qwen3-MoE)")
+    )
+    moe_layer_freq: str | None = field(
+        default=None, metadata=_help("Megatron: MoE layers, an int N (every N-th) or a list such as [1]*48")
+    )
 
 
 @dataclass(frozen=True)

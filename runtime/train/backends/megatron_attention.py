@@ -171,16 +171,32 @@ class SDPADotProductAttention(DotProductAttention):
         )
 
 
-def local_layer_spec(*, attention_backend: str, qk_layernorm: bool, normalization: str) -> ModuleSpec:
+def local_layer_spec(
+    *,
+    attention_backend: str,
+    qk_layernorm: bool,
+    normalization: str,
+    num_experts: int | None = None,
+    grouped_gemm: bool = False,
+) -> ModuleSpec:
     """megatron-core's local GPT layer spec with the core attention that ``attention_backend`` names
-    (:data:`ATTENTION_IMPLEMENTATIONS`)."""
+    (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` (experts
+    ``SequentialMLP``, or with ``grouped_gemm`` :func:`runtime.train.backends.megatron_moe.grouped_gemm_experts`'s
+    module, the same parameters)."""
     if attention_backend not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"--attention-backend {attention_backend!r}: the Megatron backend runs {sorted(ATTENTION_IMPLEMENTATIONS)}"
         )
     # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first.
     apply_no_te_workarounds()
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization, num_experts=num_experts)
+    if num_experts is not None and grouped_gemm:
+        from runtime.train.backends.megatron_moe import grouped_gemm_experts
+
+        mlp = spec.submodules.mlp
+        experts = dataclasses.replace(mlp.submodules.experts, module=grouped_gemm_experts())
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if ATTENTION_IMPLEMENTATIONS[attention_backend] == UNFUSED:
         return spec
     attention = spec.submodules.self_attention

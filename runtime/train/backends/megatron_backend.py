@@ -54,6 +54,7 @@ from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train.backends import megatron_checkpoint as mck
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_critic as mcritic
+from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.backends import megatron_weights as mw
 from runtime.train.backends.megatron_compat import cpu_dispatcher_shims
 from runtime.train.backends.torch_backend import micro_batches
@@ -283,11 +284,15 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
     if cfg.recompute_method is not None:
         recompute["recompute_method"] = cfg.recompute_method
         recompute["recompute_num_layers"] = cfg.recompute_num_layers
+    # A MoE model's experts, router and expert parallelism (megatron_moe); a dense model has none.
+    moe = {} if shape.moe is None else mmoe.transformer_config_kwargs(shape.moe, cfg)
     return TransformerConfig(
         **{
             **mc.transformer_config_kwargs(shape),
             "hidden_dropout": cfg.hidden_dropout,
             "attention_dropout": cfg.attention_dropout,
+            "moe_token_dispatcher_type": "alltoall",  # checked even for dense models with variable lengths
+            **moe,
         },
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -301,7 +306,6 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         # (which the gradient norm and the optimizer read) only while initialising it.
         perform_initialization=True,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # checked even for dense models with variable lengths
         # The fused kernels need apex or Transformer Engine, which the local spec does without (slime's
         # --no-*-fusion switches ask for this). SwiGLU's is megatron-core's own torch.compile'd function: on GPUs
         # unless --no-bias-swiglu-fusion (the CPU keeps the eager one: no compiler needed, and the CPU tests compare
@@ -393,9 +397,20 @@ class MegatronTrainer:
                         f"actor {self.shape.vocab_size}: they must share a tokenizer"
                     )
         self.tp, self.pp = train_cfg.tensor_model_parallel_size, train_cfg.pipeline_model_parallel_size
-        problems = mc.parallel_problems(self.shape, tp_size=self.tp, pp_size=self.pp)
+        self.ep = train_cfg.expert_model_parallel_size
+        problems = mc.parallel_problems(self.shape, tp_size=self.tp, pp_size=self.pp, ep_size=self.ep)
         if world_size % (self.tp * self.pp):
             problems.append(f"{world_size} ranks are not a multiple of TP {self.tp} x PP {self.pp}")
+        elif (world_size // self.pp) % max(self.ep, 1):
+            problems.append(
+                f"--expert-model-parallel-size {self.ep} must divide the {world_size // self.pp} ranks of a pipeline "
+                "stage"
+            )
+        if self.cpu and self.shape.moe is not None and self.tp > 1:
+            problems.append(
+                "experts with --tensor-model-parallel-size > 1 are not built on the CPU (its gradient reduction "
+                "covers TP 1; on GPUs megatron-core's DDP reduces them)"
+            )
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
         if self.cpu and train_cfg.sequence_parallel and self.tp > 1:
@@ -493,6 +508,8 @@ class MegatronTrainer:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.cfg.expert_tensor_parallel_size,
             create_gloo_process_groups=self.device.type == "cuda",
             distributed_timeout_minutes=self.cfg.distributed_timeout_minutes,
         )
@@ -523,6 +540,8 @@ class MegatronTrainer:
             attention_backend=self.cfg.attention_backend,
             qk_layernorm=shape.qk_layernorm,
             normalization=shape.normalization,
+            num_experts=None if shape.moe is None else shape.moe.num_experts,
+            grouped_gemm=self.cfg.moe_grouped_gemm,
         )
         kwargs = {**mc.gpt_model_kwargs(shape, tp_size=self.tp), **(mcritic.GPT_KWARGS if value_head else {})}
         # slime builds the critic through the custom provider too, then swaps its output layer for the value head.
@@ -546,15 +565,27 @@ class MegatronTrainer:
         if value_head and self.last_stage:
             model.output_layer = mcritic.ValueHead(config.hidden_size, seed=self.seed, config=config)
         params = dict(model.named_parameters())
-        (mcritic.check_critic_state if value_head else mw.check_megatron_state)(
-            params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, what=what
-        )
+        if value_head:
+            mcritic.check_critic_state(
+                params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, ep_size=self.ep, what=what
+            )
+        else:
+            mw.check_megatron_state(
+                params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, ep_size=self.ep, what=what
+            )
         if folder is not None:
             state = mck.load_sharded({"model": model.sharded_state_dict()}, folder, vocab_size=shape.vocab_size)
             model.load_state_dict(state["model"], strict=True)
         else:
             shard = mw.to_megatron(
-                LazyHFState(path), shape, tp_rank=self.tp_rank, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp
+                LazyHFState(path),
+                shape,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp,
+                pp_rank=self.pp_rank,
+                pp_size=self.pp,
+                ep_rank=self.ps.get_expert_model_parallel_rank(),
+                ep_size=self.ep,
             )
             with torch.no_grad():
                 for name, param in params.items():
@@ -755,6 +786,16 @@ class MegatronTrainer:
     ) -> list[dict[str, torch.Tensor]]:
         """Forward (and backward unless ``forward_only``) over micro-batches ``parts``; each micro-batch's outputs
         (``log_probs`` when ``loss_fn`` is None, else ``loss_fn``'s metrics) on every rank of the pipeline."""
+        if self.ep > 1:
+            # Each MoE layer's forward and backward exchange tokens over the expert-parallel ranks: every rank must
+            # run as many micro-batches, or the alltoall of the one with more waits forever.
+            most, least = self._dp_max(len(parts)), -self._dp_max(-len(parts))
+            if most != least:
+                raise ValueError(
+                    f"--expert-model-parallel-size {self.ep}: the data-parallel ranks' shards split into "
+                    f"{least} to {most} micro-batches; expert parallelism needs one count (give every rank "
+                    "as many rows, or --use-dynamic-batch-size, which agrees on the count)"
+                )
         if self.pp == 1:
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
@@ -970,6 +1011,10 @@ class MegatronTrainer:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         group = self.dp_group()
+        # An expert's gradient holds every rank's tokens routed to it (the dispatcher's backward sends them home):
+        # its replicas are the expert-data-parallel group's, fewer than DP by EP (Megatron's DDP sums there and
+        # scales by 1 / DP alike).
+        expert_group = self.ps.get_expert_data_parallel_group() if self.ep > 1 else group
         for name, p in named:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -977,11 +1022,13 @@ class MegatronTrainer:
                 # Each TP rank normalises its own heads with the shared QK-norm weight: its gradient is the sum over
                 # ranks (Megatron's finalize_model_grads does the same).
                 dist.all_reduce(p.grad, group=self.tp_group)
+            replicas = expert_group if mmoe.is_expert(name) else group
+            if replicas is not None and dist.get_world_size(replicas) > 1:
+                dist.all_reduce(p.grad, group=replicas)
             if group is not None:
                 # The mean over DP ranks, as Megatron's DDP takes it: each rank's loss was scaled by the DP size.
-                dist.all_reduce(p.grad, group=group)
                 p.grad.div_(self.dp_size)
-        grad_norm = self._grad_norm(params)
+        grad_norm = self._grad_norm(params, experts={id(p) for n, p in named if mmoe.is_expert(n)})
         if self.cfg.clip_grad > 0 and grad_norm > self.cfg.clip_grad:
             for p in params:
                 p.grad.mul_(self.cfg.clip_grad / (grad_norm + 1e-6))
@@ -989,17 +1036,25 @@ class MegatronTrainer:
         scheduler.step(increment=1)
         return grad_norm
 
-    def _grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """The global gradient norm: TP shards counted once each, TP-replicated tensors (norms) once."""
+    def _grad_norm(
+        self, params: list[torch.nn.Parameter], *, experts: frozenset[int] | set[int] = frozenset()
+    ) -> float:
+        """The global gradient norm: TP shards counted once each, TP-replicated tensors (norms) once, and the
+        experts (``experts``: their ids; whole on each TP rank) of every expert-parallel rank once each."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         square = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_square = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if id(p) in experts:
+                expert_square += p.grad.double().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
                 square += p.grad.double().pow(2).sum()
         if self.world_size > 1:
             dist.all_reduce(square, group=self.ps.get_model_parallel_group())
-        return float(square.sqrt())
+            if experts:
+                dist.all_reduce(expert_square, group=self.ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((square + expert_square).sqrt())
 
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step: the negative log-likelihood of the response tokens."""
@@ -1037,11 +1092,22 @@ class MegatronTrainer:
         params = dict(self._module(model).named_parameters())
         tp_group = self.ps.get_tensor_model_parallel_group()
         for stage in range(self.pp):
-            expected = mw.megatron_shapes(self.shape, tp_size=self.tp, pp_rank=stage, pp_size=self.pp)
+            expected = mw.megatron_shapes(self.shape, tp_size=self.tp, pp_rank=stage, pp_size=self.pp, ep_size=self.ep)
             mine = stage == self.pp_rank
             src = self._global_rank(tp_rank=0, pp_rank=stage)
             for name, local_shape in expected.items():
-                if mine:
+                expert = mmoe.is_expert(name)
+                if mine and expert:
+                    # Each expert from its owning rank: the local experts of every EP rank, in EP-rank order (whole
+                    # on every TP rank).
+                    value = params[name].detach().to(dtype)
+                    parts = [value]
+                    if self.ep > 1:
+                        parts = [torch.empty_like(value) for _ in range(self.ep)]
+                        dist.all_gather(parts, value.contiguous(), group=self.ps.get_expert_model_parallel_group())
+                elif expert:
+                    parts = [torch.empty(local_shape, dtype=dtype, device="meta") for _ in range(self.ep)]
+                elif mine:
                     value = params[name].detach().to(dtype)
                     if self.tp > 1:
                         parts = [torch.empty_like(value) for _ in range(self.tp)]
@@ -1101,13 +1167,15 @@ class MegatronTrainer:
         """A HF folder (config, safetensors, tokenizer) that ``from_pretrained`` loads, written by rank 0."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from runtime.engines.checkpoint_layout import load_checkpoint_state_dict
+
         weights = self.get_weights()
         if self.rank != 0:
             return
         mw.check_hf_state(weights, self.shape, source="the exported weights")
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not (self.shape.tie_embeddings and k == mw.LM_HEAD)]
+        # The weights are in the checkpoint's names (an MoE model's experts one tensor each), the model's fused.
+        missing, unexpected = load_checkpoint_state_dict(model, weights)
         if missing or unexpected:
             raise RuntimeError(f"save_hf: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.save_pretrained(path)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.train.backends.megatron_config import ModelShape, padded_vocab_size
+from runtime.train.backends.megatron_moe import split_whole_experts
 
 # Where checkpoints are (torch-free: the config checks read them): megatron_paths; re-exported here.
 from runtime.train.backends.megatron_paths import (  # noqa: E402, F401
@@ -184,18 +185,26 @@ def read_model_tensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor
 def local_state_from_whole(tensors: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """The state of a TP=1, PP=1 ``GPTModel`` (local spec names, one entry per layer, the vocabulary padded to a
     multiple of 128) from a checkpoint's whole tensors (Transformer Engine names, decoder tensors stacked over layers
-    in their first axis, the vocabulary padded for any TP). ``ValueError`` naming a tensor whose layer count
-    differs from ``shape``'s."""
+    in their first axis or one per layer, a layer's experts stacked, the vocabulary padded for any TP).
+    ``ValueError`` naming a tensor whose layer count differs from ``shape``'s."""
     padded = padded_vocab_size(shape.vocab_size, tp_size=1)
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
         if key.startswith("decoder.layers."):
             rest = key[len("decoder.layers.") :]
-            if value.shape[0] != shape.num_layers:
+            head, _, tail = rest.partition(".")
+            if head.isdigit():
+                # One tensor per layer: megatron-core's non-homogeneous layers (a MoE model's list --moe-layer-freq).
+                layers = [(int(head), _TE_LAYER_NAMES.get(tail, tail), value)]
+            elif value.shape[0] != shape.num_layers:
                 raise ValueError(f"{key} stacks {value.shape[0]} layers, config.json has {shape.num_layers}")
-            rest = _TE_LAYER_NAMES.get(rest, rest)
-            for layer in range(shape.num_layers):
-                out[f"decoder.layers.{layer}.{rest}"] = value[layer]
+            else:
+                rest = _TE_LAYER_NAMES.get(rest, rest)
+                layers = [(layer, rest, value[layer]) for layer in range(shape.num_layers)]
+            for layer, name, tensor in layers:
+                # A layer's experts are one tensor in the checkpoint, one each in the model.
+                for local, part in (split_whole_experts(name, tensor) or {name: tensor}).items():
+                    out[f"decoder.layers.{layer}.{local}"] = part
         elif key in ("embedding.word_embeddings.weight", "output_layer.weight"):
             out[key] = vocab_shard_rows(value, vocab_size=shape.vocab_size, padded_rows=padded, start=0, count=padded)
         else:

@@ -4,7 +4,8 @@ Pure functions over plain dicts: nothing here imports megatron-core, so the conf
 --dry-run``) and the weight mapping (:mod:`runtime.train.backends.megatron_weights`) run without it.
 
 Families: Llama, Qwen2 and Qwen3 (dense): RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, tied or untied
-embeddings, QKV bias (Qwen2) and per-head QK-norm (Qwen3). Anything else in a ``config.json`` that would build a
+embeddings, QKV bias (Qwen2) and per-head QK-norm (Qwen3); Qwen3-MoE, Qwen3's attention with MoE layers
+(:mod:`runtime.train.backends.megatron_moe`). Anything else in a ``config.json`` that would build a
 different model (rope scaling, biases on other layers, sliding windows, another activation) is refused by name: a
 model built differently from the checkpoint would train silently wrong.
 """
@@ -16,11 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.train.backends.megatron_moe import MoEShape, layer_pattern, local_experts, moe_from_hf
+
 # model_type -> whether the family has per-head QK RMSNorm and a bias on q/k/v.
 FAMILIES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen2": (False, True),
     "qwen3": (True, False),
+    "qwen3_moe": (True, False),
 }
 
 # Megatron's --make-vocab-size-divisible-by default.
@@ -52,6 +56,8 @@ class ModelShape:
     position_embedding_type: str = "rope"
     # --padded-vocab-size: rows of the embedding and output layer; None pads as Megatron does (vocab_rows).
     padded_vocab_size: int | None = None
+    # The experts and router of a mixture-of-experts family; None: dense.
+    moe: MoEShape | None = None
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -133,6 +139,7 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         qk_layernorm=qk_norm,
         add_qkv_bias=qkv_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=moe_from_hf(hf, source=source),
     )
 
 
@@ -164,6 +171,17 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "disable_bias_linear": (lambda s: not s.add_bias_linear, "attention_bias / mlp_bias"),
     "position_embedding_type": (lambda s: s.position_embedding_type, "model_type (rope)"),
     "use_rotary_position_embeddings": (lambda s: s.position_embedding_type == "rope", "model_type (rope)"),
+    # slime's MoE shape flags (a dense model's value is None: any of them given disagrees).
+    "num_experts": (lambda s: s.moe and s.moe.num_experts, "num_experts"),
+    "moe_router_topk": (lambda s: s.moe and s.moe.router_topk, "num_experts_per_tok"),
+    "moe_ffn_hidden_size": (lambda s: s.moe and s.moe.ffn_hidden_size, "moe_intermediate_size"),
+    "moe_router_pre_softmax": (lambda s: s.moe and s.moe.pre_softmax, "norm_topk_prob (negated)"),
+    "moe_router_score_function": (lambda s: s.moe and s.moe.score_function, "model_type (the router)"),
+    "moe_layer_freq": (lambda s: s.moe and list(s.moe.layer_pattern), "decoder_sparse_step / mlp_only_layers"),
+}
+# How a flag's value reads before it is compared (the flag as given, the shape): --moe-layer-freq is an expression.
+FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
+    "moe_layer_freq": lambda given, s: list(layer_pattern(given, num_layers=s.num_layers)),
 }
 
 
@@ -176,6 +194,12 @@ def shape_flag_problems(flags: Mapping[str, Any], shape: ModelShape, *, source: 
         if given is None:
             continue
         expected = read(shape)
+        if name in FLAG_READERS:
+            try:
+                given = FLAG_READERS[name](given, shape)
+            except ValueError as err:
+                problems.append(str(err))
+                continue
         if not _same(given, expected):
             problems.append(
                 f"--{name.replace('_', '-')} {given} disagrees with {source}: {hf_name} gives {expected} "
@@ -218,7 +242,7 @@ def vocab_rows(shape: ModelShape, *, tp_size: int) -> int:
 # slime's Megatron-to-HF dispatch by --model-name (slime/backends/megatron_utils/megatron_to_hf/__init__.py): the
 # name lowercased without "_" and "-", the first fragment it contains wins. Each entry: the mapping rlcore uses for
 # it, or None and why rlcore cannot export that family.
-_MOE = "a mixture-of-experts model (experts and a router), which rlcore's Megatron backend does not build"
+_MOE = "a mixture-of-experts family that rlcore's Megatron backend does not build (it builds Qwen3-MoE)"
 MODEL_NAME_RULES: tuple[tuple[str, str | None, str], ...] = (
     ("minimaxm2", None, _MOE),
     ("glm4moelite", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
@@ -232,14 +256,20 @@ MODEL_NAME_RULES: tuple[tuple[str, str | None, str], ...] = (
     ("qwen35", None, "Qwen3.5's gated and linear attention, which rlcore's Megatron backend does not build"),
     ("qwen3vl", None, "a vision-language model; rlcore is text only"),
     ("qwen2moe", None, _MOE),
-    ("qwen3moe", None, _MOE),
+    ("qwen3moe", "qwen3_moe", ""),
     ("qwen2", "qwen2", ""),
     ("qwen3", "qwen2", ""),
     ("llama", "llama", ""),
     ("mimo", None, "MiMo's multi-token-prediction layers, which rlcore's Megatron backend does not build"),
 )
 # What each mapping exports beyond Llama's tensors (slime's convert_llama_to_hf maps neither).
-MAPPING_EXTRAS: dict[str, tuple[bool, bool]] = {"llama": (False, False), "qwen2": (True, True)}
+MAPPING_EXTRAS: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "qwen2": (True, True),
+    "qwen3_moe": (False, True),
+}
+# The mappings that name experts and a router (slime's convert_qwen3moe_to_hf).
+MOE_MAPPINGS = ("qwen3_moe",)
 
 
 def default_model_name(model_type: str) -> str:
@@ -248,8 +278,8 @@ def default_model_name(model_type: str) -> str:
 
 
 def mapping_of_name(model_name: str, *, flag: str = "--model-name") -> str:
-    """The mapping (``llama`` or ``qwen2``) slime's name rules pick for ``model_name``; ``ValueError`` naming ``flag``
-    and why for a family rlcore does not build, or a name no rule matches."""
+    """The mapping (``llama``, ``qwen2`` or ``qwen3_moe``) slime's name rules pick for ``model_name``; ``ValueError``
+    naming ``flag`` and why for a family rlcore does not build, or a name no rule matches."""
     key = model_name.lower().replace("_", "").replace("-", "")
     for fragment, mapping, reason in MODEL_NAME_RULES:
         if fragment in key:
@@ -257,7 +287,8 @@ def mapping_of_name(model_name: str, *, flag: str = "--model-name") -> str:
                 raise ValueError(f"{flag} {model_name}: {reason}")
             return mapping
     raise ValueError(
-        f"{flag} {model_name}: no weight mapping of slime's has this name (rlcore builds llama, qwen2 and qwen3)"
+        f"{flag} {model_name}: no weight mapping of slime's has this name (rlcore builds llama, qwen2, qwen3 and "
+        "qwen3_moe)"
     )
 
 
@@ -272,9 +303,14 @@ def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-n
         for what, needed, present in (
             ("the q/k/v biases (self_attn.*_proj.bias)", shape.add_qkv_bias, bias),
             ("the QK-norms (self_attn.q_norm / k_norm)", shape.qk_layernorm, qk_norm),
+            ("the experts and router (mlp.experts.*, mlp.gate)", shape.moe is not None, mapping in MOE_MAPPINGS),
         )
         if needed and not present
     ]
+    if mapping in MOE_MAPPINGS and shape.moe is None:
+        raise ValueError(
+            f"{flag} {model_name}: slime's {mapping} mapping is for MoE models; this {shape.model_type} model is dense"
+        )
     if lacking:
         raise ValueError(
             f"{flag} {model_name}: slime's {mapping} mapping has no name for {' and '.join(lacking)} of this "
@@ -283,9 +319,22 @@ def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-n
     return mapping
 
 
-def parallel_problems(shape: ModelShape, *, tp_size: int, pp_size: int, source: str = "config.json") -> list[str]:
-    """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways, naming the flag and the HF field."""
+def parallel_problems(
+    shape: ModelShape, *, tp_size: int, pp_size: int, ep_size: int = 1, source: str = "config.json"
+) -> list[str]:
+    """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways with ``ep_size`` expert-parallel ranks, naming the
+    flag and the HF field."""
     problems = []
+    if shape.moe is None and ep_size != 1:
+        problems.append(
+            f"--expert-model-parallel-size {ep_size}: expert parallelism splits MoE experts, and {source} describes "
+            f"a dense {shape.model_type} model"
+        )
+    elif shape.moe is not None:
+        try:
+            local_experts(shape.moe, ep_size=ep_size)
+        except ValueError as err:
+            problems.append(f"{err} ({source})")
     if shape.num_query_groups % tp_size:
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "
@@ -352,6 +401,7 @@ def gpt_model_kwargs(shape: ModelShape, *, tp_size: int) -> dict[str, Any]:
 
 __all__ = [
     "FAMILIES",
+    "FLAG_READERS",
     "MODEL_NAME_RULES",
     "SHAPE_FLAGS",
     "ModelShape",

@@ -90,10 +90,12 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def critic_shapes(shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every parameter of the critic's stage ``pp_rank``: the actor's without an LM head, and on the
-    last stage the value head (``[1, hidden]`` and ``[1]``)."""
-    expected = mw.megatron_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+def critic_shapes(
+    shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int, ep_size: int = 1
+) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter of the critic's stage ``pp_rank`` (with ``ep_size`` expert-parallel ranks): the
+    actor's without an LM head, and on the last stage the value head (``[1, hidden]`` and ``[1]``)."""
+    expected = mw.megatron_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
     expected.pop(HEAD_NAMES[0], None)
     if pp_rank == pp_size - 1:
         expected.update({HEAD_NAMES[0]: (1, shape.hidden_size), HEAD_NAMES[1]: (1,)})
@@ -101,11 +103,18 @@ def critic_shapes(shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int
 
 
 def check_critic_state(
-    state: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int, what: str
+    state: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    what: str,
+    ep_size: int = 1,
 ) -> None:
     """``ValueError`` unless ``state`` holds exactly the tensors and shapes of :func:`critic_shapes`; ``what`` names
     the side in the message."""
-    expected = critic_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    expected = critic_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
     mw.check_shapes(state, expected, what=f"{what} (critic)", kind="tensors")
 
 

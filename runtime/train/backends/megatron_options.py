@@ -128,12 +128,15 @@ class MegatronOptions:
         ),
     )
     expert_model_parallel_size: int = field(
-        default=1, metadata=described(own="a Megatron flag", text="Megatron: expert-parallel ranks (1: dense)")
+        default=1,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: expert-parallel ranks, dividing the experts (1 for a dense model)"
+        ),
     )
     expert_tensor_parallel_size: int = field(
         default=1,
         metadata=described(
-            own="a Megatron flag", text="Megatron: tensor-parallel ranks of the experts (1: dense, which has none)"
+            own="a Megatron flag", text="Megatron: tensor-parallel ranks of the experts (1: experts are whole)"
         ),
     )
     deterministic_mode: bool = field(
@@ -154,6 +157,38 @@ class MegatronOptions:
         metadata=described(
             own="a Megatron flag",
             text="Megatron: overlap --optimizer-cpu-offload's copies with its step (not GPU-tested)",
+        ),
+    )
+    # Megatron's MoE training flags (the MoE shape flags, --num-experts and the like, are the model section's, checked
+    # against config.json by megatron_config.SHAPE_FLAGS); runtime.train.backends.megatron_moe builds them.
+    moe_grouped_gemm: bool = field(
+        default=False,
+        metadata=described(
+            own="a Megatron flag", text="Megatron: experts through torch._grouped_mm instead of a per-expert loop"
+        ),
+    )
+    moe_token_dispatcher_type: str = field(
+        default="alltoall",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: MoE token dispatcher, alltoall (ours: default alltoall)"
+        ),
+    )
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: the router's balancing loss (inert at --moe-aux-loss-coeff 0)"
+        ),
+    )
+    moe_aux_loss_coeff: float = field(
+        default=0.0, metadata=described(own="a Megatron flag", text="Megatron: balancing loss weight, 0.0 only")
+    )
+    moe_router_dtype: str | None = field(
+        default=None, metadata=described(own="a Megatron flag", text="Megatron: router dtype, fp32 or fp64")
+    )
+    moe_token_drop_policy: str = field(
+        default="probs",
+        metadata=described(
+            own="a Megatron flag", text="Megatron: which tokens a full expert drops (no capacity here: none)"
         ),
     )
     distributed_backend: Literal["nccl", "gloo"] = field(
@@ -197,13 +232,13 @@ class MegatronOptions:
         default=None,
         metadata=described(
             own="a flag of slime's Megatron backend",
-            text="the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one); unset: "
-            "config.json's model class",
+            text="the Megatron-to-HF weight mapping, by slime's name rules (llama; qwen2 and qwen3 share one; "
+            "qwen3moe); unset: config.json's model class",
             slime=slime(
                 "rollout",
                 None,
                 differs="--train-backend megatron only (the torch backend refuses it): "
-                "picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3); MoE and other "
+                "picks the Megatron-to-HF mapping by slime's name rules (llama, qwen2, qwen3, qwen3moe); other "
                 "families' names are refused",
             ),
         ),
@@ -253,7 +288,7 @@ OWN_FIELDS: dict[str, str] = own_fields(MegatronOptions)
 # Megatron's own flags (the others are slime's flags of its Megatron backend).
 MEGATRON_TRAIN_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what == MegatronOptions.OWN)
 MEGATRON_SLIME_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what != MegatronOptions.OWN)
-_DENSE = "expert parallelism splits MoE experts, and the Megatron backend builds dense models only"
+_MOE_TP = "experts are whole on every tensor-parallel rank (expert tensor parallelism is not built)"
 _NO_DROPOUT = (
     "the Megatron backend trains with dropout off, so that its old and new log-probs are computed alike (slime's "
     "scripts pass 0.0)"
@@ -268,8 +303,27 @@ MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "attention_dropout": ((0.0,), _NO_DROPOUT),
     "hidden_dropout": ((0.0,), _NO_DROPOUT),
-    "expert_model_parallel_size": ((1,), _DENSE),
-    "expert_tensor_parallel_size": ((1,), _DENSE),
+    # --expert-model-parallel-size is checked against the model's experts (megatron_config.parallel_problems).
+    "expert_tensor_parallel_size": ((1,), _MOE_TP),
+    "moe_token_dispatcher_type": (
+        ("alltoall",),
+        "allgather refuses variable sequence lengths (rlcore's micro-batches) and flex needs DeepEP",
+    ),
+    "moe_router_load_balancing_type": (
+        ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        "sinkhorn re-balances the routes themselves, unlike the checkpoint's router (the others are balancing "
+        "losses, off at --moe-aux-loss-coeff 0)",
+    ),
+    "moe_aux_loss_coeff": (
+        (0.0,),
+        "the balancing loss is not scaled over rlcore's micro-batches and data-parallel ranks yet (slime's RL "
+        "scripts pass 0: RL does not train the balance)",
+    ),
+    "moe_router_dtype": (("fp32", "fp64", None), "megatron-core's router computes in fp32, fp64 or the model's dtype"),
+    "moe_token_drop_policy": (
+        ("probs", "position"),
+        "megatron-core's two policies (inert here: no --moe-expert-capacity-factor, no token is dropped)",
+    ),
 }
 
 
@@ -370,4 +424,8 @@ def check(problems: list[str], cfg: Any) -> None:
     if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
     if shape is not None:
-        problems.extend(megatron_config.parallel_problems(shape, tp_size=max(tp, 1), pp_size=max(pp, 1)))
+        problems.extend(
+            megatron_config.parallel_problems(
+                shape, tp_size=max(tp, 1), pp_size=max(pp, 1), ep_size=max(t.expert_model_parallel_size, 1)
+            )
+        )

@@ -21,6 +21,9 @@ Megatron (stage-local)                                      HF
 ``output_layer.weight`` (last stage)                        ``lm_head.weight`` (the embedding when tied)
 ==========================================================  =====================================================
 
+In a mixture-of-experts layer the MLP rows are the router's and the experts' instead
+(:mod:`runtime.train.backends.megatron_moe`: experts split over expert-parallel ranks, not over TP).
+
 ``L = stage_start + i``. Every HF tensor is checked for its name and shape against the ``config.json`` it claims to
 be, and every Megatron shard against the model it is loaded into: a mismatch raises ``ValueError`` naming the tensor
 and the config field that sizes it.
@@ -32,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from runtime.train.backends import megatron_moe as moe
 from runtime.train.backends.megatron_config import ModelShape, stage_layers, vocab_rows
 
 EMBED = "model.embed_tokens.weight"
@@ -55,10 +59,13 @@ def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int,
         p + "self_attn.v_proj.weight": ((kv, h), "num_key_value_heads x head_dim, hidden_size"),
         p + "self_attn.o_proj.weight": ((h, q), "hidden_size, num_attention_heads x head_dim"),
         p + "post_attention_layernorm.weight": ((h,), "hidden_size"),
-        p + "mlp.gate_proj.weight": ((f, h), "intermediate_size, hidden_size"),
-        p + "mlp.up_proj.weight": ((f, h), "intermediate_size, hidden_size"),
-        p + "mlp.down_proj.weight": ((h, f), "hidden_size, intermediate_size"),
     }
+    if _is_moe(shape, layer):
+        out.update(moe.hf_moe_shapes(shape.moe, hidden_size=h, prefix=p))
+    else:
+        out[p + "mlp.gate_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
+        out[p + "mlp.up_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
+        out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
     if shape.add_qkv_bias:
         out[p + "self_attn.q_proj.bias"] = ((q,), "num_attention_heads x head_dim")
         out[p + "self_attn.k_proj.bias"] = ((kv,), "num_key_value_heads x head_dim")
@@ -67,6 +74,10 @@ def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int,
         out[p + "self_attn.q_norm.weight"] = ((d,), "head_dim")
         out[p + "self_attn.k_norm.weight"] = ((d,), "head_dim")
     return out
+
+
+def _is_moe(shape: ModelShape, layer: int) -> bool:
+    return shape.moe is not None and bool(shape.moe.layer_pattern[layer])
 
 
 def hf_shapes(shape: ModelShape) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -141,10 +152,18 @@ def _qkv_to_hf(parts: Sequence[torch.Tensor], shape: ModelShape) -> tuple[torch.
 
 
 def to_megatron(
-    hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    hf: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The Megatron state of TP rank ``tp_rank`` of pipeline stage ``pp_rank`` from a full HF state dict ``hf``
-    (checked against ``shape`` first). Tensors are new (clones); dtypes are kept."""
+    """The Megatron state of TP rank ``tp_rank`` and expert-parallel rank ``ep_rank`` of pipeline stage ``pp_rank``
+    from a full HF state dict ``hf`` (checked against ``shape`` first). Tensors are new (clones); dtypes are kept."""
     check_hf_state(hf, shape)
     out: dict[str, torch.Tensor] = {}
     padded = vocab_rows(shape, tp_size=tp_size)
@@ -167,6 +186,9 @@ def to_megatron(
             out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = _split(hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        if _is_moe(shape, layer):
+            out.update(moe.moe_to_megatron(hf, shape.moe, hf_prefix=p, prefix=m, ep_rank=ep_rank, ep_size=ep_size))
+            continue
         gate = _split(hf[p + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
         up = _split(hf[p + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
@@ -180,19 +202,28 @@ def to_megatron(
     return out
 
 
-def megatron_shapes(shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor :func:`to_megatron` gives one TP rank of stage ``pp_rank`` (all ranks alike)."""
+def megatron_shapes(
+    shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int, ep_size: int = 1
+) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor :func:`to_megatron` gives one TP x EP rank of stage ``pp_rank`` (all ranks alike)."""
     meta = {name: torch.empty(size, device="meta") for name, (size, _) in hf_shapes(shape).items()}
-    shard = to_megatron(meta, shape, tp_rank=0, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    shard = to_megatron(meta, shape, tp_rank=0, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
     return {name: tuple(t.shape) for name, t in shard.items()}
 
 
 def check_megatron_state(
-    state: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int, pp_rank: int, pp_size: int, what: str
+    state: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    what: str,
+    ep_size: int = 1,
 ) -> None:
     """``ValueError`` unless ``state`` (a model's parameters, or a shard to load) holds exactly the tensors and shapes
-    of TP rank x stage ``pp_rank`` of ``shape``; ``what`` names the side in the message."""
-    expected = megatron_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    of a TP x EP rank of stage ``pp_rank`` of ``shape``; ``what`` names the side in the message."""
+    expected = megatron_shapes(shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size)
     check_shapes(state, expected, what=what, kind="Megatron tensors")
 
 
@@ -213,8 +244,12 @@ def layer_to_hf(
     name: str, parts: Sequence[torch.Tensor], shape: ModelShape, *, layer: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors of one Megatron decoder-layer tensor ``name`` (without its ``decoder.layers.i.`` prefix), given its
-    TP shards ``parts`` in rank order; ``layer`` is the global layer index."""
+    TP shards ``parts`` in rank order (an expert's: its expert-parallel ranks' tensors, in rank order,
+    :func:`megatron_moe.expert_to_hf`); ``layer`` is the global layer index."""
     p = _layer(layer)
+    if moe.is_expert(name):
+        yield from moe.expert_to_hf(name, parts, shape.moe, layer=layer)
+        return
     attn = p + "self_attn."
     if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = name.rsplit(".", 1)[1]
@@ -243,6 +278,7 @@ _REPLICATED = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    moe.ROUTER: "mlp.gate.weight",
 }
 
 
@@ -268,8 +304,8 @@ def tensor_to_hf(
 
 
 def to_hf(shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """The full HF state dict from every rank's Megatron state: ``shards[pp_rank][tp_rank]``. Each shard is checked
-    against ``shape`` first; the result against the HF shapes."""
+    """The full HF state dict from every rank's Megatron state at expert parallelism 1: ``shards[pp_rank][tp_rank]``.
+    Each shard is checked against ``shape`` first; the result against the HF shapes."""
     pp_size = len(shards)
     out: dict[str, torch.Tensor] = {}
     for pp_rank, stage in enumerate(shards):
@@ -284,9 +320,9 @@ def to_hf(shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape: ModelSh
                 what=f"Megatron shard (stage {pp_rank}, tensor rank {tp_rank})",
             )
         for name in stage[0]:
-            for hf_name, tensor in tensor_to_hf(
-                name, [state[name] for state in stage], shape, pp_rank=pp_rank, pp_size=pp_size
-            ):
+            # Experts are whole on every TP rank (expert tensor parallelism 1): one copy is the EP=1 rank's.
+            parts = [stage[0][name]] if moe.is_expert(name) else [state[name] for state in stage]
+            for hf_name, tensor in tensor_to_hf(name, parts, shape, pp_rank=pp_rank, pp_size=pp_size):
                 out.setdefault(hf_name, tensor)
     check_hf_state(out, shape, source="the exported weights")
     return out

@@ -1,0 +1,321 @@
+"""Mixture-of-experts (MoE) layers under ``--train-backend megatron``: the HF config's experts and router as
+megatron-core's (``MoELayer`` on the local spec: a router, the alltoall token dispatcher, ``SequentialMLP`` experts, or
+:class:`GroupedGemmExperts` under ``--moe-grouped-gemm``), their weights both ways, and slime's MoE flags.
+
+Pure functions over plain dicts and tensors, except :class:`GroupedGemmExperts` (megatron-core, imported where it is
+built): ``rlcore-run --dry-run`` reads this module without megatron-core.
+
+Families (:data:`MOE_READERS`): Qwen3-MoE (``qwen3_moe``): a softmax router over ``num_experts`` experts, top
+``num_experts_per_tok``, renormalised over the top k when ``norm_topk_prob`` (Megatron's ``moe_router_pre_softmax``
+false: a softmax over the top-k logits is the same), else not (``moe_router_pre_softmax`` true: the softmax over all
+experts, top k taken as they are); no shared expert; every layer MoE.
+
+Weights (layer ``L``, Megatron's stage-local ``i``; ``E`` experts over ``ep`` expert-parallel ranks, rank ``r``
+holds global experts ``[r * E / ep, (r + 1) * E / ep)`` as local ``0 .. E / ep - 1``; experts are not split over
+tensor-parallel ranks, ``--expert-tensor-parallel-size 1``):
+
+=================================================================  ==================================================
+Megatron                                                           HF (checkpoint names, the wire layout)
+=================================================================  ==================================================
+``decoder.layers.i.mlp.router.weight``                             ``model.layers.L.mlp.gate.weight`` [E, H]
+``decoder.layers.i.mlp.experts.local_experts.j.linear_fc1.weight`` ``mlp.experts.e.gate_proj.weight`` and
+                                                                   ``up_proj.weight``, stacked [gate; up]
+``decoder.layers.i.mlp.experts.local_experts.j.linear_fc2.weight`` ``mlp.experts.e.down_proj.weight``
+=================================================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE part of a model, in Megatron's terms (``TransformerConfig``'s ``moe_*`` fields)."""
+
+    num_experts: int
+    router_topk: int
+    ffn_hidden_size: int
+    # Megatron's moe_router_pre_softmax: the softmax over all experts, top k kept unnormalised (HF norm_topk_prob
+    # false); false: a softmax over the top-k logits (HF's renormalised top k).
+    pre_softmax: bool
+    # 1 where a decoder layer is MoE, 0 where it is dense (Megatron's --moe-layer-freq as a list).
+    layer_pattern: tuple[int, ...]
+    score_function: str = "softmax"
+
+
+def _qwen3_moe(hf: Mapping[str, Any], source: str) -> MoEShape:
+    layers = int(hf["num_hidden_layers"])
+    problems = []
+    # transformers 5 writes num_experts as num_local_experts (its attribute map); the released checkpoints num_experts.
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [key for key in ("num_experts_per_tok", "moe_intermediate_size") if hf.get(key) is None]
+    missing += [] if experts is not None else ["num_experts"]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)} (a qwen3_moe config)")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+    if 0 in pattern:
+        problems.append(
+            f"dense layers among the MoE ones (decoder_sparse_step {step}, mlp_only_layers {dense}): the backend "
+            "builds every layer as MoE"
+        )
+    topk, norm = int(hf["num_experts_per_tok"]), bool(hf.get("norm_topk_prob", False))
+    if topk == 1 and norm:
+        problems.append(
+            "num_experts_per_tok 1 with norm_topk_prob true (a gate weight of exactly 1, which megatron-core's "
+            "router does not compute: it takes the softmax over all experts at top-1)"
+        )
+    if problems:
+        raise ValueError(f"{source}: --train-backend megatron cannot build this model: " + "; ".join(problems))
+    return MoEShape(
+        num_experts=int(experts),
+        router_topk=topk,
+        ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        pre_softmax=not norm,
+        layer_pattern=pattern,
+    )
+
+
+# model_type -> the reader of its MoE fields (ValueError naming what cannot be built).
+MOE_READERS: dict[str, Callable[[Mapping[str, Any], str], MoEShape]] = {"qwen3_moe": _qwen3_moe}
+
+
+def moe_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> MoEShape | None:
+    """The :class:`MoEShape` of an HF config (a dict), None for a dense family."""
+    reader = MOE_READERS.get(hf.get("model_type"))
+    return None if reader is None else reader(hf, source)
+
+
+class _LayerFreq(ast.NodeVisitor):
+    """Megatron's ``--moe-layer-freq`` expressions: list literals of ints, ``+`` and ``*`` (``[0]*3+[1]*45``)."""
+
+    def visit(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return self.visit(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [self.visit(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = self.visit(node.left), self.visit(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"not a list of 0/1 or an int: {ast.unparse(node)}")
+
+
+def layer_pattern(freq: int | str, *, num_layers: int) -> tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq`` (an int N: every N-th layer MoE, from layer 0; or a list expression such as
+    ``[0]*1+[1]*47`` or ``[1, 1, 0]``) as 1/0 per layer; ``ValueError`` naming the flag otherwise."""
+    try:
+        value = freq if isinstance(freq, int) else _LayerFreq().visit(ast.parse(str(freq).strip(), mode="eval"))
+    except (SyntaxError, ValueError, TypeError) as err:
+        raise ValueError(f"--moe-layer-freq {freq!r}: {err}") from None
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"--moe-layer-freq {freq!r}: an int must be >= 1")
+        return tuple(int(i % value == 0) for i in range(num_layers))
+    if len(value) != num_layers or any(v not in (0, 1) for v in value):
+        raise ValueError(f"--moe-layer-freq {freq!r}: want {num_layers} entries of 0 or 1, got {value}")
+    return tuple(value)
+
+
+# ------------------------------------------------------------------ weights
+
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+ROUTER = "mlp.router.weight"
+
+
+def is_expert(name: str) -> bool:
+    """Whether a Megatron tensor name (with or without its ``decoder.layers.i.`` prefix) is an expert's weight."""
+    return _EXPERT.search(name) is not None
+
+
+def local_experts(moe: MoEShape, *, ep_size: int) -> int:
+    """Experts per expert-parallel rank; ``ValueError`` unless ``ep_size`` divides the experts."""
+    if ep_size < 1 or moe.num_experts % ep_size:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep_size} must divide num_experts {moe.num_experts} (each rank holds "
+            "whole experts)"
+        )
+    return moe.num_experts // ep_size
+
+
+def hf_moe_shapes(moe: MoEShape, *, hidden_size: int, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, the config fields that size it) of one MoE layer's MLP; ``prefix`` is ``model.layers.L.``."""
+    e, h, f = moe.num_experts, hidden_size, moe.ffn_hidden_size
+    out = {prefix + "mlp.gate.weight": ((e, h), "num_experts, hidden_size")}
+    for i in range(e):
+        p = f"{prefix}mlp.experts.{i}."
+        out[p + "gate_proj.weight"] = ((f, h), "moe_intermediate_size, hidden_size")
+        out[p + "up_proj.weight"] = ((f, h), "moe_intermediate_size, hidden_size")
+        out[p + "down_proj.weight"] = ((h, f), "hidden_size, moe_intermediate_size")
+    return out
+
+
+def moe_to_megatron(
+    hf: Mapping[str, torch.Tensor], moe: MoEShape, *, hf_prefix: str, prefix: str, ep_rank: int, ep_size: int
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's Megatron tensors (names under ``prefix``, ``decoder.layers.i.``) of expert-parallel rank
+    ``ep_rank`` from the HF tensors under ``hf_prefix`` (``model.layers.L.``). Tensors are new (clones)."""
+    count = local_experts(moe, ep_size=ep_size)
+    out = {prefix + ROUTER: hf[hf_prefix + "mlp.gate.weight"].clone()}
+    for j in range(count):
+        p = f"{hf_prefix}mlp.experts.{ep_rank * count + j}."
+        m = f"{prefix}mlp.experts.local_experts.{j}."
+        out[m + "linear_fc1.weight"] = torch.cat([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]])
+        out[m + "linear_fc2.weight"] = hf[p + "down_proj.weight"].clone()
+    return out
+
+
+def expert_to_hf(
+    name: str, ep_parts: Sequence[torch.Tensor], moe: MoEShape, *, layer: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of the local-expert tensor ``name`` (without ``decoder.layers.i.``) of every expert-parallel rank:
+    ``ep_parts[r]`` is rank ``r``'s, whose local expert ``j`` is global expert ``r * E / ep + j``."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not an expert tensor: decoder.layers.*.{name}")
+    count = local_experts(moe, ep_size=len(ep_parts))
+    local, kind = int(match.group(1)), match.group(2)
+    for rank, part in enumerate(ep_parts):
+        p = f"model.layers.{layer}.mlp.experts.{rank * count + local}."
+        if kind == "linear_fc1":
+            gate, up = part.chunk(2, dim=0)
+            yield p + "gate_proj.weight", gate
+            yield p + "up_proj.weight", up
+        else:
+            yield p + "down_proj.weight", part
+
+
+# A torch_dist checkpoint's whole expert tensor of one layer (megatron-core's SequentialMLP stores the local experts
+# of every EP rank as one tensor with the global expert index first: [E, ...]).
+_WHOLE_EXPERTS = re.compile(r"mlp\.experts\.experts\.(linear_fc1|linear_fc2)\.weight")
+
+
+def split_whole_experts(rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """``{local-spec name (without decoder.layers.i.): expert e's tensor}`` of a checkpoint's whole expert tensor
+    ``rest`` of one layer (``[E, ...]``); None for any other tensor."""
+    match = _WHOLE_EXPERTS.fullmatch(rest)
+    if match is None:
+        return None
+    return {f"mlp.experts.local_experts.{e}.{match.group(1)}.weight": value[e] for e in range(value.shape[0])}
+
+
+# ------------------------------------------------------------------ megatron-core
+
+# --moe-router-load-balancing-type values megatron-core 0.16.1 takes that leave the routes as the router scores them
+# (sinkhorn re-balances the routes themselves, which transformers' models do not).
+LOAD_BALANCING_BUILT = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+def transformer_config_kwargs(moe: MoEShape, train: Any) -> dict[str, Any]:
+    """The ``moe_*`` fields of megatron-core's ``TransformerConfig`` for ``moe`` trained as ``train`` (a
+    ``TrainConfig``: expert parallelism and slime's MoE training flags)."""
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.router_topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_router_pre_softmax": moe.pre_softmax,
+        "moe_router_score_function": moe.score_function,
+        "moe_layer_freq": list(moe.layer_pattern),
+        "moe_router_load_balancing_type": train.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": train.moe_aux_loss_coeff,
+        "moe_router_dtype": train.moe_router_dtype,
+        "moe_token_drop_policy": train.moe_token_drop_policy,
+        "moe_token_dispatcher_type": train.moe_token_dispatcher_type,
+        # The legacy GroupedMLP wants the grouped_gemm package; --moe-grouped-gemm selects GroupedGemmExperts in the
+        # spec instead (megatron_attention.local_layer_spec).
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": train.expert_model_parallel_size,
+        "expert_tensor_parallel_size": train.expert_tensor_parallel_size,
+    }
+
+
+@functools.cache
+def grouped_gemm_experts() -> type:
+    """:class:`GroupedGemmExperts`, megatron-core imported here."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GroupedGemmExperts(SequentialMLP):
+        """megatron-core's ``SequentialMLP`` (same parameters, names and checkpoint state: one ``MLP`` per local
+        expert) computed by ``torch._grouped_mm``: one matrix product over all local experts for each of the two
+        layers, with the tokens of each expert as one group (``offs``: the cumulative token counts), instead of a
+        Python loop after a host sync. The SwiGLU and the gate weights (``probs``, on the activation as the
+        ``MLP``'s ``per_token_scale``) are applied as ``SequentialMLP``'s experts apply them."""
+
+        def forward(
+            self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Any
+        ) -> tuple[torch.Tensor, None]:
+            x = permuted_local_hidden_states
+            fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
+            fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
+            offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+            gate, up = grouped_mm(x, fc1, offs=offs).chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+            act = (act * permuted_probs.unsqueeze(-1)).to(x.dtype)
+            return grouped_mm(act, fc2, offs=offs), None
+
+    return GroupedGemmExperts
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """``x [N, K]`` rows grouped by ``offs`` (cumulative row counts, int32) times ``w [G, K, M]``: group ``g``'s rows
+    by ``w[g]``; ``[N, M]``. ``torch._grouped_mm`` where its kernels take the operands (:func:`grouped_mm_takes`),
+    else the same product one group at a time."""
+    if grouped_mm_takes(x, w):
+        return torch._grouped_mm(x, w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+# Dtypes torch._grouped_mm computes, by device type (CUDA: bf16 on sm90's CUTLASS kernel; the CPU's reference kernel
+# takes float32 too).
+_GROUPED_MM_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}
+
+
+def grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``x`` and ``w``: a dtype of its kernels on their device, each operand
+    row- or column-major in its last two dimensions with a 16-byte aligned leading stride and start."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
+        return False
+    return all(_aligned(t) for t in (x, w))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return False
+    if t.stride(-1) == 1:
+        return (t.stride(-2) * size) % 16 == 0
+    return t.stride(-2) == 1 and (t.stride(-1) * size) % 16 == 0
+
+
+__all__ = [
+    "LOAD_BALANCING_BUILT",
+    "MOE_READERS",
+    "MoEShape",
+    "expert_to_hf",
+    "grouped_gemm_experts",
+    "grouped_mm",
+    "grouped_mm_takes",
+    "hf_moe_shapes",
+    "is_expert",
+    "layer_pattern",
+    "local_experts",
+    "moe_from_hf",
+    "moe_to_megatron",
+    "split_whole_experts",
+    "transformer_config_kwargs",
+]
