@@ -41,7 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The disputed Megatron multi-GPU tests first, then weight sync, then the rest: a run that is cut short loses the
 # least-cited items. Test files not named here run after these, in name order.
-TEST_ORDER = ("test_megatron_cuda.py", "test_weight_sync_cuda.py", "test_runtime_loop_cuda.py")
+TEST_ORDER = (
+    "test_megatron_cuda.py",
+    "test_megatron_moe_cuda.py",
+    "test_scale_cuda.py",
+    "test_weight_sync_cuda.py",
+    "test_runtime_loop_cuda.py",
+)
 TEST_TIMEOUT_S = 900
 
 # The benches behind the README's figures: (name, arguments after the script, timeout in seconds).

@@ -31,9 +31,10 @@ import functools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are used: the config's checks read this module torch-free
+    import torch
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,8 @@ def moe_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's Megatron tensors (names under ``prefix``, ``decoder.layers.i.``) of expert-parallel rank
     ``ep_rank`` from the HF tensors under ``hf_prefix`` (``model.layers.L.``). Tensors are new (clones)."""
+    import torch
+
     count = local_experts(moe, ep_size=ep_size)
     out = {prefix + ROUTER: hf[hf_prefix + "mlp.gate.weight"].clone()}
     for j in range(count):
@@ -242,6 +245,7 @@ def transformer_config_kwargs(moe: MoEShape, train: Any) -> dict[str, Any]:
 @functools.cache
 def grouped_gemm_experts() -> type:
     """:class:`GroupedGemmExperts`, megatron-core imported here."""
+    import torch
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     class GroupedGemmExperts(SequentialMLP):
@@ -270,6 +274,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch
     """``x [N, K]`` rows grouped by ``offs`` (cumulative row counts, int32) times ``w [G, K, M]``: group ``g``'s rows
     by ``w[g]``; ``[N, M]``. ``torch._grouped_mm`` where its kernels take the operands (:func:`grouped_mm_takes`),
     else the same product one group at a time."""
+    import torch
+
     if grouped_mm_takes(x, w):
         return torch._grouped_mm(x, w, offs=offs)
     out = x.new_empty(x.shape[0], w.shape[-1])
@@ -282,13 +288,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch
 
 # Dtypes torch._grouped_mm computes, by device type (CUDA: bf16 on sm90's CUTLASS kernel; the CPU's reference kernel
 # takes float32 too).
-_GROUPED_MM_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}
+_GROUPED_MM_DTYPES = {"cuda": ("torch.bfloat16",), "cpu": ("torch.bfloat16", "torch.float32")}
 
 
 def grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes ``x`` and ``w``: a dtype of its kernels on their device, each operand
     row- or column-major in its last two dimensions with a 16-byte aligned leading stride and start."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
+    import torch
+
+    if not hasattr(torch, "_grouped_mm") or str(x.dtype) not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
         return False
     return all(_aligned(t) for t in (x, w))
 
