@@ -3,6 +3,7 @@ colocated job on one GPU with the weights checked after the sync. Skipped withou
 
 import json
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -83,6 +84,8 @@ def test_the_default_job_colocates_on_one_gpu_and_syncs_by_ipc(tmp_path, monkeyp
 
     for kind, make in list(weight_sync.WEIGHT_SYNCS.items()):
         monkeypatch.setitem(weight_sync.WEIGHT_SYNCS, kind, recording(kind, make))
+    # One GPU: on more, the default plan splits trainer and engine and syncs by NCCL (runtime/cluster/plan.py).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     out = tmp_path / "out"
     cfg = parse_args(["--num-rollout", "3", "--check-weight-update-equal", "--output-dir", str(out)])
     result = run(cfg, progress=False)
