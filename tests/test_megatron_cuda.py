@@ -250,6 +250,10 @@ def test_grpo_steps_through_rlcore_run(tmp_path):
     argv = ["--train-backend", "megatron", "--num-rollout", "4", "--output-dir", str(out)]
     cfg = parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    # One GPU, trainer and engine colocated: on two, the default plan runs them one step apart
+    # (runtime/cluster/plan.py), and the rollout's log-probs then come from the step before (a 0.11 mean gap on two
+    # H200s, 2026-11-27), which is no measure of the sync.
+    env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     result = subprocess.run(
         [sys.executable, "-m", "runtime.cli", *argv], capture_output=True, text=True, env=env, timeout=900
     )
