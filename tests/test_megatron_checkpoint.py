@@ -148,6 +148,7 @@ def _load_tp2_worker(rank, world, port, path, tmp, folder, out):
     mega.shutdown()
 
 
+@pytest.mark.slow  # ~30 s of gloo ranks; test_megatron_cuda.py resumes a one-GPU checkpoint at TP=2 on GPUs
 def test_a_tp1_checkpoint_resumes_at_tp2_and_back(tmp_path):
     """Saved at TP=1 (vocabulary padded to 128 rows) after a step, loaded at TP=2 (256 rows): the next step's
     log-probs, loss, gradient norm and weights equal those of the TP=1 trainer that goes on; what TP=2 saves then

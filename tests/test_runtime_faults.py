@@ -482,6 +482,7 @@ def test_a_filter_that_keeps_nothing_stops_the_job_in_one_line(ray_session, tmp_
 # ---------------------------------------------------------------- exposure: a single-node job listens on loopback only
 
 
+@pytest.mark.slow  # an audit drill: a whole job of its own, its sockets listed (~40 s); `make test-slow` runs it
 def test_every_listening_socket_of_a_single_node_job_is_on_loopback(tmp_path):
     # A job of its own (this process's Ray is not the job's): two trainers, so torch's rendezvous store runs too.
     out = tmp_path / "out"

@@ -111,6 +111,7 @@ def one_engine_fleet(tmp_path, model_path, **overrides):
         ray.util.remove_placement_group(placement.group)
 
 
+@pytest.mark.slow  # slowed decoding held in flight (~35 s); `make test-slow` runs it
 def test_requests_in_flight_through_the_router_are_bounded_by_server_concurrency(ray_session, model_path, tmp_path):
     # Slowed decoding keeps every request in flight long enough to overlap.
     slow = f"env FAKE_SGLANG_TOKEN_DELAY=0.05 {FAKE_SERVER}"

@@ -100,6 +100,7 @@ def test_sigterm_saves_the_last_completed_step_and_load_goes_on(tmp_path):
     assert _steps(out) == list(range(saved + 1))  # the resumed run logged exactly the step after the saved ones
 
 
+@pytest.mark.slow  # a drill: a job, its export cut off, then --load (~35 s); `make test-slow` runs it
 def test_a_job_stopped_during_its_final_export_finishes_it_on_load(tmp_path, capsys):
     """The last step is saved, then the export is cut off (only its partial folder is left): --load with the same
     flags exports final_model/ without training again; once it is there, --load refuses (nothing is left)."""

@@ -156,6 +156,7 @@ def test_forge_flags_go_together(tmp_path):
         parse_args(["--rollout-function-path", "slime.rollout.forge_load.generate_rollout"])
 
 
+@pytest.mark.slow  # a job with live engines (~20 s); the replay without engines runs in test_runtime_loop.py
 def test_forge_rollout_trains_saved_rollouts_with_live_engines(ray_session, tmp_path):
     saved = str(tmp_path / "rollout_{rollout_id}.pt")
     first = run(

@@ -132,6 +132,7 @@ def _run(env, out: Path, ckpt: Path, *flags: str) -> subprocess.CompletedProcess
     return result
 
 
+@pytest.mark.slow  # a drill: two Ray nodes started and torn down (~80 s on 2 cores); `make test-slow` runs it
 def test_a_job_spans_two_ray_nodes_and_resumes_there(two_nodes, tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     first = _run(two_nodes, out, ckpt, "--num-rollout", "2")
