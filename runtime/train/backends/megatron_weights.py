@@ -41,6 +41,9 @@ from runtime.train.backends.megatron_config import ModelShape, stage_layers, voc
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
+# GLM-4's fused [gate; up] of a dense MLP, and its norms after attention and after the MLP (same names both sides).
+GATE_UP = "mlp.gate_up_proj.weight"
+POST_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")
 
 
 def _layer(i: int) -> str:
@@ -62,10 +65,16 @@ def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int,
     }
     if _is_moe(shape, layer):
         out.update(moe.hf_moe_shapes(shape.moe, hidden_size=h, prefix=p))
+    elif shape.hf_gate_up_fused:
+        out[p + GATE_UP] = ((2 * f, h), "2 x intermediate_size, hidden_size")
+        out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
     else:
         out[p + "mlp.gate_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
         out[p + "mlp.up_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
         out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
+    if shape.post_norms:
+        for name in POST_NORMS:
+            out[p + name] = ((h,), "hidden_size")
     if shape.add_qkv_bias:
         out[p + "self_attn.q_proj.bias"] = ((q,), "num_attention_heads x head_dim")
         out[p + "self_attn.k_proj.bias"] = ((kv,), "num_key_value_heads x head_dim")
@@ -186,12 +195,30 @@ def to_megatron(
             out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = _split(hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        if shape.post_norms:
+            for name in POST_NORMS:
+                out[m + name] = hf[p + name].clone()
         if _is_moe(shape, layer):
-            out.update(moe.moe_to_megatron(hf, shape.moe, hf_prefix=p, prefix=m, ep_rank=ep_rank, ep_size=ep_size))
+            out.update(
+                moe.moe_to_megatron(
+                    hf,
+                    shape.moe,
+                    hf_prefix=p,
+                    prefix=m,
+                    ep_rank=ep_rank,
+                    ep_size=ep_size,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                )
+            )
             continue
-        gate = _split(hf[p + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
-        up = _split(hf[p + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        if shape.hf_gate_up_fused:
+            gate, up = hf[p + GATE_UP].chunk(2, dim=0)
+        else:
+            gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [_split(gate, 0, tp_rank, tp_size), _split(up, 0, tp_rank, tp_size)]
+        )
         out[m + "mlp.linear_fc2.weight"] = _split(hf[p + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
     if last:
         out["decoder.final_layernorm.weight"] = hf[FINAL_NORM].clone()
@@ -257,10 +284,17 @@ def layer_to_hf(
         yield attn + f"q_proj.{kind}", q
         yield attn + f"k_proj.{kind}", k
         yield attn + f"v_proj.{kind}", v
+    elif name == moe.SHARED_FC1:
+        gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
+        yield p + "mlp.shared_experts.gate_proj.weight", torch.cat(gates)
+        yield p + "mlp.shared_experts.up_proj.weight", torch.cat(ups)
     elif name == "mlp.linear_fc1.weight":
         gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
-        yield p + "mlp.gate_proj.weight", torch.cat(gates)
-        yield p + "mlp.up_proj.weight", torch.cat(ups)
+        if shape.hf_gate_up_fused:
+            yield p + GATE_UP, torch.cat([*gates, *ups])
+        else:
+            yield p + "mlp.gate_proj.weight", torch.cat(gates)
+            yield p + "mlp.up_proj.weight", torch.cat(ups)
     elif name in _ROW_PARALLEL:
         yield p + _ROW_PARALLEL[name], torch.cat(list(parts), dim=1)
     elif name in _REPLICATED:
@@ -272,6 +306,7 @@ def layer_to_hf(
 _ROW_PARALLEL = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    moe.SHARED_FC2: "mlp.shared_experts.down_proj.weight",
 }
 _REPLICATED = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -279,6 +314,8 @@ _REPLICATED = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     moe.ROUTER: "mlp.gate.weight",
+    moe.EXPERT_BIAS: moe.HF_EXPERT_BIAS,
+    **{name: name for name in POST_NORMS},
 }
 
 
