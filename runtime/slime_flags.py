@@ -321,7 +321,8 @@ MEGATRON_PARSED = frozenset(
     --moe-router-score-function --moe-layer-freq --moe-grouped-gemm --moe-token-dispatcher-type
     --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-router-dtype --moe-token-drop-policy
     --moe-shared-expert-intermediate-size --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
+    --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk --multi-latent-attention
+    --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
     """.split()
 )
 
@@ -340,7 +341,6 @@ UNFUSED = (
     "switch changes nothing"
 )
 FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
-MLA = "multi-latent attention (DeepSeek, Kimi) is not built: the families built are Llama, Qwen2 and Qwen3"
 STAGES = "the backend splits the layers into equal pipeline stages, without virtual stages"
 FRESH = (
     "rlcore's --load resumes a job whole; a torch_dist --load (or --ref-load) already starts the optimizer, RNG "
@@ -380,17 +380,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         False, "DeepEP's flex dispatcher is not installed; the backend dispatches tokens with alltoall"
     ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
-    **{
-        name: MegatronFlag(False, MLA)
-        for name in (
-            "--q-lora-rank",
-            "--kv-lora-rank",
-            "--qk-head-dim",
-            "--qk-pos-emb-head-dim",
-            "--v-head-dim",
-            "--multi-latent-attention",
-        )
-    },
     **{
         name: MegatronFlag(False, STAGES)
         for name in (

@@ -132,6 +132,8 @@ def test_distributed_timeout_must_be_positive():
         ("Glm4Config", "glm4"),
         ("glm4moe", "glm4_moe"),
         ("glm4-moe", "glm4_moe"),
+        ("deepseekv3", "deepseek_v3"),
+        ("DeepseekV3Config", "deepseek_v3"),
     ],
 )
 def test_model_names_follow_slimes_rules(name, mapping):
@@ -142,7 +144,7 @@ def test_model_names_follow_slimes_rules(name, mapping):
     ("name", "reason"),
     [
         ("qwen2moe", "mixture-of-experts"),
-        ("deepseekv3", "mixture-of-experts"),
+        ("glm4moelite", "mixture-of-experts"),
         ("minimax-m2", "mixture-of-experts"),
         ("qwen3vl", "vision-language"),
         ("mistral", "no weight mapping of slime's"),

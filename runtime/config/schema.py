@@ -138,6 +138,19 @@ class ModelConfig:
     moe_router_group_topk: int | None = field(
         default=None, metadata=_help("Megatron: groups a token's experts come from (topk_group)")
     )
+    # Multi-latent attention's shape flags (runtime.train.backends.megatron_mla), checked against config.json alike.
+    multi_latent_attention: bool | None = field(
+        default=None, metadata=_help("Megatron: multi-latent attention (DeepSeek-V3, Moonlight)")
+    )
+    q_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's query latent rank (q_lora_rank)"))
+    kv_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's key/value latent rank"))
+    qk_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's query/key head without position (qk_nope_head_dim)")
+    )
+    qk_pos_emb_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's rotary part of a query/key head (qk_rope_head_dim)")
+    )
+    v_head_dim: int | None = field(default=None, metadata=_help("Megatron: MLA's value head (v_head_dim)"))
 
 
 @dataclass(frozen=True)

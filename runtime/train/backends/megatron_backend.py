@@ -275,8 +275,9 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
 
 def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool) -> Any:
     """megatron-core's ``TransformerConfig`` of ``shape`` trained as ``cfg`` (its Megatron flags: parallelism,
-    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation (``MLATransformerConfig``
+    under multi-latent attention)."""
+    from runtime.train.backends.megatron_layers import config_class
 
     recompute = {}
     if cfg.recompute_granularity is not None:
@@ -286,7 +287,7 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         recompute["recompute_num_layers"] = cfg.recompute_num_layers
     # A MoE model's experts, router and expert parallelism (megatron_moe); a dense model has none.
     moe = {} if shape.moe is None else mmoe.transformer_config_kwargs(shape.moe, cfg)
-    return TransformerConfig(
+    return config_class(shape)(
         **{
             **mc.transformer_config_kwargs(shape),
             "hidden_dropout": cfg.hidden_dropout,

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.train.backends.megatron_mla import MLAShape, mla_from_hf
+from runtime.train.backends.megatron_mla import config_kwargs as mla_config_kwargs
 from runtime.train.backends.megatron_moe import MoEShape, layer_pattern, local_experts, moe_from_hf
 
 
@@ -44,6 +46,8 @@ class Family:
     partial_rotary: bool = False
     # The dense MLP's gate and up projections as one HF tensor, mlp.gate_up_proj.weight [gate; up] (GLM-4).
     hf_gate_up_fused: bool = False
+    # Multi-latent attention (DeepSeek-V3; megatron_mla): its own rotary (plain or YaRN) on part of each head.
+    mla: bool = False
 
 
 # model_type -> its layers (the families --train-backend megatron builds).
@@ -54,6 +58,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_layernorm=True),
     # GLM-4.5: GLM-4's attention without its post-norms and with Llama's rotary pairs (over half of each head).
     "glm4_moe": Family(qkv_bias_field="attention_bias", qk_layernorm_field="use_qk_norm", partial_rotary=True),
+    "deepseek_v3": Family(mla=True),
     "glm4": Family(
         qkv_bias_field="attention_bias",
         post_norms=True,
@@ -98,6 +103,8 @@ class ModelShape:
     post_norms: bool = False
     rotary_interleaved: bool = False
     hf_gate_up_fused: bool = False
+    # Multi-latent attention (DeepSeek-V3, Moonlight); None: grouped-query attention.
+    mla: MLAShape | None = None
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -146,7 +153,7 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         raise ValueError(f"{source}: missing {', '.join(missing)}")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu, SwiGLU)")
-    if _rope_type(hf) != "default":
+    if _rope_type(hf) != "default" and not family.mla:
         problems.append(f"rope scaling {_rope_type(hf)!r} (only plain rotary embeddings)")
     if hf.get("attention_bias") and not (family.qkv_bias or family.qkv_bias_field == "attention_bias"):
         problems.append("attention_bias true (a bias on q/k/v/o)")
@@ -172,6 +179,9 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
     groups = int(hf.get("num_key_value_heads") or heads)
     head_dim = hf.get("head_dim")
     head_dim = int(head_dim) if head_dim is not None else hidden // heads
+    mla = mla_from_hf(hf, source=source) if family.mla else None
+    if mla is not None:
+        head_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim
     if heads % groups:
         raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
     return ModelShape(
@@ -194,6 +204,7 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         post_norms=family.post_norms,
         rotary_interleaved=family.rotary_interleaved,
         hf_gate_up_fused=family.hf_gate_up_fused,
+        mla=mla,
     )
 
 
@@ -246,6 +257,13 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "moe_router_topk_scaling_factor": (lambda s: s.moe and s.moe.topk_scaling_factor, "routed_scaling_factor"),
     "moe_router_num_groups": (lambda s: s.moe and s.moe.num_groups, "n_group"),
     "moe_router_group_topk": (lambda s: s.moe and s.moe.group_topk, "topk_group"),
+    # Multi-latent attention's (a model without it has None: any of them given disagrees).
+    "multi_latent_attention": (lambda s: s.mla is not None, "model_type (deepseek_v3)"),
+    "q_lora_rank": (lambda s: s.mla and s.mla.q_lora_rank, "q_lora_rank"),
+    "kv_lora_rank": (lambda s: s.mla and s.mla.kv_lora_rank, "kv_lora_rank"),
+    "qk_head_dim": (lambda s: s.mla and s.mla.qk_head_dim, "qk_nope_head_dim"),
+    "qk_pos_emb_head_dim": (lambda s: s.mla and s.mla.qk_pos_emb_head_dim, "qk_rope_head_dim"),
+    "v_head_dim": (lambda s: s.mla and s.mla.v_head_dim, "v_head_dim"),
 }
 # How a flag's value reads before it is compared (the flag as given, the shape): --moe-layer-freq is an expression.
 FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
@@ -320,7 +338,7 @@ _MOE = "a mixture-of-experts family that rlcore's Megatron backend does not buil
 MODEL_NAME_RULES: tuple[tuple[str, str | None, str], ...] = (
     ("minimaxm2", None, _MOE),
     ("glm4moelite", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
-    ("deepseekv3", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
+    ("deepseekv3", "deepseek_v3", ""),
     ("deepseekv32", None, _MOE + " (DeepSeek-V3.2: MLA and sparse attention)"),
     ("glmmoedsa", None, _MOE + " (sparse attention)"),
     ("kimi", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
@@ -343,11 +361,14 @@ MAPPING_EXTRAS: dict[str, tuple[bool, bool]] = {
     "qwen3_moe": (False, True),
     "glm4": (True, False),
     "glm4_moe": (True, True),
+    "deepseek_v3": (False, False),
 }
+# The mappings that name multi-latent attention's tensors (slime's convert_deepseekv3_to_hf).
+MLA_MAPPINGS = ("deepseek_v3",)
 # The mappings that name GLM-4's post-attention and post-MLP norms (slime's convert_glm4_to_hf).
 POST_NORM_MAPPINGS = ("glm4",)
 # The mappings that name experts and a router (slime's convert_qwen3moe_to_hf).
-MOE_MAPPINGS = ("qwen3_moe", "glm4_moe")
+MOE_MAPPINGS = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def default_model_name(model_type: str) -> str:
@@ -384,6 +405,11 @@ def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-n
             ("the QK-norms (self_attn.q_norm / k_norm)", shape.qk_layernorm, qk_norm),
             ("the experts and router (mlp.experts.*, mlp.gate)", shape.moe is not None, mapping in MOE_MAPPINGS),
             (
+                "the multi-latent attention (self_attn.kv_a_proj_with_mqa, kv_b_proj, ...)",
+                shape.mla is not None,
+                mapping in MLA_MAPPINGS,
+            ),
+            (
                 "the post-attention and post-MLP norms (post_self_attn_layernorm, post_mlp_layernorm)",
                 shape.post_norms,
                 mapping in POST_NORM_MAPPINGS,
@@ -419,6 +445,11 @@ def parallel_problems(
             local_experts(shape.moe, ep_size=ep_size)
         except ValueError as err:
             problems.append(f"{err} ({source})")
+    if shape.mla is not None and tp_size != 1:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size}: multi-latent attention ({source}) is built at tensor "
+            "parallelism 1 only"
+        )
     if shape.num_query_groups % tp_size:
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "
@@ -467,6 +498,8 @@ def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
         "add_qkv_bias": shape.add_qkv_bias,
         "qk_layernorm": shape.qk_layernorm,
         "rotary_interleaved": shape.rotary_interleaved,
+        # MLA rotates with its own embedding (megatron_mla), from the config's base.
+        **({} if shape.mla is None else {**mla_config_kwargs(shape.mla), "rotary_base": shape.rotary_base}),
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
     }

@@ -7,6 +7,8 @@ a family's layers add (:data:`runtime.train.backends.megatron_config.FAMILIES`).
   ``get_gpt_decoder_block_spec`` does the same from ``moe_layer_freq``, but builds its own local layers, without the
   backend's core attention and experts).
 - GLM-4's norms after attention and after the MLP: :class:`PostNormTransformerLayer`.
+- Multi-latent attention (DeepSeek-V3): megatron-core's ``MLASelfAttention`` and ``MLATransformerConfig``
+  (:func:`config_class`; :mod:`runtime.train.backends.megatron_mla`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from runtime.train.backends.megatron_attention import local_layer_spec
 from runtime.train.backends.megatron_config import ModelShape, stage_layers
+from runtime.train.backends.megatron_mla import HF_LATENT_NORM_EPS
 
 
 def _normed(bda: Callable[..., Any], norm: torch.nn.Module) -> Callable[..., Any]:
@@ -64,17 +67,40 @@ class PostNormTransformerLayer(TransformerLayer):
         self.mlp_bda = _normed(self.mlp_bda, self.post_mlp_layernorm)
 
 
+class LatentNorm:
+    """The local spec's norm (``LNImpl``, built as megatron-core builds it) at transformers' epsilon for MLA's latent
+    norms (``q_a_layernorm``, ``kv_a_layernorm``: :data:`megatron_mla.HF_LATENT_NORM_EPS`, whatever
+    ``rms_norm_eps`` says), where megatron-core would pass the model's."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = HF_LATENT_NORM_EPS, **kwargs: Any) -> Any:
+        return LNImpl(config, hidden_size, eps=HF_LATENT_NORM_EPS, **kwargs)
+
+
+def config_class(shape: ModelShape) -> type:
+    """megatron-core's ``TransformerConfig`` for ``shape``, ``MLATransformerConfig`` under multi-latent attention."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    return TransformerConfig if shape.mla is None else MLATransformerConfig
+
+
 def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_gemm: bool = False) -> ModuleSpec:
     """One decoder layer of ``shape``: MoE (its experts and router) or dense, with the family's extras."""
     spec = local_layer_spec(
         attention_backend=attention_backend,
-        qk_layernorm=shape.qk_layernorm,
+        # MLA's latent norms (q_a_layernorm, kv_a_layernorm) are the spec's QK-norms.
+        qk_layernorm=shape.qk_layernorm or shape.mla is not None,
         normalization=shape.normalization,
         num_experts=shape.moe.num_experts if moe else None,
         grouped_gemm=grouped_gemm,
+        multi_latent_attention=shape.mla is not None,
     )
     if shape.post_norms:
         spec = dataclasses.replace(spec, module=PostNormTransformerLayer)
+    if shape.mla is not None:
+        attention = spec.submodules.self_attention
+        norms = dataclasses.replace(attention.submodules, q_layernorm=LatentNorm, kv_layernorm=LatentNorm)
+        attention = dataclasses.replace(attention, submodules=norms)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
     return spec
 
 
@@ -95,4 +121,4 @@ def decoder_spec(
     return TransformerBlockSubmodules(layer_specs=[specs[pattern[i]] for i in layers], layer_norm=LNImpl)
 
 
-__all__ = ["PostNormTransformerLayer", "decoder_spec", "layer_spec"]
+__all__ = ["LatentNorm", "PostNormTransformerLayer", "config_class", "decoder_spec", "layer_spec"]
