@@ -317,3 +317,21 @@ def test_expert_parallel_two_ranks_equal_transformers(tmp_path):
         with torch.no_grad():
             want = hf(input_ids=got["tokens"]).logits
         torch.testing.assert_close(got["logits"], want, **LOGIT_TOL)
+
+
+def test_the_decoder_spec_lists_each_stages_own_layers():
+    """Dense first layers make a block spec of the stage's layers in order (equal pipeline stages); a uniform stack
+    stays one layer spec."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from runtime.train.backends.megatron_layers import decoder_spec
+
+    shape = mc.shape_from_hf(glm4_moe_config(num_hidden_layers=4, first_k_dense_replace=1).to_dict())
+    kinds = []
+    for rank in range(2):
+        spec = decoder_spec(shape, attention_backend="auto", pp_rank=rank, pp_size=2)
+        assert isinstance(spec, TransformerBlockSubmodules)
+        kinds.append([getattr(s.submodules.mlp.submodules, "experts", None) is not None for s in spec.layer_specs])
+    assert kinds == [[False, True], [True, True]]
+    uniform = mc.shape_from_hf(glm4_moe_config(first_k_dense_replace=0).to_dict())
+    assert not isinstance(decoder_spec(uniform, attention_backend="auto"), TransformerBlockSubmodules)
