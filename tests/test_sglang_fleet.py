@@ -125,40 +125,6 @@ def test_requests_in_flight_through_the_router_are_bounded_by_server_concurrency
         assert server_info(url)["internal_states"][0]["peak_running_requests"] == 3
 
 
-def test_a_rollout_through_the_router_sends_slimes_seeds_and_samples_alike_again(ray_session, model_path, tmp_path):
-    with one_engine_fleet(tmp_path, model_path) as (cfg, engines, url):
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg, sampling_seed=cfg.data.rollout_seed)
-        params = SamplingParams(max_new_tokens=6, temperature=1.5)
-
-        def rollout(custom_generate=None):
-            prompts = [Sample(tokens=[1, 2, 3]), Sample(tokens=[4, 5, 6])]
-            groups = expand_groups(prompts, 3, first_group=0)
-            whole, aborted = asyncio.run(generate_groups(ctx, groups, params, custom_generate))
-            assert not aborted
-            return [[s.tokens for s in g] for g in whole]
-
-        def seeds_seen():
-            return server_info(url)["internal_states"][0]["sampling_seeds"]
-
-        first = rollout()
-        # slime's seeds: --rollout-seed (42) + the sample's place in its group, on every request.
-        assert cfg.data.rollout_seed == 42 and sorted(seeds_seen()) == [42, 42, 43, 43, 44, 44]
-        assert all(len({tuple(t) for t in group}) > 1 for group in first)  # a group's samples differ
-        # Other traffic in between (another rollout's, a resumed job's fresh engines): the same samples again.
-        asyncio.run(engines.generate([[7, 7]], PARAMS))
-        assert rollout() == first
-        # A slime-style custom generate function gets the seed in its sampling_params and samples alike too.
-        received = []
-
-        async def custom(args, sample, sampling_params):
-            received.append(sampling_params["sampling_seed"])
-            return await generation.generate(args, sample, sampling_params)
-
-        assert rollout(custom) == first
-        assert sorted(received) == [42, 42, 43, 43, 44, 44]
-
-
 def _launched_by(model_path: str) -> list[str]:
     """Command lines of the running fake servers of ``model_path`` (this test's own: the folder is unique)."""
     import psutil
@@ -272,6 +238,48 @@ def test_a_multi_turn_samples_turns_stay_on_one_server(fleet):
             asyncio.run(conversation(sample))
         delta = [a - b for a, b in zip(generate_counts(urls), before, strict=True)]
         assert sorted(delta) == [0, 3], (sample.session_id, delta)
+
+
+def test_a_rollout_through_the_router_sends_slimes_seeds_and_samples_alike_again(fleet, model_path):
+    # On the shared fleet (two servers behind the router; a sample's session key keeps it on one of them): the seed,
+    # not the server, fixes what a request samples. Before the weights test below, which changes the weights.
+    cfg, engines, _ = fleet
+    urls = [ray.get(a.url.remote()) for a in engines.actors]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ctx = RolloutContext(engines=engines, tokenizer=tokenizer, args=cfg, sampling_seed=cfg.data.rollout_seed)
+    params = SamplingParams(max_new_tokens=6, temperature=1.5)
+
+    def rollout(custom_generate=None):
+        prompts = [Sample(tokens=[1, 2, 3]), Sample(tokens=[4, 5, 6])]
+        groups = expand_groups(prompts, 3, first_group=0)
+        whole, aborted = asyncio.run(generate_groups(ctx, groups, params, custom_generate))
+        assert not aborted
+        return [[s.tokens for s in g] for g in whole]
+
+    def seeds_sent(since):
+        seen = [server_info(u)["internal_states"][0]["sampling_seeds"] for u in urls]
+        return [seed for start, seeds in zip(since, seen, strict=True) for seed in seeds[start:]]
+
+    def mark():
+        return [len(server_info(u)["internal_states"][0]["sampling_seeds"]) for u in urls]
+
+    start = mark()
+    first = rollout()
+    # slime's seeds: --rollout-seed (42) + the sample's place in its group, on every request.
+    assert cfg.data.rollout_seed == 42 and sorted(seeds_sent(start)) == [42, 42, 43, 43, 44, 44]
+    assert all(len({tuple(t) for t in group}) > 1 for group in first)  # a group's samples differ
+    # Other traffic in between (another rollout's, a resumed job's fresh engines): the same samples again.
+    asyncio.run(engines.generate([[7, 7]], PARAMS))
+    assert rollout() == first
+    # A slime-style custom generate function gets the seed in its sampling_params and samples alike too.
+    received = []
+
+    async def custom(args, sample, sampling_params):
+        received.append(sampling_params["sampling_seed"])
+        return await generation.generate(args, sample, sampling_params)
+
+    assert rollout(custom) == first
+    assert sorted(received) == [42, 42, 43, 43, 44, 44]
 
 
 def _train_one_step(trainers, cfg, model_path, seed):
