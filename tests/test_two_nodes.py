@@ -70,9 +70,9 @@ def _stop(procs: list[subprocess.Popen], temp_dir: str) -> None:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             continue
-    # A node that has not stopped in a few seconds is killed: the cluster is thrown away, and waiting out Ray's own
-    # graceful stop took 30 s of the suite's time.
-    deadline = time.monotonic() + 5
+    # A node that has not stopped within a second is killed: the cluster is thrown away, and waiting out Ray's own
+    # graceful stop took 30 s of the suite's time (5 s of grace still cost 5 s: the nodes never stop sooner).
+    deadline = time.monotonic() + 1
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -132,23 +132,23 @@ def _run(env, out: Path, ckpt: Path, *flags: str) -> subprocess.CompletedProcess
     return result
 
 
-@pytest.mark.slow  # a drill: two Ray nodes started and torn down (~80 s on 2 cores); `make test-slow` runs it
 def test_a_job_spans_two_ray_nodes_and_resumes_there(two_nodes, tmp_path):
+    # In the default suite (issue 26): one step, saved, then one resumed step; each run is mostly its start.
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    first = _run(two_nodes, out, ckpt, "--num-rollout", "2")
+    first = _run(two_nodes, out, ckpt, "--num-rollout", "1")
     placed = [line for line in first.stdout.splitlines() if "placement over 2 Ray nodes" in line]
     assert placed, first.stdout[-2000:]
     # One trainer rank on each node (the engine on either).
     trainers = placed[0].split("trainer ranks on ")[1].split("]")[0]
     assert HEAD in trainers and WORKER in trainers, placed[0]
-    second = _run(two_nodes, out, ckpt, "--num-rollout", "3", "--load", str(ckpt))
+    second = _run(two_nodes, out, ckpt, "--num-rollout", "2", "--load", str(ckpt))
     assert "placement over 2 Ray nodes" in second.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # Steps 0 and 1 from the first run, step 2 from the resume: nothing repeated, nothing lost.
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    # Step 0 from the first run, step 1 from the resume: nothing repeated, nothing lost.
+    assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         assert row["train/num_steps"] == 1 and row["train/grad_norm"] > 0
         # The engine's log-probs equal the trainers' recompute (both float32 on the CPU): the weights crossed whole.
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
     ledger = [json.loads(line) for line in (out / "rollout_ledger.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in ledger] == [0, 1, 2]
+    assert [r["step"] for r in ledger] == [0, 1]
