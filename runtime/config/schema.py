@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.cluster import weight_sync_options
+from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, WEIGHT_TRANSPORTS  # noqa: F401  (runtime.config's)
 from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
 from runtime.option_fields import bounded, described, flag, hook, slime  # noqa: F401  (flag: runtime.config.flag)
 from runtime.rollout.schedule_options import SCHEDULE_OPTIONS
@@ -21,8 +23,6 @@ from runtime.train.backends import TRAIN_BACKEND_OPTIONS, TRAIN_BACKENDS, backen
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = tuple(SCHEDULE_OPTIONS)
-# --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
 
 # Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
 # grpo without the std, so it goes with them.
@@ -55,12 +55,12 @@ _help, _bounded, _hook_help = described, bounded, hook
 
 
 def _plugin_options(section: str) -> tuple[type, ...]:
-    """The options dataclasses that the plug-ins (training backends, engines) declare for ``section``: the section
-    inherits their fields, so ``cfg.train.tensor_model_parallel_size`` is a field the Megatron backend declares.
-    Every plug-in's fields are there; the chosen plug-in's are checked, another's refused when set
-    (``runtime.config.checks``)."""
+    """The options dataclasses that the plug-ins (training backends, engines, rollout schedules, weight syncs)
+    declare for ``section``: the section inherits their fields, so ``cfg.train.tensor_model_parallel_size`` is a field
+    the Megatron backend declares. Every plug-in's fields are there; the chosen plug-in's are checked, another's
+    refused when set (``runtime.config.checks``)."""
     modules = [backend_options(n) for n in TRAIN_BACKEND_OPTIONS] + [engine_options(n) for n in ROLLOUT_ENGINE_OPTIONS]
-    modules += list(SCHEDULE_OPTIONS.values())
+    modules += [*SCHEDULE_OPTIONS.values(), weight_sync_options, *WEIGHT_SYNC_OPTIONS.values()]
     return tuple(dict.fromkeys(m.OPTIONS[section] for m in modules if section in m.OPTIONS))
 
 
@@ -416,13 +416,6 @@ class RolloutConfig(*_plugin_options("rollout")):
             "ours: sync, one_step (rollout k+1 generated while step k trains, slime's train_async.py; --async) or "
             "fully_async (groups in flight across steps under --max-staleness; --fully-async)"
         ),
-    )
-    update_weights_interval: int = field(
-        default=1, metadata=_bounded(gt=0, help="sync weights to the engines every N steps", slime=slime("rollout", 1))
-    )
-    update_weight_buffer_size: int = field(
-        default=512 * 1024**2,
-        metadata=_bounded(gt=0, help="bytes per bucket of a weight sync", slime=slime("rollout", 536870912)),
     )
 
 
@@ -1383,63 +1376,9 @@ class DebugConfig:
 @dataclass(frozen=True)
 class SGLangConfig(*_plugin_options("sglang")):
     """The engines' fleet: the SGLang engine's options (``runtime.engines.sglang_options``: servers, router,
-    passthrough flags), the weight sync and the offloads between rollout and training."""
+    passthrough flags), the weight sync's (``runtime.cluster.weight_sync_options``) and the offloads between rollout
+    and training."""
 
-    update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
-        default=None,
-        metadata=_help(
-            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
-            "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
-            "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
-            "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
-            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
-            "object store for the embedded engine on the CPU",
-            slime=slime(
-                "train", "nccl", differs="unset: nccl for SGLang engines, the object store for the embedded engine"
-            ),
-        ),
-    )
-    check_weight_update_equal: bool = field(
-        default=False,
-        metadata=_help(
-            "after the first weight sync, compare every engine's weights with the trainer's",
-            slime=slime("debug", False),
-        ),
-    )
-    update_weight_disk_dir: str | None = field(
-        default=None,
-        metadata=_help(
-            "where --update-weight-transport disk writes one HF folder per sync (weight_v<version, 6 digits>), on a "
-            "file system the engines read; unset: a temporary folder (slime needs it given)",
-            slime=slime(
-                "train",
-                None,
-                differs="unset with --update-weight-transport disk: a temporary folder (slime refuses the job)",
-            ),
-        ),
-    )
-    update_weight_disk_keep_files: bool = field(
-        default=False,
-        metadata=_help(
-            "keep every folder a disk sync writes (by default each is deleted once the engines loaded it)",
-            slime=slime("train", False),
-        ),
-    )
-    custom_update_weight_post_write_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, version_dir, rollout_engines) -> None, after a disk sync's folder is written and before the "
-            "engines read it (to publish it on a file system without cross-host visibility); rollout_engines are "
-            "the engine actors",
-            slime=slime(
-                "train",
-                None,
-                differs="called once, in the driver, after trainer rank 0 (rlcore's only "
-                "writer) wrote the folder; slime calls it on every trainer rank",
-            ),
-        ),
-    )
     sglang_server_concurrency: int = field(
         default=512,
         metadata=_bounded(
