@@ -796,11 +796,13 @@ class TrainConfig(*_plugin_options("train")):
         default=None,
         metadata=_help(
             "activation recompute: Megatron's full layers or selective core attention; the torch backend: full "
-            "(every decoder layer checkpointed)"
+            "(every decoder layer checkpointed)",
+            megatron=True,
         ),
     )
     lr_decay_iters: int | None = field(
-        default=None, metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps")
+        default=None,
+        metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps", megatron=True),
     )
     only_train_params_name_list: list[str] | None = field(
         default=None,
