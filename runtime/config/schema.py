@@ -4,9 +4,10 @@ flag names, the choices the registries define, and the field table the flags and
 A section is declared beside the code that reads it where one part of the runtime does: ``algo`` in
 ``runtime.train.algo_options``, ``data`` in ``runtime.rollout.data_options``, ``reward`` in
 ``runtime.rollout.reward_options``, ``eval`` in ``runtime.evaluation_options``, ``ckpt`` in
-``runtime.cluster.checkpoint_options``, ``log`` in ``runtime.logger_options`` and ``fault`` in
-``runtime.fault_options``. The sections that many parts read (``model``, ``rollout``, ``train``, ``resources``,
-``debug``, ``sglang``) are declared here, composed with the plug-ins' options (:func:`_plugin_options`).
+``runtime.cluster.checkpoint_options``, ``log`` in ``runtime.logger_options``, ``fault`` in ``runtime.fault_options``,
+and the rollout's functions and hooks in ``runtime.rollout.plugin_options``. The sections that many parts read
+(``model``, ``rollout``, ``train``, ``resources``, ``debug``, ``sglang``) are declared here, composed with the
+plug-ins' options (:func:`_plugin_options`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from runtime.fault_options import FaultConfig  # noqa: F401  (runtime.config's)
 from runtime.logger_options import LogConfig  # noqa: F401  (runtime.config's)
 from runtime.option_fields import bounded, described, flag, hook, slime  # noqa: F401  (flag: runtime.config.flag)
 from runtime.rollout.data_options import DataConfig  # noqa: F401  (runtime.config's)
+from runtime.rollout.plugin_options import RolloutFunctionOptions
 from runtime.rollout.reward_options import RM_TYPES, SLIME_RM_TYPES_NOT_BUILT, RewardConfig  # noqa: F401  (runtime.config's)
 from runtime.rollout.schedule_options import SCHEDULE_OPTIONS
 from runtime.train.algo_options import KL_COEF_IGNORED, AlgoConfig  # noqa: F401  (runtime.config's)
@@ -124,7 +126,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class RolloutConfig(*_plugin_options("rollout")):
+class RolloutConfig(RolloutFunctionOptions, *_plugin_options("rollout")):
     rollout_batch_size: int | None = field(
         default=None,
         metadata=_bounded(
@@ -206,91 +208,6 @@ class RolloutConfig(*_plugin_options("rollout")):
             gt=0,
             help="passes over --prompt-data when --num-rollout is unset (whole rollouts per epoch)",
             slime=slime("data", None),
-        ),
-    )
-    custom_generate_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "async def generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample], as "
-            "module:function",
-            slime=slime("rollout", None, note="engines through runtime.rollout.engine_generate"),
-        ),
-    )
-    rollout_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "the whole rollout, generate_rollout(args, rollout_id, data_source, evaluation=False) -> "
-            "RolloutFnTrainOutput | list[list[Sample]]; unset: the built-in rollout",
-            slime=slime(
-                "rollout",
-                "slime.rollout.sglang_rollout.generate_rollout",
-                differs="unset: the built-in "
-                "rollout (slime's default path is accepted and means it); --fully-async refused",
-            ),
-        ),
-    )
-    eval_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "evaluation rollout, called with evaluation=True -> RolloutFnEvalOutput; unset: --rollout-function-path "
-            "when set, else the built-in evaluation",
-            slime=slime("eval", None, note="unset: the rollout function when one is given"),
-        ),
-    )
-    rollout_sample_hook_path: list[str] = field(
-        default_factory=list,
-        metadata={
-            **_hook_help("(repeatable) [async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None"),
-            "append": True,
-            "slime": slime("rollout", []),
-        },
-    )
-    buffer_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]: groups taken back",
-            slime=slime("rollout", None, note="the default data source's buffer (rollout functions)"),
-        ),
-    )
-    rollout_sample_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, data: list[list[Sample]]) -> None; sets sample.remove_sample",
-            slime=slime("rollout_buffer", None),
-        ),
-    )
-    rollout_all_samples_process_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, all_samples: list[list[Sample]], data_source) -> None, filtered groups too",
-            slime=slime("rollout_buffer", None, note="built-in rollout; not with --fully-async"),
-        ),
-    )
-    rollout_data_postprocess_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, rollout_id, rollout_data: dict) -> None, after log-probs and advantages",
-            slime=slime("rollout", None, note="on every trainer rank, over its shard"),
-        ),
-    )
-    custom_rollout_log_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(rollout_id, args, samples, extra_metrics, rollout_time) -> bool (True: skip ours)",
-            slime=slime("rollout", None),
-        ),
-    )
-    custom_eval_rollout_log_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(rollout_id, args, data, extra_metrics) -> bool (True: skip ours)", slime=slime("rollout", None)
-        ),
-    )
-    dynamic_sampling_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group",
-            slime=slime("rollout", None),
         ),
     )
     over_sampling_batch_size: int | None = field(
