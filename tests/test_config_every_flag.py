@@ -227,9 +227,9 @@ def test_the_weight_syncs_options_are_the_transports_and_an_unset_transport_refu
     from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, WEIGHT_TRANSPORTS
     from runtime.config import parse_args
 
-    # One options entry per --update-weight-transport choice, each a weight sync the runtime builds.
-    assert tuple(WEIGHT_SYNC_OPTIONS) == WEIGHT_TRANSPORTS
-    assert set(WEIGHT_TRANSPORTS) <= set(WEIGHT_SYNCS)
+    # The flag's choices are the options registry's names, each a weight sync the runtime builds.
+    assert typing.get_args(_SPECS["update_weight_transport"][2]) == (typing.Literal[WEIGHT_TRANSPORTS], type(None))
+    assert set(WEIGHT_SYNC_OPTIONS) == set(WEIGHT_TRANSPORTS) <= set(WEIGHT_SYNCS)
     # Unset, the transport is derived when the job starts (disk under --colocate where ipc is not built), so the disk
     # sync's settings are taken, not refused.
     folder = str(tmp_path / "syncs")

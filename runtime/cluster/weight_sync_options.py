@@ -20,10 +20,6 @@ from typing import Any, Literal
 
 from runtime.option_fields import bounded, described, hook, own_fields, slime
 
-# --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry). Ray's
-# object store (``object_store``) is no choice of the flag: the embedded engine's default on the CPU.
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
-
 
 @dataclass(frozen=True)
 class WeightSyncOptions:
@@ -151,6 +147,10 @@ WEIGHT_SYNC_OPTIONS: dict[str, types.SimpleNamespace] = {
     "ipc": _transport(check=_check_ipc),
     "lora_adapter": _transport(check=_check_lora_adapter),
 }
+# --update-weight-transport's choices (slime's): the registry's names. Unset, the engine kind's own default
+# (runtime.engines.registry); Ray's object store (``object_store``) is no choice of the flag: the embedded engine's
+# default on the CPU. (WeightTransportOptions' annotation names it; annotations are read once the module is loaded.)
+WEIGHT_TRANSPORTS = tuple(WEIGHT_SYNC_OPTIONS)
 # The settings every weight sync reads, by config section.
 OPTIONS: dict[str, type] = {"rollout": WeightSyncOptions, "sglang": WeightTransportOptions}
 
