@@ -335,22 +335,12 @@ UNFUSED = (
     "the local layer spec runs this path unfused anyway (the fused kernels need apex or Transformer Engine), so the "
     "switch changes nothing"
 )
-MOE = (
-    "a MoE layout rlcore's Megatron backend does not build yet: it builds Qwen3-MoE's (softmax router, no shared "
-    "expert, no expert bias)"
-)
 FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
-MLA = "multi-latent attention (DeepSeek, Kimi) is not built: the families built are Llama, Qwen2 and Qwen3"
-GLM4 = "GLM-4's layer layout is not built: the families built are Llama, Qwen2 and Qwen3"
 STAGES = "the backend splits the layers into equal pipeline stages, without virtual stages"
 FRESH = (
     "rlcore's --load resumes a job whole; a torch_dist --load (or --ref-load) already starts the optimizer, RNG "
     "and step afresh, as slime does"
 )
-_MOE_FLAGS = """
-    --moe-shared-expert-intermediate-size --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor
-""".split()
 # Megatron's other flags that slime's run scripts use. --weight-decay and --bf16 are rlcore's own too (the torch
 # backend's), so they are parsed, not listed here.
 MEGATRON_FLAGS: dict[str, MegatronFlag] = {
@@ -376,7 +366,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         "megatron-core 0.16.1's OptimizerConfig needs Transformer Engine for it (its FusedAdam and version), which "
         "is not installed; with --optimizer-cpu-offload too",
     ),
-    **{name: MegatronFlag(False, MOE) for name in _MOE_FLAGS},
     "--moe-permute-fusion": MegatronFlag(
         True,
         "megatron-core's unfused permutation is what the local layer spec runs (the fused one is Transformer "
@@ -387,25 +376,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
     **{
-        name: MegatronFlag(False, MLA)
-        for name in (
-            "--q-lora-rank",
-            "--kv-lora-rank",
-            "--qk-head-dim",
-            "--qk-pos-emb-head-dim",
-            "--v-head-dim",
-            "--multi-latent-attention",
-        )
-    },
-    **{
-        name: MegatronFlag(False, GLM4 + f" ({what})")
-        for name, what in (
-            ("--post-self-attn-layernorm", "a norm after self-attention"),
-            ("--post-mlp-layernorm", "a norm after the MLP"),
-            ("--rotary-interleaved", "interleaved rotary pairs"),
-        )
-    },
-    **{
         name: MegatronFlag(False, STAGES)
         for name in (
             "--decoder-first-pipeline-num-layers",
@@ -415,7 +385,9 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     },
     **{name: MegatronFlag(False, FRESH) for name in ("--no-load-optim", "--no-load-rng", "--finetune")},
     "--spec": MegatronFlag(
-        False, "a layer spec of slime's plugins: the backend builds megatron-core's local GPT layer spec"
+        False,
+        "a layer spec of slime's plugins: the backend builds megatron-core's local GPT layer spec with each family's "
+        "own layers from config.json (GLM-4's post-norms included)",
     ),
     "--transformer-impl": MegatronFlag(
         False, "the backend builds megatron-core's local layer spec (Transformer Engine is not installed)"

@@ -298,7 +298,6 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
 # its message carries.
 MEGATRON_REFUSALS = {
     "--context-parallel-size": "needs Transformer Engine's attention",
-    "--hf-checkpoint": "model_type 'glm4' is not one --train-backend megatron builds",
     "--sglang-cuda-graph-bs": "not a flag of SGLang",
     **VALUE_REFUSALS,
 }

@@ -95,7 +95,14 @@ class ModelConfig:
     rotary_percent: float | None = field(default=None, metadata=_help("Megatron: rotated part of a head (1.0)"))
     norm_epsilon: float | None = field(default=None, metadata=_help("Megatron: RMSNorm epsilon (rms_norm_eps)"))
     qk_layernorm: bool | None = field(default=None, metadata=_help("Megatron: per-head QK RMSNorm (Qwen3)"))
-    add_qkv_bias: bool | None = field(default=None, metadata=_help("Megatron: bias on q/k/v (Qwen2)"))
+    add_qkv_bias: bool | None = field(default=None, metadata=_help("Megatron: bias on q/k/v (Qwen2, GLM-4)"))
+    post_self_attn_layernorm: bool | None = field(
+        default=None, metadata=_help("Megatron: an RMSNorm after self-attention (GLM-4)")
+    )
+    post_mlp_layernorm: bool | None = field(default=None, metadata=_help("Megatron: an RMSNorm after the MLP (GLM-4)"))
+    rotary_interleaved: bool | None = field(
+        default=None, metadata=_help("Megatron: rotary pairs (2i, 2i+1), not (i, i+d/2) (GLM-4)")
+    )
     untie_embeddings_and_output_weights: bool | None = field(
         default=None, metadata=_help("Megatron: LM head apart from the embedding (not tie_word_embeddings)")
     )
@@ -123,6 +130,32 @@ class ModelConfig:
     moe_layer_freq: str | None = field(
         default=None, metadata=_help("Megatron: MoE layers, an int N (every N-th) or a list such as [1]*48")
     )
+    moe_shared_expert_intermediate_size: int | None = field(
+        default=None, metadata=_help("Megatron: the shared experts' width (n_shared_experts x moe_intermediate_size)")
+    )
+    moe_router_enable_expert_bias: bool | None = field(
+        default=None, metadata=_help("Megatron: a per-expert bias for the choice (e_score_correction_bias)")
+    )
+    moe_router_topk_scaling_factor: float | None = field(
+        default=None, metadata=_help("Megatron: gate weights' factor (routed_scaling_factor)")
+    )
+    moe_router_num_groups: int | None = field(default=None, metadata=_help("Megatron: expert groups (n_group)"))
+    moe_router_group_topk: int | None = field(
+        default=None, metadata=_help("Megatron: groups a token's experts come from (topk_group)")
+    )
+    # Multi-latent attention's shape flags (runtime.train.backends.megatron_mla), checked against config.json alike.
+    multi_latent_attention: bool | None = field(
+        default=None, metadata=_help("Megatron: multi-latent attention (DeepSeek-V3, Moonlight)")
+    )
+    q_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's query latent rank (q_lora_rank)"))
+    kv_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's key/value latent rank"))
+    qk_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's query/key head without position (qk_nope_head_dim)")
+    )
+    qk_pos_emb_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's rotary part of a query/key head (qk_rope_head_dim)")
+    )
+    v_head_dim: int | None = field(default=None, metadata=_help("Megatron: MLA's value head (v_head_dim)"))
 
 
 @dataclass(frozen=True)
