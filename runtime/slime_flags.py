@@ -41,7 +41,6 @@ TEXT_ONLY = (
     "(leave it unset)"
 )
 DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
-TORCH_HOOKS = "torch backend: model is the torch module, optimizer AdamW, opt_param_scheduler None"
 DELTA_SYNC = (
     "delta sync needs the /pull_weights endpoint and delta loader of slime's patched SGLang, which SGLang 0.5.23 "
     "lacks: full only"
