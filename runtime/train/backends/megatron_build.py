@@ -182,8 +182,9 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
 
 def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool) -> Any:
     """megatron-core's ``TransformerConfig`` of ``shape`` trained as ``cfg`` (its Megatron flags: parallelism,
-    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation (``MLATransformerConfig``
+    under multi-latent attention)."""
+    from runtime.train.backends.megatron_layers import config_class
 
     recompute = {}
     if cfg.recompute_granularity is not None:
@@ -193,7 +194,7 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         recompute["recompute_num_layers"] = cfg.recompute_num_layers
     # A MoE model's experts, router and expert parallelism (megatron_moe); a dense model has none.
     moe = {} if shape.moe is None else mmoe.transformer_config_kwargs(shape.moe, cfg)
-    return TransformerConfig(
+    return config_class(shape)(
         **{
             **mc.transformer_config_kwargs(shape),
             "hidden_dropout": cfg.hidden_dropout,
@@ -329,7 +330,7 @@ class MegatronBuild:
         ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused."""
         from megatron.core.models.gpt import GPTModel
 
-        from runtime.train.backends.megatron_attention import local_layer_spec
+        from runtime.train.backends.megatron_layers import decoder_spec
 
         folder = mck.find_checkpoint(path)
         if value_head and folder is not None:
@@ -338,12 +339,12 @@ class MegatronBuild:
         if shape != self.shape and trainable:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
         config = self._transformer_config()
-        spec = local_layer_spec(
+        spec = decoder_spec(
+            shape,
             attention_backend=self.cfg.attention_backend,
-            qk_layernorm=shape.qk_layernorm,
-            normalization=shape.normalization,
-            num_experts=None if shape.moe is None else shape.moe.num_experts,
             grouped_gemm=self.cfg.moe_grouped_gemm,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp,
         )
         kwargs = {**mc.gpt_model_kwargs(shape, tp_size=self.tp), **(mcritic.GPT_KWARGS if value_head else {})}
         # slime builds the critic through the custom provider too, then swaps its output layer for the value head.
@@ -366,7 +367,7 @@ class MegatronBuild:
             what = f"--custom-model-provider-path {hook_path}: the {'critic' if value_head else 'model'} for {path}"
         if value_head and self.last_stage:
             model.output_layer = mcritic.ValueHead(config.hidden_size, seed=self.seed, config=config)
-        params = dict(model.named_parameters())
+        params = mmoe.model_tensors(model)  # the routers' expert biases are buffers
         if value_head:
             mcritic.check_critic_state(
                 params, shape, tp_size=self.tp, pp_rank=self.pp_rank, pp_size=self.pp, ep_size=self.ep, what=what

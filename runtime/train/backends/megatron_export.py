@@ -28,7 +28,7 @@ class MegatronExport:
         """``(HF name, full tensor in dtype)`` in one global order, gathered over TP, sent from each stage to global
         rank 0; yielded on rank 0 only, on the CPU or (``on_cpu=False``) on rank 0's device. A collective: every rank
         runs it to the end."""
-        params = dict(self._module(model).named_parameters())
+        params = mmoe.model_tensors(self._module(model))
         tp_group = self.ps.get_tensor_model_parallel_group()
         for stage in range(self.pp):
             expected = mw.megatron_shapes(self.shape, tp_size=self.tp, pp_rank=stage, pp_size=self.pp, ep_size=self.ep)

@@ -165,6 +165,9 @@ class MegatronSteps:
                 p.grad.mul_(self.cfg.clip_grad / (grad_norm + 1e-6))
         optimizer.step()
         scheduler.step(increment=1)
+        if self.shape.moe is not None and self.shape.moe.expert_bias:
+            # The routers' expert-bias step towards balanced loads, which finalize_model_grads takes on GPUs.
+            mmoe.update_expert_bias(self._module(model))
         return grad_norm
 
     def _grad_norm(
