@@ -665,8 +665,12 @@ class MegatronTrainer:
         the model's dtype: under bf16 Megatron's ``Float16Module`` would copy them to float32, which
         :func:`rlcore.kernels.logprobs_entropy` does not need (it accumulates in float32)."""
         tokens, positions, mask = self._inputs(mb)
-        half = {"fp32_output": False} if self.bf16 else {}
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **half)
+        extra = {"fp32_output": False} if self.bf16 else {}
+        if self.shape.moe is not None:
+            # The rows' right padding stays out of the routers' balancing loss and expert-bias counts.
+            seq_lens = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).to(self.device)
+            extra["padding_mask"] = mmoe.padding_mask(seq_lens, tokens.shape[1])
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
 
     def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
@@ -798,6 +802,9 @@ class MegatronTrainer:
                     "as many rows, or --use-dynamic-batch-size, which agrees on the count)"
                 )
         if self.pp == 1:
+            if not forward_only and self.shape.moe is not None:
+                # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so).
+                mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
             for i, mb in enumerate(parts):
@@ -957,7 +964,12 @@ class MegatronTrainer:
     def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
         self._zero_grad()
+        moe_aux = self.shape.moe is not None and self.cfg.moe_aux_loss_coeff > 0
+        if moe_aux:
+            mmoe.clear_aux_loss()
         sums, maxes = sums_and_maxima(self._train_run(self.model, parts, loss_fn))
+        if moe_aux:
+            sums["moe_aux_loss"] = self._moe_aux_loss(len(parts))
         out = {**self._all_reduce(sums, dist.ReduceOp.SUM), **self._all_reduce(maxes, dist.ReduceOp.MAX)}
         out["grad_norm"] = self._optimizer_step()
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -974,6 +986,14 @@ class MegatronTrainer:
             return self._run(model, parts, forward_only=False, loss_fn=loss_fn)
         finally:
             model.eval()
+
+    def _moe_aux_loss(self, micro_batches: int) -> float:
+        """This rank's share of the step's ``moe_aux_loss`` metric, a sum like the loss's token means: the balancing
+        loss the step added (:func:`megatron_moe.recorded_aux_loss`: --moe-aux-loss-coeff x the sum over MoE layers of
+        the micro-batches' mean) over the data-parallel size, so that the sum over DP ranks is their mean."""
+        groups = [self.ps.get_tensor_and_context_parallel_group(), self.ps.get_pipeline_model_parallel_group()]
+        value = mmoe.recorded_aux_loss(self.cfg.moe_aux_loss_coeff, micro_batches=micro_batches, groups=groups)
+        return 0.0 if value is None else float(value) / self.dp_size
 
     def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
         group = self.dp_group()
