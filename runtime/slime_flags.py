@@ -284,12 +284,14 @@ def _table() -> tuple[tuple[SlimeFlag, ...], dict[str, SlimeFlag]]:
 
 
 def __getattr__(name: str) -> Any:
-    # SLIME_FLAGS (every slime flag, by group) and BY_NAME are built on first use: the supported rows come from the
-    # config's fields, and the config imports this module.
+    # SLIME_FLAGS (every slime flag, by group), BY_NAME and MEGATRON_PARSED are built on first use: they come from
+    # the config's fields, and the config imports this module.
     if name == "SLIME_FLAGS":
         return _table()[0]
     if name == "BY_NAME":
         return _table()[1]
+    if name == "MEGATRON_PARSED":
+        return _megatron_parsed()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -300,30 +302,23 @@ _OWNED_PREFIXES = (
     ("--sglang-", "not a flag of SGLang 0.5.23's ServerArgs (runtime/engines/sglang_flags.json)"),
     ("--router-", "not a flag of sglang-router's RouterArgs (runtime/engines/sglang_flags.json)"),
 )
-# Megatron's own flags that rlcore-run parses (``runtime/config.py``: the train section's for --train-backend
-# megatron, the model section's shape flags checked against config.json), under Megatron's names and meanings. The
-# values the Megatron backend builds are ``runtime.config.MEGATRON_VALUES_BUILT``'s.
-MEGATRON_PARSED = frozenset(
-    """
-    --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
-    --recompute-granularity --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2
-    --adam-eps --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction
-    --lr-warmup-iters --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads
-    --group-query-attention --num-query-groups --kv-channels --qk-layernorm --swiglu --rotary-base --rotary-percent
-    --disable-bias-linear --add-qkv-bias --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
-    --normalization --norm-epsilon --vocab-size
-    --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
-    --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
-    --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
-    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --ddp-bucket-size
-    --bias-swiglu-fusion --num-experts --moe-router-topk --moe-ffn-hidden-size --moe-router-pre-softmax
-    --moe-router-score-function --moe-layer-freq --moe-grouped-gemm --moe-token-dispatcher-type
-    --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-router-dtype --moe-token-drop-policy
-    --moe-shared-expert-intermediate-size --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk --multi-latent-attention
-    --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
-    """.split()
-)
+
+
+@functools.cache
+def _megatron_parsed() -> frozenset[str]:
+    """Megatron's own flags that rlcore-run parses as config fields, under Megatron's names and meanings (none is in
+    slime's argument groups), derived from their declarations: the Megatron backend's own
+    (``megatron_options.MEGATRON_TRAIN_FIELDS``: ``MegatronOptions``' fields without a slime row), the model section's
+    shape flags (``runtime.config.MODEL_SHAPE_FIELDS``, checked against config.json under any backend) and the fields
+    a section declares ``megatron=True`` (Megatron's flags that the torch backend reads too, such as
+    ``--recompute-granularity``). The values the Megatron backend builds are
+    ``megatron_options.MEGATRON_VALUES_BUILT``'s."""
+    from runtime.config import _SPECS, MODEL_SHAPE_FIELDS
+    from runtime.train.backends.megatron_options import MEGATRON_TRAIN_FIELDS
+
+    marked = (name for name, (_, f, _) in _SPECS.items() if f.metadata.get("megatron"))
+    names = {*MEGATRON_TRAIN_FIELDS, *MODEL_SHAPE_FIELDS, *marked}
+    return frozenset(_SPECS[name][1].metadata.get("flag", "--" + name.replace("_", "-")) for name in names)
 
 
 class MegatronFlag(NamedTuple):
