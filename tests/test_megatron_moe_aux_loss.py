@@ -92,7 +92,10 @@ def _run_step(mega, td, calls: list):
     model = mega._module(mega.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
     parts = mega._micro_batches(td)
-    total = int(sum(_real(mb).sum() for mb in parts))
+    total = torch.tensor(int(sum(_real(mb).sum() for mb in parts)))
+    if mega.dp_group() is not None:  # the loss is each rank's share of the global batch's
+        torch.distributed.all_reduce(total, group=mega.dp_group())
+    total = int(total)
     hooks = _capture(mega.model, calls)
     try:
         with mega._shims():
@@ -293,3 +296,45 @@ def test_the_expert_bias_count_of_megatron_core_misaligns_the_padding_mask_until
         TopKRouter._apply_expert_bias(probe, routes, padding_mask=marked)
     assert probe.local_tokens_per_expert.tolist() == [1.0, 1.0]
     assert routes.tolist() == [[True, False], [True, True], [False, True]]  # the caller's map is left as it was
+
+
+def _ep_worker(rank, port, path, tmp, out):
+    cfg = job(
+        tmp,
+        train_backend="megatron",
+        moe_aux_loss_coeff=COEFF,
+        micro_batch_size=3,
+        clip_grad=0.0,
+        use_kl_loss=False,
+        expert_model_parallel_size=2,
+        actor_num_gpus_per_node=2,
+    )
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,))
+    try:
+        metrics, _, grads, _ = _run_step(mega, _batch([5, 9, 7, 4, 8], seed=5), [])
+        torch.save({"metric": metrics["moe_aux_loss"], "grads": grads}, f"{out}.{rank}")
+    finally:
+        mega.shutdown()
+
+
+@pytest.mark.slow
+def test_expert_parallel_ranks_with_one_shard_each_equal_one_rank(tmp_path, model_path):
+    """EP=2 over gloo, both data-parallel ranks given the same rows: the reported loss (the DP mean) and the routers'
+    DP-averaged gradients equal one rank's over those rows at EP=1. Catches a metric summed, not averaged, over DP
+    ranks (x2), and a balancing-loss gradient that tokens dispatched to the other rank's experts change."""
+    import torch.multiprocessing as mp
+    from test_megatron_backend import _free_port
+
+    out = str(tmp_path / "ep2.pt")
+    mp.spawn(_ep_worker, args=(_free_port(), model_path, tmp_path, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    mega = _trainer(tmp_path, model_path, coeff=COEFF, micro_batch_size=3)
+    try:
+        metrics, _, grads, _ = _run_step(mega, _batch([5, 9, 7, 4, 8], seed=5), [])
+    finally:
+        mega.shutdown()
+    for got in ranks:
+        assert got["metric"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
+        for name, grad in grads.items():
+            # float32 both sides; the experts' outputs come back through the alltoall in another order of sums.
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7)
