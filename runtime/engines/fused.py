@@ -310,6 +310,15 @@ if triton is not None:
             return x
 
     @triton.jit
+    def _normalize(xf, w_ptr, cols, real, eps, dim, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr):
+        """RMSNorm of one row ``xf`` (float32, zero beyond ``dim``) with weight ``w_ptr``, rounded as torch's
+        eager ops round (module docstring); float32, to be stored in the output dtype."""
+        variance = tl.sum(xf * xf, 0) / dim
+        normed = _round(xf * tl.rsqrt(variance + eps), ROUND)
+        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
+        return _round(w * normed, ROUND_OUT)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr, w_ptr, out_ptr, eps, dim, heads, stride_token, BLOCK: tl.constexpr, ROUND: tl.constexpr,
         ROUND_OUT: tl.constexpr,
@@ -319,10 +328,7 @@ if triton is not None:
         real = cols < dim
         src = x_ptr + (row // heads) * stride_token + (row % heads) * dim
         xf = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
-        variance = tl.sum(xf * xf, 0) / dim
-        normed = _round(xf * tl.rsqrt(variance + eps), ROUND)
-        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        out = _round(w * normed, ROUND_OUT)
+        out = _normalize(xf, w_ptr, cols, real, eps, dim, ROUND, ROUND_OUT)
         tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
@@ -337,10 +343,8 @@ if triton is not None:
         d = tl.load(d_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
         total = _round(x + d, ROUND)
         tl.store(total_ptr + row * dim + cols, total.to(total_ptr.dtype.element_ty), mask=real)
-        variance = tl.sum(total * total, 0) / dim
-        normed = _round(total * tl.rsqrt(variance + eps), ROUND)
-        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, _round(w * normed, ROUND_OUT).to(out_ptr.dtype.element_ty), mask=real)
+        out = _normalize(total, w_ptr, cols, real, eps, dim, ROUND, ROUND_OUT)
+        tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
     def _rotary_kernel(
