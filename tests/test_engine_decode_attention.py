@@ -304,6 +304,32 @@ def test_triton_kernel_fused_ops_round_as_torch_does_in_bf16():
     for got, want in pairs:
         step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp(min=1e-30))) - 7)  # one bf16 step
         assert (got == want).float().mean() > 0.99 and bool(((got.float() - want.float()).abs() <= step).all())
+    _check_norm_rotary(randn, device)
+
+
+def _check_norm_rotary(randn, device: str) -> None:
+    """Qwen3's q/k norms fused into the rotary kernel against the norm modules then transformers' rotary, in bf16:
+    the norm's 1/rms sums the squares in another float32 order, which moves a normalised element by one bf16 step
+    in rare elements; through a rotation (|cos|, |sin| <= 1) that is at most two steps of the head's largest
+    normalised value, plus the output's own rounding."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from runtime.engines.fused import rotary
+
+    q, k = randn(3, 5, 4, 64, scale=2.0), randn(3, 5, 2, 64)
+    angles = randn(3, 5, 64, scale=3.0).float()
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    norms = [Qwen3RMSNorm(64, eps=1e-6).bfloat16().to(device) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = randn(64, scale=0.3) + 1
+    nq, nk = norms[0](q), norms[1](k)
+    want_q, want_k = apply_rotary_pos_emb(nq.transpose(1, 2), nk.transpose(1, 2), cos, sin)
+    got_q, got_k = rotary(q, k, cos, sin, norms=(norms[0].weight, norms[1].weight, 1e-6))
+    for got, want, normed in ((got_q, want_q.transpose(1, 2), nq), (got_k, want_k.transpose(1, 2), nk)):
+        top = normed.float().abs().amax(-1, keepdim=True)
+        step = torch.exp2(torch.floor(torch.log2(top.clamp(min=1e-30))) - 7)
+        assert (got == want).float().mean() > 0.98
+        assert bool(((got.float() - want.float()).abs() <= 3 * step).all())
 
 
 @needs_triton
