@@ -450,3 +450,18 @@ def test_rows_that_are_not_equal_runs_of_one_prompt_are_groups_of_one(model):
     caches.clear()
     _decode(model, [[5, 6], [5, 6], [7], [7]], on_cache=caches.append, max_new_tokens=3, stop_ids=[], max_running=1)
     assert caches[0].per_group == 1  # fewer rows than a group: nothing is shared
+
+
+def test_engine_kv_cache_tokens_is_positive_and_reaches_the_embedded_engine():
+    from runtime.config import parse_args
+    from runtime.config.schema import ConfigError
+    from runtime.engines.hf_engine import HFEngine
+    from runtime.engines.registry import engine_kind
+
+    kwargs = engine_kind("hf").kwargs
+    assert kwargs(parse_args(["--engine-kv-cache-tokens", "4096"]), "m", 0)["kv_cache_tokens"] == 4096
+    assert kwargs(parse_args([]), "m", 0)["kv_cache_tokens"] is None
+    with pytest.raises(ConfigError, match="--engine-kv-cache-tokens must be > 0, got 0"):
+        parse_args(["--engine-kv-cache-tokens", "0"])
+    with pytest.raises(ValueError, match="kv_cache_tokens must be None or an int >= 1"):
+        HFEngine("unused", seed=0, kv_cache_tokens=0)
