@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.engines.decode_attention import DECODE_ATTENTION, STORE_DECODE_KV, default_kernel
@@ -285,9 +286,12 @@ class DecodeCache:
         self.attention, self.store = DECODE_ATTENTION[kernel], STORE_DECODE_KV[kernel]
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.prefill_rows: torch.Tensor | None = None
-        self.free = list(range(self.pages - 1, 0, -1))  # popped from the end: low ids first
-        self.host_prefix = torch.zeros(groups, self.prompt_pages, dtype=torch.int32)
-        self.host_resp = torch.zeros(rows, self.response_pages, dtype=torch.int32)
+        self.free = list(range(self.pages - 1, 0, -1))  # taken from the end: low ids first
+        # numpy, not torch: the checks touch single entries, which cost microseconds each as torch tensors (at
+        # 256 rows of 16 pages that was 25 ms a check, 3 s of a 256x1024 call).
+        self.host_prefix = np.zeros((groups, self.prompt_pages), dtype=np.int32)
+        self.host_resp = np.zeros((rows, self.response_pages), dtype=np.int32)
+        self.held = [0] * rows  # each row's response pages: the first held[s] entries of its table
         self.prefix_pages = torch.zeros(groups, self.prompt_pages, dtype=torch.int32, device=device)
         self.resp_pages = torch.zeros(rows, self.response_pages, dtype=torch.int32, device=device)
         self.prefix_start = torch.zeros(groups, dtype=torch.long, device=device)
@@ -308,37 +312,44 @@ class DecodeCache:
         """Give group row ``group`` the pages of a prompt of ``length`` tokens (its last ``length`` columns); False,
         changing nothing, when too few pages are free. The group's earlier prompt must have been released."""
         first = (self.width - length) // self.page_size
-        if len(self.free) < self.prompt_pages - first:
+        count = self.prompt_pages - first
+        if len(self.free) < count:
             return False
-        for at in range(first, self.prompt_pages):
-            self.host_prefix[group, at] = self.free.pop()
+        self.host_prefix[group, first:] = self._take(count)
         return True
 
     def cover(self, row: int, columns: int) -> int:
         """Give row ``row`` pages for its first ``columns`` response columns (at most ``max_new_tokens``), as far
         as free pages go; returns how many more pages it would still need (0: covered)."""
-        wanted = -(-min(columns, self.columns) // self.page_size)
-        table = self.host_resp[row]
-        missing = [at for at in range(wanted) if table[at] == 0]
-        given = missing[: len(self.free)]
-        for at in given:
-            table[at] = self.free.pop()
-        return len(missing) - len(given)
+        wanted, held = -(-min(columns, self.columns) // self.page_size), self.held[row]
+        if wanted <= held:
+            return 0
+        count = min(wanted - held, len(self.free))
+        self.host_resp[row, held : held + count] = self._take(count)
+        self.held[row] = held + count
+        return wanted - held - count
 
     def release_row(self, row: int) -> None:
         """Take back row ``row``'s response pages: its later (idle) writes go to the scratch page."""
-        self.free.extend(int(p) for p in self.host_resp[row].tolist() if p)
-        self.host_resp[row] = 0
+        held = self.held[row]
+        self.free.extend(self.host_resp[row, :held].tolist())
+        self.host_resp[row, :held] = 0
+        self.held[row] = 0
 
     def release_group(self, group: int) -> None:
         """Take back group row ``group``'s prompt pages."""
-        self.free.extend(int(p) for p in self.host_prefix[group].tolist() if p)
+        self.free.extend(p for p in self.host_prefix[group].tolist() if p)
         self.host_prefix[group] = 0
 
     def sync(self) -> None:
         """Copy the host's page tables to the device (ordered on the stream, before the next forward)."""
-        self.prefix_pages.copy_(self.host_prefix)
-        self.resp_pages.copy_(self.host_resp)
+        self.prefix_pages.copy_(torch.from_numpy(self.host_prefix))
+        self.resp_pages.copy_(torch.from_numpy(self.host_resp))
+
+    def _take(self, count: int) -> list[int]:
+        taken = self.free[len(self.free) - count :]
+        del self.free[len(self.free) - count :]
+        return taken
 
     def set_step(self, newest: torch.Tensor) -> None:
         """A decoding step writes each row's newest key/value at response column ``newest`` ``[rows]`` and attends
