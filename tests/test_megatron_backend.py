@@ -78,10 +78,27 @@ def job(tmp_path, **overrides):
         entropy_coef=0.01,
         clip_grad=0.5,
         output_dir=str(tmp_path / "out"),
+        # A placement flag, so that the built-in job's default plan (runtime.cluster.plan) stays out: on two visible
+        # GPUs it runs one step apart and switches TIS on, whose weights read make_batch's rollout log-probs. The
+        # trainers' losses would then follow the machine (a second trainer on two H200s reported -0.0512 against
+        # 0.0899, 2026-11-27): test_the_trainers_loss_settings_do_not_follow_the_gpu_count.
+        rollout_schedule="sync",
     )
     settings.update(overrides)
     # The trainers read the train and algorithm sections only (the job's validation wants data and a task).
     return from_dict(None, **settings)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_the_trainers_loss_settings_do_not_follow_the_gpu_count(gpus, tmp_path, monkeypatch):
+    """The GPU tests compare trainers built by :func:`job` in one process and across processes: their loss settings
+    must be one machine's as another's."""
+    import runtime.config.resolve as resolve
+
+    one = loss_config(job(tmp_path))
+    monkeypatch.setattr(resolve, "_local_gpus", lambda: gpus)
+    assert loss_config(job(tmp_path)) == one
+    assert loss_config(job(tmp_path, actor_num_gpus_per_node=gpus)) == one
 
 
 def trainer(name, path, cfg, *, roles=(ACTOR, REFERENCE), **kw):
