@@ -266,9 +266,10 @@ def test_refilled_log_probs_equal_a_full_forward_and_the_cache_holds_the_slots_a
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     kept = caches[0].kept_tensors()
     # Per layer a key and a value pool of pages for two rows (groups of one), each a prompt page (width 6) and a
-    # response page (12 columns), and the scratch page: nothing grows with the 7 prompts, and all come back.
+    # response page (12 columns; on the CPU a page holds a row's longest, 16 here), and the scratch page: nothing
+    # grows with the 7 prompts, and all come back.
     assert len(kept) == 2 * model.config.num_hidden_layers
-    assert {tuple(t.shape) for t in kept} == {(1 + 2 * (1 + 1), heads, 64, head_dim)}
+    assert {tuple(t.shape) for t in kept} == {(1 + 2 * (1 + 1), heads, 16, head_dim)}
     assert caches[0].pages_in_use() == 0
     assert all(rows <= 2 and q == 1 for rows, q, _ in shapes)
     assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
@@ -387,7 +388,8 @@ def test_a_groups_samples_share_one_prefill_and_draw_as_if_apart(model, lengths,
     groups_at_once = len(distinct) if running is None else min(running, len(distinct))
     # The pool: the scratch page, one prompt page per running group and one response page per running row.
     pages = 1 + groups_at_once * (1 + per_group)
-    assert {tuple(t.shape[:3]) for t in caches[0].kept_tensors()} == {(pages, model.config.num_key_value_heads, 64)}
+    page = caches[0].page_size  # on the CPU one page holds a row's longest prompt or response
+    assert {tuple(t.shape[:3]) for t in caches[0].kept_tensors()} == {(pages, model.config.num_key_value_heads, page)}
     assert shared.finish == apart.finish
     for a, b in zip(shared.tokens, apart.tokens, strict=True):
         assert torch.equal(a, b)

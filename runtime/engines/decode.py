@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.engines.decode_attention import DECODE_ATTENTION, STORE_DECODE_KV, default_kernel
+from runtime.engines.decode_attention import DECODE_ATTENTION, PAGE_SIZE, STORE_DECODE_KV, default_kernel
 from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
@@ -292,8 +292,8 @@ class DecodeCache:
         self.host_prefix = np.zeros((groups, self.prompt_pages), dtype=np.int32)
         self.host_resp = np.zeros((rows, self.response_pages), dtype=np.int32)
         self.held = [0] * rows  # each row's response pages: the first held[s] entries of its table
-        self.prefix_pages = torch.zeros(groups, self.prompt_pages, dtype=torch.int32, device=device)
-        self.resp_pages = torch.zeros(rows, self.response_pages, dtype=torch.int32, device=device)
+        self.prefix_pages = torch.zeros(groups, self.prompt_pages, dtype=torch.long, device=device)
+        self.resp_pages = torch.zeros(rows, self.response_pages, dtype=torch.long, device=device)
         self.prefix_start = torch.zeros(groups, dtype=torch.long, device=device)
         self.resp_len = torch.zeros(rows, dtype=torch.long, device=device)
         self.write_col = torch.zeros(rows, dtype=torch.long, device=device)
@@ -377,7 +377,7 @@ class DecodeCache:
             self.layers[layer] = self._allocate(key, value)
         pool_k, pool_v = self.layers[layer]
         if self.prefill_rows is not None:
-            pages = self.prefix_pages[self.prefill_rows].long()  # [k, Pb]
+            pages = self.prefix_pages[self.prefill_rows]  # [k, Pb]
             for pool, new in ((pool_k, key), (pool_v, value)):
                 paged = torch.nn.functional.pad(new, (0, 0, self.pad, 0)).unflatten(2, (-1, self.page_size))
                 pool[pages] = paged.transpose(1, 2)  # [k, Pb, Hkv, S, D]; padding pages all go to the scratch one
@@ -456,7 +456,7 @@ def decode(
     share_prompts: bool = True,
     kernel: str | None = None,
     kv_tokens: int | None = None,
-    page_size: int = 64,
+    page_size: int | None = None,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
@@ -469,7 +469,9 @@ def decode(
     decode step's forward, and its sampling, as CUDA graphs; ``compile`` runs that forward through ``torch.compile``
     first (compiled once per row count and cache size, which are rounded up so that calls share it). ``kernel``:
     the decode attention and the plain sampler (``torch`` or ``triton``; default: ``triton`` on CUDA).
-    ``kv_tokens`` bounds the paged KV cache (:class:`DecodeCache`, pages of ``page_size`` tokens; default: room for
+    ``kv_tokens`` bounds the paged KV cache (:class:`DecodeCache`, pages of ``page_size`` tokens, default
+    :data:`runtime.engines.decode_attention.PAGE_SIZE` of the kernel: 64 on a GPU, a row's longest on the CPU;
+    default: room for
     every running row's longest response): a waiting group starts only when its prompt's pages and a first page
     per sample are free, and when the running rows' next pages are not, the group that started last is preempted
     (its pages taken back, its rows stopped, the group put first in the queue to start over; its per-prompt
@@ -507,6 +509,7 @@ def decode(
     kernel = kernel or default_kernel(device)
     if kv_tokens is not None and kv_tokens < 1:
         raise ValueError(f"kv_tokens must be None or >= 1, got {kv_tokens}")
+    page_size = page_size or PAGE_SIZE[kernel](width, columns)
     cache = DecodeCache(
         layers=layers,
         groups=group_rows,

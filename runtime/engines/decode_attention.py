@@ -59,11 +59,14 @@ def _check(query, pool_k, pool_v, prefix_pages, prefix_start, resp_pages, resp_l
 
 
 def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """pool ``[pages, Hkv, S, D]``, pages ``[R, Np]`` int -> ``[R, Hkv, Np * S, D]``: each row's pages side by
-    side, as one dense tensor."""
+    """pool ``[pages, Hkv, S, D]``, pages ``[R, Np]`` int64 -> ``[R, Hkv, Np * S, D]``: each row's pages side by
+    side (one copy, a view of it when each row has one page)."""
     rows, count = pages.shape
     _, hkv, page, dim = pool.shape
-    return pool[pages.long()].transpose(1, 2).reshape(rows, hkv, count * page, dim)
+    taken = pool.index_select(0, pages.flatten())
+    if count == 1:
+        return taken
+    return taken.view(rows, count, hkv, page, dim).transpose(1, 2).reshape(rows, hkv, count * page, dim)
 
 
 def decode_attention_reference(
@@ -80,13 +83,14 @@ def decode_attention_reference(
     """query ``[G * n, H, Dk]``, pool_k/v ``[pages, Hkv, S, Dk/Dv]``, prefix_pages ``[G, Pb]`` int, prefix_start
     ``[G]`` int, resp_pages ``[G * n, Mb]`` int, resp_len ``[G * n]`` int -> ``[G * n, H, Dv]`` in query's dtype
     (module docstring). Gathers every page into a dense tensor and masks; a row needs at least one real key."""
-    groups, n, hkv, g, _, _, _, dk, dv = _check(
+    groups, n, hkv, g, page, pb, mb, dk, dv = _check(
         query, pool_k, pool_v, prefix_pages, prefix_start, resp_pages, resp_len
     )
+    prefix_pages, resp_pages = prefix_pages.long(), resp_pages.long()
     prefix_k, prefix_v = gather_pages(pool_k, prefix_pages), gather_pages(pool_v, prefix_pages)  # [G, Hkv, P, D]
     resp_k = gather_pages(pool_k, resp_pages).unflatten(0, (groups, n)).transpose(1, 2)  # [G, Hkv, n, M, D]
     resp_v = gather_pages(pool_v, resp_pages).unflatten(0, (groups, n)).transpose(1, 2)
-    width, m = prefix_k.shape[2], resp_k.shape[3]
+    width, m = pb * page, mb * page
     q = query.float().view(groups, n, hkv, g, dk).transpose(1, 2)  # [G, Hkv, n, g, Dk]
     on_prompt = torch.einsum("bhngd,bhpd->bhngp", q, prefix_k.float()) * scale
     on_response = torch.einsum("bhngd,bhnmd->bhngm", q, resp_k.float()) * scale
@@ -184,6 +188,13 @@ def store_decode_kv_triton(
 DECODE_ATTENTION = {"torch": decode_attention_reference, "triton": decode_attention_triton}
 # the decode attention's name -> how a decoding step stores its keys and values
 STORE_DECODE_KV = {"torch": store_decode_kv_torch, "triton": store_decode_kv_triton}
+# the decode attention's name -> the KV cache's default page size for a call of (prompt width, response columns):
+# the Triton kernel's block of columns; for torch, which gathers a row's pages into one tensor and reads every
+# column, one page per prompt and per response (a power of two >= 16), so that the gather is one copy
+PAGE_SIZE = {
+    "torch": lambda width, columns: max(16, 1 << (max(width, columns) - 1).bit_length()),
+    "triton": lambda width, columns: 64,
+}
 
 
 def default_kernel(device: torch.device) -> str:
