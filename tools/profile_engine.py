@@ -23,6 +23,7 @@ import torch
 CATEGORIES = (
     ("_part_kernel", "decode attention"),
     ("_add_rms_norm", "fused add+norm"),
+    ("_store_kv", "cache writes"),
     ("_merge_kernel", "decode attention"),
     ("_rms_norm", "fused norm"),
     ("_rotary", "fused rotary"),
