@@ -23,8 +23,8 @@ lint: $(STAMP)
 test: lint
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
 
-# The tests marked slow (deselected by `make test`): the learning runs, the parametrizations that repeat a mechanism
-# the default suite already runs, every kernel case under Triton's interpreter. `-m 'slow or not slow'` runs all.
+# The tests marked slow (deselected by `make test`): the learning runs, the parametrizations and drills that repeat a
+# mechanism the default suite already runs, each with its reason. `-m 'slow or not slow'` runs all.
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m slow
 

@@ -28,15 +28,21 @@ def slime(group: str, default: Any, *, differs: str | None = None, note: str = "
     return SlimeRow(group, default, differs, note)
 
 
-def described(text: str, *, own: str | None = None, slime: SlimeRow | None = None) -> dict[str, Any]:
+def described(
+    text: str, *, own: str | None = None, slime: SlimeRow | None = None, megatron: bool = False
+) -> dict[str, Any]:
     """Metadata of a field: its ``--help`` text; for a plug-in's own field ``own``, what it is (the refusal under
     another plug-in names it: ``--adam-beta2: a Megatron flag, used by --train-backend megatron only``); for a flag
-    slime has, ``slime``, its row of slime's flag table."""
+    slime has, ``slime``, its row of slime's flag table; ``megatron``: a flag of Megatron-LM's (its name and
+    meaning) that more than the Megatron backend reads, so it is declared in a section, not in
+    ``megatron_options.MegatronOptions`` (``runtime.slime_flags.MEGATRON_PARSED`` lists it)."""
     meta: dict[str, Any] = {"help": text}
     if own is not None:
         meta["own"] = own
     if slime is not None:
         meta["slime"] = slime
+    if megatron:
+        meta["megatron"] = True
     return meta
 
 

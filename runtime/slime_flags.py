@@ -41,7 +41,6 @@ TEXT_ONLY = (
     "(leave it unset)"
 )
 DEEPGEMM = "selects SGLang-aligned DeepGEMM FP8 layers in Megatron, a hardware path rlcore does not have"
-TORCH_HOOKS = "torch backend: model is the torch module, optimizer AdamW, opt_param_scheduler None"
 DELTA_SYNC = (
     "delta sync needs the /pull_weights endpoint and delta loader of slime's patched SGLang, which SGLang 0.5.23 "
     "lacks: full only"
@@ -285,12 +284,14 @@ def _table() -> tuple[tuple[SlimeFlag, ...], dict[str, SlimeFlag]]:
 
 
 def __getattr__(name: str) -> Any:
-    # SLIME_FLAGS (every slime flag, by group) and BY_NAME are built on first use: the supported rows come from the
-    # config's fields, and the config imports this module.
+    # SLIME_FLAGS (every slime flag, by group), BY_NAME and MEGATRON_PARSED are built on first use: they come from
+    # the config's fields, and the config imports this module.
     if name == "SLIME_FLAGS":
         return _table()[0]
     if name == "BY_NAME":
         return _table()[1]
+    if name == "MEGATRON_PARSED":
+        return _megatron_parsed()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -301,26 +302,23 @@ _OWNED_PREFIXES = (
     ("--sglang-", "not a flag of SGLang 0.5.23's ServerArgs (runtime/engines/sglang_flags.json)"),
     ("--router-", "not a flag of sglang-router's RouterArgs (runtime/engines/sglang_flags.json)"),
 )
-# Megatron's own flags that rlcore-run parses (``runtime/config.py``: the train section's for --train-backend
-# megatron, the model section's shape flags checked against config.json), under Megatron's names and meanings. The
-# values the Megatron backend builds are ``runtime.config.MEGATRON_VALUES_BUILT``'s.
-MEGATRON_PARSED = frozenset(
-    """
-    --tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size --context-parallel-size
-    --recompute-granularity --recompute-method --recompute-num-layers --optimizer --adam-beta1 --adam-beta2
-    --adam-eps --accumulate-allreduce-grads-in-fp32 --lr-decay-style --min-lr --lr-warmup-fraction
-    --lr-warmup-iters --lr-decay-iters --num-layers --hidden-size --ffn-hidden-size --num-attention-heads
-    --group-query-attention --num-query-groups --kv-channels --qk-layernorm --swiglu --rotary-base --rotary-percent
-    --disable-bias-linear --add-qkv-bias --normalization --norm-epsilon --vocab-size
-    --untie-embeddings-and-output-weights --position-embedding-type --max-position-embeddings
-    --use-distributed-optimizer --use-rotary-position-embeddings --attention-backend --attention-dropout
-    --hidden-dropout --expert-model-parallel-size --expert-tensor-parallel-size --deterministic-mode
-    --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --ddp-bucket-size
-    --bias-swiglu-fusion --num-experts --moe-router-topk --moe-ffn-hidden-size --moe-router-pre-softmax
-    --moe-router-score-function --moe-layer-freq --moe-grouped-gemm --moe-token-dispatcher-type
-    --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-router-dtype --moe-token-drop-policy
-    """.split()
-)
+
+
+@functools.cache
+def _megatron_parsed() -> frozenset[str]:
+    """Megatron's own flags that rlcore-run parses as config fields, under Megatron's names and meanings (none is in
+    slime's argument groups), derived from their declarations: the Megatron backend's own
+    (``megatron_options.MEGATRON_TRAIN_FIELDS``: ``MegatronOptions``' fields without a slime row), the model section's
+    shape flags (``runtime.config.MODEL_SHAPE_FIELDS``, checked against config.json under any backend) and the fields
+    a section declares ``megatron=True`` (Megatron's flags that the torch backend reads too, such as
+    ``--recompute-granularity``). The values the Megatron backend builds are
+    ``megatron_options.MEGATRON_VALUES_BUILT``'s."""
+    from runtime.config import _SPECS, MODEL_SHAPE_FIELDS
+    from runtime.train.backends.megatron_options import MEGATRON_TRAIN_FIELDS
+
+    marked = (name for name, (_, f, _) in _SPECS.items() if f.metadata.get("megatron"))
+    names = {*MEGATRON_TRAIN_FIELDS, *MODEL_SHAPE_FIELDS, *marked}
+    return frozenset(_SPECS[name][1].metadata.get("flag", "--" + name.replace("_", "-")) for name in names)
 
 
 class MegatronFlag(NamedTuple):
@@ -336,22 +334,12 @@ UNFUSED = (
     "the local layer spec runs this path unfused anyway (the fused kernels need apex or Transformer Engine), so the "
     "switch changes nothing"
 )
-MOE = (
-    "a MoE layout rlcore's Megatron backend does not build yet: it builds Qwen3-MoE's (softmax router, no shared "
-    "expert, no expert bias)"
-)
 FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
-MLA = "multi-latent attention (DeepSeek, Kimi) is not built: the families built are Llama, Qwen2 and Qwen3"
-GLM4 = "GLM-4's layer layout is not built: the families built are Llama, Qwen2 and Qwen3"
 STAGES = "the backend splits the layers into equal pipeline stages, without virtual stages"
 FRESH = (
     "rlcore's --load resumes a job whole; a torch_dist --load (or --ref-load) already starts the optimizer, RNG "
     "and step afresh, as slime does"
 )
-_MOE_FLAGS = """
-    --moe-shared-expert-intermediate-size --moe-router-enable-expert-bias --moe-router-bias-update-rate
-    --moe-router-topk-scaling-factor
-""".split()
 # Megatron's other flags that slime's run scripts use. --weight-decay and --bf16 are rlcore's own too (the torch
 # backend's), so they are parsed, not listed here.
 MEGATRON_FLAGS: dict[str, MegatronFlag] = {
@@ -377,7 +365,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         "megatron-core 0.16.1's OptimizerConfig needs Transformer Engine for it (its FusedAdam and version), which "
         "is not installed; with --optimizer-cpu-offload too",
     ),
-    **{name: MegatronFlag(False, MOE) for name in _MOE_FLAGS},
     "--moe-permute-fusion": MegatronFlag(
         True,
         "megatron-core's unfused permutation is what the local layer spec runs (the fused one is Transformer "
@@ -388,25 +375,6 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
     **{
-        name: MegatronFlag(False, MLA)
-        for name in (
-            "--q-lora-rank",
-            "--kv-lora-rank",
-            "--qk-head-dim",
-            "--qk-pos-emb-head-dim",
-            "--v-head-dim",
-            "--multi-latent-attention",
-        )
-    },
-    **{
-        name: MegatronFlag(False, GLM4 + f" ({what})")
-        for name, what in (
-            ("--post-self-attn-layernorm", "a norm after self-attention"),
-            ("--post-mlp-layernorm", "a norm after the MLP"),
-            ("--rotary-interleaved", "interleaved rotary pairs"),
-        )
-    },
-    **{
         name: MegatronFlag(False, STAGES)
         for name in (
             "--decoder-first-pipeline-num-layers",
@@ -416,7 +384,9 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     },
     **{name: MegatronFlag(False, FRESH) for name in ("--no-load-optim", "--no-load-rng", "--finetune")},
     "--spec": MegatronFlag(
-        False, "a layer spec of slime's plugins: the backend builds megatron-core's local GPT layer spec"
+        False,
+        "a layer spec of slime's plugins: the backend builds megatron-core's local GPT layer spec with each family's "
+        "own layers from config.json (GLM-4's post-norms included)",
     ),
     "--transformer-impl": MegatronFlag(
         False, "the backend builds megatron-core's local layer spec (Transformer Engine is not installed)"

@@ -222,6 +222,37 @@ def test_a_plugins_own_flag_is_refused_under_another_choice_with_the_reason(tmp_
         assert bool(mine) == (choice != owner), (choice, problems)
 
 
+def test_the_weight_syncs_options_are_the_transports_and_an_unset_transport_refuses_none(tmp_path):
+    from runtime.cluster.weight_sync import WEIGHT_SYNCS
+    from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, WEIGHT_TRANSPORTS
+    from runtime.config import parse_args
+
+    # The flag's choices are the options registry's names, each a weight sync the runtime builds.
+    assert typing.get_args(_SPECS["update_weight_transport"][2]) == (typing.Literal[WEIGHT_TRANSPORTS], type(None))
+    assert set(WEIGHT_SYNC_OPTIONS) == set(WEIGHT_TRANSPORTS) <= set(WEIGHT_SYNCS)
+    # Unset, the transport is derived when the job starts (disk under --colocate where ipc is not built), so the disk
+    # sync's settings are taken, not refused.
+    folder = str(tmp_path / "syncs")
+    cfg = parse_args(["--update-weight-disk-dir", folder, "--update-weight-disk-keep-files"])
+    assert cfg.sglang.update_weight_transport is None
+    assert (cfg.sglang.update_weight_disk_dir, cfg.sglang.update_weight_disk_keep_files) == (folder, True)
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_the_ipc_transport_reaches_one_engine_from_one_megatron_process(procs):
+    from runtime.config import ConfigError, parse_args
+
+    argv = ["--update-weight-transport", "ipc", "--train-backend", "megatron", "--colocate"]
+    argv += ["--actor-num-gpus-per-node", str(procs), "--rollout-num-gpus", str(procs)]
+    try:
+        parse_args(argv)
+        problems = []
+    except ConfigError as err:
+        problems = err.problems
+    refused = [p for p in problems if p.startswith("--update-weight-transport ipc reaches one engine")]
+    assert bool(refused) == (procs > 1), problems
+
+
 def _bounded_fields() -> list[tuple[str, dict]]:
     return [(name, f.metadata["bounds"]) for name, (_, f, _) in _SPECS.items() if f.metadata.get("bounds")]
 

@@ -1,6 +1,8 @@
 """tools/gpu_suite.py's bookkeeping on the CPU: what it runs, how it counts a pytest log, what it writes, and that a
 timed-out item is killed with its children and still reports the tests it finished."""
 
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -125,3 +127,47 @@ def test_lanes_run_items_at_the_same_time_each_with_its_own_gpus(tmp_path, monke
     text = out.read_text()
     assert text.count("```\nboth\n```") == 2  # each bench saw the other running
     assert "- **lanes**: lane 0: GPUs 0,1, lane 1: GPUs 2,3" in text
+
+
+def test_a_sigterm_keeps_the_finished_items_and_marks_the_one_in_flight(tmp_path):
+    # A fake item list: a test file that finishes, one that has finished a test when the outer `timeout` sends SIGTERM
+    # (its second test and a child of its own still running), and a bench never started.
+    marker, child = tmp_path / "in_flight", tmp_path / "child.pid"
+    slow = (
+        "import pathlib, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(child)!r}).write_text(str(p.pid))\n"
+        "print('tests/test_slow_cuda.py::test_a PASSED'); print('tests/test_slow_cuda.py::test_b', flush=True)\n"
+        f"pathlib.Path({str(marker)!r}).write_text('1'); time.sleep(60)\n"
+    )
+    items = [
+        ("test_fast_cuda.py", [sys.executable, "-c", "print('tests/test_fast_cuda.py::test_a PASSED')"], 60),
+        ("test_slow_cuda.py", [sys.executable, "-c", slow], 60),
+        ("after", [sys.executable, "-c", "print('never')"], 60),
+    ]
+    out = tmp_path / "results.md"
+    driver = (
+        f"import sys; sys.path.insert(0, {str(Path(gpu_suite.__file__).parent)!r}); import gpu_suite\n"
+        f"gpu_suite.suite_items = lambda **kwargs: {items!r}\n"
+        "gpu_suite.machine = lambda: 'm'\n"  # (its library imports take seconds; another test runs it)
+        f"sys.exit(gpu_suite.main(['--out', {str(out)!r}, '--log-dir', {str(tmp_path)!r}, '--commit', 'c']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the in-flight item never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout
+    text = out.read_text()
+    assert "| `test_fast_cuda.py` | finished | 1 | 0 | 0 | 0 | 0 |" in text
+    assert "| `test_slow_cuda.py` | killed at the time limit | 1 | 0 | 0 | 0 | 0 |" in text
+    assert "- `tests/test_slow_cuda.py::test_a` PASSED" in text
+    assert "- `tests/test_slow_cuda.py::test_b` RUNNING" in text
+    assert "`python -c print('never')`: not run (killed)" in text
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the in-flight item's child outlived the SIGTERM"
+        time.sleep(0.1)

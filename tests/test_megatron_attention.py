@@ -30,7 +30,7 @@ from runtime.train.backends.megatron_attention import (  # noqa: E402
     local_layer_spec,
     sdpa_core_attention,
 )
-from runtime.train.backends.megatron_backend import _cpu_shims  # noqa: E402
+from runtime.train.backends.megatron_build import _cpu_shims  # noqa: E402
 from runtime.train.roles import ACTOR, REFERENCE  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-13)}

@@ -21,7 +21,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from runtime.train.backends import megatron_compat  # noqa: E402
 from runtime.train.backends.megatron_attention import SDPADotProductAttention  # noqa: E402
-from runtime.train.backends.megatron_backend import _cpu_shims  # noqa: E402
+from runtime.train.backends.megatron_build import _cpu_shims  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_tf32")
 

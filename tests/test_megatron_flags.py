@@ -128,6 +128,12 @@ def test_distributed_timeout_must_be_positive():
         ("qwen3moe", "qwen3_moe"),
         ("qwen3-moe", "qwen3_moe"),
         ("Qwen3MoeConfig", "qwen3_moe"),
+        ("glm4", "glm4"),
+        ("Glm4Config", "glm4"),
+        ("glm4moe", "glm4_moe"),
+        ("glm4-moe", "glm4_moe"),
+        ("deepseekv3", "deepseek_v3"),
+        ("DeepseekV3Config", "deepseek_v3"),
     ],
 )
 def test_model_names_follow_slimes_rules(name, mapping):
@@ -138,9 +144,8 @@ def test_model_names_follow_slimes_rules(name, mapping):
     ("name", "reason"),
     [
         ("qwen2moe", "mixture-of-experts"),
-        ("deepseekv3", "mixture-of-experts"),
-        ("glm4moe", "mixture-of-experts"),
-        ("glm4", "GLM-4's layers"),
+        ("glm4moelite", "mixture-of-experts"),
+        ("minimax-m2", "mixture-of-experts"),
         ("qwen3vl", "vision-language"),
         ("mistral", "no weight mapping of slime's"),
     ],

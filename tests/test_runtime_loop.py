@@ -586,23 +586,43 @@ def test_run_with_sglang_engine_against_the_fake_server(ray_session, model_path,
 
 
 def test_run_colocated_with_two_fsdp_trainers_two_engines_token_budget_and_sft(ray_session, tmp_path):
+    # One optimizer step per rollout (global batch 16 = the rollout), so that step 0's KL is measured at the policy
+    # the SFT warm-up left, which the engines sampled with (other tests run several steps per rollout).
+    dump = tmp_path / "dump"
     cfg = small_cfg(
         tmp_path,
         colocate=True,
         actor_num_gpus_per_node=2,
         rollout_num_gpus=2,
+        global_batch_size=16,
         max_tokens_per_gpu=24,
         sft_warmup_steps=2,
+        dump_details=str(dump),
     )
     result = run(cfg, progress=False)
     rows = read_metrics(result.output_dir / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["train/num_steps"] == 2
+        assert row["train/num_steps"] == 1
         # Two engines sampled with the trainers' weights: their log-probs still agree with the recomputed ones.
         assert row["train/rollout_log_prob_abs_diff"] < 1e-4
-    # The reference is the initial model and SFT moved the policy away from it before the first rollout.
-    assert rows[0]["train/kl"] > 0
+    # The reference is the initial model and SFT moved the policy away from it before the first rollout. Step 0's KL
+    # (the built-in job's low_var_kl, token mean) recomputed independently: the policy's log-probs are the engines'
+    # (sampled after the warm-up's sync), the reference's come from the saved base model run in float32 here. Both
+    # sides are float32 log-probs of about -3 (ulp 2.4e-7) from other batch shapes than the trainers', and
+    # low_var_kl's slope in either log-prob is |1 - exp(ref - lp)| < 1 here: a few ulps a token, so 1e-5 (7e-9 seen
+    # at 0.0436; k1 in place of low_var_kl gives 0.0267).
+    batch = torch.load(dump / "train_data" / "0.pt", weights_only=False)["batch"]
+    mask = batch[keys.MASK]
+    at = (batch["prompt_lengths"][:, None] - 1 + torch.arange(mask.shape[1])).clamp(max=batch["tokens"].shape[1] - 1)
+    base = AutoModelForCausalLM.from_pretrained(result.output_dir / "base_model", dtype=torch.float32)
+    with torch.no_grad():
+        log_probs = base(input_ids=batch["tokens"]).logits.log_softmax(-1)
+    ref = log_probs[torch.arange(len(at))[:, None], at].gather(-1, batch["response_tokens"][..., None])[..., 0]
+    policy = batch[keys.ROLLOUT_LOG_PROBS]
+    want = approx_kl(policy, ref, kind="low_var_kl")[mask].double().mean().item()
+    assert rows[0]["train/kl"] == pytest.approx(want, abs=1e-5)
+    assert want > 1e-2  # the warm-up moved the policy: the case is not trivial
     assert (result.output_dir / "final_model" / "config.json").is_file()
 
 

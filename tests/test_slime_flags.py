@@ -1,6 +1,7 @@
 """slime's flags: the table (runtime/slime_flags.py) against the parser and the docs, every refusal, and slime's own
 run scripts through ``rlcore-run --dry-run``."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -84,6 +85,21 @@ def test_every_config_field_is_a_slime_flag_or_one_of_ours():
     assert not slime_flags.MEGATRON_PARSED & slime_flags.MEGATRON_FLAGS.keys()
     # Refused flags are parsed beside the config's, never as one of its fields.
     assert not set(slime_flags.REFUSED_BY_DEST) & set(_SPECS)
+
+
+def test_megatron_parsed_is_every_flag_declared_as_megatrons():
+    from runtime.config import MODEL_SHAPE_FIELDS, flag
+    from runtime.train.backends.megatron_options import MegatronOptions
+
+    parsed = slime_flags.MEGATRON_PARSED
+    # The Megatron backend's fields: Megatron's own flags unless they carry a row of slime's table (slime's flags).
+    for f in dataclasses.fields(MegatronOptions):
+        assert (flag(f.name) in parsed) != ("slime" in f.metadata), f.name
+    # The model shape flags, and the Megatron flags that the torch backend reads too (declared in the train section).
+    assert {flag(name) for name in MODEL_SHAPE_FIELDS} <= parsed
+    assert {"--recompute-granularity", "--lr-decay-iters"} <= parsed
+    # Each is a config field's flag, so the command line parses it.
+    assert parsed <= {spec[1].metadata.get("flag", flag(name)) for name, spec in _SPECS.items()}
 
 
 @pytest.mark.parametrize("entry", [f for f in SLIME_FLAGS if f.status == YES], ids=lambda f: f.name)
@@ -283,7 +299,6 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
 # its message carries.
 MEGATRON_REFUSALS = {
     "--context-parallel-size": "needs Transformer Engine's attention",
-    "--hf-checkpoint": "model_type 'glm4' is not one --train-backend megatron builds",
     "--sglang-cuda-graph-bs": "not a flag of SGLang",
     **VALUE_REFUSALS,
 }

@@ -5,7 +5,7 @@ iterations from ``--num-epoch``, slime's module paths, the flags that need Trans
 The scripts' command lines are test data (tests/fixtures/slime_scripts/*.json: each names its source file at slime's
 commit, captured by tools/slime_script_args.py). Of the MoE scripts, Qwen3-30B-A3B's is among them (its
 config.json: the released model's, the ``qwen3-30b-a3b-2layers`` preset's fields at 48 layers); the others are issue
-27's later stages."""
+27's later stages. GLM-4-9B's passes too, less slime's --spec plug-in and context parallelism."""
 
 import json
 import math
@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # with training: one step off-policy, rlcore's --async).
 ENTRY_POINTS = {"train.py": [], "train_async.py": ["--async"]}
 SCRIPTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
-# GLM-4 is not a family the Megatron backend builds (Llama, Qwen2, Qwen3, Qwen3-MoE): its script is refused, naming
-# why, in test_slime_flags.
-DENSE_LLAMA_QWEN = [s for s in SCRIPTS if "glm" not in s]
+# Every script's families are built by the Megatron backend (Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE).
+DRY_RUN_SCRIPTS = SCRIPTS
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +57,7 @@ def _refused(fixture):
     return refused
 
 
-@pytest.mark.parametrize("name", DENSE_LLAMA_QWEN)
+@pytest.mark.parametrize("name", DRY_RUN_SCRIPTS)
 def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path, capsys):
     fixture, argv = _script(name, tmp_path)
     refused = _refused(fixture)
@@ -77,13 +76,16 @@ def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path,
 
 
 def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
-    # The dense scripts that do not pass whole, and why (docs/runtime.md lists them): SGLang holds a fixed share of a
+    # The scripts that do not pass whole, and why (docs/runtime.md lists them): SGLang holds a fixed share of a
     # colocated GPU, Transformer Engine's optimizer, a flag of a newer SGLang.
-    refused = {name: _refused(json.loads((FIXTURES / f"{name}.json").read_text())) for name in DENSE_LLAMA_QWEN}
+    refused = {name: _refused(json.loads((FIXTURES / f"{name}.json").read_text())) for name in DRY_RUN_SCRIPTS}
     assert {name: flags for name, flags in refused.items() if flags} == {
         "run-qwen3-4B-amd": {"--colocate"},
         "run-qwen3-32B": {"--use-precision-aware-optimizer", "--sglang-cuda-graph-bs"},
         "run-qwen3-30B-A3B": {"--use-precision-aware-optimizer", "--sglang-cuda-graph-bs"},
+        # slime's layer spec plug-in (the backend builds GLM-4's layers from config.json itself) and context
+        # parallelism (Transformer Engine's attention).
+        "run-glm4-9B": {"--spec", "--context-parallel-size"},
     }
     # The scripts the issue names are all among those covered.
     for name in (
@@ -94,7 +96,7 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         "retool_qwen3_4b_rl",
         "retool_qwen3_4b_sft",
     ):
-        assert name in DENSE_LLAMA_QWEN and not refused[name]
+        assert name in DRY_RUN_SCRIPTS and not refused[name]
 
 
 # ---------------------------------------------------------------- SFT

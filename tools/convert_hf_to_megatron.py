@@ -29,6 +29,7 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
     ``--model-name`` and ``--padded-vocab-size``; ``SystemExit(2)`` with one line per problem."""
     from runtime import slime_flags
     from runtime.config import MODEL_SHAPE_FIELDS, build_parser
+    from runtime.train.backends.megatron_options import MEGATRON_TRAIN_FIELDS
 
     parser = build_parser()
     parser.prog = "convert_hf_to_megatron.py"
@@ -48,7 +49,11 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
             problems.append(f"--{name.replace('_', '-')} is required")
     used = {"hf_checkpoint", "save", "force", *MODEL_SHAPE_FIELDS, *CONVERTER_TRAIN_FIELDS}
     layout = {"tensor_model_parallel_size", "pipeline_model_parallel_size"}  # torch_dist is layout-free
-    ignored = sorted(set(given) - used - layout)
+    # Megatron's training flags that slime's MODEL_ARGS carry (--moe-grouped-gemm, --moe-router-bias-update-rate):
+    # noted and ignored, as its other Megatron flags are.
+    training = sorted(set(given) & set(MEGATRON_TRAIN_FIELDS) - used - layout)
+    notes += [f"--{n.replace('_', '-')}" for n in training]
+    ignored = sorted(set(given) - used - layout - set(training))
     if ignored:
         problems.append("not used by the converter: " + ", ".join(f"--{n.replace('_', '-')}" for n in ignored))
     if problems:

@@ -9,7 +9,9 @@
 Each test file runs in its own ``pytest -v`` process (a process group, killed whole at its timeout); its log is
 parsed for each test's outcome, so a file cut off by its timeout still reports the tests it finished. Each bench
 prints a table; its output is copied into the results. The results file is rewritten after every item, so a run
-killed from outside still leaves a file that says what finished.
+killed from outside still leaves a file that says what finished. A SIGTERM (an outer ``timeout``'s) kills the items in
+flight with their process groups, records what each had finished as "killed at the time limit", marks the items not
+started "not run (killed)", writes the file and exits 143.
 
 With ``--lanes N`` the items run N at a time, each lane on its own ``--gpus-per-lane`` GPUs (``CUDA_VISIBLE_DEVICES``):
 a lane that finishes an item takes the next one not yet started, in the order above (:func:`lane_devices`).
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +71,7 @@ STARTED = re.compile(r"^(?P<test>\S+::\S+(?:\[.*?\])?)\s*$")
 class Result:
     name: str
     command: list[str]
-    status: str = "not run"  # finished | timed out | not run (budget) | exit N
+    status: str = "not run"  # finished | timed out | not run (budget) | exit N | killed at the time limit
     seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
@@ -115,14 +118,22 @@ def lane_devices(lanes: int, gpus_per_lane: int, visible: str | None) -> list[st
 
 
 def run_item(
-    command: list[str], *, timeout_s: float, log: Path, env: dict[str, str] | None = None
+    command: list[str],
+    *,
+    timeout_s: float,
+    log: Path,
+    env: dict[str, str] | None = None,
+    started: Callable[[subprocess.Popen], None] | None = None,
 ) -> tuple[str, float, str]:
-    """Run ``command`` from the repository root in its own process group; (status, seconds, output)."""
+    """Run ``command`` from the repository root in its own process group; (status, seconds, output). ``started`` is
+    called with the process as soon as it runs (so that a SIGTERM handler can kill it)."""
     start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
+        if started is not None:
+            started(proc)
         try:
             code = proc.wait(timeout=timeout_s)
             status = "finished" if code == 0 else f"exit {code}"
@@ -211,6 +222,26 @@ def render(results: list[Result], *, header: dict[str, str], earlier: str = "") 
     return "\n".join(lines).rstrip() + "\n"
 
 
+def suite_items(*, test_timeout_s: float, benches: bool = True) -> list[tuple[str, list[str], float]]:
+    """Every item in run order: (name, command, timeout in seconds); each test file, then each bench."""
+    items = [(p.name, [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(p.relative_to(ROOT))],
+              test_timeout_s) for p in test_files()]  # fmt: skip
+    if benches:
+        items += [(name, [sys.executable, *cmd], timeout) for name, cmd, timeout in BENCHES]
+    return items
+
+
+KILLED = "killed at the time limit"
+
+
+def record(result: Result, status: str, seconds: float, output: str) -> None:
+    """Fill ``result`` with an item's run; a test file's log is parsed for each test's outcome."""
+    result.status, result.seconds, result.output = status, seconds, output
+    if result.name.endswith(".py"):
+        result.counts, result.failed = parse_pytest_log(output)
+        result.outcomes = test_outcomes(output)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "gpu-results.md"))
@@ -226,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-lane", type=int, default=1, help="GPUs each lane's items see (with --lanes > 1)")
     args = parser.parse_args(argv)
 
-    items = [(p.name, [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(p.relative_to(ROOT))],
-              args.test_timeout_s) for p in test_files()]  # fmt: skip
-    if not args.no_benches:
-        items += [(name, [sys.executable, *cmd], timeout) for name, cmd, timeout in BENCHES]
+    items = suite_items(test_timeout_s=args.test_timeout_s, benches=not args.no_benches)
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {name for name, _, _ in items}
@@ -267,12 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         header["lanes"] = ", ".join(f"lane {i}: GPUs {d}" for i, d in enumerate(devices))
     clock, lock = time.monotonic(), threading.Lock()
     pending = list(zip(results, items, strict=True))
+    # Items in flight: result -> (process, log, start); emptied by the SIGTERM handler, which owns the file after.
+    running: dict[int, tuple[Result, subprocess.Popen, Path, float]] = {}
+    stopped = threading.Event()
 
     def lane(visible: str | None) -> None:
         env = dict(os.environ) if visible is None else {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
         while True:
             with lock:
-                if not pending:
+                if not pending or stopped.is_set():
                     return
                 result, (_, cmd, timeout) = pending.pop(0)
             left = None if args.budget_s is None else args.budget_s - (time.monotonic() - clock)
@@ -281,21 +312,50 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             limit = timeout if left is None else min(timeout, left)
             log = logs / f"{result.name}.log"
-            result.status, result.seconds, result.output = run_item(cmd, timeout_s=limit, log=log, env=env)
-            if result.name.endswith(".py"):
-                result.counts, result.failed = parse_pytest_log(result.output)
-                result.outcomes = test_outcomes(result.output)
+
+            def started(proc: subprocess.Popen, result: Result = result, log: Path = log) -> None:
+                with lock:
+                    running[id(result)] = (result, proc, log, time.monotonic())
+
+            ran = run_item(cmd, timeout_s=limit, log=log, env=env, started=started)
             with lock:
+                if stopped.is_set():
+                    return  # the SIGTERM handler recorded this item and wrote the file
+                running.pop(id(result), None)
+                record(result, *ran)
                 where = "" if visible is None else f" on GPUs {visible}"
                 print(f"{result.name}: {result.status} in {result.seconds:.0f} s{where} {result.counts or ''}",
                       flush=True)  # fmt: skip
                 out.write_text(render(results, header=header, earlier=earlier))
 
-    threads = [threading.Thread(target=lane, args=(d,), daemon=True) for d in devices]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    def on_sigterm(signum: int, frame: object) -> None:
+        # An outer `timeout` stops the run: kill what is in flight, keep what it finished, and say so in the file.
+        with lock:
+            stopped.set()
+            for result, proc, log, start in running.values():
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it ended between its last line and this signal
+                proc.wait()
+                record(result, KILLED, time.monotonic() - start, log.read_text(errors="replace"))
+                print(f"{result.name}: {KILLED} after {result.seconds:.0f} s {result.counts or ''}", flush=True)
+            running.clear()
+            for result in results:
+                if result.status == "not run":
+                    result.status = "not run (killed)"
+            out.write_text(render(results, header=header, earlier=earlier))
+        sys.exit(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        threads = [threading.Thread(target=lane, args=(d,), daemon=True) for d in devices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     out.write_text(render(results, header=header, earlier=earlier))
     return 0 if all(r.status == "finished" for r in results) else 1
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_compat
-from runtime.cluster import weight_sync_options
+from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, weight_sync_options
 from runtime.config.evalsets import _eval_dataset_problems, eval_datasets
 from runtime.config.resolve import from_dict
 from runtime.config.schema import (
@@ -486,7 +486,6 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
     _check_model_shape(problems, cfg)
     _check_plugins(problems, cfg)
     _check_hook_combinations(problems, cfg)
-    weight_sync_options.check(problems, cfg)
     _check_offload(problems, cfg)
     _check_colocate(problems, cfg)
     _check_debug(problems, cfg)
@@ -518,10 +517,12 @@ def installed(dotted: str) -> bool:
 # The plug-in kinds: the flag that chooses one -> its registry of options modules and the loader of one. Each module
 # declares ``OWN_FIELDS`` (its flags: refused under another choice) and, when it has rules, ``check(problems, cfg)``
 # (run when it is chosen). Which flag belongs to which plug-in is the plug-ins' declaration, not a list kept here.
-PLUGIN_KINDS: dict[str, tuple[Mapping[str, str], Callable[[str], Any]]] = {
+# A kind whose flag is unset (--update-weight-transport: derived when the job starts) refuses nothing.
+PLUGIN_KINDS: dict[str, tuple[Mapping[str, Any], Callable[[str], Any]]] = {
     "train_backend": (TRAIN_BACKEND_OPTIONS, backend_options),
     "rollout_engine": (ROLLOUT_ENGINE_OPTIONS, engine_options),
     "rollout_schedule": (SCHEDULE_OPTIONS, schedule_options),
+    "update_weight_transport": (WEIGHT_SYNC_OPTIONS, weight_sync_options),
 }
 
 
@@ -532,6 +533,8 @@ def _check_plugins(problems: list[str], cfg: Config) -> None:
     defaults = from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data)
     for kind, (registry, options) in PLUGIN_KINDS.items():
         chosen = getattr(cfg, kind)
+        if chosen is None:
+            continue
         for owner in registry:
             if owner == chosen:
                 continue

@@ -1,5 +1,13 @@
 """The job's settings: a frozen dataclass tree (one section per part of the job) whose field names are slime's
 flag names, the choices the registries define, and the field table the flags and YAML keys are generated from.
+
+A section is declared beside the code that reads it where one part of the runtime does: ``algo`` in
+``runtime.train.algo_options``, ``data`` in ``runtime.rollout.data_options``, ``reward`` in
+``runtime.rollout.reward_options``, ``eval`` in ``runtime.evaluation_options``, ``ckpt`` in
+``runtime.cluster.checkpoint_options``, ``log`` in ``runtime.logger_options``, ``fault`` in ``runtime.fault_options``,
+and the rollout's functions and hooks in ``runtime.rollout.plugin_options``. The sections that many parts read
+(``model``, ``rollout``, ``train``, ``resources``, ``debug``, ``sglang``) are declared here, composed with the
+plug-ins' options (:func:`_plugin_options`).
 """
 
 from __future__ import annotations
@@ -12,28 +20,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.cluster import weight_sync_options
+from runtime.cluster.checkpoint_options import CheckpointConfig  # noqa: F401  (runtime.config's)
+from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, WEIGHT_TRANSPORTS  # noqa: F401  (runtime.config's)
 from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
+from runtime.evaluation_options import EvalConfig  # noqa: F401  (runtime.config's)
+from runtime.fault_options import FaultConfig  # noqa: F401  (runtime.config's)
+from runtime.logger_options import LogConfig  # noqa: F401  (runtime.config's)
 from runtime.option_fields import bounded, described, flag, hook, slime  # noqa: F401  (flag: runtime.config.flag)
+from runtime.rollout.data_options import DataConfig  # noqa: F401  (runtime.config's)
+from runtime.rollout.plugin_options import RolloutFunctionOptions
+from runtime.rollout.reward_options import RM_TYPES, SLIME_RM_TYPES_NOT_BUILT, RewardConfig  # noqa: F401  (runtime.config's)
 from runtime.rollout.schedule_options import SCHEDULE_OPTIONS
+from runtime.train.algo_options import KL_COEF_IGNORED, AlgoConfig  # noqa: F401  (runtime.config's)
 from runtime.train.backends import TRAIN_BACKEND_OPTIONS, TRAIN_BACKENDS, backend_options
 
 # Choices that registries define: the flags take exactly their names.
 TRAIN_BACKEND_NAMES = tuple(TRAIN_BACKENDS)
 ROLLOUT_ENGINE_NAMES = tuple(ROLLOUT_ENGINES)
 ROLLOUT_SCHEDULES = tuple(SCHEDULE_OPTIONS)
-# --update-weight-transport (slime's choices); unset, the engine kind's own default (runtime.engines.registry).
-WEIGHT_TRANSPORTS = ("nccl", "disk", "ipc", "lora_adapter")
-
-# Estimators whose advantages slime computes without the KL in the reward (--kl-coef is ignored there); dr_grpo is
-# grpo without the std, so it goes with them.
-KL_COEF_IGNORED = ("grpo", "gspo", "cispo", "dr_grpo")
-# slime's estimator names where rlcore.advantages names them differently.
-_CORE_ESTIMATOR_NAMES = {"ppo": "gae", "on_policy_distillation": "distillation", "cispo": "grpo"}
-
-
-# Reward types rlcore-run scores with (builtin: the built-in task's), and slime's that it does not yet.
-RM_TYPES = ("builtin", "math", "exact_match", "deepscaler", "dapo", "f1", "gpqa", "random", "remote_rm")
-SLIME_RM_TYPES_NOT_BUILT = ("ifbench",)
 
 
 class ConfigError(ValueError):
@@ -55,12 +60,12 @@ _help, _bounded, _hook_help = described, bounded, hook
 
 
 def _plugin_options(section: str) -> tuple[type, ...]:
-    """The options dataclasses that the plug-ins (training backends, engines) declare for ``section``: the section
-    inherits their fields, so ``cfg.train.tensor_model_parallel_size`` is a field the Megatron backend declares.
-    Every plug-in's fields are there; the chosen plug-in's are checked, another's refused when set
-    (``runtime.config.checks``)."""
+    """The options dataclasses that the plug-ins (training backends, engines, rollout schedules, weight syncs)
+    declare for ``section``: the section inherits their fields, so ``cfg.train.tensor_model_parallel_size`` is a field
+    the Megatron backend declares. Every plug-in's fields are there; the chosen plug-in's are checked, another's
+    refused when set (``runtime.config.checks``)."""
     modules = [backend_options(n) for n in TRAIN_BACKEND_OPTIONS] + [engine_options(n) for n in ROLLOUT_ENGINE_OPTIONS]
-    modules += list(SCHEDULE_OPTIONS.values())
+    modules += [*SCHEDULE_OPTIONS.values(), weight_sync_options, *WEIGHT_SYNC_OPTIONS.values()]
     return tuple(dict.fromkeys(m.OPTIONS[section] for m in modules if section in m.OPTIONS))
 
 
@@ -90,7 +95,14 @@ class ModelConfig:
     rotary_percent: float | None = field(default=None, metadata=_help("Megatron: rotated part of a head (1.0)"))
     norm_epsilon: float | None = field(default=None, metadata=_help("Megatron: RMSNorm epsilon (rms_norm_eps)"))
     qk_layernorm: bool | None = field(default=None, metadata=_help("Megatron: per-head QK RMSNorm (Qwen3)"))
-    add_qkv_bias: bool | None = field(default=None, metadata=_help("Megatron: bias on q/k/v (Qwen2)"))
+    add_qkv_bias: bool | None = field(default=None, metadata=_help("Megatron: bias on q/k/v (Qwen2, GLM-4)"))
+    post_self_attn_layernorm: bool | None = field(
+        default=None, metadata=_help("Megatron: an RMSNorm after self-attention (GLM-4)")
+    )
+    post_mlp_layernorm: bool | None = field(default=None, metadata=_help("Megatron: an RMSNorm after the MLP (GLM-4)"))
+    rotary_interleaved: bool | None = field(
+        default=None, metadata=_help("Megatron: rotary pairs (2i, 2i+1), not (i, i+d/2) (GLM-4)")
+    )
     untie_embeddings_and_output_weights: bool | None = field(
         default=None, metadata=_help("Megatron: LM head apart from the embedding (not tie_word_embeddings)")
     )
@@ -118,119 +130,36 @@ class ModelConfig:
     moe_layer_freq: str | None = field(
         default=None, metadata=_help("Megatron: MoE layers, an int N (every N-th) or a list such as [1]*48")
     )
+    moe_shared_expert_intermediate_size: int | None = field(
+        default=None, metadata=_help("Megatron: the shared experts' width (n_shared_experts x moe_intermediate_size)")
+    )
+    moe_router_enable_expert_bias: bool | None = field(
+        default=None, metadata=_help("Megatron: a per-expert bias for the choice (e_score_correction_bias)")
+    )
+    moe_router_topk_scaling_factor: float | None = field(
+        default=None, metadata=_help("Megatron: gate weights' factor (routed_scaling_factor)")
+    )
+    moe_router_num_groups: int | None = field(default=None, metadata=_help("Megatron: expert groups (n_group)"))
+    moe_router_group_topk: int | None = field(
+        default=None, metadata=_help("Megatron: groups a token's experts come from (topk_group)")
+    )
+    # Multi-latent attention's shape flags (runtime.train.backends.megatron_mla), checked against config.json alike.
+    multi_latent_attention: bool | None = field(
+        default=None, metadata=_help("Megatron: multi-latent attention (DeepSeek-V3, Moonlight)")
+    )
+    q_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's query latent rank (q_lora_rank)"))
+    kv_lora_rank: int | None = field(default=None, metadata=_help("Megatron: MLA's key/value latent rank"))
+    qk_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's query/key head without position (qk_nope_head_dim)")
+    )
+    qk_pos_emb_head_dim: int | None = field(
+        default=None, metadata=_help("Megatron: MLA's rotary part of a query/key head (qk_rope_head_dim)")
+    )
+    v_head_dim: int | None = field(default=None, metadata=_help("Megatron: MLA's value head (v_head_dim)"))
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    prompt_data: str | None = field(
-        default=None,
-        metadata=_help(
-            "prompt file, .jsonl or .parquet; unset: the built-in task",
-            slime=slime("data", None, note="unset: the built-in task"),
-        ),
-    )
-    input_key: str = field(
-        default="input",
-        metadata=_help("key of the prompt (a string or a chat message list)", slime=slime("data", "input")),
-    )
-    label_key: str | None = field(
-        default=None,
-        metadata=_help(
-            "key of the label the reward compares against; unset: rows carry no label", slime=slime("data", None)
-        ),
-    )
-    metadata_key: str = field(
-        default="metadata",
-        metadata=_help("key of a per-row metadata dict (optional in rows)", slime=slime("data", "metadata")),
-    )
-    tool_key: str = field(
-        default="tools",
-        metadata=_help(
-            "key of a row's tool list, passed to the chat template (when present)", slime=slime("data", "tools")
-        ),
-    )
-    apply_chat_template: bool = field(
-        default=False, metadata=_help("render prompts with the chat template", slime=slime("data", False))
-    )
-    apply_chat_template_kwargs: dict = field(
-        default_factory=dict,
-        metadata=_help("JSON object of keyword arguments for the chat template", slime=slime("data", {})),
-    )
-    rollout_max_prompt_len: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0,
-            help="drop (and count) prompts longer than this many tokens (unset: --rollout-max-context-len - 1)",
-            slime=slime("rollout", None),
-        ),
-    )
-    rollout_max_context_len: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0,
-            help="the engines' context; sets --rollout-max-prompt-len's default to this - 1",
-            slime=slime(
-                "rollout",
-                None,
-                note="as in slime: sets --rollout-max-prompt-len's default (context - 1) and checks it",
-            ),
-        ),
-    )
-    rollout_shuffle: bool = field(
-        default=False,
-        metadata=_help(
-            "reshuffle the prompts every epoch (seeded by --rollout-seed)",
-            slime=slime("rollout", False, note="built-in job: on"),
-        ),
-    )
-    rollout_seed: int = field(
-        default=42,
-        metadata=_help(
-            "seed of the prompt order of --prompt-data",
-            slime=slime("rollout", 42, note="the built-in task's prompts are drawn and shuffled from --seed"),
-        ),
-    )
-    balance_data: bool = field(
-        default=False,
-        metadata=_help(
-            "balance each optimizer step's tokens over the trainer ranks (rows reordered)",
-            slime=slime("data", False, differs="greedy within each optimizer step (slime: Karmarkar-Karp)"),
-        ),
-    )
-    on_bad_row: Literal["fail", "skip"] = field(
-        default="fail", metadata=_help("a malformed row stops the job (fail) or is skipped and counted (skip)")
-    )
-    allow_prompt_data_change: bool = field(
-        default=False,
-        metadata=_help(
-            "ours: --load a checkpoint although the prompt data's rows changed since it was saved (same row count; "
-            "without it the resume stops naming the file)"
-        ),
-    )
-    data_source_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "class cls(args) with get_samples(n) -> list[list[Sample]], add_samples, save(rollout_id), "
-            "load(rollout_id), __len__; unset: the prompt data with a buffer (slime's RolloutDataSourceWithBuffer)",
-            slime=slime(
-                "data",
-                "slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                differs="unset: the prompt data with a buffer (slime's default path is accepted and means it)",
-            ),
-        ),
-    )
-    disable_rollout_global_dataset: bool = field(
-        default=False,
-        metadata=_help(
-            "the default data source holds no prompt data, only the groups put back with add_samples (a "
-            "--rollout-function-path makes its own prompts); hooks read args.rollout_global_dataset",
-            slime=slime("data", False),
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class RolloutConfig(*_plugin_options("rollout")):
+class RolloutConfig(RolloutFunctionOptions, *_plugin_options("rollout")):
     rollout_batch_size: int | None = field(
         default=None,
         metadata=_bounded(
@@ -314,91 +243,6 @@ class RolloutConfig(*_plugin_options("rollout")):
             slime=slime("data", None),
         ),
     )
-    custom_generate_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "async def generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample], as "
-            "module:function",
-            slime=slime("rollout", None, note="engines through runtime.rollout.engine_generate"),
-        ),
-    )
-    rollout_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "the whole rollout, generate_rollout(args, rollout_id, data_source, evaluation=False) -> "
-            "RolloutFnTrainOutput | list[list[Sample]]; unset: the built-in rollout",
-            slime=slime(
-                "rollout",
-                "slime.rollout.sglang_rollout.generate_rollout",
-                differs="unset: the built-in "
-                "rollout (slime's default path is accepted and means it); --fully-async refused",
-            ),
-        ),
-    )
-    eval_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "evaluation rollout, called with evaluation=True -> RolloutFnEvalOutput; unset: --rollout-function-path "
-            "when set, else the built-in evaluation",
-            slime=slime("eval", None, note="unset: the rollout function when one is given"),
-        ),
-    )
-    rollout_sample_hook_path: list[str] = field(
-        default_factory=list,
-        metadata={
-            **_hook_help("(repeatable) [async] hook(args, sample, *, rollout_id, evaluation) -> Sample | None"),
-            "append": True,
-            "slime": slime("rollout", []),
-        },
-    )
-    buffer_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]: groups taken back",
-            slime=slime("rollout", None, note="the default data source's buffer (rollout functions)"),
-        ),
-    )
-    rollout_sample_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, data: list[list[Sample]]) -> None; sets sample.remove_sample",
-            slime=slime("rollout_buffer", None),
-        ),
-    )
-    rollout_all_samples_process_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, all_samples: list[list[Sample]], data_source) -> None, filtered groups too",
-            slime=slime("rollout_buffer", None, note="built-in rollout; not with --fully-async"),
-        ),
-    )
-    rollout_data_postprocess_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, rollout_id, rollout_data: dict) -> None, after log-probs and advantages",
-            slime=slime("rollout", None, note="on every trainer rank, over its shard"),
-        ),
-    )
-    custom_rollout_log_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(rollout_id, args, samples, extra_metrics, rollout_time) -> bool (True: skip ours)",
-            slime=slime("rollout", None),
-        ),
-    )
-    custom_eval_rollout_log_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(rollout_id, args, data, extra_metrics) -> bool (True: skip ours)", slime=slime("rollout", None)
-        ),
-    )
-    dynamic_sampling_filter_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "filter fn(args, samples) -> DynamicFilterOutput applied to each prompt's group",
-            slime=slime("rollout", None),
-        ),
-    )
     over_sampling_batch_size: int | None = field(
         default=None,
         metadata=_bounded(
@@ -417,288 +261,6 @@ class RolloutConfig(*_plugin_options("rollout")):
             "fully_async (groups in flight across steps under --max-staleness; --fully-async)"
         ),
     )
-    update_weights_interval: int = field(
-        default=1, metadata=_bounded(gt=0, help="sync weights to the engines every N steps", slime=slime("rollout", 1))
-    )
-    update_weight_buffer_size: int = field(
-        default=512 * 1024**2,
-        metadata=_bounded(gt=0, help="bytes per bucket of a weight sync", slime=slime("rollout", 536870912)),
-    )
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    advantage_estimator: Literal[
-        "grpo",
-        "cispo",
-        "dr_grpo",
-        "gspo",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "ppo",
-        "on_policy_distillation",
-    ] = field(
-        default="grpo",
-        metadata=_help(
-            "advantage estimator",
-            slime=slime(
-                "algo",
-                "grpo",
-                differs="adds dr_grpo, rloo, on_policy_distillation; ppo's "
-                "critic is a value-head copy of the model in the trainers",
-            ),
-        ),
-    )
-    eps_clip: float = field(
-        default=0.2,
-        metadata=_help("PPO clip range (lower, and upper unless --eps-clip-high)", slime=slime("algo", 0.2)),
-    )
-    eps_clip_high: float | None = field(
-        default=None, metadata=_help("PPO upper clip range (clip-higher)", slime=slime("algo", None))
-    )
-    eps_clip_c: float | None = field(
-        default=None, metadata=_help("dual-clip PPO constant, > 1", slime=slime("algo", None))
-    )
-    value_clip: float = field(
-        default=0.2,
-        metadata=_help(
-            "clip of the critic's values around the old values (ppo)",
-            slime=slime("algo", 0.2, note="the critic's value loss (ppo)"),
-        ),
-    )
-    num_critic_only_steps: int = field(
-        default=0,
-        metadata=_bounded(
-            ge=0, help="ppo: the first N rollouts train the critic only (the actor waits)", slime=slime("algo", 0)
-        ),
-    )
-    kl_coef: float = field(
-        default=0.0,
-        metadata=_help(
-            "KL penalty folded into the reward (ppo, reinforce_plus_plus[_baseline]; the grpo family "
-            "ignores it, as slime does)",
-            slime=slime("algo", 0.0, note="ignored by grpo/gspo/cispo/dr_grpo, as slime ignores it"),
-        ),
-    )
-    use_kl_loss: bool = field(
-        default=False,
-        metadata=_help(
-            "add a KL-to-reference term to the loss (coefficient 0: KL is only logged)",
-            slime=slime("algo", False, note="built-in job: on"),
-        ),
-    )
-    kl_loss_coef: float = field(
-        default=0.0, metadata=_help("weight of the KL loss (with --use-kl-loss)", slime=slime("algo", 0.0))
-    )
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = field(
-        default="k1",
-        metadata=_help("KL estimator of the KL loss (and of the KL in the reward)", slime=slime("algo", "k1")),
-    )
-    ref_update_interval: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0, help="copy the actor's weights into the reference model every N steps", slime=slime("algo", None)
-        ),
-    )
-    reset_optimizer_states: bool = field(
-        default=False,
-        metadata=_help("drop the optimizer's moments after every rollout's training", slime=slime("algo", False)),
-    )
-    use_unbiased_kl: bool = field(
-        default=False,
-        metadata=_help(
-            "weight the KL loss by the importance ratio exp(log_probs - old_log_probs)", slime=slime("algo", False)
-        ),
-    )
-    entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus weight", slime=slime("algo", 0.0)))
-    use_rollout_entropy: bool = field(
-        default=False,
-        metadata=_help(
-            "the log-prob passes also compute each token's entropy: rollout_data['entropy'] (actor) and "
-            "['ref_entropy'] for the trainer hooks",
-            slime=slime("algo", False, differs="torch backend only; not in the --keep-old-actor pass"),
-        ),
-    )
-    use_tis: bool = field(
-        default=False,
-        metadata=_help("truncated importance sampling on rollout/train mismatch", slime=slime("algo", False)),
-    )
-    tis_clip: float = field(default=2.0, metadata=_help("upper bound of the TIS weight", slime=slime("algo", 2.0)))
-    tis_clip_low: float = field(default=0.0, metadata=_help("lower bound of the TIS weight", slime=slime("algo", 0.0)))
-    custom_tis_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "with --use-tis or --get-mismatch-metrics: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
-            "loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), in place of TIS",
-            slime=slime("algo", None, differs="torch backend only; metrics are token means"),
-        ),
-    )
-    use_rollout_logprobs: bool = field(
-        default=False,
-        metadata=_help(
-            "take the engine's log-probs as the old log-probs (no trainer recompute)", slime=slime("algo", False)
-        ),
-    )
-    get_mismatch_metrics: bool = field(
-        default=False,
-        metadata=_help(
-            "log rollout/train mismatch metrics (the TIS weights, not applied)", slime=slime("algo", False)
-        ),
-    )
-    use_opsm: bool = field(
-        default=False,
-        metadata=_help(
-            "off-policy sequence masking: drop negative-advantage tokens of sequences whose KL(old||new) "
-            "exceeds --opsm-delta",
-            slime=slime("algo", False),
-        ),
-    )
-    opsm_delta: float = field(
-        default=1e-4, metadata=_help("OPSM threshold on the sequence's mean log-ratio", slime=slime("algo", 0.0001))
-    )
-    normalize_advantages: bool = field(
-        default=False,
-        metadata=_help(
-            "whiten advantages over the batch",
-            slime=slime("algo", False, differs="not required for reinforce_plus_plus[_baseline]"),
-        ),
-    )
-    use_opd: bool = field(
-        default=False,
-        metadata=_help(
-            "on-policy distillation on top of the estimator: minus --opd-kl-coef x (student - teacher) "
-            "log-probs on every token's advantage",
-            slime=slime("on_policy_distillation", False),
-        ),
-    )
-    opd_type: Literal["megatron", "sglang"] | None = field(
-        default=None,
-        metadata=_help(
-            "where the teacher's log-probs come from: megatron = a teacher model in the trainers (any "
-            "--train-backend here); sglang = a teacher server",
-            slime=slime(
-                "on_policy_distillation",
-                None,
-                note="megatron: a teacher model in the trainers, any "
-                "backend; sglang: a teacher server, through slime's on_policy_distillation reward pair",
-            ),
-        ),
-    )
-    opd_kl_coef: float = field(
-        default=1.0, metadata=_help("weight of the distillation term", slime=slime("on_policy_distillation", 1.0))
-    )
-    opd_teacher_load: str | None = field(
-        default=None,
-        metadata=_help(
-            "the teacher model for --opd-type megatron: an HF folder; with --train-backend megatron also a torch_dist "
-            "checkpoint or save root",
-            slime=slime(
-                "on_policy_distillation",
-                None,
-                differs="an HF folder; with --train-backend megatron also "
-                "a torch_dist checkpoint (slime: a Megatron checkpoint)",
-            ),
-        ),
-    )
-    opd_teacher_ckpt_step: int | None = field(
-        default=None,
-        metadata=_help(
-            "--train-backend megatron: the step of a Megatron --opd-teacher-load save root (iter_NNNNNNN)",
-            slime=slime(
-                "on_policy_distillation",
-                None,
-                differs="--train-backend megatron "
-                "only (the torch backend refuses it): iter_NNNNNNN of a --opd-teacher-load save root",
-            ),
-        ),
-    )
-    disable_grpo_std_normalization: bool = field(
-        default=False,
-        metadata=_help(
-            "grpo/gspo/cispo: centre rewards on the group mean only (Dr. GRPO)", slime=slime("algo", False)
-        ),
-    )
-    disable_rewards_normalization: bool = field(
-        default=False,
-        metadata=_help("no group normalization: the raw reward is the sequence advantage", slime=slime("algo", False)),
-    )
-    calculate_per_token_loss: bool = field(
-        default=False,
-        metadata=_help(
-            "aggregate losses as a token mean over the step; off: each sample's token mean, then the mean over "
-            "samples",
-            slime=slime("megatron (reset by slime)", False, note="built-in job: on"),
-        ),
-    )
-    loss_agg_mode: (
-        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] | None
-    ) = field(
-        default=None,
-        metadata=_help(
-            "ours: how per-token losses are aggregated; unset: from --calculate-per-token-loss "
-            "(token_mean on, seq_mean_token_mean off)"
-        ),
-    )
-    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = field(
-        default="policy_loss",
-        metadata=_help(
-            "policy_loss (RL), sft_loss (NLL of the loss-masked tokens) or custom_loss (--custom-loss-...)",
-            slime=slime("algo", "policy_loss"),
-        ),
-    )
-    custom_loss_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "with --loss-type custom_loss: fn(args, batch, logits, sum_of_sample_mean) -> (loss, dict)",
-            slime=slime("algo", None, differs="logits [1, T, V] over the padded rows, one by one"),
-        ),
-    )
-    custom_advantage_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, rollout_data) -> None, setting rollout_data['advantages'] and ['returns']",
-            slime=slime("algo", None, note="on every trainer rank, over its shard"),
-        ),
-    )
-    custom_pg_loss_reducer_function_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the pg term",
-            slime=slime("algo", None, note="the pg term's reducer (--loss-agg-mode is ours)"),
-        ),
-    )
-    disable_compute_advantages_and_returns: bool = field(
-        default=False,
-        metadata=_help(
-            "no advantages (SFT, custom losses): needs --loss-type sft_loss or custom_loss",
-            slime=slime("algo", False, note="with --loss-type sft_loss or custom_loss"),
-        ),
-    )
-    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] = field(
-        default="qwen",
-        metadata=_help(
-            "multi-turn SFT loss masks by chat template (sft_rollout)",
-            slime=slime("rollout_buffer", "qwen", note="sft_rollout's loss masks by chat template"),
-        ),
-    )
-    gamma: float = field(default=1.0, metadata=_help("discount (ppo / reinforce++)", slime=slime("algo", 1.0)))
-    lambd: float = field(default=1.0, metadata=_help("GAE lambda (ppo)", slime=slime("algo", 1.0)))
-
-    @property
-    def aggregation(self) -> str:
-        """The loss aggregation in force: ``--loss-agg-mode`` when given, else slime's by
-        ``--calculate-per-token-loss`` (on: a token mean over the step; off: per-sample token means, then their
-        mean)."""
-        if self.loss_agg_mode is not None:
-            return self.loss_agg_mode
-        return "token_mean" if self.calculate_per_token_loss else "seq_mean_token_mean"
-
-    @property
-    def core_estimator(self) -> str:
-        """The estimator's name in ``rlcore.advantages`` (slime's ``ppo`` is ``gae``, ``on_policy_distillation``
-        is ``distillation``; the others are spelled alike)."""
-        return _CORE_ESTIMATOR_NAMES.get(self.advantage_estimator, self.advantage_estimator)
 
 
 @dataclass(frozen=True)
@@ -803,11 +365,13 @@ class TrainConfig(*_plugin_options("train")):
         default=None,
         metadata=_help(
             "activation recompute: Megatron's full layers or selective core attention; the torch backend: full "
-            "(every decoder layer checkpointed)"
+            "(every decoder layer checkpointed)",
+            megatron=True,
         ),
     )
     lr_decay_iters: int | None = field(
-        default=None, metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps")
+        default=None,
+        metadata=_help("Megatron: optimizer steps of the decay; unset: the job's optimizer steps", megatron=True),
     )
     only_train_params_name_list: list[str] | None = field(
         default=None,
@@ -933,339 +497,6 @@ class ResourceConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
-    rm_type: str = field(
-        default="builtin",
-        metadata=_help(
-            "builtin (the default task's), math, exact_match, deepscaler, dapo, f1, gpqa, random, remote_rm, or "
-            "boxed_<type> (scores the last \\boxed{} of the response)",
-            slime=slime(
-                "reward_model",
-                None,
-                differs="default builtin (ours: the built-in task's); adds "
-                "exact_match; no ifbench; dapo and deepscaler compare with math-verify",
-            ),
-        ),
-    )
-    custom_rm_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "reward function as module:function or file.py:function; overrides --rm-type",
-            slime=slime(
-                "reward_model",
-                None,
-                differs="without --group-rm a batched function (told "
-                "by its signature) is called once per sampling round",
-            ),
-        ),
-    )
-    reward_timeout: float = field(
-        default=30.0, metadata=_bounded(gt=0, help="seconds per reward call, sync or async; over it the reward is 0")
-    )
-    max_reward_error_rate: float = field(
-        default=0.5,
-        metadata=_bounded(
-            ge=0,
-            le=1,
-            help="ours: stop the job (exit 1) when more than this fraction of a step's rewards fail or time out for "
-            "--max-reward-error-steps steps in a row; 1 never stops",
-        ),
-    )
-    max_reward_error_steps: int = field(
-        default=3,
-        metadata=_bounded(gt=0, help="ours: consecutive steps over --max-reward-error-rate that stop the job"),
-    )
-    rm_url: str | None = field(
-        default=None,
-        metadata=_help("URL of the reward server of --rm-type remote_rm", slime=slime("reward_model", None)),
-    )
-    http_proxy: str | None = field(
-        default=None,
-        metadata=_help(
-            "HTTP proxy of --rm-type remote_rm's requests",
-            slime=slime("network", None, differs="used by --rm-type remote_rm's requests (not the engines')"),
-        ),
-    )
-    reward_key: str | None = field(
-        default=None,
-        metadata=_help(
-            "the entry of a dict reward that trains (unset: 'score')",
-            slime=slime("reward_model", None, differs="unset: a dict reward trains on its 'score'"),
-        ),
-    )
-    eval_reward_key: str | None = field(
-        default=None,
-        metadata=_help(
-            "the entry of a dict reward that evaluation reports (unset: --reward-key)",
-            slime=slime("reward_model", None),
-        ),
-    )
-    group_rm: bool = field(
-        default=False,
-        metadata=_help(
-            "--custom-rm-path is batched and called once per prompt's group", slime=slime("reward_model", False)
-        ),
-    )
-    custom_reward_post_process_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, samples) -> (raw_rewards, rewards), in place of the group normalisation",
-            slime=slime("reward_model", None),
-        ),
-    )
-    custom_convert_samples_to_train_data_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, samples) -> dict of slime's train data (tokens, response_lengths, ...)",
-            slime=slime("reward_model", None, note="its rewards are final"),
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    eval_interval: int | None = field(
-        default=None,
-        metadata=_bounded(gt=0, help="evaluate every this many steps", slime=slime("megatron (reset by slime)", None)),
-    )
-    eval_prompt_data: list[str] | None = field(
-        default=None,
-        metadata=_help(
-            "evaluation datasets as name/path pairs (aime /data/aime.jsonl ...), or one path (named after its file)",
-            slime=slime("eval", None, note="name/path pairs; one bare path is named aime, as in slime"),
-        ),
-    )
-    eval_config: str | None = field(
-        default=None,
-        metadata=_help(
-            "YAML of evaluation datasets with per-dataset settings (slime's layout); wins over --eval-prompt-data",
-            slime=slime(
-                "eval",
-                None,
-                differs="read with PyYAML (no OmegaConf interpolation); per-dataset keys "
-                "beyond rlcore-run's are refused by name",
-            ),
-        ),
-    )
-    skip_eval_before_train: bool = field(
-        default=False,
-        metadata=_help("with --eval-interval, do not evaluate before the first step", slime=slime("eval", False)),
-    )
-    n_samples_per_eval_prompt: int = field(
-        default=1, metadata=_bounded(gt=0, help="responses per evaluation prompt", slime=slime("eval", 1))
-    )
-    eval_input_key: str | None = field(
-        default=None, metadata=_help("--input-key of the evaluation data", slime=slime("eval", None))
-    )
-    eval_label_key: str | None = field(
-        default=None, metadata=_help("--label-key of the evaluation data", slime=slime("eval", None))
-    )
-    eval_tool_key: str | None = field(
-        default=None, metadata=_help("--tool-key of the evaluation data", slime=slime("eval", None))
-    )
-    eval_temperature: float | None = field(
-        default=None,
-        metadata=_bounded(gt=0, help="evaluation temperature (unset: rollout's)", slime=slime("eval", None)),
-    )
-    eval_top_p: float | None = field(
-        default=None,
-        metadata=_bounded(gt=0, le=1, help="evaluation top-p (unset: rollout's)", slime=slime("eval", None)),
-    )
-    eval_top_k: int | None = field(
-        default=None, metadata=_help("evaluation top-k (unset: rollout's)", slime=slime("eval", None))
-    )
-    eval_max_response_len: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0, help="evaluation max new tokens (unset: --rollout-max-response-len)", slime=slime("eval", None)
-        ),
-    )
-    eval_max_context_len: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0,
-            help="evaluation context (unset: --rollout-max-context-len); as in slime, recorded only",
-            slime=slime("eval", None, note="as in slime: recorded, defaulting to --rollout-max-context-len"),
-        ),
-    )
-    eval_max_prompt_len: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0,
-            help="drop evaluation prompts longer than this (unset: --rollout-max-prompt-len)",
-            slime=slime("eval", None),
-        ),
-    )
-    eval_min_new_tokens: int | None = field(
-        default=None,
-        metadata=_bounded(
-            ge=0,
-            help="evaluation responses get at least this many tokens (eos and stop ids held off)",
-            slime=slime("eval", None),
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: str | None = field(
-        default=None, metadata=_help("checkpoint directory", slime=slime("megatron (reset by slime)", None))
-    )
-    save_interval: int | None = field(
-        default=None,
-        metadata=_bounded(
-            gt=0, help="save every this many steps (and at the end)", slime=slime("megatron (reset by slime)", None)
-        ),
-    )
-    save_hf: str | None = field(
-        default=None,
-        metadata=_help(
-            "also write the model in HF format at every save, to this path formatted with {rollout_id}",
-            slime=slime("algo", None),
-        ),
-    )
-    start_rollout_id: int | None = field(
-        default=None,
-        metadata=_help(
-            "the first step to run (default: the --load checkpoint's next step, else 0)", slime=slime("data", None)
-        ),
-    )
-    load: str | None = field(
-        default=None,
-        metadata=_help(
-            "checkpoint directory to resume from",
-            slime=slime(
-                "megatron (reset by slime)",
-                None,
-                differs="rlcore's own checkpoint folders (step_NNNNNN) to resume; with "
-                "--train-backend megatron also a torch_dist checkpoint, whose weights the actor starts from "
-                "(optimizer, RNG and step afresh)",
-            ),
-        ),
-    )
-    ref_load: str | None = field(
-        default=None,
-        metadata=_help(
-            "the reference model's HF folder (unset: --hf-checkpoint's weights)",
-            slime=slime(
-                "algo",
-                None,
-                differs="an HF folder (any backend) or, with --train-backend "
-                "megatron, a torch_dist checkpoint, which is also the actor's start when --load holds no "
-                "checkpoint (slime's rule); the torch backend takes HF folders only",
-            ),
-        ),
-    )
-    ref_ckpt_step: int | None = field(
-        default=None,
-        metadata=_help(
-            "--train-backend megatron: the step of a Megatron --ref-load save root to load (iter_NNNNNNN)",
-            slime=slime(
-                "algo",
-                None,
-                note="with --train-backend megatron: iter_NNNNNNN of a "
-                "--ref-load save root (also the actor's start from it)",
-            ),
-        ),
-    )
-    no_save_optim: bool = field(
-        default=False,
-        metadata=_help(
-            "checkpoints leave the optimizer's state out (a resume starts it afresh)",
-            slime=slime("megatron (reset by slime)", False),
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    use_tensorboard: bool = field(
-        default=False,
-        metadata=_help(
-            "write TensorBoard event files to the output dir",
-            slime=slime("tensorboard", False, note="built-in job: on"),
-        ),
-    )
-    use_wandb: bool = field(
-        default=False, metadata=_help("log to Weights & Biases (needs the wandb package)", slime=slime("wandb", False))
-    )
-    wandb_project: str | None = field(
-        default=None, metadata=_help("W&B project", slime=slime("megatron (reset by slime)", None))
-    )
-    wandb_team: str | None = field(default=None, metadata=_help("W&B entity", slime=slime("wandb", None)))
-    wandb_group: str | None = field(
-        default=None, metadata=_help("W&B group (and run name)", slime=slime("wandb", None))
-    )
-    wandb_mode: Literal["online", "offline", "disabled"] | None = field(
-        default=None, metadata=_help("W&B mode", slime=slime("wandb", None))
-    )
-    wandb_dir: str | None = field(
-        default=None,
-        metadata=_help(
-            "W&B local folder (unset: --output-dir)", slime=slime("wandb", None, note="unset: --output-dir")
-        ),
-    )
-    wandb_key: str | None = field(
-        default=None, metadata=_help("W&B API key (logs in unless offline)", slime=slime("wandb", None))
-    )
-    wandb_host: str | None = field(default=None, metadata=_help("W&B host of the login", slime=slime("wandb", None)))
-    wandb_run_id: str | None = field(default=None, metadata=_help("resume this W&B run", slime=slime("wandb", None)))
-    disable_wandb_random_suffix: bool = field(
-        default=False,
-        metadata=_help("no random suffix on --wandb-group (and the run name)", slime=slime("wandb", False)),
-    )
-    tb_project_name: str | None = field(
-        default=None,
-        metadata=_help(
-            "TensorBoard: write to tensorboard_log/<this>/<--tb-experiment-name>",
-            slime=slime("tensorboard", None, note="unset (and no $TENSORBOARD_DIR): --output-dir/tensorboard"),
-        ),
-    )
-    tb_experiment_name: str | None = field(
-        default=None,
-        metadata=_help(
-            "TensorBoard experiment (unset: the start time) under --tb-project-name", slime=slime("tensorboard", None)
-        ),
-    )
-    log_reward_category: str | None = field(
-        default=None,
-        metadata=_help("log the fraction of samples by this entry of their dict reward", slime=slime("wandb", None)),
-    )
-    log_passrate: bool = field(
-        default=False,
-        metadata=_help(
-            "log pass@k (k = 1, 2, 4, ... up to the group size) of rollouts and evaluation",
-            slime=slime("wandb", False),
-        ),
-    )
-    log_multi_turn: bool = field(
-        default=False,
-        metadata=_help(
-            "log response lengths with and without tool output, and round counts", slime=slime("wandb", False)
-        ),
-    )
-    log_correct_samples: bool = field(
-        default=False,
-        metadata=_help(
-            "log the correct samples' (reward 1) response lengths by quarter of --rollout-max-response-len, and "
-            "their mean -log-prob",
-            slime=slime(
-                "wandb",
-                False,
-                note="rollout/correct_entropy is the mean over correct samples (slime's sums their sample means)",
-            ),
-        ),
-    )
-    wandb_always_use_train_step: bool = field(
-        default=False,
-        metadata=_help(
-            "W&B and TensorBoard x axis: optimizer steps so far (rollout x steps per rollout), not rollouts",
-            slime=slime("wandb", False, note="TensorBoard's axis too; metrics.jsonl keeps the rollout"),
-        ),
-    )
-
-
-@dataclass(frozen=True)
 class DebugConfig:
     """slime's debug and replay modes: how to bisect train against rollout problems."""
 
@@ -1383,63 +614,9 @@ class DebugConfig:
 @dataclass(frozen=True)
 class SGLangConfig(*_plugin_options("sglang")):
     """The engines' fleet: the SGLang engine's options (``runtime.engines.sglang_options``: servers, router,
-    passthrough flags), the weight sync and the offloads between rollout and training."""
+    passthrough flags), the weight sync's (``runtime.cluster.weight_sync_options``) and the offloads between rollout
+    and training."""
 
-    update_weight_transport: Literal[WEIGHT_TRANSPORTS] | None = field(
-        default=None,
-        metadata=_help(
-            "how weights reach the engines: nccl (a torch.distributed broadcast in buckets; gloo on the CPU), disk "
-            "(safetensors) or ipc (colocated engines load buckets as handles to the trainer's memory: CUDA IPC, "
-            "shared memory on the CPU), lora_adapter (--lora-rank with SGLang: the adapters as a peft folder, loaded "
-            "with /load_lora_adapter; the launcher adds --enable-lora); unset: ipc under --colocate (disk where ipc "
-            "is not built: SGLang engines of several GPUs, several Megatron processes), else nccl on GPUs (from "
-            "the trainer's GPU memory, the next bucket packed while one is in flight) and for SGLang, and Ray's "
-            "object store for the embedded engine on the CPU",
-            slime=slime(
-                "train", "nccl", differs="unset: nccl for SGLang engines, the object store for the embedded engine"
-            ),
-        ),
-    )
-    check_weight_update_equal: bool = field(
-        default=False,
-        metadata=_help(
-            "after the first weight sync, compare every engine's weights with the trainer's",
-            slime=slime("debug", False),
-        ),
-    )
-    update_weight_disk_dir: str | None = field(
-        default=None,
-        metadata=_help(
-            "where --update-weight-transport disk writes one HF folder per sync (weight_v<version, 6 digits>), on a "
-            "file system the engines read; unset: a temporary folder (slime needs it given)",
-            slime=slime(
-                "train",
-                None,
-                differs="unset with --update-weight-transport disk: a temporary folder (slime refuses the job)",
-            ),
-        ),
-    )
-    update_weight_disk_keep_files: bool = field(
-        default=False,
-        metadata=_help(
-            "keep every folder a disk sync writes (by default each is deleted once the engines loaded it)",
-            slime=slime("train", False),
-        ),
-    )
-    custom_update_weight_post_write_path: str | None = field(
-        default=None,
-        metadata=_hook_help(
-            "fn(args, version_dir, rollout_engines) -> None, after a disk sync's folder is written and before the "
-            "engines read it (to publish it on a file system without cross-host visibility); rollout_engines are "
-            "the engine actors",
-            slime=slime(
-                "train",
-                None,
-                differs="called once, in the driver, after trainer rank 0 (rlcore's only "
-                "writer) wrote the folder; slime calls it on every trainer rank",
-            ),
-        ),
-    )
     sglang_server_concurrency: int = field(
         default=512,
         metadata=_bounded(
@@ -1481,57 +658,6 @@ class SGLangConfig(*_plugin_options("sglang")):
                 differs="sets --offload-train and --offload-rollout; refused "
                 "beside --no-offload-train/-rollout (slime lets it win)",
             ),
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    """What a job survives: a dead or unhealthy rollout engine (slime's fault-tolerance group, on by default here)
-    and a dead trainer process (ours)."""
-
-    use_fault_tolerance: bool = field(
-        default=True,
-        metadata=_help(
-            "check the rollout engines' health, re-dispatch a dead engine's requests to live ones, restart it and "
-            "re-push the weights (on by default, unlike slime; --no-use-fault-tolerance: a dead engine stops the job)",
-            slime=slime(
-                "fault_tolerance",
-                False,
-                differs="on by default (--no-use-fault-tolerance is slime's "
-                "default); a dead engine's requests go to live engines at once and it is restarted at once, not at "
-                "the next weight update",
-            ),
-        ),
-    )
-    rollout_health_check_interval: float = field(
-        default=30.0,
-        metadata=_bounded(
-            gt=0, help="seconds between two health checks of every engine", slime=slime("fault_tolerance", 30.0)
-        ),
-    )
-    rollout_health_check_timeout: float = field(
-        default=30.0,
-        metadata=_bounded(
-            gt=0,
-            help="seconds an engine may take to answer a health check before it is restarted",
-            slime=slime("fault_tolerance", 30.0),
-        ),
-    )
-    rollout_health_check_first_wait: float = field(
-        default=0.0,
-        metadata=_bounded(
-            ge=0,
-            help="seconds of grace after the engines are (re)started or resumed before checking",
-            slime=slime("fault_tolerance", 0.0),
-        ),
-    )
-    max_trainer_restarts: int = field(
-        default=2,
-        metadata=_bounded(
-            ge=0,
-            help="ours: times a dead trainer process is survived by rebuilding the job from the latest --save "
-            "checkpoint",
         ),
     )
 

@@ -178,18 +178,25 @@ def local_layer_spec(
     normalization: str,
     num_experts: int | None = None,
     grouped_gemm: bool = False,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """megatron-core's local GPT layer spec with the core attention that ``attention_backend`` names
     (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` (experts
     ``SequentialMLP``, or with ``grouped_gemm`` :func:`runtime.train.backends.megatron_moe.grouped_gemm_experts`'s
-    module, the same parameters)."""
+    module, the same parameters); with ``multi_latent_attention`` megatron-core's ``MLASelfAttention`` (its latent
+    norms are the spec's ``qk_layernorm``)."""
     if attention_backend not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"--attention-backend {attention_backend!r}: the Megatron backend runs {sorted(ATTENTION_IMPLEMENTATIONS)}"
         )
     # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first.
     apply_no_te_workarounds()
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization, num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+        num_experts=num_experts,
+        multi_latent_attention=multi_latent_attention,
+    )
     if num_experts is not None and grouped_gemm:
         from runtime.train.backends.megatron_moe import grouped_gemm_experts
 

@@ -4,10 +4,13 @@ Pure functions over plain dicts: nothing here imports megatron-core, so the conf
 --dry-run``) and the weight mapping (:mod:`runtime.train.backends.megatron_weights`) run without it.
 
 Families: Llama, Qwen2 and Qwen3 (dense): RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, tied or untied
-embeddings, QKV bias (Qwen2) and per-head QK-norm (Qwen3); Qwen3-MoE, Qwen3's attention with MoE layers
-(:mod:`runtime.train.backends.megatron_moe`). Anything else in a ``config.json`` that would build a
-different model (rope scaling, biases on other layers, sliding windows, another activation) is refused by name: a
-model built differently from the checkpoint would train silently wrong.
+embeddings, QKV bias (Qwen2) and per-head QK-norm (Qwen3); GLM-4 (dense: QKV bias, a norm after attention and after
+the MLP, interleaved rotary pairs over part of each head); Qwen3-MoE, Qwen3's attention with MoE layers; GLM-4.5
+(``glm4_moe``): QKV bias, partial rotary, optional QK-norm, a sigmoid router with expert bias, a shared expert, the
+first layers dense (:mod:`runtime.train.backends.megatron_moe`). :data:`FAMILIES` says how each family's layers
+differ. Anything else in a ``config.json`` that would build a different model (rope scaling, biases on other layers,
+sliding windows, another activation) is refused by name: a model built differently from the checkpoint would train
+silently wrong.
 """
 
 from __future__ import annotations
@@ -17,14 +20,52 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.train.backends.megatron_mla import MLAShape, mla_from_hf
+from runtime.train.backends.megatron_mla import config_kwargs as mla_config_kwargs
 from runtime.train.backends.megatron_moe import MoEShape, layer_pattern, local_experts, moe_from_hf
 
-# model_type -> whether the family has per-head QK RMSNorm and a bias on q/k/v.
-FAMILIES: dict[str, tuple[bool, bool]] = {
-    "llama": (False, False),
-    "qwen2": (False, True),
-    "qwen3": (True, False),
-    "qwen3_moe": (True, False),
+
+@dataclass(frozen=True)
+class Family:
+    """How a ``model_type``'s layers differ from Llama's."""
+
+    # Per-head QK RMSNorm: always (Qwen3), or as the config.json field qk_layernorm_field says (GLM-4.5's
+    # use_qk_norm).
+    qk_layernorm: bool = False
+    qk_layernorm_field: str | None = None
+    # A bias on q/k/v: always (Qwen2), or, with qkv_bias_field, as that config.json field says (GLM-4's
+    # attention_bias, on q/k/v only: its o_proj has none).
+    qkv_bias: bool = False
+    qkv_bias_field: str | None = None
+    # RMSNorms after self-attention and after the MLP, before each residual add (GLM-4: post_self_attn_layernorm,
+    # post_mlp_layernorm; Megatron's TransformerLayer has neither: megatron_layers.PostNormTransformerLayer).
+    post_norms: bool = False
+    # Rotary pairs (2i, 2i + 1) instead of (i, i + d/2) (Megatron's rotary_interleaved; GLM-4's rotate_half).
+    rotary_interleaved: bool = False
+    # Whether config.json may rotate part of each head (partial_rotary_factor; Megatron's rotary_percent).
+    partial_rotary: bool = False
+    # The dense MLP's gate and up projections as one HF tensor, mlp.gate_up_proj.weight [gate; up] (GLM-4).
+    hf_gate_up_fused: bool = False
+    # Multi-latent attention (DeepSeek-V3; megatron_mla): its own rotary (plain or YaRN) on part of each head.
+    mla: bool = False
+
+
+# model_type -> its layers (the families --train-backend megatron builds).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_layernorm=True),
+    "qwen3_moe": Family(qk_layernorm=True),
+    # GLM-4.5: GLM-4's attention without its post-norms and with Llama's rotary pairs (over half of each head).
+    "glm4_moe": Family(qkv_bias_field="attention_bias", qk_layernorm_field="use_qk_norm", partial_rotary=True),
+    "deepseek_v3": Family(mla=True),
+    "glm4": Family(
+        qkv_bias_field="attention_bias",
+        post_norms=True,
+        rotary_interleaved=True,
+        partial_rotary=True,
+        hf_gate_up_fused=True,
+    ),
 }
 
 # Megatron's --make-vocab-size-divisible-by default.
@@ -58,6 +99,12 @@ class ModelShape:
     padded_vocab_size: int | None = None
     # The experts and router of a mixture-of-experts family; None: dense.
     moe: MoEShape | None = None
+    # GLM-4's layer (Family): norms after attention and the MLP, interleaved rotary pairs, HF's fused gate_up_proj.
+    post_norms: bool = False
+    rotary_interleaved: bool = False
+    hf_gate_up_fused: bool = False
+    # Multi-latent attention (DeepSeek-V3, Moonlight); None: grouped-query attention.
+    mla: MLAShape | None = None
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -67,6 +114,15 @@ def _rope_theta(hf: Mapping[str, Any]) -> float | None:
         return float(params["rope_theta"])
     value = hf.get("rope_theta")
     return None if value is None else float(value)
+
+
+def _partial_rotary_factor(hf: Mapping[str, Any]) -> float:
+    # transformers 5 writes it into rope_parameters too; older config.json files at the top level only.
+    params = hf.get("rope_parameters")
+    value = hf.get("partial_rotary_factor")
+    if value is None and isinstance(params, Mapping):
+        value = params.get("partial_rotary_factor")
+    return 1.0 if value is None else float(value)
 
 
 def _rope_type(hf: Mapping[str, Any]) -> str:
@@ -89,7 +145,7 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         raise ValueError(
             f"{source}: model_type {model_type!r} is not one --train-backend megatron builds ({', '.join(FAMILIES)})"
         )
-    qk_norm, qkv_bias = FAMILIES[model_type]
+    family = FAMILIES[model_type]
     problems = []
     required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     missing = [key for key in required if hf.get(key) is None]
@@ -97,9 +153,9 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         raise ValueError(f"{source}: missing {', '.join(missing)}")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu, SwiGLU)")
-    if _rope_type(hf) != "default":
+    if _rope_type(hf) != "default" and not family.mla:
         problems.append(f"rope scaling {_rope_type(hf)!r} (only plain rotary embeddings)")
-    if hf.get("attention_bias") and model_type != "qwen2":
+    if hf.get("attention_bias") and not (family.qkv_bias or family.qkv_bias_field == "attention_bias"):
         problems.append("attention_bias true (a bias on q/k/v/o)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias true")
@@ -108,8 +164,9 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
     elif hf.get("sliding_window") is not None and "use_sliding_window" not in hf:
         # Mistral's layout: a window given without a use_sliding_window switch is in use on every layer.
         problems.append(f"sliding_window {hf['sliding_window']} (attention over a sliding window, Mistral-style)")
-    if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
-        problems.append(f"partial_rotary_factor {hf['partial_rotary_factor']}")
+    rotary_percent = _partial_rotary_factor(hf)
+    if rotary_percent != 1.0 and not family.partial_rotary:
+        problems.append(f"partial_rotary_factor {rotary_percent} (this family rotates whole heads)")
     if hf.get("pretraining_tp", 1) not in (1, None):
         problems.append(f"pretraining_tp {hf['pretraining_tp']}")
     theta = _rope_theta(hf)
@@ -122,6 +179,9 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
     groups = int(hf.get("num_key_value_heads") or heads)
     head_dim = hf.get("head_dim")
     head_dim = int(head_dim) if head_dim is not None else hidden // heads
+    mla = mla_from_hf(hf, source=source) if family.mla else None
+    if mla is not None:
+        head_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim
     if heads % groups:
         raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
     return ModelShape(
@@ -136,10 +196,15 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
         rotary_base=float(theta),
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=qk_norm,
-        add_qkv_bias=qkv_bias,
+        qk_layernorm=family.qk_layernorm or bool(family.qk_layernorm_field and hf.get(family.qk_layernorm_field)),
+        add_qkv_bias=family.qkv_bias or bool(family.qkv_bias_field and hf.get(family.qkv_bias_field, True)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rotary_percent=rotary_percent,
         moe=moe_from_hf(hf, source=source),
+        post_norms=family.post_norms,
+        rotary_interleaved=family.rotary_interleaved,
+        hf_gate_up_fused=family.hf_gate_up_fused,
+        mla=mla,
     )
 
 
@@ -164,7 +229,10 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "rotary_percent": (lambda s: s.rotary_percent, "partial_rotary_factor"),
     "norm_epsilon": (lambda s: s.norm_epsilon, "rms_norm_eps"),
     "qk_layernorm": (lambda s: s.qk_layernorm, "model_type"),
-    "add_qkv_bias": (lambda s: s.add_qkv_bias, "model_type"),
+    "add_qkv_bias": (lambda s: s.add_qkv_bias, "model_type / attention_bias"),
+    "post_self_attn_layernorm": (lambda s: s.post_norms, "model_type (GLM-4's post_self_attn_layernorm)"),
+    "post_mlp_layernorm": (lambda s: s.post_norms, "model_type (GLM-4's post_mlp_layernorm)"),
+    "rotary_interleaved": (lambda s: s.rotary_interleaved, "model_type (GLM-4's interleaved rotary pairs)"),
     "untie_embeddings_and_output_weights": (lambda s: not s.tie_embeddings, "tie_word_embeddings"),
     "normalization": (lambda s: s.normalization, "model_type (RMSNorm)"),
     "swiglu": (lambda s: s.swiglu, "hidden_act"),
@@ -177,11 +245,35 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "moe_ffn_hidden_size": (lambda s: s.moe and s.moe.ffn_hidden_size, "moe_intermediate_size"),
     "moe_router_pre_softmax": (lambda s: s.moe and s.moe.pre_softmax, "norm_topk_prob (negated)"),
     "moe_router_score_function": (lambda s: s.moe and s.moe.score_function, "model_type (the router)"),
-    "moe_layer_freq": (lambda s: s.moe and list(s.moe.layer_pattern), "decoder_sparse_step / mlp_only_layers"),
+    "moe_layer_freq": (
+        lambda s: s.moe and list(s.moe.layer_pattern),
+        "decoder_sparse_step / mlp_only_layers / first_k_dense_replace",
+    ),
+    "moe_shared_expert_intermediate_size": (
+        lambda s: s.moe and s.moe.shared_ffn_hidden_size,
+        "n_shared_experts x moe_intermediate_size",
+    ),
+    "moe_router_enable_expert_bias": (lambda s: s.moe and s.moe.expert_bias, "model_type (e_score_correction_bias)"),
+    "moe_router_topk_scaling_factor": (lambda s: s.moe and s.moe.topk_scaling_factor, "routed_scaling_factor"),
+    "moe_router_num_groups": (lambda s: s.moe and s.moe.num_groups, "n_group"),
+    "moe_router_group_topk": (lambda s: s.moe and s.moe.group_topk, "topk_group"),
+    # Multi-latent attention's (a model without it has None: any of them given disagrees).
+    "multi_latent_attention": (lambda s: s.mla is not None, "model_type (deepseek_v3)"),
+    "q_lora_rank": (lambda s: s.mla and s.mla.q_lora_rank, "q_lora_rank"),
+    "kv_lora_rank": (lambda s: s.mla and s.mla.kv_lora_rank, "kv_lora_rank"),
+    "qk_head_dim": (lambda s: s.mla and s.mla.qk_head_dim, "qk_nope_head_dim"),
+    "qk_pos_emb_head_dim": (lambda s: s.mla and s.mla.qk_pos_emb_head_dim, "qk_rope_head_dim"),
+    "v_head_dim": (lambda s: s.mla and s.mla.v_head_dim, "v_head_dim"),
 }
 # How a flag's value reads before it is compared (the flag as given, the shape): --moe-layer-freq is an expression.
 FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
     "moe_layer_freq": lambda given, s: list(layer_pattern(given, num_layers=s.num_layers)),
+    # Megatron reads --moe-router-pre-softmax for softmax routers only (slime's GLM-4.5 script passes it with sigmoid).
+    "moe_router_pre_softmax": lambda given, s: (
+        s.moe.pre_softmax if s.moe and s.moe.score_function != "softmax" else given
+    ),
+    # --moe-router-num-groups 1 is no grouping (the shape says None).
+    "moe_router_num_groups": lambda given, s: None if given == 1 and s.moe and s.moe.num_groups is None else given,
 }
 
 
@@ -246,12 +338,12 @@ _MOE = "a mixture-of-experts family that rlcore's Megatron backend does not buil
 MODEL_NAME_RULES: tuple[tuple[str, str | None, str], ...] = (
     ("minimaxm2", None, _MOE),
     ("glm4moelite", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
-    ("deepseekv3", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
+    ("deepseekv3", "deepseek_v3", ""),
     ("deepseekv32", None, _MOE + " (DeepSeek-V3.2: MLA and sparse attention)"),
     ("glmmoedsa", None, _MOE + " (sparse attention)"),
     ("kimi", None, _MOE + " (DeepSeek-V3 layout, MLA)"),
-    ("glm4moe", None, _MOE),
-    ("glm4", None, "GLM-4's layers (extra post-norms, partial rotary), which rlcore's Megatron backend lacks"),
+    ("glm4moe", "glm4_moe", ""),
+    ("glm4", "glm4", ""),
     ("qwen3next", None, _MOE + " (Qwen3-Next: linear attention too)"),
     ("qwen35", None, "Qwen3.5's gated and linear attention, which rlcore's Megatron backend does not build"),
     ("qwen3vl", None, "a vision-language model; rlcore is text only"),
@@ -267,9 +359,16 @@ MAPPING_EXTRAS: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen2": (True, True),
     "qwen3_moe": (False, True),
+    "glm4": (True, False),
+    "glm4_moe": (True, True),
+    "deepseek_v3": (False, False),
 }
+# The mappings that name multi-latent attention's tensors (slime's convert_deepseekv3_to_hf).
+MLA_MAPPINGS = ("deepseek_v3",)
+# The mappings that name GLM-4's post-attention and post-MLP norms (slime's convert_glm4_to_hf).
+POST_NORM_MAPPINGS = ("glm4",)
 # The mappings that name experts and a router (slime's convert_qwen3moe_to_hf).
-MOE_MAPPINGS = ("qwen3_moe",)
+MOE_MAPPINGS = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def default_model_name(model_type: str) -> str:
@@ -278,8 +377,9 @@ def default_model_name(model_type: str) -> str:
 
 
 def mapping_of_name(model_name: str, *, flag: str = "--model-name") -> str:
-    """The mapping (``llama``, ``qwen2`` or ``qwen3_moe``) slime's name rules pick for ``model_name``; ``ValueError``
-    naming ``flag`` and why for a family rlcore does not build, or a name no rule matches."""
+    """The mapping (``llama``, ``qwen2``, ``glm4``, ``qwen3_moe`` or ``glm4_moe``) slime's name rules pick for
+    ``model_name``; ``ValueError`` naming ``flag`` and why for a family rlcore does not build, or a name no rule
+    matches."""
     key = model_name.lower().replace("_", "").replace("-", "")
     for fragment, mapping, reason in MODEL_NAME_RULES:
         if fragment in key:
@@ -287,8 +387,8 @@ def mapping_of_name(model_name: str, *, flag: str = "--model-name") -> str:
                 raise ValueError(f"{flag} {model_name}: {reason}")
             return mapping
     raise ValueError(
-        f"{flag} {model_name}: no weight mapping of slime's has this name (rlcore builds llama, qwen2, qwen3 and "
-        "qwen3_moe)"
+        f"{flag} {model_name}: no weight mapping of slime's has this name (rlcore builds llama, qwen2, qwen3, glm4, "
+        "qwen3_moe and glm4_moe)"
     )
 
 
@@ -304,6 +404,16 @@ def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-n
             ("the q/k/v biases (self_attn.*_proj.bias)", shape.add_qkv_bias, bias),
             ("the QK-norms (self_attn.q_norm / k_norm)", shape.qk_layernorm, qk_norm),
             ("the experts and router (mlp.experts.*, mlp.gate)", shape.moe is not None, mapping in MOE_MAPPINGS),
+            (
+                "the multi-latent attention (self_attn.kv_a_proj_with_mqa, kv_b_proj, ...)",
+                shape.mla is not None,
+                mapping in MLA_MAPPINGS,
+            ),
+            (
+                "the post-attention and post-MLP norms (post_self_attn_layernorm, post_mlp_layernorm)",
+                shape.post_norms,
+                mapping in POST_NORM_MAPPINGS,
+            ),
         )
         if needed and not present
     ]
@@ -335,6 +445,11 @@ def parallel_problems(
             local_experts(shape.moe, ep_size=ep_size)
         except ValueError as err:
             problems.append(f"{err} ({source})")
+    if shape.mla is not None and tp_size != 1:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size}: multi-latent attention ({source}) is built at tensor "
+            "parallelism 1 only"
+        )
     if shape.num_query_groups % tp_size:
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "
@@ -382,6 +497,9 @@ def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
         "add_bias_linear": shape.add_bias_linear,
         "add_qkv_bias": shape.add_qkv_bias,
         "qk_layernorm": shape.qk_layernorm,
+        "rotary_interleaved": shape.rotary_interleaved,
+        # MLA rotates with its own embedding (megatron_mla), from the config's base.
+        **({} if shape.mla is None else {**mla_config_kwargs(shape.mla), "rotary_base": shape.rotary_base}),
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
     }
@@ -402,6 +520,7 @@ def gpt_model_kwargs(shape: ModelShape, *, tp_size: int) -> dict[str, Any]:
 __all__ = [
     "FAMILIES",
     "FLAG_READERS",
+    "Family",
     "MODEL_NAME_RULES",
     "SHAPE_FLAGS",
     "ModelShape",

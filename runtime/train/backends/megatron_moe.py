@@ -50,6 +50,16 @@ class MoEShape:
     # 1 where a decoder layer is MoE, 0 where it is dense (Megatron's --moe-layer-freq as a list).
     layer_pattern: tuple[int, ...]
     score_function: str = "softmax"
+    # The shared experts' summed width (Megatron's moe_shared_expert_intermediate_size: n_shared_experts x
+    # moe_intermediate_size); None: no shared expert.
+    shared_ffn_hidden_size: int | None = None
+    # A per-expert bias added to the scores for the choice only (Megatron's expert_bias, HF's e_score_correction_bias).
+    expert_bias: bool = False
+    # Multiplies the gate weights (Megatron's moe_router_topk_scaling_factor, HF's routed_scaling_factor).
+    topk_scaling_factor: float | None = None
+    # Group-limited routing: experts in num_groups groups, tokens routed within the best group_topk (None: off).
+    num_groups: int | None = None
+    group_topk: int | None = None
 
 
 def _qwen3_moe(hf: Mapping[str, Any], source: str) -> MoEShape:
@@ -86,8 +96,63 @@ def _qwen3_moe(hf: Mapping[str, Any], source: str) -> MoEShape:
     )
 
 
+def _sigmoid_router(hf: Mapping[str, Any], source: str) -> MoEShape:
+    """GLM-4.5's and DeepSeek-V3's MoE: a sigmoid router with a per-expert bias for the choice (the gate weights are
+    the unbiased scores of the chosen experts, renormalised and scaled), optionally group-limited; shared experts;
+    the first ``first_k_dense_replace`` layers dense."""
+    required = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+    missing = [key for key in required if hf.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)} (a {hf.get('model_type')} config)")
+    layers, experts = int(hf["num_hidden_layers"]), int(hf["n_routed_experts"])
+    topk, width = int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"])
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    step = int(hf.get("moe_layer_freq") or 1)
+    pattern = tuple(int(i >= dense and i % step == 0) for i in range(layers))
+    groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    problems = []
+    if step != 1:
+        problems.append(f"moe_layer_freq {step} (transformers builds every layer past the dense ones as MoE)")
+    if not hf.get("norm_topk_prob", False) and topk > 1:
+        problems.append("norm_topk_prob false (megatron-core's sigmoid router always renormalises its top k)")
+    if topk == 1:
+        problems.append("num_experts_per_tok 1 (megatron-core's sigmoid router does not renormalise a single expert)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        problems.append(f"topk_method {hf['topk_method']!r} (only noaux_tc: sigmoid scores with the expert bias)")
+    if groups > 1:
+        # Megatron scores a group by the sum of its top topk // group_topk experts, transformers by its top 2.
+        if experts % groups:
+            problems.append(f"n_routed_experts {experts} not a multiple of n_group {groups}")
+        elif topk // group_topk != 2:
+            problems.append(
+                f"n_group {groups} with num_experts_per_tok {topk} and topk_group {group_topk}: megatron-core scores "
+                f"a group by its top {topk // group_topk} experts, transformers by its top 2"
+            )
+    shared = int(hf.get("n_shared_experts") or 0)
+    if problems:
+        raise ValueError(f"{source}: --train-backend megatron cannot build this model: " + "; ".join(problems))
+    return MoEShape(
+        num_experts=experts,
+        router_topk=topk,
+        ffn_hidden_size=width,
+        # Megatron reads moe_router_pre_softmax for softmax routers only.
+        pre_softmax=False,
+        layer_pattern=pattern,
+        score_function="sigmoid",
+        shared_ffn_hidden_size=shared * width if shared else None,
+        expert_bias=True,
+        topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None,
+    )
+
+
 # model_type -> the reader of its MoE fields (ValueError naming what cannot be built).
-MOE_READERS: dict[str, Callable[[Mapping[str, Any], str], MoEShape]] = {"qwen3_moe": _qwen3_moe}
+MOE_READERS: dict[str, Callable[[Mapping[str, Any], str], MoEShape]] = {
+    "qwen3_moe": _qwen3_moe,
+    "glm4_moe": _sigmoid_router,
+    "deepseek_v3": _sigmoid_router,
+}
 
 
 def moe_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> MoEShape | None:
@@ -132,6 +197,13 @@ def layer_pattern(freq: int | str, *, num_layers: int) -> tuple[int, ...]:
 
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 ROUTER = "mlp.router.weight"
+# The router's expert bias: a float32 buffer of megatron-core's router, not a parameter (updated by the token counts
+# at --moe-router-bias-update-rate, never by the optimizer).
+EXPERT_BIAS = "mlp.router.expert_bias"
+HF_EXPERT_BIAS = "mlp.gate.e_score_correction_bias"
+# The shared experts: one MLP, split over tensor-parallel ranks as a dense MLP is.
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
 
 
 def is_expert(name: str) -> bool:
@@ -153,6 +225,14 @@ def hf_moe_shapes(moe: MoEShape, *, hidden_size: int, prefix: str) -> dict[str, 
     """HF name -> (shape, the config fields that size it) of one MoE layer's MLP; ``prefix`` is ``model.layers.L.``."""
     e, h, f = moe.num_experts, hidden_size, moe.ffn_hidden_size
     out = {prefix + "mlp.gate.weight": ((e, h), "num_experts, hidden_size")}
+    if moe.expert_bias:
+        out[prefix + HF_EXPERT_BIAS] = ((e,), "n_routed_experts")
+    if moe.shared_ffn_hidden_size is not None:
+        s, why = moe.shared_ffn_hidden_size, "n_shared_experts x moe_intermediate_size"
+        p = f"{prefix}mlp.shared_experts."
+        out[p + "gate_proj.weight"] = ((s, h), f"{why}, hidden_size")
+        out[p + "up_proj.weight"] = ((s, h), f"{why}, hidden_size")
+        out[p + "down_proj.weight"] = ((h, s), f"hidden_size, {why}")
     for i in range(e):
         p = f"{prefix}mlp.experts.{i}."
         out[p + "gate_proj.weight"] = ((f, h), "moe_intermediate_size, hidden_size")
@@ -162,14 +242,30 @@ def hf_moe_shapes(moe: MoEShape, *, hidden_size: int, prefix: str) -> dict[str, 
 
 
 def moe_to_megatron(
-    hf: Mapping[str, torch.Tensor], moe: MoEShape, *, hf_prefix: str, prefix: str, ep_rank: int, ep_size: int
+    hf: Mapping[str, torch.Tensor],
+    moe: MoEShape,
+    *,
+    hf_prefix: str,
+    prefix: str,
+    ep_rank: int,
+    ep_size: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's Megatron tensors (names under ``prefix``, ``decoder.layers.i.``) of expert-parallel rank
-    ``ep_rank`` from the HF tensors under ``hf_prefix`` (``model.layers.L.``). Tensors are new (clones)."""
+    ``ep_rank`` and tensor-parallel rank ``tp_rank`` (the shared experts' shard; routed experts are whole) from the HF
+    tensors under ``hf_prefix`` (``model.layers.L.``). Tensors are new (clones)."""
     import torch
 
     count = local_experts(moe, ep_size=ep_size)
     out = {prefix + ROUTER: hf[hf_prefix + "mlp.gate.weight"].clone()}
+    if moe.expert_bias:
+        out[prefix + EXPERT_BIAS] = hf[hf_prefix + HF_EXPERT_BIAS].clone()
+    if moe.shared_ffn_hidden_size is not None:
+        p = f"{hf_prefix}mlp.shared_experts."
+        gate, up = (hf[p + n].chunk(tp_size, dim=0)[tp_rank] for n in ("gate_proj.weight", "up_proj.weight"))
+        out[prefix + SHARED_FC1] = torch.cat([gate, up])
+        out[prefix + SHARED_FC2] = hf[p + "down_proj.weight"].chunk(tp_size, dim=1)[tp_rank].clone()
     for j in range(count):
         p = f"{hf_prefix}mlp.experts.{ep_rank * count + j}."
         m = f"{prefix}mlp.experts.local_experts.{j}."
@@ -223,6 +319,12 @@ def transformer_config_kwargs(moe: MoEShape, train: Any) -> dict[str, Any]:
     """The ``moe_*`` fields of megatron-core's ``TransformerConfig`` for ``moe`` trained as ``train`` (a
     ``TrainConfig``: expert parallelism and slime's MoE training flags)."""
     return {
+        "moe_shared_expert_intermediate_size": moe.shared_ffn_hidden_size,
+        "moe_router_enable_expert_bias": moe.expert_bias,
+        "moe_router_bias_update_rate": train.moe_router_bias_update_rate,
+        "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
+        "moe_router_num_groups": moe.num_groups,
+        "moe_router_group_topk": moe.group_topk,
         "num_moe_experts": moe.num_experts,
         "moe_router_topk": moe.router_topk,
         "moe_ffn_hidden_size": moe.ffn_hidden_size,
@@ -310,7 +412,29 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-2) == 1 and (t.stride(-1) * size) % 16 == 0
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A ``GPTModel``'s parameters and its routers' expert biases (buffers) by name: every tensor the weight mapping
+    names."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    out.update((name, b) for name, b in model.named_buffers() if name.endswith(EXPERT_BIAS))
+    return out
+
+
+def update_expert_bias(model: torch.nn.Module) -> None:
+    """megatron-core's step of every router's expert bias by ``moe_router_bias_update_rate`` towards balanced loads
+    (the tokens each expert got since the last step, summed over the tensor- and data-parallel ranks), then its
+    counts reset: what its ``finalize_model_grads`` does after the gradients on GPUs, for the CPU's own gradient
+    path."""
+    import importlib
+
+    # The module, not the function of the same name that megatron.core.distributed exports.
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    fmg._update_router_expert_bias([model], model.config)
+    fmg.reset_model_temporary_tensors(model.config, [model])
+
+
 __all__ = [
+    "EXPERT_BIAS",
     "LOAD_BALANCING_BUILT",
     "MOE_READERS",
     "MoEShape",
@@ -322,8 +446,10 @@ __all__ = [
     "is_expert",
     "layer_pattern",
     "local_experts",
+    "model_tensors",
     "moe_from_hf",
     "moe_to_megatron",
     "split_whole_experts",
     "transformer_config_kwargs",
+    "update_expert_bias",
 ]

@@ -185,6 +185,14 @@ class MegatronOptions:
     moe_router_dtype: str | None = field(
         default=None, metadata=described(own="a Megatron flag", text="Megatron: router dtype, fp32 or fp64")
     )
+    moe_router_bias_update_rate: float = field(
+        default=1e-3,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: step of the expert bias towards balanced loads after each optimizer step (slime's "
+            "GLM-4.5 and DeepSeek-V3 scripts pass 0)",
+        ),
+    )
     moe_token_drop_policy: str = field(
         default="probs",
         metadata=described(
@@ -343,6 +351,8 @@ def check(problems: list[str], cfg: Any) -> None:
             shape = megatron_config.shape_from_hf(hf, source=f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json")
         except ValueError as err:
             problems.append(str(err))
+    if t.moe_router_bias_update_rate < 0:
+        problems.append(f"--moe-router-bias-update-rate must be >= 0, got {t.moe_router_bias_update_rate}")
     if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
         problems.append(f"--ddp-bucket-size must be >= 1 parameters, got {t.ddp_bucket_size}")
     if t.distributed_timeout_minutes <= 0:

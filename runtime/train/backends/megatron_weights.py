@@ -35,12 +35,16 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from runtime.train.backends import megatron_mla as mla
 from runtime.train.backends import megatron_moe as moe
 from runtime.train.backends.megatron_config import ModelShape, stage_layers, vocab_rows
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
+# GLM-4's fused [gate; up] of a dense MLP, and its norms after attention and after the MLP (same names both sides).
+GATE_UP = "mlp.gate_up_proj.weight"
+POST_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")
 
 
 def _layer(i: int) -> str:
@@ -50,8 +54,16 @@ def _layer(i: int) -> str:
 def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF name -> (shape, the config fields that size it) of decoder layer ``layer``."""
     h, d = shape.hidden_size, shape.kv_channels
-    q, kv, f = shape.num_attention_heads * d, shape.num_query_groups * d, shape.ffn_hidden_size
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
     p = _layer(layer)
+    if shape.mla is not None:
+        out = {
+            p + "input_layernorm.weight": ((h,), "hidden_size"),
+            p + "post_attention_layernorm.weight": ((h,), "hidden_size"),
+            **mla.hf_attention_shapes(shape.mla, hidden_size=h, heads=shape.num_attention_heads, prefix=p),
+        }
+        _add_mlp_shapes(out, shape, layer, p)
+        return out
     out = {
         p + "input_layernorm.weight": ((h,), "hidden_size"),
         p + "self_attn.q_proj.weight": ((q, h), "num_attention_heads x head_dim, hidden_size"),
@@ -60,12 +72,7 @@ def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int,
         p + "self_attn.o_proj.weight": ((h, q), "hidden_size, num_attention_heads x head_dim"),
         p + "post_attention_layernorm.weight": ((h,), "hidden_size"),
     }
-    if _is_moe(shape, layer):
-        out.update(moe.hf_moe_shapes(shape.moe, hidden_size=h, prefix=p))
-    else:
-        out[p + "mlp.gate_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
-        out[p + "mlp.up_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
-        out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
+    _add_mlp_shapes(out, shape, layer, p)
     if shape.add_qkv_bias:
         out[p + "self_attn.q_proj.bias"] = ((q,), "num_attention_heads x head_dim")
         out[p + "self_attn.k_proj.bias"] = ((kv,), "num_key_value_heads x head_dim")
@@ -74,6 +81,23 @@ def hf_layer_shapes(shape: ModelShape, layer: int) -> dict[str, tuple[tuple[int,
         out[p + "self_attn.q_norm.weight"] = ((d,), "head_dim")
         out[p + "self_attn.k_norm.weight"] = ((d,), "head_dim")
     return out
+
+
+def _add_mlp_shapes(out: dict, shape: ModelShape, layer: int, p: str) -> None:
+    """The MLP's (dense or MoE) and the post-norms' HF shapes of layer ``layer`` (prefix ``p``) into ``out``."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    if _is_moe(shape, layer):
+        out.update(moe.hf_moe_shapes(shape.moe, hidden_size=h, prefix=p))
+    elif shape.hf_gate_up_fused:
+        out[p + GATE_UP] = ((2 * f, h), "2 x intermediate_size, hidden_size")
+        out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
+    else:
+        out[p + "mlp.gate_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
+        out[p + "mlp.up_proj.weight"] = ((f, h), "intermediate_size, hidden_size")
+        out[p + "mlp.down_proj.weight"] = ((h, f), "hidden_size, intermediate_size")
+    if shape.post_norms:
+        for name in POST_NORMS:
+            out[p + name] = ((h,), "hidden_size")
 
 
 def _is_moe(shape: ModelShape, layer: int) -> bool:
@@ -172,26 +196,36 @@ def to_megatron(
         out["embedding.word_embeddings.weight"] = _split(_pad_vocab(hf[EMBED], padded), 0, tp_rank, tp_size)
     for local, layer in enumerate(stage_layers(shape, pp_rank=pp_rank, pp_size=pp_size)):
         p, m = _layer(layer), f"decoder.layers.{local}."
-        attn = p + "self_attn."
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
-        out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], shape, tp_rank, tp_size
-        )
-        if shape.add_qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
-                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape, tp_rank, tp_size
-            )
-        if shape.qk_layernorm:
-            out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
-            out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
-        out[m + "self_attention.linear_proj.weight"] = _split(hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
+        if shape.mla is not None:
+            out.update(mla.attention_to_megatron(hf, shape.mla, hf_prefix=p, prefix=m))
+        else:
+            _attention_to_megatron(out, hf, shape, p=p, m=m, tp_rank=tp_rank, tp_size=tp_size)
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        if shape.post_norms:
+            for name in POST_NORMS:
+                out[m + name] = hf[p + name].clone()
         if _is_moe(shape, layer):
-            out.update(moe.moe_to_megatron(hf, shape.moe, hf_prefix=p, prefix=m, ep_rank=ep_rank, ep_size=ep_size))
+            out.update(
+                moe.moe_to_megatron(
+                    hf,
+                    shape.moe,
+                    hf_prefix=p,
+                    prefix=m,
+                    ep_rank=ep_rank,
+                    ep_size=ep_size,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                )
+            )
             continue
-        gate = _split(hf[p + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
-        up = _split(hf[p + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        if shape.hf_gate_up_fused:
+            gate, up = hf[p + GATE_UP].chunk(2, dim=0)
+        else:
+            gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [_split(gate, 0, tp_rank, tp_size), _split(up, 0, tp_rank, tp_size)]
+        )
         out[m + "mlp.linear_fc2.weight"] = _split(hf[p + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
     if last:
         out["decoder.final_layernorm.weight"] = hf[FINAL_NORM].clone()
@@ -200,6 +234,24 @@ def to_megatron(
         if not (shape.tie_embeddings and first):
             out["output_layer.weight"] = _split(_pad_vocab(head, padded), 0, tp_rank, tp_size)
     return out
+
+
+def _attention_to_megatron(
+    out: dict, hf: Mapping[str, torch.Tensor], shape: ModelShape, *, p: str, m: str, tp_rank: int, tp_size: int
+) -> None:
+    """Grouped-query attention's Megatron tensors of one layer into ``out`` (HF prefix ``p``, Megatron ``m``)."""
+    attn = p + "self_attn."
+    out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+        hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], shape, tp_rank, tp_size
+    )
+    if shape.add_qkv_bias:
+        out[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
+            hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape, tp_rank, tp_size
+        )
+    if shape.qk_layernorm:
+        out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
+        out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
+    out[m + "self_attention.linear_proj.weight"] = _split(hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
 
 
 def megatron_shapes(
@@ -250,6 +302,10 @@ def layer_to_hf(
     if moe.is_expert(name):
         yield from moe.expert_to_hf(name, parts, shape.moe, layer=layer)
         return
+    hf_name = None if shape.mla is None else mla.attention_to_hf(name, shape.mla)
+    if hf_name is not None:
+        yield p + hf_name, parts[0]  # one tensor-parallel rank (MLA is built at TP 1)
+        return
     attn = p + "self_attn."
     if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = name.rsplit(".", 1)[1]
@@ -257,10 +313,17 @@ def layer_to_hf(
         yield attn + f"q_proj.{kind}", q
         yield attn + f"k_proj.{kind}", k
         yield attn + f"v_proj.{kind}", v
+    elif name == moe.SHARED_FC1:
+        gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
+        yield p + "mlp.shared_experts.gate_proj.weight", torch.cat(gates)
+        yield p + "mlp.shared_experts.up_proj.weight", torch.cat(ups)
     elif name == "mlp.linear_fc1.weight":
         gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
-        yield p + "mlp.gate_proj.weight", torch.cat(gates)
-        yield p + "mlp.up_proj.weight", torch.cat(ups)
+        if shape.hf_gate_up_fused:
+            yield p + GATE_UP, torch.cat([*gates, *ups])
+        else:
+            yield p + "mlp.gate_proj.weight", torch.cat(gates)
+            yield p + "mlp.up_proj.weight", torch.cat(ups)
     elif name in _ROW_PARALLEL:
         yield p + _ROW_PARALLEL[name], torch.cat(list(parts), dim=1)
     elif name in _REPLICATED:
@@ -272,6 +335,7 @@ def layer_to_hf(
 _ROW_PARALLEL = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    moe.SHARED_FC2: "mlp.shared_experts.down_proj.weight",
 }
 _REPLICATED = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -279,6 +343,8 @@ _REPLICATED = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     moe.ROUTER: "mlp.gate.weight",
+    moe.EXPERT_BIAS: moe.HF_EXPERT_BIAS,
+    **{name: name for name in POST_NORMS},
 }
 
 

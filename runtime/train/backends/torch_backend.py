@@ -20,16 +20,15 @@ activation recompute of every decoder layer (``--recompute-granularity full``), 
 and bf16 weights cast once per optimizer step from the float32 ones, gradients summed in float32
 (:meth:`TorchTrainer._step_scope`).
 
-This module is the trainer; the models it trains are built and wrapped (LoRA, recompute, compile, FSDP2, the critic's
-value head) by ``torch_models``, its checkpoints written and read by ``torch_checkpoint``, and its micro-batches cut
-by ``runtime.train.packing``.
+This module is the trainer's forward passes and steps; the models it trains are built and wrapped (LoRA, recompute,
+compile, FSDP2, the critic's value head) by ``torch_models``, slime's loss hooks adapted to its micro-batches by
+``torch_loss_hooks``, its weights sent out and checkpoints written by ``torch_export`` (through ``torch_checkpoint``),
+its memory released while colocated by ``torch_offload``, and its micro-batches cut by ``runtime.train.packing``.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -42,26 +41,23 @@ from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
 from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy, nucleus_log_probs
-from rlcore.losses import LossConfig, Normalizer, aggregate, critic_loss, rl_loss, sft_loss
+from rlcore.losses import LossConfig, Normalizer, critic_loss, rl_loss
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
-from runtime.engines.checkpoint_layout import CheckpointLayout
 from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
-from runtime.train.backends.torch_checkpoint import load_state, save_state, write_hf_folder
+from runtime.train.backends.torch_export import TorchExport
+from runtime.train.backends.torch_loss_hooks import TorchLossHooks
 from runtime.train.backends.torch_models import load_model, loss_in_head, uses_bf16
+from runtime.train.backends.torch_offload import TorchOffload
 from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
-    concat_rows,
-    custom_tis,
-    rollout_data_view,
-    sum_of_sample_mean,
 )
 from runtime.train.metrics import add_step, sums_and_maxima
-from runtime.train.offload import HostOffload, module_tensors, optimizer_tensors
+from runtime.train.offload import HostOffload
 from runtime.train.packing import (
     ModelInputs,
     in_row_order,
@@ -93,7 +89,7 @@ def _host_lengths(mb: TensorDict) -> list[int] | None:
     return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
 
 
-class TorchTrainer:
+class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
     """One data-parallel rank of the torch backend. Every public method is called on all ranks at once."""
 
     def __init__(
@@ -637,66 +633,6 @@ class TorchTrainer:
         totals["num_steps"] = steps
         return {f"critic/{name}": value for name, value in totals.items()}
 
-    def _sft_loss(self, batch: TensorDict, norm: Normalizer, *, mode: str) -> torch.Tensor:
-        """``--loss-type sft_loss`` on one micro-batch: the NLL of its loss-masked response tokens, aggregated with
-        ``mode`` over the global batch's ``norm``."""
-        log_probs, _ = self._forward(self.model, batch, with_entropy=False)
-        return aggregate(
-            sft_loss(log_probs, mask=batch[keys.MASK]),
-            batch[keys.MASK],
-            mode=mode,
-            norm=norm,
-            seq_token_counts=batch.get(keys.SEQ_TOKEN_COUNTS, None),
-        )
-
-    def _slime_count(self, norm: Normalizer) -> torch.Tensor:
-        """The global count slime's reducers are divided by: tokens (per-token loss) or samples."""
-        count = norm.num_tokens if self.hooks.per_token_loss else norm.num_seqs
-        return torch.as_tensor(count, device=self.device, dtype=torch.float32).clamp_min(1)
-
-    def _pg_reduce(self, reducer: Any, batch: TensorDict, norm: Normalizer) -> Any:
-        """slime's custom pg reducer over this micro-batch, as a ``pg_reduce`` of ``rl_loss``."""
-        response = batch[RESPONSE_LENGTHS].tolist()
-        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
-        masks = [batch[keys.MASK][i, :r].int() for i, r in enumerate(response)]
-        reduce = reducer(total, response, masks, self.hooks.per_token_loss)
-        if not callable(reduce):
-            raise reducer.wrong_type(reduce, "a reducer: a function of the concatenated per-token loss")
-        count = self._slime_count(norm)
-        return lambda pg: reduce(concat_rows(pg, response)) / count
-
-    def _mismatch(self, hook: Any, batch: TensorDict) -> Any:
-        """slime's ``--custom-tis-function-path`` over this micro-batch, as a ``mismatch`` of ``rl_loss``."""
-        response = batch[RESPONSE_LENGTHS].tolist()
-        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
-        return custom_tis(hook, self.hooks.args, response_lengths=response, total_lengths=total)
-
-    def _custom_loss(self, batch: TensorDict, norm: Normalizer) -> tuple[torch.Tensor, dict[str, Any]]:
-        """slime's ``--custom-loss-function-path`` on one micro-batch: ``fn(args, batch, logits, sum_of_sample_mean)``
-        with the rows' logits packed as [1, sum(total_lengths), V] and slime's per-sample ``batch``."""
-        fn = self._hook["custom_loss_function_path"]
-        total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
-        width = max(total)
-        attention = torch.arange(width, device=self.device)[None, :] < torch.tensor(total, device=self.device)[:, None]
-        with self._autocast():
-            logits = self.model(
-                input_ids=batch[TOKENS][:, :width], attention_mask=attention.long(), use_cache=False
-            ).logits
-        packed = torch.cat([logits[i, :n] for i, n in enumerate(total)])[None]
-        view = rollout_data_view(batch)
-        view["unconcat_tokens"] = view["tokens"]
-        reduce = sum_of_sample_mean(
-            view["loss_masks"],
-            view["rollout_mask_sums"],
-            per_token=self.hooks.per_token_loss,
-            global_count=self._slime_count(norm),
-        )
-        out = fn(self.hooks.args, view, packed, reduce)
-        if not (isinstance(out, tuple | list) and len(out) == 2 and torch.is_tensor(out[0]) and out[0].dim() == 0):
-            raise fn.wrong_type(out, "(loss: 0-dim tensor, metrics: dict)")
-        loss, metrics = out
-        return loss, {k: (v.detach() if torch.is_tensor(v) else v) for k, v in dict(metrics).items()}
-
     def sft_train(self, td: TensorDict) -> dict[str, float]:
         """One supervised step on (prompt, response) rows: the negative log-likelihood of the response tokens."""
         self._check_resident()
@@ -712,169 +648,6 @@ class TorchTrainer:
         metrics = self._reduce_metrics({"sft_loss": total}, {})
         metrics["grad_norm"] = self._optimizer_step()
         return metrics
-
-    def weight_buckets(
-        self, *, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """HF-named weights in ``dtype``, tied weights once, in buckets of about ``bucket_bytes``, on the CPU or (with
-        ``device="model"``) on the model's device, where every rank yields them (see ``TrainBackend``). The names are
-        the checkpoint's: an MoE model's fused experts go out one tensor per expert and projection.
-
-        Each FSDP-sharded tensor is gathered on its own (``full_tensor``, a collective every rank runs in the same
-        order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields. Under
-        LoRA each adapted weight is sent merged (``W + scaling * B @ A``).
-        """
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if device not in ("cpu", "model"):
-            raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
-        self._check_resident()
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        # Under LoRA the adapters go out merged into their base weights, under the base model's names; an MoE model's
-        # fused experts go out one tensor per expert and projection, under the checkpoint's names (the layout SGLang
-        # and the embedded engine load: runtime.engines.checkpoint_layout).
-        layout = CheckpointLayout(self.model, shapes={})
-        for model_name, value in lora.merged_weights(self.model):
-            if self.rank != 0 and device == "cpu":
-                continue
-            whole = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
-            for name, tensor in layout.to_checkpoint(model_name, whole):
-                if bucket and size + tensor.nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = {}, 0
-                bucket[name] = tensor
-                size += tensor.nbytes
-        if bucket:
-            yield bucket
-
-    def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full float32 weights on the CPU on rank 0 (tied weights once; checkpoint names, experts one by one),
-        None on other ranks (a collective)."""
-        weights: dict[str, torch.Tensor] = {}
-        for bucket in self.weight_buckets(dtype=torch.float32, bucket_bytes=1 << 62):
-            weights.update(bucket)
-        return weights if self.rank == 0 else None
-
-    def save(self, path: str, *, with_optimizer: bool = True) -> None:
-        """Trained parameters and (unless ``with_optimizer`` is False) the optimizer state, sharded with
-        torch.distributed.checkpoint, into the folder ``path`` (``torch_checkpoint.save_state``), and this rank's
-        RNG state. Frozen parameters are left out: under LoRA the checkpoint holds the adapters only."""
-        save_state(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            critic=self.critic,
-            critic_optimizer=self.critic_optimizer,
-            with_optimizer=with_optimizer,
-            lora_only=self.lora,
-        )
-        torch.save(self.get_rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
-
-    def load(self, path: str) -> None:
-        load_state(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            critic=self.critic,
-            critic_optimizer=self.critic_optimizer,
-            lora_only=self.lora,
-        )
-        if self.old_actor is not None:
-            # As slime loads its old actor from --load: the queue starts again from the loaded weights.
-            self.old_actor, self.rollout_actor = self._actor_copy(), self._actor_copy()
-        rng_path = os.path.join(path, f"rng_rank{self.rank}.pt")
-        if os.path.exists(rng_path):
-            self.set_rng_state(torch.load(rng_path, weights_only=False))
-
-    def write_lora_adapter(self, path: str) -> str | None:
-        """Write the adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``) that peft and
-        SGLang's ``/load_lora_adapter`` load over the base checkpoint; every rank calls it (the adapters are gathered),
-        rank 0 writes and returns ``path``."""
-        if not self.lora:
-            raise RuntimeError("write_lora_adapter: this trainer trains no LoRA adapters (--lora-rank 0)")
-        adapter = lora.adapter_state_dict(self.model)
-        if self.rank != 0:
-            return None
-        self.model.save_pretrained(path, state_dict=adapter)
-        return path
-
-    def save_hf(self, path: str) -> None:
-        """Write a HF folder (config, safetensors weights, tokenizer) that ``from_pretrained`` loads (rank 0).
-
-        Under LoRA the adapters are merged in (``--lora-export merged``), or the folder is a peft adapter over
-        ``--hf-checkpoint`` (``--lora-export adapter``) that ``peft.PeftModel.from_pretrained`` loads."""
-        from transformers import AutoTokenizer
-
-        if self.lora and self.cfg.lora_export == "adapter":
-            if self.write_lora_adapter(path) is not None:
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-            return
-        weights = self.get_weights()
-        if self.rank == 0:
-            write_hf_folder(path, weights, model_path=self.model_path)
-
-    def release_memory(self) -> dict[str, float]:
-        """On a GPU, move optimizer state, then model weights, to the host (colocated with an engine): through
-        :attr:`host_offload` (a :class:`runtime.train.offload.HostOffload`) when there is one, else with ``.to()``;
-        a no-op on the CPU. Returns the offload metrics (``perf/offload_train_bytes``, ``perf/offload_train_time``;
-        their reductions over ranks: ``runtime.train.offload.METRICS``)."""
-        metrics: dict[str, float] = {}
-        if self.host_offload is not None and not self.host_offload.offloaded:
-            metrics = self.host_offload.offload(self._offload_tensors())
-        elif self.device.type == "cuda" and self.host_offload is None:
-            start = time.perf_counter()
-            self._move(torch.device("cpu"))
-            torch.cuda.empty_cache()
-            metrics = {"perf/offload_train_time": time.perf_counter() - start}
-        self.released = True
-        return metrics
-
-    def resume_memory(self) -> dict[str, float]:
-        """Take back what :meth:`release_memory` moved; ``perf/offload_train_resume_time``."""
-        metrics: dict[str, float] = {}
-        if self.host_offload is not None:
-            metrics = self.host_offload.resume()
-        elif self.device.type == "cuda":
-            start = time.perf_counter()
-            self._move(self.device)
-            metrics = {"perf/offload_train_resume_time": time.perf_counter() - start}
-        self.released = False
-        return metrics
-
-    def _offload_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        """``(kind, name, tensor)`` of everything :meth:`release_memory` moves: the optimizers' state, then the
-        actor's, the frozen models' and the critic's weights."""
-        optimizers = {"actor.": self.optimizer, "critic.": self.critic_optimizer}
-        models = {"actor.": self.model, **{f"{k}.": m for k, m in self.frozen.items()}, "critic.": self.critic}
-        return [
-            *(
-                ("optimizer", prefix + name, t)
-                for prefix, opt in optimizers.items()
-                if opt is not None
-                for name, t in optimizer_tensors(opt)
-            ),
-            *(
-                ("weights", prefix + name, t)
-                for prefix, model in models.items()
-                if model is not None
-                for name, t in module_tensors(model)
-            ),
-        ]
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for model in [*self.frozen.values(), *([self.critic] if self.critic is not None else [])]:
-            model.to(device)
-        for optimizer in (self.optimizer, self.critic_optimizer):
-            for state in optimizer.state.values() if optimizer is not None else ():
-                for name, value in state.items():
-                    if torch.is_tensor(value):
-                        state[name] = value.to(device)
-
-    def _check_resident(self) -> None:
-        if self.released:
-            raise RuntimeError("trainer memory is released: call resume_memory() first")
 
     @torch.no_grad()
     def update_reference(self) -> None:

@@ -1,0 +1,210 @@
+"""The ``megatron`` backend's training steps: the RL and SFT losses over the global batch's
+:class:`~rlcore.losses.Normalizer`, the optimizer step (gradient reduction over DP and experts, clipping, the LR
+schedule) and the step's metrics reduced over DP ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from rlcore import keys
+from rlcore.losses import Normalizer, aggregate, rl_loss, sft_loss
+from runtime.train.backends import megatron_moe as mmoe
+from runtime.train.metrics import add_step, sums_and_maxima
+
+
+class MegatronSteps:
+    """The training steps of :class:`~runtime.train.backends.megatron_backend.MegatronTrainer` (methods of the
+    trainer)."""
+
+    def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
+        norm = sum(Normalizer.of(mb[keys.MASK].to(self.device)) for mb in parts)
+        return norm.reduce(self.dp_group())
+
+    def _rl_loss(self, norm: Normalizer) -> Any:
+        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, entropy = self._response_log_probs(logits, mb, with_entropy=True)
+            batch = mb.to(self.device, non_blocking=False).clone(recurse=False)
+            batch.set(keys.LOG_PROBS, log_probs)
+            batch.set(keys.ENTROPY, entropy)
+            loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm)
+            return loss, {name: value.detach() for name, value in metrics.items()}
+
+        return loss_fn
+
+    def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
+        """Optimizer steps of the critic over this rank's shard ``td`` (:meth:`MegatronCritic.train`)."""
+        self._check_resident()
+        if self.critic is None:
+            raise RuntimeError("train_critic: this trainer runs no critic (--advantage-estimator ppo)")
+        with self._shims():
+            return self.critic.train(td, per_step_rows=per_step_rows)
+
+    def advance_old_actor(self) -> None:
+        """Not built for this backend: ``--keep-old-actor`` is refused at validation."""
+        raise RuntimeError("advance_old_actor: --keep-old-actor is built for the torch backend only")
+
+    def train(self, td: TensorDict, *, per_step_rows: int, rollout_id: int | None = None) -> dict[str, float]:
+        """Optimizer steps over this rank's shard ``td``, ``per_step_rows`` rows each; metrics of the global batches
+        (token means summed over micro-batches and DP ranks, maxima as maxima), ``grad_norm``, ``lr`` and
+        ``num_steps``. Rollouts split into rows of varying counts per step (a custom generate function's fan-out)
+        are not built here: ``per_step_rows`` must be one count."""
+        self._check_resident()
+        if not isinstance(per_step_rows, int):
+            raise ValueError(
+                "--train-backend megatron: rollouts split into several samples (a custom generate function "
+                "returning lists) are built for the torch backend only"
+            )
+        n = td.batch_size[0]
+        if n % per_step_rows:
+            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
+        steps = n // per_step_rows
+        totals: dict[str, float] = {}
+        with self._shims():
+            for step in range(steps):
+                self._call_hook(
+                    "custom_megatron_before_train_step_hook_path",
+                    rollout_id,
+                    step,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                )
+                part = td[step * per_step_rows : (step + 1) * per_step_rows]
+                parts = self._micro_batches(part)
+                norm = self._global_normalizer(parts)
+                if self.hooks.loss_type == "sft_loss":  # slime's --loss-type sft_loss
+                    loss_fn = self._sft_loss(norm, mode=self.loss_cfg.loss_agg_mode)
+                else:
+                    loss_fn = self._rl_loss(norm)
+                add_step(totals, self._step(parts, loss_fn), steps=steps)
+        totals["num_steps"] = steps
+        return totals
+
+    def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
+        """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
+        self._zero_grad()
+        sums, maxes = sums_and_maxima(self._train_run(self.model, parts, loss_fn))
+        out = {**self._all_reduce(sums, dist.ReduceOp.SUM), **self._all_reduce(maxes, dist.ReduceOp.MAX)}
+        out["grad_norm"] = self._optimizer_step()
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return out
+
+    def _train_run(
+        self, model: torch.nn.Module, parts: list[TensorDict], loss_fn: Any
+    ) -> list[dict[str, torch.Tensor]]:
+        """:meth:`_run` with the backward, ``model`` (the actor or the critic) in training mode for it: Megatron
+        recomputes activations (--recompute-granularity) in training mode only; with no dropout the forward is the
+        same in either mode."""
+        model.train()
+        try:
+            return self._run(model, parts, forward_only=False, loss_fn=loss_fn)
+        finally:
+            model.eval()
+
+    def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+        group = self.dp_group()
+        if group is None or not values:
+            return values
+        names = sorted(values)
+        t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=group)
+        return dict(zip(names, t.tolist(), strict=True))
+
+    def _zero_grad(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> None:
+        """Zero the gradients of ``model`` and ``optimizer`` (the actor's by default)."""
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
+        if self.cpu:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+
+    def _optimizer_step(
+        self, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None
+    ) -> float:
+        """Reduce, clip and apply the gradients of ``model`` with ``optimizer`` and ``scheduler`` (the actor's by
+        default); the gradient norm before clipping."""
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
+        scheduler = self.scheduler if scheduler is None else scheduler
+        if not self.cpu:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([model])
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            return float(grad_norm)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        group = self.dp_group()
+        # An expert's gradient holds every rank's tokens routed to it (the dispatcher's backward sends them home):
+        # its replicas are the expert-data-parallel group's, fewer than DP by EP (Megatron's DDP sums there and
+        # scales by 1 / DP alike).
+        expert_group = self.ps.get_expert_data_parallel_group() if self.ep > 1 else group
+        for name, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+                # Each TP rank normalises its own heads with the shared QK-norm weight: its gradient is the sum over
+                # ranks (Megatron's finalize_model_grads does the same).
+                dist.all_reduce(p.grad, group=self.tp_group)
+            replicas = expert_group if mmoe.is_expert(name) else group
+            if replicas is not None and dist.get_world_size(replicas) > 1:
+                dist.all_reduce(p.grad, group=replicas)
+            if group is not None:
+                # The mean over DP ranks, as Megatron's DDP takes it: each rank's loss was scaled by the DP size.
+                p.grad.div_(self.dp_size)
+        grad_norm = self._grad_norm(params, experts={id(p) for n, p in named if mmoe.is_expert(n)})
+        if self.cfg.clip_grad > 0 and grad_norm > self.cfg.clip_grad:
+            for p in params:
+                p.grad.mul_(self.cfg.clip_grad / (grad_norm + 1e-6))
+        optimizer.step()
+        scheduler.step(increment=1)
+        if self.shape.moe is not None and self.shape.moe.expert_bias:
+            # The routers' expert-bias step towards balanced loads, which finalize_model_grads takes on GPUs.
+            mmoe.update_expert_bias(self._module(model))
+        return grad_norm
+
+    def _grad_norm(
+        self, params: list[torch.nn.Parameter], *, experts: frozenset[int] | set[int] = frozenset()
+    ) -> float:
+        """The global gradient norm: TP shards counted once each, TP-replicated tensors (norms) once, and the
+        experts (``experts``: their ids; whole on each TP rank) of every expert-parallel rank once each."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if id(p) in experts:
+                expert_square += p.grad.double().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
+                square += p.grad.double().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(square, group=self.ps.get_model_parallel_group())
+            if experts:
+                dist.all_reduce(expert_square, group=self.ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((square + expert_square).sqrt())
+
+    def sft_train(self, td: TensorDict) -> dict[str, float]:
+        """One supervised step: the negative log-likelihood of the response tokens."""
+        self._check_resident()
+        parts = self._micro_batches(td)
+        with self._shims():
+            metrics = self._step(parts, self._sft_loss(self._global_normalizer(parts), mode="token_mean"))
+        return {"sft_loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+
+    def _sft_loss(self, norm: Normalizer, *, mode: str) -> Any:
+        """The NLL of the loss-masked response tokens, aggregated with ``mode`` over the global batch's ``norm``."""
+
+        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, _ = self._response_log_probs(logits, mb, with_entropy=False)
+            mask = mb[keys.MASK].to(self.device)
+            loss = aggregate(sft_loss(log_probs, mask=mask), mask, mode=mode, norm=norm)
+            return loss, {"loss": loss.detach()}
+
+        return loss_fn
