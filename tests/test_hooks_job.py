@@ -173,7 +173,7 @@ def test_sft_job_from_the_command_line(ray_session, chat_model, tmp_path):
 def test_slimes_sft_script_shape_starts_no_engine_and_logs_to_wandb(ray_session, chat_model, tmp_path, monkeypatch):
     """As slime's run-qwen3-4B-base-sft.sh: --debug-train-only with slime's sft_rollout and --num-epoch, no response
     length. No engine starts, the epochs set the steps, and W&B (offline) gets what metrics.jsonl holds."""
-    from test_slime_scripts import wandb_history
+    from test_slime_scripts import offline_run, wandb_history
 
     from runtime import job
     from runtime.cluster.engines import EngineGroup
@@ -200,8 +200,7 @@ def test_slimes_sft_script_shape_starts_no_engine_and_logs_to_wandb(ray_session,
     assert len(rows) == 2 * (40 // 16)  # slime: num_epoch x whole rollouts per pass
     (group,) = groups
     assert group.actors == [] and group.launchers == []
-    (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
-    history = wandb_history(run_dir)
+    history = wandb_history(offline_run(tmp_path / "wb"))
     assert [h["_step"] for h in history] == [r["step"] for r in rows]
     for h, r in zip(history, rows, strict=True):
         # The same float through two JSON writers (repr round-trips a float exactly).

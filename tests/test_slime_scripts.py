@@ -326,6 +326,19 @@ def test_the_flags_that_need_transformer_engine_are_listed_one_line_each_in_the_
 # ---------------------------------------------------------------- W&B
 
 
+def offline_run(wandb_dir):
+    """The one offline W&B run under ``wandb_dir`` (a ``--wandb-dir``), once written whole.
+
+    ``finish()`` hands the run's last records to wandb's service process, which writes the transaction log after it
+    returns (the history read back was empty in about half the runs after a torch import, 2026-11-27); teardown waits
+    for the service to exit, as wandb's own exit hook does at the end of a job's process."""
+    import wandb
+
+    wandb.teardown()
+    (run_dir,) = (Path(wandb_dir) / "wandb").glob("offline-run-*")
+    return run_dir
+
+
 def wandb_history(run_dir):
     """The history rows of an offline W&B run, read back from its transaction log (``run-<id>.wandb``).
 
@@ -383,8 +396,7 @@ def test_wandb_logs_offline_what_tensorboard_gets(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path / "out", use_tensorboard=True, use_wandb=True, wandb_options=options) as logger:
         for step, metrics in enumerate(rows):
             logger.log(step, metrics)
-    (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
-    history = wandb_history(run_dir)
+    history = wandb_history(offline_run(tmp_path / "wb"))
     assert [h["_step"] for h in history] == [0, 1, 2]
     scalars = tensorboard_scalars(tmp_path / "out" / "tensorboard")
     # Every value TensorBoard holds, W&B holds at the same step; float32 is TensorBoard's storage, so compare there.
