@@ -262,13 +262,15 @@ def test_refilled_log_probs_equal_a_full_forward_and_the_cache_holds_the_slots_a
         out = _decode(model, prompts, max_running=2, stop_ids=[2, 5, 9], max_new_tokens=12, on_cache=caches.append)
     finally:
         hook.remove()
-    width, heads = max(map(len, prompts)), model.config.num_key_value_heads
+    heads = model.config.num_key_value_heads
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     kept = caches[0].kept_tensors()
-    # Two rows (groups of one) of prompt width columns and 12 response columns per layer, for keys and values:
-    # nothing grows with the 7 prompts.
-    assert len(kept) == 4 * model.config.num_hidden_layers
-    assert {tuple(t.shape) for t in kept} == {(2, heads, width, head_dim), (2, heads, 1, 12, head_dim)}
+    # Per layer a key and a value pool of pages for two rows (groups of one), each a prompt page (width 6) and a
+    # response page (12 columns; on the CPU a page holds a row's longest, 16 here), and the scratch page: nothing
+    # grows with the 7 prompts, and all come back.
+    assert len(kept) == 2 * model.config.num_hidden_layers
+    assert {tuple(t.shape) for t in kept} == {(1 + 2 * (1 + 1), heads, 16, head_dim)}
+    assert caches[0].pages_in_use() == 0
     assert all(rows <= 2 and q == 1 for rows, q, _ in shapes)
     assert len({len(t) for t in out.tokens}) > 1, "the responses should have mixed lengths"
     with torch.no_grad():
@@ -384,10 +386,10 @@ def test_a_groups_samples_share_one_prefill_and_draw_as_if_apart(model, lengths,
     apart = _decode(model, prompts, share_prompts=False, **kw)
     assert caches[0].per_group == per_group and sum(prefill_rows) == len(distinct)
     groups_at_once = len(distinct) if running is None else min(running, len(distinct))
-    assert {tuple(t.shape[:3]) for t in caches[0].kept_tensors()} == {
-        (groups_at_once, model.config.num_key_value_heads, max(lengths)),
-        (groups_at_once, model.config.num_key_value_heads, per_group),
-    }
+    # The pool: the scratch page, one prompt page per running group and one response page per running row.
+    pages = 1 + groups_at_once * (1 + per_group)
+    page = caches[0].page_size  # on the CPU one page holds a row's longest prompt or response
+    assert {tuple(t.shape[:3]) for t in caches[0].kept_tensors()} == {(pages, model.config.num_key_value_heads, page)}
     assert shared.finish == apart.finish
     for a, b in zip(shared.tokens, apart.tokens, strict=True):
         assert torch.equal(a, b)
@@ -398,6 +400,51 @@ def test_a_groups_samples_share_one_prefill_and_draw_as_if_apart(model, lengths,
             torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize(("per_group", "kv_tokens"), [(1, 16 * 6), (2, 16 * 8)])
+def test_a_small_paged_cache_waits_and_preempts_yet_draws_the_same_tokens(model, per_group, kv_tokens):
+    """Pages of 16 columns, responses of 24 (two pages): a cache of ``kv_tokens`` holds fewer rows' longest
+    responses than run, so groups wait for pages and a group that runs out is preempted and starts over.
+    Per-prompt streams draw each prompt's tokens as with room for all, log-probs to float32 rounding (other batch
+    shapes); the pages held never pass the pool and all come back at the end."""
+    torch.manual_seed(7)
+    distinct = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (3, 1, 5, 2, 4, 6)]
+    prompts = [p for p in distinct for _ in range(per_group)]
+    seeds = [40 + i for i in range(len(prompts))]
+    kw = {"seeds": seeds, "stop_ids": [], "max_new_tokens": 24, "max_running": 4 * per_group, "page_size": 16}
+    caches, held, starts = [], [], []
+
+    def watch(cache) -> None:
+        caches.append(cache)
+        assign_prompt, cover = cache.assign_prompt, cache.cover
+
+        def counted_assign(g: int, length: int) -> bool:
+            starts.append(assign_prompt(g, length))
+            return starts[-1]
+
+        def counted_cover(row: int, columns: int) -> int:
+            short = cover(row, columns)
+            held.append(cache.pages_in_use())
+            return short
+
+        cache.assign_prompt, cache.cover = counted_assign, counted_cover
+
+    small = _decode(model, prompts, kv_tokens=kv_tokens, on_cache=watch, **kw)
+    roomy = _decode(model, prompts, **kw)
+    assert caches[0].pages == 1 + kv_tokens // 16 and max(held) <= kv_tokens // 16
+    assert sum(starts) > len(distinct), "some group should have been preempted and started over"
+    assert caches[0].pages_in_use() == 0
+    assert small.finish == roomy.finish
+    for a, b in zip(small.tokens, roomy.tokens, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(small.log_probs, roomy.log_probs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_paged_cache_too_small_for_one_group_is_refused(model):
+    with pytest.raises(ValueError, match="at least 5 pages of 16 tokens"):
+        _decode(model, [[5, 6], [7]], kv_tokens=48, page_size=16, max_new_tokens=40)
+
+
 def test_rows_that_are_not_equal_runs_of_one_prompt_are_groups_of_one(model):
     caches = []
     out = _decode(model, [[5, 6], [5, 6], [7], [7], [7]], on_cache=caches.append, max_new_tokens=3, stop_ids=[])
@@ -405,3 +452,18 @@ def test_rows_that_are_not_equal_runs_of_one_prompt_are_groups_of_one(model):
     caches.clear()
     _decode(model, [[5, 6], [5, 6], [7], [7]], on_cache=caches.append, max_new_tokens=3, stop_ids=[], max_running=1)
     assert caches[0].per_group == 1  # fewer rows than a group: nothing is shared
+
+
+def test_engine_kv_cache_tokens_is_positive_and_reaches_the_embedded_engine():
+    from runtime.config import parse_args
+    from runtime.config.schema import ConfigError
+    from runtime.engines.hf_engine import HFEngine
+    from runtime.engines.registry import engine_kind
+
+    kwargs = engine_kind("hf").kwargs
+    assert kwargs(parse_args(["--engine-kv-cache-tokens", "4096"]), "m", 0)["kv_cache_tokens"] == 4096
+    assert kwargs(parse_args([]), "m", 0)["kv_cache_tokens"] is None
+    with pytest.raises(ConfigError, match="--engine-kv-cache-tokens must be > 0, got 0"):
+        parse_args(["--engine-kv-cache-tokens", "0"])
+    with pytest.raises(ValueError, match="kv_cache_tokens must be None or an int >= 1"):
+        HFEngine("unused", seed=0, kv_cache_tokens=0)

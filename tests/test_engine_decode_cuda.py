@@ -1,6 +1,8 @@
 """The embedded engine's decode loop on a GPU: the CUDA graph against the eager loop, and bf16 log-probs against a
 full forward. Skipped without CUDA (``pytest -q tests/test_engine_decode_cuda.py`` on a GPU machine)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -192,3 +194,44 @@ def test_released_weights_come_back_merged_and_free_their_memory(engine_and_prom
         assert torch.equal(weight[: layer.self_attn.q_proj.weight.shape[0]], layer.self_attn.q_proj.weight)
     after = _run(engine, prompts[:4], graph=False, seed=9)
     assert [g.token_ids for g in after] == [g.token_ids for g in before]
+
+
+def test_a_small_paged_cache_on_the_gpu_preempts_and_keeps_the_log_prob_contract(engine_and_prompts):
+    """24 prompts over 8 rows, pages of 16 columns and 48-token responses (three pages each), a cache of 14 pages:
+    groups wait for pages and some are preempted and start over, inside the CUDA-graph loop. Every response keeps
+    the log-prob contract against a full forward of its row, and every page comes back."""
+    from runtime.engines.decode import decode
+
+    engine, prompts = engine_and_prompts
+    width = max(map(len, prompts))
+    ids = torch.tensor([[engine.pad_token_id] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = (ids != engine.pad_token_id).long()
+    for row, p in enumerate(prompts):
+        mask[row, width - len(p) :] = 1
+    caches, starts = [], []
+
+    def watch(cache) -> None:
+        caches.append(cache)
+        assign_prompt = cache.assign_prompt
+
+        def counted(g: int, length: int) -> bool:
+            starts.append(assign_prompt(g, length))
+            return starts[-1]
+
+        cache.assign_prompt = counted
+
+    out = decode(
+        engine.model, ids, mask, max_new_tokens=48, temperature=0.8, top_k=-1, top_p=1.0, stop_ids=[],
+        pad_id=engine.pad_token_id, seeds=list(range(24)), max_running=8, page_size=16, kv_tokens=16 * 14,
+        on_cache=watch, cuda_graph=True,
+    )  # fmt: skip
+    assert sum(starts) > len(prompts), "some group should have been preempted"
+    assert caches[0].pages_in_use() == 0 and out.finish == ["length"] * 24
+    gens = [
+        SimpleNamespace(token_ids=t.tolist(), log_probs=lp.tolist())
+        for t, lp in zip(out.tokens, out.log_probs, strict=True)
+    ]
+    gaps = _full_forward_gaps(engine.model, prompts, gens, 0.8)
+    restarts = sum(starts) - 24
+    print(f"paged cache of 14 pages, {restarts} restarts: largest log-prob gap to a full forward {max(gaps):.3e}")
+    assert max(gaps) < 0.1

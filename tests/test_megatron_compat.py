@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("no_tf32")
 
 moe_utils = importlib.import_module(megatron_compat.MOE_UTILS)
 mla = importlib.import_module(megatron_compat.MLA)
+router = importlib.import_module(megatron_compat.ROUTER)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def unpatched(monkeypatch):
     for name in megatron_compat.MOE_UTILS_TE_NAMES:
         monkeypatch.delattr(moe_utils, name)
     monkeypatch.setattr(mla, "HAVE_TE", True)
+    monkeypatch.setattr(router.TopKRouter, "_apply_expert_bias", megatron_compat.original_expert_bias())
     yield
     megatron_compat.apply_no_te_workarounds()
 

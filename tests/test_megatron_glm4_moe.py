@@ -17,6 +17,7 @@ from test_megatron_moe import _routes
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_moe as moe
 from runtime.train.backends import megatron_weights as mw
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS
 
 GLM4_MOE = dict(
     vocab_size=203,
@@ -252,8 +253,8 @@ def test_logits_and_expert_choices_equal_transformers(fields, tmp_path):
 
 def test_the_expert_bias_moves_by_megatrons_rule_after_a_step(tmp_path):
     """--moe-router-bias-update-rate r: after a step each expert's bias moves by +r where it got fewer tokens than
-    the mean over experts, -r where more (counted from the training forward's routes, independently here); at 0 it
-    stays the checkpoint's."""
+    the mean over experts, -r where more (counted from the training forward's routes of the real tokens,
+    independently here); at 0 it stays the checkpoint's."""
     from test_megatron_backend import make_batch, train_once, trainer
 
     from runtime.train.roles import ACTOR
@@ -271,12 +272,16 @@ def test_the_expert_bias_moves_by_megatrons_rule_after_a_step(tmp_path):
             }
             routes = []
             hooks = _routes(mega.model, routes)
-            train_once(mega, cfg, make_batch(203))
+            td = make_batch(203)
+            train_once(mega, cfg, td)
             for hook in hooks:
                 hook.remove()
             after = {n: b for n, b in moe.model_tensors(mega._module(mega.model)).items() if "expert_bias" in n}
-            # The forwards with gradients are the step's (compute_log_probs runs without): the last two maps.
-            counts = [m.sum(0).double() for m in routes[-2:]]
+            # The forwards with gradients are the step's (compute_log_probs runs without): the last two maps, of the
+            # one micro-batch's real tokens (each row's right padding is routed but not counted).
+            seq = td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]
+            real = ~moe.padding_mask(seq, int(seq.max())).reshape(-1, 1)
+            counts = [(m & real).sum(0).double() for m in routes[-2:]]
             for (name, old), count in zip(sorted(before.items()), counts, strict=True):
                 want = old.double() + torch.sign(count.mean() - count) * r
                 torch.testing.assert_close(after[name].double(), want, rtol=0, atol=1e-7)

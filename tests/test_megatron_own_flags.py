@@ -113,7 +113,6 @@ OTHER_VALUES = {
     "expert_tensor_parallel_size": ["2"],
     "moe_token_dispatcher_type": ["allgather"],
     "moe_router_load_balancing_type": ["sinkhorn"],
-    "moe_aux_loss_coeff": ["0.01"],
     "moe_router_dtype": ["fp16"],
     "moe_token_drop_policy": ["random"],
 }

@@ -29,6 +29,7 @@ OURS = {
     "sglang_url",
     "engine_compile",
     "engine_max_running_requests",
+    "engine_kv_cache_tokens",
     "rollout_schedule",
     "max_staleness",
     "loss_agg_mode",

@@ -19,7 +19,8 @@ median). Peak memory is the CUDA allocator's, reset per size; "beyond weights" s
 Continuous refill: ``--max-running-requests`` lists slot counts for the engine decoders (``all``: every prompt at
 once, the default); ``--stop-fraction F`` makes the first ``F x vocab`` token ids stop ids, so that each draw of the
 near-uniform random model ends its response with probability about ``F`` and lengths spread (mean about ``1 / F``),
-which is where refill pays. The table reports the mean response length.
+which is where refill pays. The table reports the mean response length. ``--kv-cache-tokens N`` bounds the engine's
+paged KV cache (groups wait for pages; the last started is preempted when rows run short).
 
 Groups and long prompts: ``--samples N`` sends each prompt N times in a row (a GRPO group: the engine prefills it
 once and keeps its keys once); ``--prompt-tokens L`` makes every prompt L tokens long.
@@ -65,9 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-fraction", type=float, default=0.0, help="share of the vocabulary made stop ids")
     parser.add_argument("--samples", type=int, default=1, help="samples per prompt, sent in a row (a GRPO group)")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="make every prompt this many tokens (0: as is)")
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="bound the paged KV cache (default: every row's longest)"
+    )
     args = parser.parse_args(argv)
     if args.samples < 1 or args.prompt_tokens < 0:
         parser.error("--samples must be >= 1 and --prompt-tokens >= 0")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        parser.error(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     try:
         slot_counts = [None if x == "all" else int(x) for x in args.max_running_requests.split(",")]
     except ValueError:
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = str(make_preset_model(args.preset, f"{tmp}/m", alphabet=task.ALPHABET, seed=0))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        engine = HFEngine(path, seed=0)
+        engine = HFEngine(path, seed=0, kv_cache_tokens=args.kv_cache_tokens)
         cuda = engine.device.type == "cuda"
         records = task.make_records(max(n for n, _ in sizes), seed=0)
         stop_ids = tuple(range(int(args.stop_fraction * len(tokenizer))))

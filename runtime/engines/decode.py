@@ -45,9 +45,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from runtime.engines.decode_attention import DECODE_ATTENTION, default_kernel
+from runtime.engines.decode_attention import DECODE_ATTENTION, PAGE_SIZE, STORE_DECODE_KV, default_kernel
 from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
@@ -234,15 +235,22 @@ def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
 
 
 class DecodeCache:
-    """The decode loop's KV cache for ``groups`` groups of ``per_group`` rows (row ``s`` is sample ``s % per_group``
-    of group ``s // per_group``), for a model of ``layers`` layers.
+    """The decode loop's paged KV cache for ``groups`` groups of ``per_group`` rows (row ``s`` is sample
+    ``s % per_group`` of group ``s // per_group``), for a model of ``layers`` layers.
 
-    Per layer (allocated at the first prefill, in the keys' and values' own dtype and head dims): ``prefix_k`` /
-    ``prefix_v`` ``[groups, Hkv, width, Dk/Dv]``, each group's prompt left-padded to ``width`` columns and real from
-    ``prefix_start[g]``; ``resp_k`` / ``resp_v`` ``[groups, Hkv, per_group, max_new_tokens, Dk/Dv]``, each row's
-    response keys, real in ``[0, resp_len[s])``. The decode loop sets where the next forward writes: in prefill
-    ``prefill_rows`` (the groups whose prompts are being prefilled, ``[k]``), in decode ``write_col`` (``[rows]``,
-    each row's response column for its newest token) and ``resp_len``. ``kernel`` names the decode attention
+    Keys and values live in pages of ``page_size`` columns, per layer ``pool_k`` / ``pool_v``
+    ``[pages, Hkv, page_size, Dk/Dv]`` (allocated at the first prefill, in the keys' own dtype and head dims), and
+    the pages are handed out as the work needs them: a group's prompt takes the pages its real columns fall in, once
+    for all its samples (``prefix_pages [groups, Pb]``: the prompt left-padded to ``width = Pb * page_size`` columns,
+    real from ``prefix_start[g]``), and each row's response takes a page when it reaches it
+    (``resp_pages [rows, Mb]``, ``Mb * page_size >= max_new_tokens``, real in ``[0, resp_len[s])``). Page 0 is
+    scratch: every table entry that holds nothing points to it, so that a stopped row's idle writes land there. The
+    tables live on the host (the decode loop hands pages out and takes them back at its checks, which already sync)
+    and are copied to the device by :meth:`sync`. ``pages`` (default: enough for every row's longest response) bounds
+    the pool; :meth:`assign_prompt` and :meth:`cover` report when it is short.
+
+    In prefill the forward writes the ``prefill_rows`` groups' prompts; in decode each row's newest key/value goes to
+    response column ``write_col`` (:meth:`set_step`). ``kernel`` names the decode attention
     (:data:`runtime.engines.decode_attention.DECODE_ATTENTION`).
     """
 
@@ -256,23 +264,100 @@ class DecodeCache:
         max_new_tokens: int,
         device: torch.device,
         kernel: str,
+        page_size: int = 64,
+        pages: int | None = None,
     ):
         if kernel not in DECODE_ATTENTION:
             raise ValueError(f"kernel must be one of {sorted(DECODE_ATTENTION)}, got {kernel!r}")
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
         rows = groups * per_group
-        self.groups, self.per_group, self.width, self.columns = groups, per_group, width, max_new_tokens
-        self.attention = DECODE_ATTENTION[kernel]
-        self.layers: list[tuple[torch.Tensor, ...] | None] = [None] * layers
+        self.groups, self.per_group, self.page_size = groups, per_group, page_size
+        self.prompt_pages, self.response_pages = -(-width // page_size), -(-max_new_tokens // page_size)
+        self.width, self.columns = self.prompt_pages * page_size, max_new_tokens
+        self.pad = self.width - width  # the call's prompts sit this many columns right of where they came
+        most = 1 + groups * self.prompt_pages + rows * self.response_pages
+        self.pages = most if pages is None else pages
+        if self.pages < 1 + self.prompt_pages + per_group * self.response_pages:
+            raise ValueError(
+                f"the KV cache needs at least {1 + self.prompt_pages + per_group * self.response_pages} pages of "
+                f"{page_size} tokens (one group's prompt and longest responses), got {self.pages}"
+            )
+        self.attention, self.store = DECODE_ATTENTION[kernel], STORE_DECODE_KV[kernel]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.prefill_rows: torch.Tensor | None = None
+        self.free = list(range(self.pages - 1, 0, -1))  # taken from the end: low ids first
+        # numpy, not torch: the checks touch single entries, which cost microseconds each as torch tensors (at
+        # 256 rows of 16 pages that was 25 ms a check, 3 s of a 256x1024 call).
+        self.host_prefix = np.zeros((groups, self.prompt_pages), dtype=np.int32)
+        self.host_resp = np.zeros((rows, self.response_pages), dtype=np.int32)
+        self.held = [0] * rows  # each row's response pages: the first held[s] entries of its table
+        self.prefix_pages = torch.zeros(groups, self.prompt_pages, dtype=torch.long, device=device)
+        self.resp_pages = torch.zeros(rows, self.response_pages, dtype=torch.long, device=device)
         self.prefix_start = torch.zeros(groups, dtype=torch.long, device=device)
         self.resp_len = torch.zeros(rows, dtype=torch.long, device=device)
         self.write_col = torch.zeros(rows, dtype=torch.long, device=device)
-        self.group_of = torch.arange(rows, device=device) // per_group
-        self.sample_of = torch.arange(rows, device=device) % per_group
+        self.write_page = torch.zeros(rows, dtype=torch.long, device=device)
+        self.write_offset = torch.zeros(rows, dtype=torch.long, device=device)
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Every key/value tensor the cache holds (what its memory is)."""
         return [t for layer in self.layers if layer is not None for t in layer]
+
+    def pages_in_use(self) -> int:
+        """Pages handed out (the scratch page not counted)."""
+        return self.pages - 1 - len(self.free)
+
+    def assign_prompt(self, group: int, length: int) -> bool:
+        """Give group row ``group`` the pages of a prompt of ``length`` tokens (its last ``length`` columns); False,
+        changing nothing, when too few pages are free. The group's earlier prompt must have been released."""
+        first = (self.width - length) // self.page_size
+        count = self.prompt_pages - first
+        if len(self.free) < count:
+            return False
+        self.host_prefix[group, first:] = self._take(count)
+        return True
+
+    def cover(self, row: int, columns: int) -> int:
+        """Give row ``row`` pages for its first ``columns`` response columns (at most ``max_new_tokens``), as far
+        as free pages go; returns how many more pages it would still need (0: covered)."""
+        wanted, held = -(-min(columns, self.columns) // self.page_size), self.held[row]
+        if wanted <= held:
+            return 0
+        count = min(wanted - held, len(self.free))
+        self.host_resp[row, held : held + count] = self._take(count)
+        self.held[row] = held + count
+        return wanted - held - count
+
+    def release_row(self, row: int) -> None:
+        """Take back row ``row``'s response pages: its later (idle) writes go to the scratch page."""
+        held = self.held[row]
+        self.free.extend(self.host_resp[row, :held].tolist())
+        self.host_resp[row, :held] = 0
+        self.held[row] = 0
+
+    def release_group(self, group: int) -> None:
+        """Take back group row ``group``'s prompt pages."""
+        self.free.extend(p for p in self.host_prefix[group].tolist() if p)
+        self.host_prefix[group] = 0
+
+    def sync(self) -> None:
+        """Copy the host's page tables to the device (ordered on the stream, before the next forward)."""
+        self.prefix_pages.copy_(torch.from_numpy(self.host_prefix))
+        self.resp_pages.copy_(torch.from_numpy(self.host_resp))
+
+    def _take(self, count: int) -> list[int]:
+        taken = self.free[len(self.free) - count :]
+        del self.free[len(self.free) - count :]
+        return taken
+
+    def set_step(self, newest: torch.Tensor) -> None:
+        """A decoding step writes each row's newest key/value at response column ``newest`` ``[rows]`` and attends
+        over its first ``newest + 1`` columns (device ops only: replayable in a CUDA graph)."""
+        self.write_col.copy_(newest)
+        self.resp_len.copy_(newest + 1)
+        self.write_page.copy_(self.resp_pages.gather(1, (newest // self.page_size)[:, None])[:, 0])
+        self.write_offset.copy_(newest % self.page_size)
 
     def attend(
         self,
@@ -285,34 +370,33 @@ class DecodeCache:
         scale: float,
     ) -> torch.Tensor:
         """Store this forward's keys and values for ``layer`` and attend. Prefill: key/value
-        ``[k, Hkv, width, D]`` of the ``prefill_rows`` groups' prompts, masked attention over them. Decode:
-        key/value ``[rows, Hkv, 1, D]`` go to each row's ``write_col``; each row's one query attends over its
-        group's prompt and its own response (``resp_len`` columns). Returns ``[B, q, H, Dv]``."""
+        ``[k, Hkv, P, D]`` of the ``prefill_rows`` groups' prompts (``P`` the call's width), masked attention over
+        them. Decode: key/value ``[rows, Hkv, 1, D]`` go to each row's page and offset (:meth:`set_step`); each
+        row's one query attends over its group's prompt and its own response. Returns ``[B, q, H, Dv]``."""
         if self.layers[layer] is None:
             self.layers[layer] = self._allocate(key, value)
-        prefix_k, prefix_v, resp_k, resp_v = self.layers[layer]
+        pool_k, pool_v = self.layers[layer]
         if self.prefill_rows is not None:
-            prefix_k[self.prefill_rows] = key
-            prefix_v[self.prefill_rows] = value
+            pages = self.prefix_pages[self.prefill_rows]  # [k, Pb]
+            for pool, new in ((pool_k, key), (pool_v, value)):
+                paged = torch.nn.functional.pad(new, (0, 0, self.pad, 0)).unflatten(2, (-1, self.page_size))
+                pool[pages] = paged.transpose(1, 2)  # [k, Pb, Hkv, S, D]; padding pages all go to the scratch one
             return masked_attention(query, key, value, attention_mask, scale=scale)
-        resp_k[self.group_of, :, self.sample_of, self.write_col] = key[:, :, 0]
-        resp_v[self.group_of, :, self.sample_of, self.write_col] = value[:, :, 0]
+        self.store(pool_k, pool_v, key[:, :, 0], value[:, :, 0], self.write_page, self.write_offset)
         out = self.attention(
-            query[:, :, 0], prefix_k, prefix_v, self.prefix_start, resp_k, resp_v, self.resp_len, scale=scale
-        )
+            query[:, :, 0], pool_k, pool_v, self.prefix_pages, self.prefix_start, self.resp_pages, self.resp_len,
+            scale=scale,
+        )  # fmt: skip
         return out[:, None]
 
-    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefill_rows is None:
             raise RuntimeError("DecodeCache: a decoding step before any prefill")
         hkv, dk, dv = key.shape[1], key.shape[-1], value.shape[-1]
         like = {"dtype": key.dtype, "device": key.device}
-        response = (self.groups, hkv, self.per_group, self.columns)
         return (
-            torch.zeros(self.groups, hkv, self.width, dk, **like),
-            torch.zeros(self.groups, hkv, self.width, dv, **like),
-            torch.zeros(*response, dk, **like),
-            torch.zeros(*response, dv, **like),
+            torch.zeros(self.pages, hkv, self.page_size, dk, **like),
+            torch.zeros(self.pages, hkv, self.page_size, dv, **like),
         )
 
 
@@ -371,6 +455,8 @@ def decode(
     nucleus: bool = False,
     share_prompts: bool = True,
     kernel: str | None = None,
+    kv_tokens: int | None = None,
+    page_size: int | None = None,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
@@ -383,6 +469,13 @@ def decode(
     decode step's forward, and its sampling, as CUDA graphs; ``compile`` runs that forward through ``torch.compile``
     first (compiled once per row count and cache size, which are rounded up so that calls share it). ``kernel``:
     the decode attention and the plain sampler (``torch`` or ``triton``; default: ``triton`` on CUDA).
+    ``kv_tokens`` bounds the paged KV cache (:class:`DecodeCache`, pages of ``page_size`` tokens, default
+    :data:`runtime.engines.decode_attention.PAGE_SIZE` of the kernel: 64 on a GPU, a row's longest on the CPU;
+    default: room for
+    every running row's longest response): a waiting group starts only when its prompt's pages and a first page
+    per sample are free, and when the running rows' next pages are not, the group that started last is preempted
+    (its pages taken back, its rows stopped, the group put first in the queue to start over; its per-prompt
+    streams draw the same tokens again). It must hold at least one group's prompt and longest responses.
     ``is_aborted`` is read after every step; once true the call returns what was sampled so far. Before
     ``min_new_tokens`` tokens a row cannot draw a stop id (its logits are -inf there, as transformers'
     min-new-tokens processor does; the log-probs are then of that constrained distribution). ``stopped`` (at each
@@ -414,6 +507,9 @@ def decode(
     all_uniforms = prompt_uniforms(seeds, max_new_tokens)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     kernel = kernel or default_kernel(device)
+    if kv_tokens is not None and kv_tokens < 1:
+        raise ValueError(f"kv_tokens must be None or >= 1, got {kv_tokens}")
+    page_size = page_size or PAGE_SIZE[kernel](width, columns)
     cache = DecodeCache(
         layers=layers,
         groups=group_rows,
@@ -422,6 +518,8 @@ def decode(
         max_new_tokens=columns,
         device=device,
         kernel=kernel,
+        page_size=page_size,
+        pages=None if kv_tokens is None else 1 + -(-kv_tokens // page_size),
     )
     if on_cache is not None:
         on_cache(cache)
@@ -461,7 +559,7 @@ def decode(
         done[row_ids] = False
         uniforms[row_ids] = all_uniforms[prompts.cpu()].to(device)
         mask = real[heads]
-        cache.prefix_start[r] = width - all_lengths[heads]
+        cache.prefix_start[r] = cache.width - all_lengths[heads]
         cache.prefill_rows = r
         try:
             logits = model(
@@ -507,8 +605,7 @@ def decode(
     def forward() -> None:
         """Feed each row's newest token: rotary position = prompt length + its index; response column = its index."""
         newest = (count - 1).clamp(min=0)
-        cache.write_col.copy_(newest)
-        cache.resp_len.copy_(newest + 1)
+        cache.set_step(newest)
         logits = step_model(
             input_ids=token_in[:, None],
             attention_mask=step_mask,
@@ -518,12 +615,35 @@ def decode(
         ).logits[:, -1]
         logits_in.copy_(logits)
 
+    prompt_lengths = all_lengths.tolist()
+
+    def admit(g: int, group: int) -> bool:
+        """Hand group row ``g`` the pages that group ``group`` starts with (its prompt's, and each sample's first
+        ``check_every + 1`` response columns'); False, holding none, when too few are free."""
+        if not cache.assign_prompt(g, prompt_lengths[group * per_group]):
+            return False
+        rows = range(g * per_group, (g + 1) * per_group)
+        if sum(cache.cover(s, check_every + 1) for s in rows):
+            for s in rows:
+                cache.release_row(s)
+            cache.release_group(g)
+            return False
+        return True
+
     draw_step, forward_step = _Replayed(draw, cuda_graph), _Replayed(forward, cuda_graph)
     results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
-    running: list[int | None] = list(range(group_rows))  # the group each group row runs
-    open_rows = [True] * slots  # the row's prompt has not handed its response back yet
-    waiting = deque(range(group_rows, groups))
-    start(list(range(group_rows)), list(range(group_rows)))
+    running: list[int | None] = [None] * group_rows  # the group each group row runs
+    started = [0] * group_rows  # the step at which each group row's group started (the latest is preempted first)
+    open_rows = [False] * slots  # the row's prompt has not handed its response back yet
+    waiting = deque(range(groups))
+    for g in range(group_rows):
+        if not admit(g, waiting[0]):
+            break
+        running[g] = waiting.popleft()
+        open_rows[g * per_group : (g + 1) * per_group] = [True] * per_group
+    cache.sync()
+    first = [g for g, group in enumerate(running) if group is not None]
+    start(first, [running[g] for g in first])
     last_start = 0  # the step at which the latest groups started: every row has stopped max_new_tokens later
     # Top-p replay: each live row's kept set per step since the last check ([slots, V] bool on the device), and per
     # row the nuclei of the prompt it runs, one per token drawn (read back at each check, the host sync there is).
@@ -564,18 +684,24 @@ def decode(
                 results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
                 slot_nuclei[s] = []
                 open_rows[s] = False
+                cache.release_row(s)
             if aborted:
                 break
-            done.copy_(torch.tensor(stopped_now, device=device))
             for g, group in enumerate(running):
                 if group is not None and not any(open_rows[g * per_group : (g + 1) * per_group]):
                     running[g] = None
-                    if waiting:
-                        running[g] = waiting.popleft()
-                        fresh.append((g, running[g]))
-                        open_rows[g * per_group : (g + 1) * per_group] = [True] * per_group
+                    cache.release_group(g)
+            _cover_or_preempt(cache, running, started, open_rows, stopped_now, counts, slot_nuclei, waiting,
+                              per_group=per_group, columns=check_every + 1)  # fmt: skip
+            done.copy_(torch.tensor(stopped_now, device=device))
+            for g in range(group_rows):
+                if running[g] is None and waiting and admit(g, waiting[0]):
+                    running[g], started[g] = waiting.popleft(), step
+                    fresh.append((g, running[g]))
+                    open_rows[g * per_group : (g + 1) * per_group] = [True] * per_group
             if all(group is None for group in running):
                 break
+            cache.sync()
         forward_step()
         if fresh:
             # After the step's forward: the freed rows' last writes land before their new prompts' prefill.
@@ -592,6 +718,38 @@ def decode(
         steps=step,
         nucleus=[r[3] for r in results] if nucleus else None,
     )
+
+
+def _cover_or_preempt(
+    cache: DecodeCache,
+    running: list[int | None],
+    started: list[int],
+    open_rows: list[bool],
+    stopped_now: list[bool],
+    counts: list[int],
+    slot_nuclei: list[list[list[int]]],
+    waiting: deque,
+    *,
+    per_group: int,
+    columns: int,
+) -> None:
+    """At a check: give every running row pages for its next ``columns`` response columns; while the pool is short,
+    preempt the group row whose group started last (its rows stopped and closed, its pages taken back, its group
+    first in ``waiting`` again). The lists are the decode loop's, changed in place."""
+    while True:
+        live = [s for s, on in enumerate(open_rows) if on and not stopped_now[s]]
+        if sum(cache.cover(s, counts[s] + columns) for s in live) == 0:
+            return
+        going = [g for g, group in enumerate(running) if group is not None]
+        if len(going) < 2:  # one group always fits (DecodeCache's minimum): rows here cannot be short
+            raise RuntimeError("DecodeCache: one running group is short of pages")
+        g = max(going, key=lambda g: (started[g], g))
+        for s in range(g * per_group, (g + 1) * per_group):
+            cache.release_row(s)
+            open_rows[s], stopped_now[s], slot_nuclei[s] = False, True, []
+        cache.release_group(g)
+        waiting.appendleft(running[g])
+        running[g] = None
 
 
 def _left_pad_to(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, multiple: int, pad_id: int):

@@ -1,22 +1,27 @@
-"""Decode attention over the embedded engine's split KV cache: one query token per sample against its group's shared
+"""Decode attention over the embedded engine's paged KV cache: one query token per sample against its group's shared
 prompt keys, then its own response keys.
 
-The cache keeps a prompt's keys once per group of samples (``prefix_k [G, Hkv, P, Dk]``, the prompt left-padded to
-``P`` columns, real from ``prefix_start[g]``) and each sample's response keys apart
-(``resp_k [G, Hkv, n, M, Dk]``, real in ``[0, resp_len[s])``). Sample ``j`` of group ``g`` is row ``s = g * n + j``.
-Query heads ``h`` of a key/value head ``h // (H / Hkv)`` read that head's keys once for the whole query group, and
-a group's ``n`` samples read their shared prompt keys once together: nothing is repeated in memory, and only the
-real columns are read (the cache is sized for the longest response, the reads follow each row's length).
+The cache (:class:`runtime.engines.decode.DecodeCache`) keeps keys and values in pages of ``S`` columns
+(``pool_k [pages, Hkv, S, Dk]``, ``pool_v [pages, Hkv, S, Dv]``), handed out as the work needs them. A group's
+prompt is kept once for its ``n`` samples, in the pages ``prefix_pages[g]`` (``[G, Pb]``; column ``c`` of the prompt,
+left-padded to ``Pb * S`` columns and real from ``prefix_start[g]``, is at offset ``c % S`` of page
+``prefix_pages[g, c // S]``); each sample's response keys in its own pages ``resp_pages[s]`` (``[G * n, Mb]``, real in
+``[0, resp_len[s])``). Sample ``j`` of group ``g`` is row ``s = g * n + j``. Page ids of columns that hold nothing
+real (the prompt's padding, a response's columns not reached yet) are never read, whatever they name. Query heads
+``h`` of a key/value head ``h // (H / Hkv)`` read that head's keys once for the whole query group, and a group's
+``n`` samples read their shared prompt keys once together: nothing is repeated in memory, and only the real columns
+are read.
 
-- :func:`decode_attention_reference`: plain torch (float32 scores and softmax), the CPU path and the tests' reference.
+- :func:`decode_attention_reference`: plain torch (float32 scores and softmax) over the pages gathered into one
+  dense tensor, the CPU path and the tests' reference.
 - :func:`decode_attention_triton`: Triton (flash-decoding): the key range of each (group, key/value head) is cut into
   parts of ``chunk`` columns (the prompt's parts read by all ``n`` samples' queries at once, a response's parts by its
-  sample's), each part keeps its running max, sum and weighted values over the blocks of ``block_n`` columns that
-  hold real keys (the others are skipped: at short contexts most of the cache's capacity is), and a second kernel
-  merges the parts.
+  sample's), each part keeps its running max, sum and weighted values over the pages that hold real keys (the
+  others are skipped), and a second kernel merges the parts.
+- :func:`store_decode_kv`: a decoding step's new key and value of each row written to its page and offset.
 
-Both take scores and the softmax in float32 and round the probabilities to the values' dtype before they weight the
-values (flash attention's arithmetic); the output is in the query's dtype.
+Both attentions take scores and the softmax in float32 and round the probabilities to the values' dtype before they
+weight the values (flash attention's arithmetic); the output is in the query's dtype.
 """
 
 from __future__ import annotations
@@ -30,44 +35,62 @@ except ImportError:  # pragma: no cover - the CPU path needs no Triton
     triton = None
 
 
-def _check(query, prefix_k, prefix_v, prefix_start, resp_k, resp_v, resp_len) -> tuple[int, ...]:
-    """The sizes ``(G, n, Hkv, g, P, M, Dk, Dv)``; ValueError names the argument whose shape does not fit."""
-    if prefix_k.dim() != 4 or resp_k.dim() != 5:
+def _check(query, pool_k, pool_v, prefix_pages, prefix_start, resp_pages, resp_len) -> tuple[int, ...]:
+    """The sizes ``(G, n, Hkv, g, S, Pb, Mb, Dk, Dv)``; ValueError names the argument whose shape does not fit."""
+    if pool_k.dim() != 4 or pool_v.dim() != 4 or pool_k.shape[:3] != pool_v.shape[:3]:
         raise ValueError(
-            f"prefix_k must be [G, Hkv, P, Dk] and resp_k [G, Hkv, n, M, Dk], got {prefix_k.shape}, {resp_k.shape}"
+            f"pool_k / pool_v must be [pages, Hkv, S, Dk/Dv] alike but for the last dim, got {list(pool_k.shape)}, "
+            f"{list(pool_v.shape)}"
         )
-    groups, hkv, width, dk = prefix_k.shape
-    n, m = resp_k.shape[2], resp_k.shape[3]
-    dv = prefix_v.shape[-1]
-    if query.dim() != 3 or query.shape[0] != groups * n or query.shape[1] % hkv or query.shape[2] != dk:
-        raise ValueError(f"query must be [G * n, H, Dk] = [{groups * n}, k * {hkv}, {dk}], got {list(query.shape)}")
-    if tuple(prefix_v.shape) != (groups, hkv, width, dv) or tuple(resp_v.shape) != (groups, hkv, n, m, dv):
-        raise ValueError(f"prefix_v {list(prefix_v.shape)} / resp_v {list(resp_v.shape)} do not match the keys")
-    if tuple(resp_k.shape) != (groups, hkv, n, m, dk):
-        raise ValueError(f"resp_k must be [{groups}, {hkv}, n, M, {dk}], got {list(resp_k.shape)}")
-    if tuple(prefix_start.shape) != (groups,) or tuple(resp_len.shape) != (groups * n,):
+    _, hkv, page, dk = pool_k.shape
+    dv = pool_v.shape[-1]
+    if prefix_pages.dim() != 2 or resp_pages.dim() != 2 or prefix_start.shape != prefix_pages.shape[:1]:
         raise ValueError(
-            f"prefix_start must be [{groups}] and resp_len [{groups * n}], got "
-            f"{list(prefix_start.shape)}, {list(resp_len.shape)}"
+            f"prefix_pages must be [G, Pb], prefix_start [G] and resp_pages [G * n, Mb], got "
+            f"{list(prefix_pages.shape)}, {list(prefix_start.shape)}, {list(resp_pages.shape)}"
         )
-    return groups, n, hkv, query.shape[1] // hkv, width, m, dk, dv
+    groups, rows = prefix_pages.shape[0], resp_pages.shape[0]
+    if rows % groups or tuple(resp_len.shape) != (rows,):
+        raise ValueError(f"resp_pages must be [G * n, Mb] and resp_len [G * n] for G = {groups}, got {rows} rows")
+    if query.dim() != 3 or query.shape[0] != rows or query.shape[1] % hkv or query.shape[2] != dk:
+        raise ValueError(f"query must be [G * n, H, Dk] = [{rows}, k * {hkv}, {dk}], got {list(query.shape)}")
+    n = rows // groups
+    return groups, n, hkv, query.shape[1] // hkv, page, prefix_pages.shape[1], resp_pages.shape[1], dk, dv
+
+
+def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """pool ``[pages, Hkv, S, D]``, pages ``[R, Np]`` int64 -> ``[R, Hkv, Np * S, D]``: each row's pages side by
+    side (one copy, a view of it when each row has one page)."""
+    rows, count = pages.shape
+    _, hkv, page, dim = pool.shape
+    taken = pool.index_select(0, pages.flatten())
+    if count == 1:
+        return taken
+    return taken.view(rows, count, hkv, page, dim).transpose(1, 2).reshape(rows, hkv, count * page, dim)
 
 
 def decode_attention_reference(
     query: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    prefix_pages: torch.Tensor,
     prefix_start: torch.Tensor,
-    resp_k: torch.Tensor,
-    resp_v: torch.Tensor,
+    resp_pages: torch.Tensor,
     resp_len: torch.Tensor,
     *,
     scale: float,
 ) -> torch.Tensor:
-    """query ``[G * n, H, Dk]``, prefix_k/v ``[G, Hkv, P, Dk/Dv]``, prefix_start ``[G]`` int, resp_k/v
-    ``[G, Hkv, n, M, Dk/Dv]``, resp_len ``[G * n]`` int -> ``[G * n, H, Dv]`` in query's dtype (module docstring).
-    Reads every column and masks; a row needs at least one real key (a non-empty prompt)."""
-    groups, n, hkv, g, width, m, dk, dv = _check(query, prefix_k, prefix_v, prefix_start, resp_k, resp_v, resp_len)
+    """query ``[G * n, H, Dk]``, pool_k/v ``[pages, Hkv, S, Dk/Dv]``, prefix_pages ``[G, Pb]`` int, prefix_start
+    ``[G]`` int, resp_pages ``[G * n, Mb]`` int, resp_len ``[G * n]`` int -> ``[G * n, H, Dv]`` in query's dtype
+    (module docstring). Gathers every page into a dense tensor and masks; a row needs at least one real key."""
+    groups, n, hkv, g, page, pb, mb, dk, dv = _check(
+        query, pool_k, pool_v, prefix_pages, prefix_start, resp_pages, resp_len
+    )
+    prefix_pages, resp_pages = prefix_pages.long(), resp_pages.long()
+    prefix_k, prefix_v = gather_pages(pool_k, prefix_pages), gather_pages(pool_v, prefix_pages)  # [G, Hkv, P, D]
+    resp_k = gather_pages(pool_k, resp_pages).unflatten(0, (groups, n)).transpose(1, 2)  # [G, Hkv, n, M, D]
+    resp_v = gather_pages(pool_v, resp_pages).unflatten(0, (groups, n)).transpose(1, 2)
+    width, m = pb * page, mb * page
     q = query.float().view(groups, n, hkv, g, dk).transpose(1, 2)  # [G, Hkv, n, g, Dk]
     on_prompt = torch.einsum("bhngd,bhpd->bhngp", q, prefix_k.float()) * scale
     on_response = torch.einsum("bhngd,bhnmd->bhngm", q, resp_k.float()) * scale
@@ -75,7 +98,7 @@ def decode_attention_reference(
     response_real = (torch.arange(m, device=query.device)[None] < resp_len[:, None]).view(groups, 1, n, 1, m)
     on_prompt = on_prompt.masked_fill(~prompt_real[:, None, None, None, :], float("-inf"))
     on_response = on_response.masked_fill(~response_real, float("-inf"))
-    probs = torch.softmax(torch.cat([on_prompt, on_response], dim=-1), dim=-1).to(prefix_v.dtype).float()
+    probs = torch.softmax(torch.cat([on_prompt, on_response], dim=-1), dim=-1).to(pool_v.dtype).float()
     out = torch.einsum("bhngp,bhpd->bhngd", probs[..., :width], prefix_v.float())
     out = out + torch.einsum("bhngm,bhnmd->bhngd", probs[..., width:], resp_v.float())
     return out.transpose(1, 2).reshape(groups * n, hkv * g, dv).to(query.dtype)
@@ -83,39 +106,46 @@ def decode_attention_reference(
 
 def decode_attention_triton(
     query: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    prefix_pages: torch.Tensor,
     prefix_start: torch.Tensor,
-    resp_k: torch.Tensor,
-    resp_v: torch.Tensor,
+    resp_pages: torch.Tensor,
     resp_len: torch.Tensor,
     *,
     scale: float,
     chunk: int = 256,
-    block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """:func:`decode_attention_reference` as two Triton kernels that read only the real columns. ``chunk``: key
-    columns per part (a power of two, a multiple of ``block_n``); ``block_n``: columns per inner step."""
-    groups, n, hkv, g, width, m, dk, dv = _check(query, prefix_k, prefix_v, prefix_start, resp_k, resp_v, resp_len)
-    if chunk % block_n or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"chunk must be a multiple of block_n, a power of two >= 16; got {chunk}, {block_n}")
-    for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v), ("resp_k", resp_k), ("resp_v", resp_v)):
+    """:func:`decode_attention_reference` as two Triton kernels that read only the real columns, a page (``S``
+    columns, a power of two >= 16) per inner step. ``chunk``: key columns per part (a multiple of ``S``)."""
+    groups, n, hkv, g, page, pb, mb, dk, dv = _check(
+        query, pool_k, pool_v, prefix_pages, prefix_start, resp_pages, resp_len
+    )
+    if chunk % page or page < 16 or page & (page - 1):
+        raise ValueError(f"the page size must be a power of two >= 16 dividing chunk; got {page}, chunk {chunk}")
+    for name, t in (
+        ("pool_k", pool_k),
+        ("pool_v", pool_v),
+        ("prefix_pages", prefix_pages),
+        ("resp_pages", resp_pages),
+    ):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if query.stride(-1) != 1:
         query = query.contiguous()
     rows = max(16, triton.next_power_of_2(n * g))
     block_dk, block_dv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    width, m = pb * page, mb * page
     prefix_parts, resp_parts = -(-width // chunk), -(-m // chunk)
     parts = prefix_parts + n * resp_parts
     run_max = torch.empty(groups, hkv, parts, rows, dtype=torch.float32, device=query.device)
     run_sum = torch.empty_like(run_max)
     weighted = torch.empty(groups, hkv, parts, rows, block_dv, dtype=torch.float32, device=query.device)
     _part_kernel[(groups, hkv, parts)](
-        query, prefix_k, prefix_v, resp_k, resp_v, prefix_start, resp_len, run_max, run_sum, weighted,
-        scale, width, m, n, prefix_parts, resp_parts, query.stride(0), query.stride(1),
-        HKV=hkv, GROUP=g, DK=dk, DV=dv, CHUNK=chunk, ROWS=rows, BLOCK_N=block_n, BLOCK_DK=block_dk,
+        query, pool_k, pool_v, prefix_pages, resp_pages, prefix_start, resp_len, run_max, run_sum, weighted,
+        scale, pb, mb, n, prefix_parts, resp_parts, query.stride(0), query.stride(1),
+        HKV=hkv, GROUP=g, DK=dk, DV=dv, CHUNK=chunk, ROWS=rows, PAGE=page, BLOCK_DK=block_dk,
         BLOCK_DV=block_dv, IEEE=query.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
     out = torch.empty(groups * n, hkv * g, dv, dtype=query.dtype, device=query.device)
@@ -127,7 +157,44 @@ def decode_attention_triton(
     return out
 
 
+def store_decode_kv_torch(
+    pool_k: torch.Tensor, pool_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:  # fmt: skip
+    """Row ``s``'s key ``[Hkv, Dk]`` and value ``[Hkv, Dv]`` (key ``[R, Hkv, Dk]``, value ``[R, Hkv, Dv]``) go to
+    page ``pages[s]`` at column ``offsets[s]`` of pool_k / pool_v ``[pages, Hkv, S, D]``."""
+    pool_k[pages, :, offsets] = key
+    pool_v[pages, :, offsets] = value
+
+
+def store_decode_kv_triton(
+    pool_k: torch.Tensor, pool_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:  # fmt: skip
+    """:func:`store_decode_kv_torch` in one Triton kernel (torch's indexed assignment is several kernels each)."""
+    rows, hkv, dk = key.shape
+    dv = value.shape[-1]
+    if value.shape[:2] != key.shape[:2] or pool_k.shape[1] != hkv or pool_k.shape[-1] != dk or pool_v.shape[-1] != dv:
+        raise ValueError(f"store_decode_kv: key {list(key.shape)} / value {list(value.shape)} do not fit the pools")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or not (pool_k.is_contiguous() and pool_v.is_contiguous()):
+        raise ValueError("store_decode_kv: the pools must be contiguous and key/value rows contiguous")
+    _store_kv_kernel[(rows, hkv)](
+        pool_k, pool_v, key, value, pages, offsets, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        HKV=hkv, PAGE=pool_k.shape[2], DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk),
+        BLOCK_DV=triton.next_power_of_2(dv),
+    )  # fmt: skip
+
+
 DECODE_ATTENTION = {"torch": decode_attention_reference, "triton": decode_attention_triton}
+# the decode attention's name -> how a decoding step stores its keys and values
+STORE_DECODE_KV = {"torch": store_decode_kv_torch, "triton": store_decode_kv_triton}
+# the decode attention's name -> the KV cache's default page size for a call of (prompt width, response columns):
+# the Triton kernel's block of columns; for torch, which gathers a row's pages into one tensor and reads every
+# column, one page per prompt and per response (a power of two >= 16), so that the gather is one copy
+PAGE_SIZE = {
+    "torch": lambda width, columns: max(16, 1 << (max(width, columns) - 1).bit_length()),
+    "triton": lambda width, columns: 64,
+}
 
 
 def default_kernel(device: torch.device) -> str:
@@ -168,10 +235,10 @@ if triton is not None:
 
     @triton.jit
     def _part_kernel(
-        q_ptr, pk_ptr, pv_ptr, rk_ptr, rv_ptr, start_ptr, len_ptr, max_ptr, sum_ptr, acc_ptr,
-        scale, width, m, n, prefix_parts, resp_parts, stride_qs, stride_qh,
+        q_ptr, pk_ptr, pv_ptr, prefix_pages_ptr, resp_pages_ptr, start_ptr, len_ptr, max_ptr, sum_ptr, acc_ptr,
+        scale, pb, mb, n, prefix_parts, resp_parts, stride_qs, stride_qh,
         HKV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        ROWS: tl.constexpr, PAGE: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
         """One part of one (group, key/value head): a chunk of the prompt's columns for all the group's query rows,
@@ -192,35 +259,54 @@ if triton is not None:
         if part < prefix_parts:
             first = part * CHUNK
             lo = tl.load(start_ptr + grp).to(tl.int32)
-            hi = width
-            k_base = pk_ptr + (grp * HKV + kv).to(tl.int64) * width * DK
-            v_base = pv_ptr + (grp * HKV + kv).to(tl.int64) * width * DV
+            hi = pb * PAGE
+            table = prefix_pages_ptr + grp.to(tl.int64) * pb
             row_on = row_real
         else:
             sample = (part - prefix_parts) // resp_parts
             first = ((part - prefix_parts) % resp_parts) * CHUNK
             lo = 0
             hi = tl.load(len_ptr + grp * n + sample).to(tl.int32)
-            k_base = rk_ptr + ((grp * HKV + kv) * n + sample).to(tl.int64) * m * DK
-            v_base = rv_ptr + ((grp * HKV + kv) * n + sample).to(tl.int64) * m * DV
+            table = resp_pages_ptr + (grp * n + sample).to(tl.int64) * mb
             row_on = row_real & (member == sample)
         run_max = tl.full([ROWS], float("-inf"), tl.float32)
         run_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-        # Only the blocks that hold real columns ([lo, hi)) run: a part past a row's length, or a prompt part left
-        # of its start, loads and multiplies nothing. (A fixed trip count with a skip, not a loop bounded by loaded
-        # values, which Triton's interpreter cannot run.)
-        for offset in range(0, CHUNK, BLOCK_N):
+        # Only the pages that hold real columns ([lo, hi)) are read: a part past a row's length, or a prompt page
+        # left of its start, loads and multiplies nothing. (A fixed trip count with a skip, not a loop bounded by
+        # loaded values, which Triton's interpreter cannot run.)
+        for offset in range(0, CHUNK, PAGE):
             start = first + offset
-            if (start < hi) & (start + BLOCK_N > lo):
+            if (start < hi) & (start + PAGE > lo):
+                page = tl.load(table + start // PAGE).to(tl.int64)
+                # Column c of this page is at (page * HKV + kv) * PAGE + c - start in the pools' [pages, Hkv, S] rows.
+                at = (page * HKV + kv) * PAGE - start
                 run_max, run_sum, acc = _attend_block(
-                    q, k_base, v_base, start, lo, hi, row_on, scale, run_max, run_sum, acc,
-                    DK=DK, DV=DV, BLOCK_N=BLOCK_N, BLOCK_DK=BLOCK_DK, BLOCK_DV=BLOCK_DV, IEEE=IEEE,
+                    q, pk_ptr + at * DK, pv_ptr + at * DV, start, lo, hi, row_on, scale, run_max, run_sum, acc,
+                    DK=DK, DV=DV, BLOCK_N=PAGE, BLOCK_DK=BLOCK_DK, BLOCK_DV=BLOCK_DV, IEEE=IEEE,
                 )  # fmt: skip
         at = (grp * HKV + kv) * parts + part
         tl.store(max_ptr + at * ROWS + rows, run_max)
         tl.store(sum_ptr + at * ROWS + rows, run_sum)
         tl.store(acc_ptr + (at * ROWS + rows)[:, None] * BLOCK_DV + dv[None, :], acc, mask=(run_sum > 0)[:, None])
+
+    @triton.jit
+    def _store_kv_kernel(
+        pk_ptr, pv_ptr, k_ptr, v_ptr, pages_ptr, offsets_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
+        HKV: tl.constexpr, PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        """Row ``s``'s key and value of key/value head ``h`` to its page and offset."""
+        row = tl.program_id(0).to(tl.int64)
+        kv = tl.program_id(1)
+        page = tl.load(pages_ptr + row).to(tl.int64)
+        slot = (page * HKV + kv) * PAGE + tl.load(offsets_ptr + row).to(tl.int64)
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        k = tl.load(k_ptr + row * stride_ks + kv * stride_kh + dk, mask=dk < DK)
+        v = tl.load(v_ptr + row * stride_vs + kv * stride_vh + dv, mask=dv < DV)
+        tl.store(pk_ptr + slot * DK + dk, k, mask=dk < DK)
+        tl.store(pv_ptr + slot * DV + dv, v, mask=dv < DV)
 
     @triton.jit
     def _merge_kernel(

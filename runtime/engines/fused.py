@@ -11,9 +11,9 @@ knows (tables below) for ones that run one kernel where eager runs many:
   (:func:`add_rms_norm`);
 - the SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): gate and up as one matmul, then
   :func:`silu_mul` on its two halves, then ``down_proj``;
-- the attention of those families: q, k and v as one matmul, the q/k norms (when the model has them) read from it in
-  place, rotary on queries and keys in one kernel (:func:`rotary`), then the model's attention function (the
-  engine's).
+- the attention of those families: q, k and v as one matmul, then the q/k norms (when the model has them, Qwen3)
+  and rotary on queries and keys in one kernel (:func:`rotary` with ``norms``) that reads them from it in place,
+  then the model's attention function (the engine's).
 
 **Merged projections** (:func:`merge_projections`): the weights of ``q_proj``/``k_proj``/``v_proj`` (and of
 ``gate_proj``/``up_proj``) are concatenated once into one tensor, and each module's own parameter becomes a view of
@@ -105,10 +105,19 @@ def token_stride(x: torch.Tensor) -> int | None:
     return heads * dim if token is None else token
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, each product and the sum rounded
     to ``x``'s dtype) on q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]`` (heads back to back, :func:`token_stride`)
-    with cos/sin ``[B or 1, T, D]``; the outputs are contiguous."""
+    with cos/sin ``[B or 1, T, D]``; the outputs are contiguous. ``norms`` ``(q_weight, k_weight, eps)`` (weights
+    ``[D]`` in q's dtype): each head is first :func:`rms_norm`-ed by its weight (Qwen3's q/k norms), in the same
+    kernel, rounded to the dtype before the rotation as the separate norm's output is."""
     tokens, dim = q.shape[0] * q.shape[1], q.shape[-1]
     stride_q, stride_k = token_stride(q), token_stride(k)
     if cos.shape[-1] != dim or cos.dim() != 3 or q.dim() != 4 or stride_q is None or stride_k is None:
@@ -119,9 +128,14 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     hq, hk = q.shape[2], k.shape[2]
+    q_weight, k_weight, eps = (q, q, 0.0) if norms is None else norms
+    if norms is not None and not (q_weight.shape == k_weight.shape == (dim,) and q_weight.dtype == k_weight.dtype):
+        raise ValueError(f"rotary: norms' weights must be [{dim}] alike, got {q_weight.shape}, {k_weight.shape}")
+    if norms is not None and q_weight.dtype != q.dtype:
+        raise ValueError(f"rotary: norms' weights must be in q's dtype {q.dtype}, got {q_weight.dtype}")
     _rotary_kernel[(tokens, hq + hk)](
-        q, k, cos, sin, q_out, k_out, hq, dim, stride_q, stride_k,
-        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), ROUND=_rounding(q.dtype),
+        q, k, cos, sin, q_out, k_out, q_weight, k_weight, eps, hq, dim, stride_q, stride_k,
+        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), ROUND=_rounding(q.dtype), NORM=norms is not None,
     )  # fmt: skip
     return q_out, k_out
 
@@ -160,9 +174,10 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     weight, bias, sizes = self._rlcore_merged
     query, key, value = torch.nn.functional.linear(hidden_states, weight, bias).split(sizes, dim=-1)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape).transpose(1, 2)
-    if getattr(self, "q_norm", None) is not None:
+    norms = _qk_norms(self)
+    if norms is None and getattr(self, "q_norm", None) is not None:
         query, key = self.q_norm(query), self.k_norm(key)
-    query, key = rotary(query, key, *position_embeddings)
+    query, key = rotary(query, key, *position_embeddings, norms=norms)
     key = key.transpose(1, 2)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
@@ -171,6 +186,19 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
         self, query.transpose(1, 2), key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
     )
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _qk_norms(attention: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The attention's q/k norms as :func:`rotary`'s ``norms``, when both are RMSNorms it fuses (weights in the
+    projections' dtype, one epsilon); else None (no norms, or norms the rotary kernel cannot run)."""
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    if any(FUSED_FORWARDS.get(type(n).__name__) is not _norm_forward or not _applies(n, _norm_forward)
+           for n in (q_norm, k_norm)):  # fmt: skip
+        return None
+    dtype = attention.o_proj.weight.dtype
+    if {q_norm.weight.dtype, k_norm.weight.dtype} != {dtype} or q_norm.variance_epsilon != k_norm.variance_epsilon:
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
 
 
 def merge_projections(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
@@ -310,6 +338,20 @@ if triton is not None:
             return x
 
     @triton.jit
+    def _weigh(xf, inv_rms, w_ptr, cols, real, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr):
+        """RMSNorm's output for the columns ``cols`` of a row ``xf`` (float32) given its ``1 / rms``: normalised,
+        rounded to the input dtype, times the weight, rounded to the output dtype (torch's eager ops); float32."""
+        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
+        return _round(w * _round(xf * inv_rms, ROUND), ROUND_OUT)
+
+    @triton.jit
+    def _normalize(xf, w_ptr, cols, real, eps, dim, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr):
+        """RMSNorm of one row ``xf`` (float32, zero beyond ``dim``) with weight ``w_ptr``, rounded as torch's
+        eager ops round (module docstring); float32, to be stored in the output dtype."""
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
+        return _weigh(xf, inv_rms, w_ptr, cols, real, ROUND, ROUND_OUT)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr, w_ptr, out_ptr, eps, dim, heads, stride_token, BLOCK: tl.constexpr, ROUND: tl.constexpr,
         ROUND_OUT: tl.constexpr,
@@ -319,10 +361,7 @@ if triton is not None:
         real = cols < dim
         src = x_ptr + (row // heads) * stride_token + (row % heads) * dim
         xf = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
-        variance = tl.sum(xf * xf, 0) / dim
-        normed = _round(xf * tl.rsqrt(variance + eps), ROUND)
-        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        out = _round(w * normed, ROUND_OUT)
+        out = _normalize(xf, w_ptr, cols, real, eps, dim, ROUND, ROUND_OUT)
         tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
@@ -337,15 +376,13 @@ if triton is not None:
         d = tl.load(d_ptr + row * dim + cols, mask=real, other=0.0).to(tl.float32)
         total = _round(x + d, ROUND)
         tl.store(total_ptr + row * dim + cols, total.to(total_ptr.dtype.element_ty), mask=real)
-        variance = tl.sum(total * total, 0) / dim
-        normed = _round(total * tl.rsqrt(variance + eps), ROUND)
-        w = tl.load(w_ptr + cols, mask=real, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, _round(w * normed, ROUND_OUT).to(out_ptr.dtype.element_ty), mask=real)
+        out = _normalize(total, w_ptr, cols, real, eps, dim, ROUND, ROUND_OUT)
+        tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=real)
 
     @triton.jit
     def _rotary_kernel(
-        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, hq, dim, stride_q, stride_k, HALF: tl.constexpr,
-        BLOCK: tl.constexpr, ROUND: tl.constexpr,
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, qw_ptr, kw_ptr, eps, hq, dim, stride_q, stride_k,
+        HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -354,12 +391,18 @@ if triton is not None:
         if head < hq:
             src = q_ptr + token * stride_q + head * dim
             dst = q_out + (token * hq + head) * dim
+            w_ptr = qw_ptr
         else:
             hk = tl.num_programs(1) - hq
             src = k_ptr + token * stride_k + (head - hq) * dim
             dst = k_out + (token * hk + head - hq) * dim
+            w_ptr = kw_ptr
         x1 = tl.load(src + cols, mask=real, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + cols, mask=real, other=0.0).to(tl.float32)
+        if NORM:  # the head's RMSNorm first, its output rounded to the dtype as the separate norm stores it
+            inv_rms = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / dim + eps)
+            x1 = _weigh(x1, inv_rms, w_ptr, cols, real, ROUND, ROUND)
+            x2 = _weigh(x2, inv_rms, w_ptr, HALF + cols, real, ROUND, ROUND)
         c1 = tl.load(cos_ptr + token * dim + cols, mask=real, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + token * dim + HALF + cols, mask=real, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + token * dim + cols, mask=real, other=0.0).to(tl.float32)

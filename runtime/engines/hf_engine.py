@@ -211,7 +211,10 @@ class HFEngine:
     that count, so that a resumed job samples alike. ``max_running_requests`` (``--engine-max-running-requests``;
     default: every prompt of a call at once) bounds the rows decoded together: the KV cache holds that many, and rows
     that stop are refilled with waiting prompts (:func:`runtime.engines.decode.decode`); a prompt's draws do not
-    depend on it (in float32 on the CPU the tokens are the same for any value).
+    depend on it (in float32 on the CPU the tokens are the same for any value). ``kv_cache_tokens``
+    (``--engine-kv-cache-tokens``; default: room for every running row's longest response) bounds the paged KV cache
+    (:class:`runtime.engines.decode.DecodeCache`): groups wait for pages, and the group started last is preempted
+    and starts over when the running rows run short.
     """
 
     def __init__(
@@ -225,12 +228,17 @@ class HFEngine:
         compile: bool = False,
         max_running_requests: int | None = None,
         fused: bool = True,
+        kv_cache_tokens: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         n = max_running_requests
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"max_running_requests must be None or an int >= 1, got {max_running_requests!r}")
+        t = kv_cache_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"kv_cache_tokens must be None or an int >= 1, got {kv_cache_tokens!r}")
+        self.kv_cache_tokens = kv_cache_tokens
         self.device = pick_device(device)
         torch.manual_seed(seed)
         self.seed, self._generate_calls = seed, 0
@@ -316,6 +324,7 @@ class HFEngine:
             nucleus=params.return_top_p_token_ids,
             share_prompts=self.share_prompts,
             kernel=self.attention_kernel,
+            kv_tokens=self.kv_cache_tokens,
         )
         results = []
         rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)

@@ -32,6 +32,16 @@ class HFEngineOptions:
             "of a call at once. Each prompt draws from its own seeded stream, whatever N (docs/runtime.md, Engines)",
         ),
     )
+    engine_kv_cache_tokens: int | None = field(
+        default=None,
+        metadata=bounded(
+            gt=0,
+            help="ours: the embedded engine's paged KV cache holds at most N tokens (pages of 64 on a GPU): a group "
+            "starts when its prompt's pages and a first page per sample are free, rows take pages as they grow, and "
+            "when they run short the group started last is preempted and starts over (its seeded streams redraw the "
+            "same tokens). Default: room for every running row's longest response (docs/runtime.md, Engines)",
+        ),
+    )
 
 
 # Each section of the config this engine adds fields to.

@@ -90,6 +90,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "seed": cfg.seed + 1000 * i,
             "compile": cfg.rollout.engine_compile,
             "max_running_requests": cfg.rollout.engine_max_running_requests,
+            "kv_cache_tokens": cfg.rollout.engine_kv_cache_tokens,
         },
         restartable=True,
         stages_weights=True,

@@ -1,9 +1,10 @@
 """megatron-core 0.16.1's MoE and MLA paths without Transformer Engine (TE): the library's bugs there, worked around.
 
 The GPU hosts and this machine have no TE, so the Megatron backend builds megatron-core's local (plain torch) spec.
-Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``); each is one entry
-of :data:`WORKAROUNDS`, applied by :func:`apply_no_te_workarounds` before any model is built, and each has a test
-(``tests/test_megatron_compat.py``) that shows the bug in the unpatched library, so that a version that fixes it is
+Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``), and its router on a
+fourth; each is one entry of :data:`WORKAROUNDS`, applied by :func:`apply_no_te_workarounds` before any model is built,
+and each has a test (``tests/test_megatron_compat.py``; the router's in ``tests/test_megatron_moe_aux_loss.py``) that
+shows the bug in the unpatched library, so that a version that fixes it is
 noticed and the workaround dropped:
 
 - ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` and the ``fused_*`` helpers inside ``try: import
@@ -15,6 +16,12 @@ noticed and the workaround dropped:
 - The local ``DotProductAttention`` takes no ``k_channels``/``v_channels``, which MLA passes (its value head is
   narrower than its query head; Megatron-LM issue #1589, fix PR #6564 open). Not a patch: the backend's own core
   attention (``megatron_attention.SDPADotProductAttention``) takes both and sizes its output ``heads * v_channels``.
+
+- ``transformer/moe/router.py``'s ``TopKRouter._apply_expert_bias`` (the token counts of
+  ``--moe-router-bias-update-rate``) masks its ``[tokens, experts]`` routing map with the ``[tokens]`` padding mask
+  unaligned, which fails (or, with as many tokens as experts, drops the wrong entries) whenever a padding mask is
+  given, as the backend gives one to keep padding out of the balancing loss. Not a TE bug, but on the same path. The
+  workaround aligns the mask to the tokens and hands the masked map to megatron-core's own count.
 
 On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
 its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
@@ -72,6 +79,47 @@ def _mla_without_te() -> None:
     importlib.import_module(MLA).HAVE_TE = False
 
 
+ROUTER = "megatron.core.transformer.moe.router"
+
+
+def _expert_bias_mask_misaligned() -> bool:
+    """Whether ``TopKRouter._apply_expert_bias`` masks its ``[tokens, experts]`` routing map with the ``[tokens]``
+    padding mask unaligned (``routing_map & ~padding_mask`` broadcasts the tokens over the experts: an error, or
+    the wrong tokens dropped where the two counts are equal), probed on its unwrapped function."""
+    import inspect
+    from types import SimpleNamespace
+
+    fn = importlib.import_module(ROUTER).TopKRouter._apply_expert_bias
+    if getattr(fn, "rlcore_original", None) is not None:
+        return False
+    probe = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(2))
+    try:
+        inspect.unwrap(fn)(probe, torch.ones(3, 2, dtype=torch.bool), padding_mask=torch.tensor([False, False, True]))
+    except RuntimeError:
+        return True
+    return probe.local_tokens_per_expert.tolist() != [2.0, 2.0]
+
+
+def _expert_bias_mask_aligned() -> None:
+    router = importlib.import_module(ROUTER).TopKRouter
+    original = router._apply_expert_bias
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        # Only the count of routed real tokens per expert is taken: the caller's routing map is not changed.
+        if padding_mask is not None:
+            routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+        original(self, routing_map, padding_mask=None)
+
+    _apply_expert_bias.rlcore_original = original
+    router._apply_expert_bias = _apply_expert_bias
+
+
+def original_expert_bias() -> Callable[..., None]:
+    """``TopKRouter._apply_expert_bias`` as megatron-core defines it (under the workaround or not)."""
+    fn = importlib.import_module(ROUTER).TopKRouter._apply_expert_bias
+    return getattr(fn, "rlcore_original", fn)
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One library bug: ``present()`` says whether the loaded megatron-core has it, ``apply()`` works around it."""
@@ -84,6 +132,11 @@ class Workaround:
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("moe_utils binds no TE names without TE", _moe_utils_unbound, _bind_moe_utils_te_names),
     Workaround("multi_latent_attention believes TE is present", _mla_believes_te, _mla_without_te),
+    Workaround(
+        "the router's expert-bias count broadcasts its padding mask over the experts",
+        _expert_bias_mask_misaligned,
+        _expert_bias_mask_aligned,
+    ),
 )
 
 
@@ -153,4 +206,4 @@ def cpu_dispatcher_shims() -> Iterator[None]:
         Dispatcher.cuda_dtoh_stream, torch.cuda.current_stream, torch.cuda.stream, dist.all_to_all_single = saved
 
 
-__all__ = ["WORKAROUNDS", "Workaround", "apply_no_te_workarounds", "cpu_dispatcher_shims"]
+__all__ = ["WORKAROUNDS", "Workaround", "apply_no_te_workarounds", "cpu_dispatcher_shims", "original_expert_bias"]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlcore.kernels import logprobs_entropy
+from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.packing import min_micro_batches, pack_by_tokens, token_budget
@@ -27,8 +28,12 @@ class MegatronForward:
         the model's dtype: under bf16 Megatron's ``Float16Module`` would copy them to float32, which
         :func:`rlcore.kernels.logprobs_entropy` does not need (it accumulates in float32)."""
         tokens, positions, mask = self._inputs(mb)
-        half = {"fp32_output": False} if self.bf16 else {}
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **half)
+        extra = {"fp32_output": False} if self.bf16 else {}
+        if self.shape.moe is not None:
+            # The rows' right padding stays out of the routers' balancing loss and expert-bias counts.
+            seq_lens = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).to(self.device)
+            extra["padding_mask"] = mmoe.padding_mask(seq_lens, tokens.shape[1])
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
 
     def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
@@ -135,6 +140,9 @@ class MegatronForward:
                     "as many rows, or --use-dynamic-batch-size, which agrees on the count)"
                 )
         if self.pp == 1:
+            if not forward_only and self.shape.moe is not None:
+                # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so).
+                mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
             for i, mb in enumerate(parts):

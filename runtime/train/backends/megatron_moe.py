@@ -420,6 +420,77 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# ------------------------------------------------------------------ the balancing loss (--moe-aux-loss-coeff)
+
+# megatron-core's tracker name of each --moe-router-load-balancing-type this backend trains with a coefficient > 0
+# (global_aux_loss keeps a running count that Megatron's training loop resets each step; not built here).
+AUX_LOSS_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def aux_loss_problems(train: Any) -> list[str]:
+    """What is wrong with ``train``'s (a ``TrainConfig``) balancing-loss flags, one line each."""
+    coeff, kind = train.moe_aux_loss_coeff, train.moe_router_load_balancing_type
+    if coeff < 0:
+        return [f"--moe-aux-loss-coeff must be >= 0, got {coeff}"]
+    if coeff > 0 and kind not in (*AUX_LOSS_TRACKED, "none"):
+        built = ", ".join(AUX_LOSS_TRACKED)
+        return [
+            f"--moe-router-load-balancing-type {kind} with --moe-aux-loss-coeff {coeff}: its running count over a "
+            f"step is reset by Megatron's own training loop, which rlcore does not run (takes {built} or a "
+            "coefficient of 0)"
+        ]
+    return []
+
+
+def padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, width]`` bool, True at the padding after each row's ``seq_lens`` tokens: the ``padding_mask`` that
+    megatron-core 0.16.1's ``GPTModel`` hands its routers. Its docstrings say True marks valid tokens, but its code
+    (``compute_routing_scores_for_aux_loss``, ``_apply_expert_bias``, ``apply_z_loss``) keeps ``~padding_mask``:
+    True marks padding (tests/test_megatron_moe_aux_loss.py holds it to the code), and the marked tokens stay out of
+    the balancing loss and the expert-bias counts (they are still routed)."""
+    import torch
+
+    return torch.arange(width, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+
+
+def set_aux_loss_scale(scale: float, *, device: torch.device) -> None:
+    """The factor on the balancing loss's gradient (megatron-core's ``MoEAuxLossAutoScaler``): ``1 / micro-batch
+    count`` for a step over that many micro-batches, as megatron-core's pipeline schedules set it, so that the loss
+    added is the mean of the micro-batches' (the data-parallel mean follows from the gradients' average)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
+
+
+def clear_aux_loss() -> None:
+    """Zero megatron-core's per-layer record of the balancing losses (before a step's forwards)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def recorded_aux_loss(coeff: float, *, micro_batches: int, groups: Sequence[Any]) -> torch.Tensor | None:
+    """The balancing loss the step's forwards added: ``coeff`` x the sum over MoE layers of the micro-batches' mean
+    of each layer's loss, from megatron-core's per-layer record (:func:`clear_aux_loss` before the step); summed over
+    ``groups`` (the tensor/context- and pipeline-parallel groups: each rank records its share of the tokens' sums
+    and its own layers). None where nothing was recorded (no MoE layer, a coefficient of 0, no gradient)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = [tracker[name]["values"] for name in AUX_LOSS_TRACKED.values() if name in tracker]
+    if not values:
+        return None
+    import torch
+
+    total = torch.stack([v.sum() for v in values]).sum().double()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total * coeff / micro_batches
+
+
 def update_expert_bias(model: torch.nn.Module) -> None:
     """megatron-core's step of every router's expert bias by ``moe_router_bias_update_rate`` towards balanced loads
     (the tokens each expert got since the last step, summed over the tensor- and data-parallel ranks), then its
@@ -434,6 +505,7 @@ def update_expert_bias(model: torch.nn.Module) -> None:
 
 
 __all__ = [
+    "AUX_LOSS_TRACKED",
     "EXPERT_BIAS",
     "LOAD_BALANCING_BUILT",
     "MOE_READERS",
@@ -450,6 +522,11 @@ __all__ = [
     "moe_from_hf",
     "moe_to_megatron",
     "split_whole_experts",
+    "aux_loss_problems",
+    "clear_aux_loss",
+    "padding_mask",
+    "recorded_aux_loss",
+    "set_aux_loss_scale",
     "transformer_config_kwargs",
     "update_expert_bias",
 ]

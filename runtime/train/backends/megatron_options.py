@@ -180,7 +180,12 @@ class MegatronOptions:
         ),
     )
     moe_aux_loss_coeff: float = field(
-        default=0.0, metadata=described(own="a Megatron flag", text="Megatron: balancing loss weight, 0.0 only")
+        default=0.0,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: balancing loss weight (aux_loss, seq_aux_loss; padding tokens left out; reported as "
+            "moe_aux_loss)",
+        ),
     )
     moe_router_dtype: str | None = field(
         default=None, metadata=described(own="a Megatron flag", text="Megatron: router dtype, fp32 or fp64")
@@ -322,11 +327,6 @@ MEGATRON_VALUES_BUILT: dict[str, tuple[tuple[Any, ...], str]] = {
         "sinkhorn re-balances the routes themselves, unlike the checkpoint's router (the others are balancing "
         "losses, off at --moe-aux-loss-coeff 0)",
     ),
-    "moe_aux_loss_coeff": (
-        (0.0,),
-        "the balancing loss is not scaled over rlcore's micro-batches and data-parallel ranks yet (slime's RL "
-        "scripts pass 0: RL does not train the balance)",
-    ),
     "moe_router_dtype": (("fp32", "fp64", None), "megatron-core's router computes in fp32, fp64 or the model's dtype"),
     "moe_token_drop_policy": (
         ("probs", "position"),
@@ -342,6 +342,7 @@ def check(problems: list[str], cfg: Any) -> None:
     from runtime.config.schema import ConfigError
     from runtime.config.yaml_io import megatron_role_overrides
     from runtime.train.backends import megatron_config
+    from runtime.train.backends.megatron_moe import aux_loss_problems as moe_aux_loss_problems
 
     t = cfg.train
     hf = read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
@@ -351,6 +352,7 @@ def check(problems: list[str], cfg: Any) -> None:
             shape = megatron_config.shape_from_hf(hf, source=f"--hf-checkpoint {cfg.model.hf_checkpoint}/config.json")
         except ValueError as err:
             problems.append(str(err))
+    problems.extend(moe_aux_loss_problems(t))
     if t.moe_router_bias_update_rate < 0:
         problems.append(f"--moe-router-bias-update-rate must be >= 0, got {t.moe_router_bias_update_rate}")
     if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:

@@ -87,7 +87,12 @@ class MegatronSteps:
     def _step(self, parts: list[TensorDict], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over micro-batches ``parts`` with ``loss_fn``; the step's reduced metrics."""
         self._zero_grad()
+        moe_aux = self.shape.moe is not None and self.cfg.moe_aux_loss_coeff > 0
+        if moe_aux:
+            mmoe.clear_aux_loss()
         sums, maxes = sums_and_maxima(self._train_run(self.model, parts, loss_fn))
+        if moe_aux:
+            sums["moe_aux_loss"] = self._moe_aux_loss(len(parts))
         out = {**self._all_reduce(sums, dist.ReduceOp.SUM), **self._all_reduce(maxes, dist.ReduceOp.MAX)}
         out["grad_norm"] = self._optimizer_step()
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -104,6 +109,14 @@ class MegatronSteps:
             return self._run(model, parts, forward_only=False, loss_fn=loss_fn)
         finally:
             model.eval()
+
+    def _moe_aux_loss(self, micro_batches: int) -> float:
+        """This rank's share of the step's ``moe_aux_loss`` metric, a sum like the loss's token means: the balancing
+        loss the step added (:func:`megatron_moe.recorded_aux_loss`: --moe-aux-loss-coeff x the sum over MoE layers of
+        the micro-batches' mean) over the data-parallel size, so that the sum over DP ranks is their mean."""
+        groups = [self.ps.get_tensor_and_context_parallel_group(), self.ps.get_pipeline_model_parallel_group()]
+        value = mmoe.recorded_aux_loss(self.cfg.moe_aux_loss_coeff, micro_batches=micro_batches, groups=groups)
+        return 0.0 if value is None else float(value) / self.dp_size
 
     def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
         group = self.dp_group()
