@@ -1,7 +1,7 @@
 """Run every GPU test file and the headline benches, and write what happened to ``docs/gpu-results.md``.
 
     python tools/gpu_suite.py                                   # everything, in the order below, on this machine
-    python tools/gpu_suite.py --budget-s 240 --commit abc1234   # stop starting new items after 240 s
+    python tools/gpu_suite.py --budget-s 240 --commit abc1234   # items start and run within 240 s
     python tools/gpu_suite.py --only test_megatron_cuda.py,logprob_gap --out /tmp/gpu-results.md
     python tools/gpu_suite.py --lanes 2 --gpus-per-lane 2       # four GPUs: two items at a time, two GPUs each
     python tools/gpu_suite.py --list                            # the items and their commands; runs nothing
@@ -246,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "gpu-results.md"))
     parser.add_argument("--log-dir", default=str(ROOT / "outputs" / "gpu_suite"), help="each item's whole log")
-    parser.add_argument("--budget-s", type=float, default=None, help="start no item after this many seconds")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the run's time: no item starts after it, and one still running is stopped at it",
+    )
     parser.add_argument("--test-timeout-s", type=float, default=TEST_TIMEOUT_S, help="per test file")
     parser.add_argument("--only", default=None, help="comma-separated test file and bench names")
     parser.add_argument("--no-benches", action="store_true")
