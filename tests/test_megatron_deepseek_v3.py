@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_megatron_glm4_moe import checkpoint_state
-from test_megatron_moe import _routes
+from test_megatron_moe import routed_logits, widen
 
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_mla as mla
@@ -82,16 +82,7 @@ def deepseek_model(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(deepseek_config(**overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.3)
-    return model
+    return widen(model, norm_std=0.2, expert_bias_std=0.3)
 
 
 VARIANTS = {"deepseek-v3": {}, "moonlight": MOONLIGHT}
@@ -220,15 +211,7 @@ def test_logits_and_expert_choices_equal_transformers(variant, tmp_path):
     hf.save_pretrained(path)
     mega = trainer("megatron", str(path), job(tmp_path, train_backend="megatron"), roles=(ACTOR,))
     try:
-        mb = make_batch(203)[:5]
-        got_routes, want_routes = [], []
-        hooks = _routes(mega.model, got_routes) + _routes(hf, want_routes)
-        with mega._shims(), torch.no_grad():
-            logits = mega._logits(mega.model, mb)
-            tokens, _, _ = mega._inputs(mb)
-            want = hf(input_ids=tokens).logits
-        for hook in hooks:
-            hook.remove()
+        logits, want, got_routes, want_routes = routed_logits(mega, hf, make_batch(203)[:5])
         assert len(got_routes) == len(want_routes) == 1  # the MoE layer; the first is dense
         assert torch.equal(got_routes[0], want_routes[0])
         torch.testing.assert_close(logits[..., :203], want, **LOGIT_TOL)

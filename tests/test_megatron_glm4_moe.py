@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_megatron_moe import _routes
+from test_megatron_moe import _routes, routed_logits, widen
 
 from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_moe as moe
@@ -65,18 +65,7 @@ def glm4_moe_model(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(glm4_moe_config(**overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.3)
-    return model
+    return widen(model, norm_std=0.2, bias_std=0.2, expert_bias_std=0.3)
 
 
 # ------------------------------------------------------------------ config.json and flags
@@ -230,15 +219,7 @@ def test_logits_and_expert_choices_equal_transformers(fields, tmp_path):
     hf.save_pretrained(path)
     mega = trainer("megatron", str(path), _job(tmp_path), roles=(ACTOR,))
     try:
-        mb = make_batch(203)[:5]
-        got_routes, want_routes = [], []
-        hooks = _routes(mega.model, got_routes) + _routes(hf, want_routes)
-        with mega._shims(), torch.no_grad():
-            logits = mega._logits(mega.model, mb)
-            tokens, _, _ = mega._inputs(mb)
-            want = hf(input_ids=tokens).logits
-        for hook in hooks:
-            hook.remove()
+        logits, want, got_routes, want_routes = routed_logits(mega, hf, make_batch(203)[:5])
         assert len(got_routes) == len(want_routes) == 2  # the two MoE layers; the first is dense
         for got, expected in zip(got_routes, want_routes, strict=True):
             assert torch.equal(got, expected)

@@ -48,14 +48,27 @@ def save_qwen3_moe(folder, *, seed: int = 0, **overrides) -> str:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(qwen3_moe_config(**overrides), dtype=torch.float32)
+    widen(model, norm_std=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def widen(model, *, norm_std: float, bias_std: float | None = None, expert_bias_std: float | None = None):
+    """``model``, in place: its routers drawn wide (distinct expert scores), its norms away from one (``norm_std``)
+    and, where given, its other biases away from zero (``bias_std``) and its routers' expert biases large enough to
+    change choices (``expert_bias_std``). Draws from torch's global generator, parameters then buffers in order."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 1.0)
             elif "norm" in name:
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(folder)
-    return str(folder)
+                p.normal_(1.0, norm_std)
+            elif bias_std is not None and name.endswith("bias"):
+                p.normal_(0.0, bias_std)
+        if expert_bias_std is not None:
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape) * expert_bias_std)
+    return model
 
 
 # ------------------------------------------------------------------ config.json and flags
@@ -314,6 +327,22 @@ def _routes(module, sink: list) -> list:
         elif name.endswith("mlp.gate"):
             hooks.append(sub.register_forward_hook(hf_router))
     return hooks
+
+
+def routed_logits(mega, hf, mb):
+    """Megatron's logits for ``mb`` (padded vocabulary), transformers' on the same tokens, and each one's routers'
+    choices, layer by layer (:func:`_routes`)."""
+    got_routes, want_routes = [], []
+    hooks = _routes(mega.model, got_routes) + _routes(hf, want_routes)
+    try:
+        with mega._shims(), torch.no_grad():
+            logits = mega._logits(mega.model, mb)
+            tokens, _, _ = mega._inputs(mb)
+            want = hf(input_ids=tokens).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, want, got_routes, want_routes
 
 
 @pytest.mark.parametrize("grouped_gemm", [False, True], ids=["sequential", "grouped"])
