@@ -8,7 +8,7 @@ the shard by :meth:`TrainBackend.dp_info`). Backends are listed in :data:`runtim
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -102,3 +102,28 @@ class TrainBackend(Protocol):
     def shutdown(self) -> None:
         """Leave the process group; the rank is not used again."""
         ...
+
+
+def check_bucket_request(*, bucket_bytes: int, device: str) -> None:
+    """``ValueError`` naming the argument of :meth:`TrainBackend.weight_buckets` that no backend can serve."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if device not in ("cpu", "model"):
+        raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
+
+
+def in_buckets(tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in their order, in buckets filled up to ``bucket_bytes`` (``nbytes`` summed): a
+    tensor that would overflow a non-empty bucket starts the next one, so only a tensor larger than ``bucket_bytes``
+    on its own makes a bucket larger than that. Each bucket is yielded once full, before the next tensor is asked
+    for."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        if bucket and size + tensor.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += tensor.nbytes
+    if bucket:
+        yield bucket

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.backends import megatron_weights as mw
+from runtime.train.backends.base import check_bucket_request, in_buckets
 
 
 class MegatronExport:
@@ -78,22 +79,12 @@ class MegatronExport:
         gathered over TP and sent from its stage on its own, so no rank holds more than one full tensor plus the
         bucket. Rank 0 yields, on the CPU or (``device="model"``) on its device; unlike the torch backend the other
         ranks yield nothing there, so ``ipc`` weight sync reaches one colocated engine (the config refuses more)."""
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if device not in ("cpu", "model"):
-            raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
+        check_bucket_request(bucket_bytes=bucket_bytes, device=device)
         self._check_resident()
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
         with self._shims():
-            for name, tensor in self._hf_tensors(self.model, dtype=dtype, on_cpu=device == "cpu"):
-                if bucket and size + tensor.nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = {}, 0
-                bucket[name] = tensor
-                size += tensor.nbytes
-        if bucket:
-            yield bucket
+            yield from in_buckets(
+                self._hf_tensors(self.model, dtype=dtype, on_cpu=device == "cpu"), bucket_bytes=bucket_bytes
+            )
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         """The full float32 HF weights on the CPU on rank 0, None elsewhere (a collective)."""

@@ -11,6 +11,7 @@ import torch
 
 from runtime.engines.checkpoint_layout import CheckpointLayout
 from runtime.train.backends import lora
+from runtime.train.backends.base import check_bucket_request, in_buckets
 from runtime.train.backends.torch_checkpoint import load_state, save_state, write_hf_folder
 
 
@@ -29,29 +30,21 @@ class TorchExport:
         order), so no rank ever holds more than one full tensor plus the bucket being filled. Rank 0 yields. Under
         LoRA each adapted weight is sent merged (``W + scaling * B @ A``).
         """
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if device not in ("cpu", "model"):
-            raise ValueError(f"device must be 'cpu' or 'model', got {device!r}")
+        check_bucket_request(bucket_bytes=bucket_bytes, device=device)
         self._check_resident()
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
         # Under LoRA the adapters go out merged into their base weights, under the base model's names; an MoE model's
         # fused experts go out one tensor per expert and projection, under the checkpoint's names (the layout SGLang
         # and the embedded engine load: runtime.engines.checkpoint_layout).
         layout = CheckpointLayout(self.model, shapes={})
-        for model_name, value in lora.merged_weights(self.model):
-            if self.rank != 0 and device == "cpu":
-                continue
-            whole = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
-            for name, tensor in layout.to_checkpoint(model_name, whole):
-                if bucket and size + tensor.nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = {}, 0
-                bucket[name] = tensor
-                size += tensor.nbytes
-        if bucket:
-            yield bucket
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for model_name, value in lora.merged_weights(self.model):
+                if self.rank != 0 and device == "cpu":
+                    continue
+                whole = value.to("cpu" if device == "cpu" else value.device, dtype=dtype, copy=True)
+                yield from layout.to_checkpoint(model_name, whole)
+
+        yield from in_buckets(tensors(), bucket_bytes=bucket_bytes)
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         """The full float32 weights on the CPU on rank 0 (tied weights once; checkpoint names, experts one by one),
