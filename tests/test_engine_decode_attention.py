@@ -230,21 +230,31 @@ def _tiny(family: str, dtype=torch.float32):
 @pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "llama"])  # qwen3: 30 s interpreted
 def test_triton_kernel_fused_model_computes_what_the_hf_modules_compute(family):
     """Every norm, MLP, attention and decoder layer of the model fused (15 modules in two Qwen3 layers: four norms,
-    the MLP, the attention and the layer itself per layer, and the final norm); logits with and without a
-    transformers cache equal the HF forward's to float32 rounding, and fusing off again restores the HF forwards."""
+    the MLP, the attention and the layer itself per layer, and the final norm), each layer's last residual add and
+    the norm after it one kernel; logits with and without a transformers cache equal the HF forward's to float32
+    rounding, and fusing off again restores the HF forwards."""
+    from runtime.engines import fused as fused_module
     from runtime.engines.fused import fuse_model
 
     device = "cpu" if INTERPRETED else "cuda"
     model = _tiny(family).to(device)
     ids = torch.randint(0, 50, (2, 4), device=device)
+    plain_norms = []
+    real_rms_norm = fused_module.rms_norm
     with torch.no_grad():
         plain = model(input_ids=ids, use_cache=False).logits
         fused_count = fuse_model(model)
-        fused = model(input_ids=ids, use_cache=False).logits
+        fused_module.rms_norm = lambda x, *a: plain_norms.append(x.shape) or real_rms_norm(x, *a)
+        try:
+            fused = model(input_ids=ids, use_cache=False).logits
+        finally:
+            fused_module.rms_norm = real_rms_norm
         cached = model(input_ids=ids).logits  # through a DynamicCache, as generate() runs
         assert fuse_model(model, on=False) == fused_count
         assert not any("forward" in vars(m) for m in model.modules())
     assert fused_count == (15 if family == "qwen3" else 11)
+    # Only the first layer's input norm runs alone: every later norm runs in the residual add before it.
+    assert plain_norms == [(2, 4, 64)]
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, plain, rtol=0, atol=1e-5)
 

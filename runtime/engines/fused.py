@@ -8,7 +8,8 @@ knows (tables below) for ones that run one kernel where eager runs many:
 
 - RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``MistralRMSNorm``): :func:`rms_norm`, one kernel;
 - the decoder layer of those families: the residual add after the attention and the norm after it in one kernel
-  (:func:`add_rms_norm`);
+  (:func:`add_rms_norm`), and the residual add after the MLP and the norm that follows the layer (the next layer's
+  input norm, or the model's final norm) in another;
 - the SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): gate and up as one matmul, then
   :func:`silu_mul` on its two halves, then ``down_proj``;
 - the attention of those families: q, k and v as one matmul, then the q/k norms (when the model has them, Qwen3)
@@ -154,6 +155,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # The decoder layer before this norm may have normed its output already, in its residual add's kernel.
+    pending = vars(self).pop(PENDING, None)
+    if pending is not None and pending[0] is hidden_states:
+        return pending[1]
     x = hidden_states if token_stride(hidden_states) is not None else hidden_states.contiguous()
     return rms_norm(x, self.weight, self.variance_epsilon).view(hidden_states.shape)
 
@@ -232,7 +237,10 @@ def _decoder_layer_forward(
     position_embeddings=None, **kwargs,
 ):  # fmt: skip
     """The Llama / Qwen decoder layer (norm, attention, residual add, norm, MLP, residual add) with the residual add
-    after the attention and the norm after it as one kernel (:func:`add_rms_norm`)."""
+    after the attention and the norm after it as one kernel (:func:`add_rms_norm`), and the residual add after the
+    MLP and the norm that follows the layer (the next layer's input norm, or the model's final one: ``NEXT_NORM``,
+    set by :func:`fuse_model`) as another: the layer hands that norm its output, which the norm returns when it is
+    given the layer's output (the same tensor object) and nothing else."""
     norm = self.post_attention_layernorm
     attended, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states),
@@ -244,7 +252,18 @@ def _decoder_layer_forward(
         **kwargs,
     )
     hidden_states, normed = add_rms_norm(hidden_states.contiguous(), attended, norm.weight, norm.variance_epsilon)
-    return hidden_states + self.mlp(normed)
+    delta = self.mlp(normed)
+    following = vars(self).get(NEXT_NORM)
+    if following is None or torch.compiler.is_compiling():  # compiled: the compiler fuses the add itself
+        return hidden_states + delta
+    total, normed = add_rms_norm(hidden_states, delta.contiguous(), following.weight, following.variance_epsilon)
+    vars(following)[PENDING] = (total, normed)
+    return total
+
+
+# Held in a module's __dict__ (not registered as a submodule or a buffer): a fused decoder layer's following norm,
+# and a norm's input and output computed ahead by the layer before it.
+NEXT_NORM, PENDING = "_rlcore_next_norm", "_rlcore_pending"
 
 
 # module class name -> the forward that replaces it (and what the module must have for it to apply)
@@ -308,7 +327,30 @@ def fuse_model(model: torch.nn.Module, *, on: bool = True) -> int:
             if merged is not None:
                 module._rlcore_merged = merged
         count += 1
+    _chain_norms(model, on=on)
     return count
+
+
+def _chain_norms(model: torch.nn.Module, *, on: bool) -> None:
+    """Give each fused decoder layer of a model's ``layers`` the fused norm that follows it (the next layer's
+    ``input_layernorm``, or the model's ``norm`` after the last), so that it runs its last residual add and that
+    norm as one kernel; with ``on=False`` take them (and any output handed ahead) back."""
+    for module in model.modules():
+        vars(module).pop(NEXT_NORM, None)
+        vars(module).pop(PENDING, None)
+    if not on:
+        return
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            continue
+        following = [getattr(layer, "input_layernorm", None) for layer in list(layers)[1:]]
+        following.append(getattr(module, "norm", None))
+        for layer, norm in zip(layers, following, strict=True):
+            fused_layer = getattr(vars(layer).get("forward"), "__func__", None) is _decoder_layer_forward
+            fused_norm = getattr(vars(norm).get("forward"), "__func__", None) is _norm_forward if norm else False
+            if fused_layer and fused_norm:
+                vars(layer)[NEXT_NORM] = norm
 
 
 # How a kernel rounds a float32 value to its tensors' dtype: not at all, to bf16 by integer arithmetic on the bits
