@@ -660,20 +660,20 @@ def decode(
         if aborted or step % check_every == 0 or step - last_start == max_new_tokens:
             state = torch.stack([done.long(), count]).cpu()
             stopped_now, counts = state[0].bool().tolist(), state[1].tolist()
-            rows_out = out_tokens.cpu()
             if block_keeps:
                 _take_nuclei(block_keeps, slot_nuclei)
                 block_keeps = []
             if stopped is not None:
                 going = [s for s in range(slots) if open_rows[s] and not stopped_now[s]]
-                flags = stopped([rows_out[s, : counts[s]].tolist() for s in going]) if going else []
+                going_out = _rows_to_host(out_tokens, going)
+                flags = stopped([going_out[s][: counts[s]].tolist() for s in going]) if going else []
                 for s, flag in zip(going, flags, strict=True):
                     stopped_now[s] = stopped_now[s] or bool(flag)
-            lps_out = out_log_probs.cpu()
-            for s in range(slots):
-                if not open_rows[s] or not (stopped_now[s] or aborted):
-                    continue
-                drawn = rows_out[s, : counts[s]].tolist()
+            # Only the rows that hand their responses back now come to the host (the GPU waits meanwhile).
+            closing = [s for s in range(slots) if open_rows[s] and (stopped_now[s] or aborted)]
+            rows_out, lps_out = _rows_to_host(out_tokens, closing), _rows_to_host(out_log_probs, closing)
+            for s in closing:
+                drawn = rows_out[s][: counts[s]].tolist()
                 if drawn and drawn[-1] in stop_ids:
                     reason = "stop"
                 elif stopped_now[s]:  # the caller's stop, or the length limit
@@ -681,7 +681,7 @@ def decode(
                 else:
                     reason = "abort"
                 prompt = running[s // per_group] * per_group + s % per_group
-                results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
+                results[prompt] = (drawn, lps_out[s][: counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
                 slot_nuclei[s] = []
                 open_rows[s] = False
                 cache.release_row(s)
@@ -750,6 +750,14 @@ def _cover_or_preempt(
         cache.release_group(g)
         waiting.appendleft(running[g])
         running[g] = None
+
+
+def _rows_to_host(table: torch.Tensor, rows: list[int]) -> dict[int, torch.Tensor]:
+    """Rows ``rows`` of a device ``[slots, columns]`` table on the host, by row index (one gather, one copy)."""
+    if not rows:
+        return {}
+    taken = table[torch.tensor(rows, device=table.device)].cpu()
+    return dict(zip(rows, taken, strict=True))
 
 
 def _left_pad_to(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, multiple: int, pad_id: int):
