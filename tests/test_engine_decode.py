@@ -226,19 +226,25 @@ def _decode(model, prompts, **kw):
     check_every=st.sampled_from([1, 3, 8]),
     sampling=st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.8}, {"min_new_tokens": 3}]),
     seed=st.integers(0, 1000),
+    lagged=st.booleans(),
 )
-def test_refill_draws_the_same_tokens_and_log_probs_as_one_batch(model, lengths, running, check_every, sampling, seed):
+def test_refill_draws_the_same_tokens_and_log_probs_as_one_batch(
+    model, lengths, running, check_every, sampling, seed, lagged
+):
     """Per-prompt streams: a prompt's response does not depend on the slot it ran in, its neighbours or refill. The
     tokens are the same; the log-probs agree to float32 rounding (MKL rounds a matmul of fewer than about 9 rows
-    differently, and refill runs smaller batches; with as many rows they are bit-exact)."""
+    differently, and refill runs smaller batches; with as many rows they are bit-exact). ``lagged``: the refilled
+    runs' checks decide from the previous check's state (the GPU's default), handing rows back a block later."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     seeds = [seed * 100 + i for i in range(len(prompts))]
     # Stop ids 2, 5 and 9 end about a sixth of the draws: the responses have mixed lengths.
     kw = {"seeds": seeds, "stop_ids": [2, 5, 9], "check_every": check_every, **sampling}
     whole = _decode(model, prompts, **kw)
-    refilled = _decode(model, prompts, max_running=running, **kw)
-    reversed_ = _decode(model, prompts[::-1], max_running=running, **{**kw, "seeds": seeds[::-1]})
+    refilled = _decode(model, prompts, max_running=running, lagged_checks=lagged, **kw)
+    reversed_ = _decode(
+        model, prompts[::-1], max_running=running, lagged_checks=lagged, **{**kw, "seeds": seeds[::-1]}
+    )
     assert refilled.finish == whole.finish == reversed_.finish[::-1]
     for a, b, c in zip(whole.tokens, refilled.tokens, reversed_.tokens[::-1], strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -400,12 +406,17 @@ def test_a_groups_samples_share_one_prefill_and_draw_as_if_apart(model, lengths,
             torch.testing.assert_close(lps.double(), ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize(("per_group", "kv_tokens"), [(1, 16 * 6), (2, 16 * 8)])
-def test_a_small_paged_cache_waits_and_preempts_yet_draws_the_same_tokens(model, per_group, kv_tokens):
+@pytest.mark.parametrize(
+    ("per_group", "kv_tokens", "checks"),
+    [(1, 16 * 6, {}), (2, 16 * 8, {}), (1, 16 * 6, {"lagged_checks": True, "check_every": 4})],
+)
+def test_a_small_paged_cache_waits_and_preempts_yet_draws_the_same_tokens(model, per_group, kv_tokens, checks):
     """Pages of 16 columns, responses of 24 (two pages): a cache of ``kv_tokens`` holds fewer rows' longest
     responses than run, so groups wait for pages and a group that runs out is preempted and starts over.
     Per-prompt streams draw each prompt's tokens as with room for all, log-probs to float32 rounding (other batch
-    shapes); the pages held never pass the pool and all come back at the end."""
+    shapes); the pages held never pass the pool and all come back at the end. ``lagged_checks``: checks that decide
+    from the previous check's state, a row's pages handed out two blocks ahead (of 4 steps: within a row's first
+    page, so that the second is still handed out as it runs)."""
     torch.manual_seed(7)
     distinct = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (3, 1, 5, 2, 4, 6)]
     prompts = [p for p in distinct for _ in range(per_group)]
@@ -428,7 +439,7 @@ def test_a_small_paged_cache_waits_and_preempts_yet_draws_the_same_tokens(model,
 
         cache.assign_prompt, cache.cover = counted_assign, counted_cover
 
-    small = _decode(model, prompts, kv_tokens=kv_tokens, on_cache=watch, **kw)
+    small = _decode(model, prompts, kv_tokens=kv_tokens, on_cache=watch, **checks, **kw)
     roomy = _decode(model, prompts, **kw)
     assert caches[0].pages == 1 + kv_tokens // 16 and max(held) <= kv_tokens // 16
     assert sum(starts) > len(distinct), "some group should have been preempted and started over"

@@ -21,10 +21,12 @@ transformers' ``generate`` costs about 100 ms of Python and kernel launches per 
 - **sampling** by :func:`sample_tokens`, whose log-prob of the drawn token is the untruncated
   ``log_softmax(logits / T)``: memory is O(rows x V) per step, never O(B x T x V).
 
-**Continuous refill** (``max_running``): with fewer rows than prompts, every ``check_every`` steps (one host sync,
-so that the GPU queue stays full between checks) the rows that have stopped hand their responses back, and a group
-whose samples have all stopped is prefilled with the next waiting prompt's group, so that short responses do not
-leave the batch idle while long ones finish. A stopped row idles (its draws are not kept) until then.
+**Continuous refill** (``max_running``): with fewer rows than prompts, every ``check_every`` steps the rows that
+have stopped hand their responses back, and a group whose samples have all stopped is prefilled with the next waiting
+prompt's group, so that short responses do not leave the batch idle while long ones finish. A stopped row idles (its
+draws are not kept) until then. On the GPU a check reads the rows' state as the previous check left it, copied back
+on a side stream (``lagged_checks``), so the host never waits for the GPU's queue to drain: the GPU runs the next
+block while the host decides, and only the rows that hand their responses back are copied to the host.
 
 **Per-prompt streams.** Prompt ``i`` draws its ``k``-th token by inverse CDF (:func:`inverse_cdf`) from the ``k``-th
 uniform of its own generator, seeded with ``seeds[i]`` (:func:`prompt_uniforms`). A prompt's draws therefore do not
@@ -457,6 +459,7 @@ def decode(
     kernel: str | None = None,
     kv_tokens: int | None = None,
     page_size: int | None = None,
+    lagged_checks: bool | None = None,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
@@ -484,6 +487,10 @@ def decode(
     ``on_cache`` is shown the :class:`DecodeCache` once it is built (tests measure it). ``nucleus``: report each
     draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets of the steps since the
     last check are kept on the device and read back at the check, with no sync of their own.
+    ``lagged_checks`` (default: with ``cuda_graph``): a check decides from the state the previous check saw (copied
+    back on a side stream while the GPU runs on), so that the host never waits for the GPU's queue to drain; a row
+    that stops is handed back and refilled one block of ``check_every`` steps later, and the check at which every
+    row must have stopped (or an abort, or ``nucleus``) still decides from its own step.
     """
     device = input_ids.device
     if cuda_graph is None:
@@ -617,20 +624,32 @@ def decode(
 
     prompt_lengths = all_lengths.tolist()
 
+    if lagged_checks is None:
+        lagged_checks = cuda_graph
+    # A row's pages must reach the columns it writes before the next check's pages take effect: one block of
+    # check_every steps, two when the checks look one block behind.
+    ahead = (2 if lagged_checks else 1) * check_every + 1
+
     def admit(g: int, group: int) -> bool:
         """Hand group row ``g`` the pages that group ``group`` starts with (its prompt's, and each sample's first
-        ``check_every + 1`` response columns'); False, holding none, when too few are free."""
+        ``ahead`` response columns'); False, holding none, when too few are free."""
         if not cache.assign_prompt(g, prompt_lengths[group * per_group]):
             return False
         rows = range(g * per_group, (g + 1) * per_group)
-        if sum(cache.cover(s, check_every + 1) for s in rows):
+        if sum(cache.cover(s, ahead) for s in rows):
             for s in rows:
                 cache.release_row(s)
             cache.release_group(g)
             return False
         return True
 
-    draw_step, forward_step = _Replayed(draw, cuda_graph), _Replayed(forward, cuda_graph)
+    # A step already run eagerly in this process at these shapes (same kernels, same Triton specialisations) needs no
+    # eager warm-up before its capture: about 35 ms of Python a call at Qwen3-0.6B's 28 layers.
+    shapes = (slots, per_group, cache.prompt_pages, cache.response_pages, kernel, compile, nucleus)
+    shapes += (min_new_tokens > 0, top_k, top_p < 1.0, str(device))
+    warmed = vars(model).setdefault("_rlcore_warmed", set())
+    draw_step = _Replayed(draw, cuda_graph, warm=("draw", *shapes) in warmed)
+    forward_step = _Replayed(forward, cuda_graph, warm=("forward", *shapes) in warmed)
     results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
     running: list[int | None] = [None] * group_rows  # the group each group row runs
     started = [0] * group_rows  # the step at which each group row's group started (the latest is preempted first)
@@ -649,6 +668,10 @@ def decode(
     # row the nuclei of the prompt it runs, one per token drawn (read back at each check, the host sync there is).
     block_keeps: list[torch.Tensor] = []
     slot_nuclei: list[list[list[int]]] = [[] for _ in range(slots)]
+    readback = _Readback(device, slots)
+    pending: _Snapshot | None = None  # a lagged check's snapshot, read at the next check
+    row_start = [0] * slots  # the check at which each row's prompt started (a snapshot before it knows nothing)
+    checks = 0
     step = 0
     while True:
         keep = draw_step()
@@ -658,20 +681,34 @@ def decode(
         aborted = is_aborted()
         fresh: list[tuple[int, int]] = []
         if aborted or step % check_every == 0 or step - last_start == max_new_tokens:
-            state = torch.stack([done.long(), count]).cpu()
-            stopped_now, counts = state[0].bool().tolist(), state[1].tolist()
+            checks += 1
+            now = readback.take(done, count, checks)
+            # A lagged check decides from the previous check's snapshot, read while the GPU runs the block since; a
+            # check at which every row has stopped (or an abort, or top-p replay's nuclei) decides from this one.
+            if lagged_checks and not (aborted or nucleus or step - last_start == max_new_tokens):
+                now, pending = pending, now
+            else:
+                pending = None
+            if now is None:
+                forward_step()
+                continue
+            stopped_now, counts = readback.state(now)
+            for s in range(slots):
+                if row_start[s] >= now.check:  # started after the snapshot: not stopped, nothing drawn
+                    stopped_now[s], counts[s] = False, 0
             if block_keeps:
                 _take_nuclei(block_keeps, slot_nuclei)
                 block_keeps = []
             if stopped is not None:
                 going = [s for s in range(slots) if open_rows[s] and not stopped_now[s]]
-                going_out = _rows_to_host(out_tokens, going)
+                going_out = readback.rows(out_tokens, going, now)
                 flags = stopped([going_out[s][: counts[s]].tolist() for s in going]) if going else []
                 for s, flag in zip(going, flags, strict=True):
                     stopped_now[s] = stopped_now[s] or bool(flag)
-            # Only the rows that hand their responses back now come to the host (the GPU waits meanwhile).
+            # Only the rows that hand their responses back now come to the host.
             closing = [s for s in range(slots) if open_rows[s] and (stopped_now[s] or aborted)]
-            rows_out, lps_out = _rows_to_host(out_tokens, closing), _rows_to_host(out_log_probs, closing)
+            rows_out = readback.rows(out_tokens, closing, now)
+            lps_out = readback.rows(out_log_probs, closing, now)
             for s in closing:
                 drawn = rows_out[s][: counts[s]].tolist()
                 if drawn and drawn[-1] in stop_ids:
@@ -692,13 +729,15 @@ def decode(
                     running[g] = None
                     cache.release_group(g)
             _cover_or_preempt(cache, running, started, open_rows, stopped_now, counts, slot_nuclei, waiting,
-                              per_group=per_group, columns=check_every + 1)  # fmt: skip
-            done.copy_(torch.tensor(stopped_now, device=device))
+                              per_group=per_group, columns=ahead)  # fmt: skip
+            # Set, never cleared: a row may have stopped on the device since a lagged snapshot.
+            done.logical_or_(torch.tensor(stopped_now, device=device))
             for g in range(group_rows):
                 if running[g] is None and waiting and admit(g, waiting[0]):
                     running[g], started[g] = waiting.popleft(), step
                     fresh.append((g, running[g]))
                     open_rows[g * per_group : (g + 1) * per_group] = [True] * per_group
+                    row_start[g * per_group : (g + 1) * per_group] = [checks] * per_group
             if all(group is None for group in running):
                 break
             cache.sync()
@@ -707,6 +746,8 @@ def decode(
             # After the step's forward: the freed rows' last writes land before their new prompts' prefill.
             start(*map(list, zip(*fresh, strict=True)))
             last_start = step
+    steps = {"draw": draw_step, "forward": forward_step}
+    warmed.update((name, *shapes) for name, replayed in steps.items() if replayed.warm)
     for g in waiting:
         for prompt in range(g * per_group, (g + 1) * per_group):
             results[prompt] = ([], [], "abort", [])
@@ -752,12 +793,63 @@ def _cover_or_preempt(
         running[g] = None
 
 
-def _rows_to_host(table: torch.Tensor, rows: list[int]) -> dict[int, torch.Tensor]:
-    """Rows ``rows`` of a device ``[slots, columns]`` table on the host, by row index (one gather, one copy)."""
-    if not rows:
-        return {}
-    taken = table[torch.tensor(rows, device=table.device)].cpu()
-    return dict(zip(rows, taken, strict=True))
+@dataclass
+class _Snapshot:
+    """The rows' stopped flags and counts as of check ``check``: ``state`` ``[2, slots]`` on the host (pinned, and
+    filled once ``ready`` has happened, on a CUDA device); ``after`` marks the snapshot's step on the main stream."""
+
+    check: int
+    state: torch.Tensor
+    after: torch.cuda.Event | None = None
+    ready: torch.cuda.Event | None = None
+
+
+class _Readback:
+    """What the decode loop's checks read back from the device without draining its queue: a snapshot of the rows'
+    stopped flags and counts is copied on a side stream after the step that ends a block, and the token and log-prob
+    rows of the rows that hand their responses back are gathered on that stream too, so the host waits for the
+    snapshot's step only, never for the steps queued after it (on the CPU everything is synchronous)."""
+
+    def __init__(self, device: torch.device, slots: int):
+        self.cuda = device.type == "cuda"
+        # One stream copies snapshots, one gathers rows: a gather waits for its own snapshot's step only.
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.gather = torch.cuda.Stream(device) if self.cuda else None
+        # Two of each: a snapshot is read at the next check at the latest, so its buffers are free two checks on.
+        self.device_state = [torch.zeros(2, slots, dtype=torch.long, device=device) for _ in range(2)]
+        self.host_state = [torch.zeros(2, slots, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+
+    def take(self, done: torch.Tensor, count: torch.Tensor, check: int) -> _Snapshot:
+        buffer = self.device_state[check % 2]
+        torch.stack([done.long(), count], out=buffer)
+        if not self.cuda:
+            return _Snapshot(check, buffer.clone())
+        host, after = self.host_state[check % 2], torch.cuda.Event()
+        after.record()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            host.copy_(buffer, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Snapshot(check, host, after, ready)
+
+    def state(self, snapshot: _Snapshot) -> tuple[list[bool], list[int]]:
+        """The snapshot's stopped flags and counts (waiting for its copy)."""
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()
+        return snapshot.state[0].bool().tolist(), snapshot.state[1].tolist()
+
+    def rows(self, table: torch.Tensor, rows: list[int], snapshot: _Snapshot) -> dict[int, torch.Tensor]:
+        """Rows ``rows`` of a device ``[slots, columns]`` table on the host, by row index (one gather, one copy),
+        read after the snapshot's step: a row's first ``count`` entries, as the snapshot counts them, are final."""
+        if not rows:
+            return {}
+        if not self.cuda:
+            return dict(zip(rows, table[torch.tensor(rows)], strict=True))
+        with torch.cuda.stream(self.gather):  # after the snapshot's step, not after the steps queued since
+            self.gather.wait_event(snapshot.after)
+            taken = table[torch.tensor(rows, device=table.device)].cpu()
+        return dict(zip(rows, taken, strict=True))
 
 
 def _left_pad_to(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, multiple: int, pad_id: int):
@@ -793,10 +885,11 @@ def _compiled(model: torch.nn.Module):
 class _Replayed:
     """``fn`` (no arguments, reading and writing fixed buffers) as a CUDA graph: the first call runs it on a side
     stream (warming up cuBLAS and compiling Triton kernels; it is a real step), the second captures it and replays,
-    later calls replay. Without ``graph`` it just calls ``fn``. Returns ``fn``'s (static) output."""
+    later calls replay; with ``warm`` (the same step ran before in this process) the first call captures. Without
+    ``graph`` it just calls ``fn``. Returns ``fn``'s (static) output."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor | None], graph: bool):
-        self.fn, self.use_graph, self.graph, self.warm, self.out = fn, graph, None, False, None
+    def __init__(self, fn: Callable[[], torch.Tensor | None], graph: bool, *, warm: bool = False):
+        self.fn, self.use_graph, self.graph, self.warm, self.out = fn, graph, None, warm, None
 
     def __call__(self) -> torch.Tensor | None:
         if not self.use_graph:
