@@ -10,7 +10,8 @@ the Triton decode attention, a group's prompt prefilled and cached once), ``grap
 forward through ``torch.compile`` before capture, ``graph-unshared`` without sharing a group's prompt,
 ``graph-torch-attention`` with the plain torch decode attention (reads every cache column) and sampling,
 ``graph-unfused`` with transformers' own eager modules (norms, MLP, rotary, separate q/k/v and gate/up projections,
-the decoder layer's residual adds) instead of the fused Triton kernels and merged projections, ``eager`` the same
+the decoder layer's residual adds) instead of the fused Triton kernels and merged projections, ``graph-unlagged``
+with checks that wait for the GPU to reach their own step (not lagged one block behind), ``eager`` the same
 loop without the graphs, ``hf-generate`` transformers' plain ``generate`` on the same model with no log-probs (a
 baseline, not an engine). The random-init preset never emits EOS, so every response runs to its length. Each
 (decoder, size) is run once untimed ("first call", which compiles for graph-compile), then timed (``--repeats``,
@@ -42,15 +43,17 @@ import time
 import torch
 
 # decoder -> (CUDA graph, torch.compile, share a group's prompt, decode attention and plain sampling kernel (None:
-# the default), fused Triton kernels and merged projections)
+# the default), fused Triton kernels and merged projections, checks that decide from the previous check's state (None:
+# the default, on with CUDA graphs))
 DECODERS = {
-    "graph": (True, False, True, None, True),
-    "graph-compile": (True, True, True, None, True),
-    "graph-unshared": (True, False, False, None, True),
-    "graph-torch-attention": (True, False, True, "torch", True),
-    "graph-unfused": (True, False, True, None, False),
-    "eager": (False, False, True, None, True),
-    "hf-generate": (False, False, True, None, False),
+    "graph": (True, False, True, None, True, None),
+    "graph-compile": (True, True, True, None, True, None),
+    "graph-unshared": (True, False, False, None, True, None),
+    "graph-torch-attention": (True, False, True, "torch", True, None),
+    "graph-unfused": (True, False, True, None, False, None),
+    "graph-unlagged": (True, False, True, None, True, False),
+    "eager": (False, False, True, None, True, None),
+    "hf-generate": (False, False, True, None, False, None),
 }
 
 
@@ -106,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         for decoder in args.decoders.split(","):
             if decoder not in DECODERS:
                 parser.error(f"--decoders: unknown decoder {decoder!r} ({', '.join(DECODERS)})")
-            graph, engine.compile, engine.share_prompts, engine.attention_kernel, fused = DECODERS[decoder]
+            graph, engine.compile, engine.share_prompts, engine.attention_kernel, fused, engine.lagged_checks = (
+                DECODERS[decoder]
+            )
             engine.cuda_graph = cuda and graph
             if cuda:
                 fuse_model(engine.model, on=fused)

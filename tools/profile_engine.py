@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--modes", default="graph,eager", help="comma-separated: graph (CUDA graphs), eager")
+    parser.add_argument("--names", type=int, default=0, help="also list the N kernels of most time, by name")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if not modes or set(modes) - {"graph", "eager"}:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.new_tokens
     for mode in modes:
         engine.cuda_graph = mode == "graph"
-        totals, counts, wall = _profile(engine, prompts, params)
+        totals, counts, wall, kernels = _profile(engine, prompts, params)
         print(f"{args.preset}, {args.prompts} prompts x {steps} tokens, {mode}; per decoding step:")
         print("| category | ms per step | kernels per step |")
         print("| --- | --- | --- |")
@@ -78,11 +79,22 @@ def main(argv: list[str] | None = None) -> int:
         busy = sum(totals.values()) / steps
         print(f"| total | {busy:.3f} | {sum(counts.values()) / steps:.0f} |")
         print(f"wall {wall * 1e3 / steps:.3f} ms per step ({mode}, profiled), kernels {busy:.3f} ms\n")
+        if args.names:
+            print("| kernel | category | ms per step | launches per step |")
+            print("| --- | --- | --- | --- |")
+            for name, (ms, launches) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.names]:
+                print(f"| {name[:90]} | {_category(name)} | {ms / steps:.3f} | {launches / steps:.1f} |")
+            print()
     return 0
 
 
-def _profile(engine, prompts, params) -> tuple[dict[str, float], dict[str, int], float]:
-    """Kernel milliseconds and launches per category over one call (after a warm-up call), and its wall seconds."""
+def _category(name: str) -> str:
+    return next((c for fragment, c in CATEGORIES if fragment in name.lower()), "other elementwise")
+
+
+def _profile(engine, prompts, params) -> tuple[dict[str, float], dict[str, int], float, dict[str, tuple[float, int]]]:
+    """Kernel milliseconds and launches per category over one call (after a warm-up call), its wall seconds, and
+    milliseconds and launches per kernel name."""
     engine.generate(prompts, params)
     torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
@@ -92,14 +104,15 @@ def _profile(engine, prompts, params) -> tuple[dict[str, float], dict[str, int],
         engine.generate(prompts, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    kernels: dict[str, tuple[float, int]] = {}
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.key.lower()
-        category = next((c for fragment, c in CATEGORIES if fragment in name), "other elementwise")
+        category = _category(event.key)
         totals[category] += event.device_time_total / 1e3
         counts[category] += event.count
-    return totals, counts, wall
+        kernels[event.key] = (event.device_time_total / 1e3, event.count)
+    return totals, counts, wall, kernels
 
 
 if __name__ == "__main__":

@@ -252,8 +252,9 @@ class HFEngine:
         self.cuda_graph = self.device.type == "cuda" and cuda_graph
         self.compile = self.device.type == "cuda" and compile
         # A group's samples (equal runs of one prompt) share its prefill and cached keys; the decode attention is
-        # runtime.engines.decode_attention's default for the device. Benchmarks turn these.
-        self.share_prompts, self.attention_kernel = True, None
+        # runtime.engines.decode_attention's default for the device; checks lag one block on the GPU (decode's
+        # lagged_checks). Benchmarks turn these.
+        self.share_prompts, self.attention_kernel, self.lagged_checks = True, None, None
         # On a GPU the Llama/Qwen norms, MLP and rotary run as fused Triton kernels with the HF modules' rounding
         # (runtime.engines.fused): a decoding step of a small model is bound by its kernel count.
         self.fused = self.device.type == "cuda" and fused and fuse_model(self.model) > 0
@@ -325,6 +326,7 @@ class HFEngine:
             share_prompts=self.share_prompts,
             kernel=self.attention_kernel,
             kv_tokens=self.kv_cache_tokens,
+            lagged_checks=self.lagged_checks,
         )
         results = []
         rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)
