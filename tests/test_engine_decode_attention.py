@@ -211,6 +211,34 @@ def test_triton_kernel_stores_each_rows_key_and_value_at_its_page_and_offset():
     assert int((~want_k.isnan()).sum()) == rows * kv_heads * dk
 
 
+@needs_triton
+def test_triton_kernel_rotary_stores_the_decode_keys_and_values_in_their_pages():
+    """With ``store``, the rotary kernel writes each row's rotated (and q/k-normed) key and its value to its page and
+    offset, exactly what rotary without it followed by the torch store writes, and nothing else (NaN elsewhere
+    stays); its query and key outputs do not change. The key and value are views of one merged projection."""
+    from runtime.engines.decode_attention import store_decode_kv_torch
+    from runtime.engines.fused import rotary
+
+    device = "cpu" if INTERPRETED else "cuda"
+    gen = torch.Generator().manual_seed(5)
+    rows, hq, hk, dim, page = 5, 4, 2, 16, 8
+    merged = torch.randn(rows, 1, (hq + 2 * hk) * dim, generator=gen).to(device)
+    q, k, v = (t.view(rows, 1, -1, dim) for t in merged.split([hq * dim, hk * dim, hk * dim], dim=-1))
+    cos, sin = torch.randn(2, rows, 1, dim, generator=gen).to(device)
+    norms = (torch.randn(dim, generator=gen).to(device), torch.randn(dim, generator=gen).to(device), 1e-6)
+    pages, offsets = torch.tensor([3, 1, 6, 3, 2], device=device), torch.tensor([0, 7, 5, 2, 4], device=device)
+    pool_k = torch.full((7, hk, page, dim), float("nan"), device=device)
+    pool_v = pool_k.clone()
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    plain_q, plain_k = rotary(q, k, cos, sin, norms=norms)
+    store_decode_kv_torch(want_k, want_v, plain_k[:, 0], v[:, 0], pages, offsets)
+    got_q, got_k = rotary(q, k, cos, sin, norms=norms, store=(v, pool_k, pool_v, pages, offsets))
+    assert torch.equal(got_q, plain_q) and torch.equal(got_k, plain_k)
+    torch.testing.assert_close(pool_k, want_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(pool_v, want_v, rtol=0, atol=0, equal_nan=True)
+    assert int((~want_k.isnan()).sum()) == rows * hk * dim
+
+
 def _tiny(family: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
@@ -384,7 +412,7 @@ def test_triton_kernel_under_the_interpreter():
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
     result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "8 passed" in result.stdout, result.stdout[-2000:]
+    assert "9 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.skipif(triton is None, reason="fuse_model needs Triton")

@@ -55,6 +55,9 @@ from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
 CACHE_KWARG = "rlcore_cache"  # the model call's keyword that carries the DecodeCache down to engine_attention
+# engine_attention's keyword that says the step's keys and values are in the cache already (the fused rotary kernel
+# wrote them, runtime.engines.fused)
+STORED_KWARG = "rlcore_kv_stored"
 
 
 def engine_attention(
@@ -78,7 +81,8 @@ def engine_attention(
     cache = kwargs.get(CACHE_KWARG)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if cache is not None:
-        return cache.attend(module.layer_idx, query, key, value, attention_mask, scale=scale), None
+        stored = kwargs.get(STORED_KWARG, False)
+        return cache.attend(module.layer_idx, query, key, value, attention_mask, scale=scale, stored=stored), None
     return masked_attention(query, key, value, attention_mask, scale=scale), None
 
 
@@ -370,11 +374,13 @@ class DecodeCache:
         attention_mask: torch.Tensor | None,
         *,
         scale: float,
+        stored: bool = False,
     ) -> torch.Tensor:
         """Store this forward's keys and values for ``layer`` and attend. Prefill: key/value
         ``[k, Hkv, P, D]`` of the ``prefill_rows`` groups' prompts (``P`` the call's width), masked attention over
-        them. Decode: key/value ``[rows, Hkv, 1, D]`` go to each row's page and offset (:meth:`set_step`); each
-        row's one query attends over its group's prompt and its own response. Returns ``[B, q, H, Dv]``."""
+        them. Decode: key/value ``[rows, Hkv, 1, D]`` go to each row's page and offset (:meth:`set_step`; not with
+        ``stored``, when the caller wrote them to :meth:`decode_target` already); each row's one query attends over
+        its group's prompt and its own response. Returns ``[B, q, H, Dv]``."""
         if self.layers[layer] is None:
             self.layers[layer] = self._allocate(key, value)
         pool_k, pool_v = self.layers[layer]
@@ -384,12 +390,22 @@ class DecodeCache:
                 paged = torch.nn.functional.pad(new, (0, 0, self.pad, 0)).unflatten(2, (-1, self.page_size))
                 pool[pages] = paged.transpose(1, 2)  # [k, Pb, Hkv, S, D]; padding pages all go to the scratch one
             return masked_attention(query, key, value, attention_mask, scale=scale)
-        self.store(pool_k, pool_v, key[:, :, 0], value[:, :, 0], self.write_page, self.write_offset)
+        if not stored:
+            self.store(pool_k, pool_v, key[:, :, 0], value[:, :, 0], self.write_page, self.write_offset)
         out = self.attention(
             query[:, :, 0], pool_k, pool_v, self.prefix_pages, self.prefix_start, self.resp_pages, self.resp_len,
             scale=scale,
         )  # fmt: skip
         return out[:, None]
+
+    def decode_target(self, layer: int, value_dim: int) -> tuple[torch.Tensor, ...] | None:
+        """Where a decoding step writes ``layer``'s keys and values: ``(pool_k, pool_v, pages [rows], offsets
+        [rows])``, row ``s``'s at column ``offsets[s]`` of page ``pages[s]``; None in prefill, before the pools
+        exist, or when the values' head dim (``value_dim``) is not the keys'."""
+        pools = self.layers[layer]
+        if self.prefill_rows is not None or pools is None or pools[0].shape[-1] != value_dim:
+            return None
+        return (*pools, self.write_page, self.write_offset)
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefill_rows is None:

@@ -39,6 +39,8 @@ import types
 
 import torch
 
+from runtime.engines.decode import CACHE_KWARG, STORED_KWARG
+
 try:
     import triton
     import triton.language as tl
@@ -113,12 +115,17 @@ def rotary(
     sin: torch.Tensor,
     *,
     norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    store: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, each product and the sum rounded
     to ``x``'s dtype) on q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]`` (heads back to back, :func:`token_stride`)
     with cos/sin ``[B or 1, T, D]``; the outputs are contiguous. ``norms`` ``(q_weight, k_weight, eps)`` (weights
     ``[D]`` in q's dtype): each head is first :func:`rms_norm`-ed by its weight (Qwen3's q/k norms), in the same
-    kernel, rounded to the dtype before the rotation as the separate norm's output is."""
+    kernel, rounded to the dtype before the rotation as the separate norm's output is. ``store`` ``(value, pool_k,
+    pool_v, pages, offsets)`` (a decoding step: one token per row, ``T == 1``): the same kernel also writes row
+    ``b``'s rotated key and its value (``value [B, 1, Hk, D]``, heads back to back) to page ``pages[b]`` at column
+    ``offsets[b]`` of pool_k / pool_v ``[pages, Hk, S, D]``, as
+    :func:`runtime.engines.decode_attention.store_decode_kv_torch` does."""
     tokens, dim = q.shape[0] * q.shape[1], q.shape[-1]
     stride_q, stride_k = token_stride(q), token_stride(k)
     if cos.shape[-1] != dim or cos.dim() != 3 or q.dim() != 4 or stride_q is None or stride_k is None:
@@ -134,9 +141,22 @@ def rotary(
         raise ValueError(f"rotary: norms' weights must be [{dim}] alike, got {q_weight.shape}, {k_weight.shape}")
     if norms is not None and q_weight.dtype != q.dtype:
         raise ValueError(f"rotary: norms' weights must be in q's dtype {q.dtype}, got {q_weight.dtype}")
+    value, pool_k, pool_v, pages, offsets = (q, q, q, q, q) if store is None else store
+    stride_v, page = 0, 1
+    if store is not None:
+        stride_v, page = token_stride(value), pool_k.shape[2]
+        if q.shape[1] != 1 or value.shape != k.shape or stride_v is None or pool_k.shape[1] != hk:
+            raise ValueError(f"rotary: store needs one token per row and value like k, got {q.shape}, {value.shape}")
+        if (
+            pool_k.shape != pool_v.shape
+            or pool_k.shape[-1] != dim
+            or not (pool_k.is_contiguous() and pool_v.is_contiguous())
+        ):
+            raise ValueError(f"rotary: store needs contiguous pools [pages, {hk}, S, {dim}], got {pool_k.shape}")
     _rotary_kernel[(tokens, hq + hk)](
-        q, k, cos, sin, q_out, k_out, q_weight, k_weight, eps, hq, dim, stride_q, stride_k,
-        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), ROUND=_rounding(q.dtype), NORM=norms is not None,
+        q, k, cos, sin, q_out, k_out, q_weight, k_weight, eps, hq, dim, stride_q, stride_k, value, stride_v, pool_k,
+        pool_v, pages, offsets, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), ROUND=_rounding(q.dtype),
+        NORM=norms is not None, STORE=store is not None, PAGE=page,
     )  # fmt: skip
     return q_out, k_out
 
@@ -178,11 +198,18 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     hidden_shape = (*input_shape, -1, self.head_dim)
     weight, bias, sizes = self._rlcore_merged
     query, key, value = torch.nn.functional.linear(hidden_states, weight, bias).split(sizes, dim=-1)
-    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape).transpose(1, 2)
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     norms = _qk_norms(self)
     if norms is None and getattr(self, "q_norm", None) is not None:
         query, key = self.q_norm(query), self.k_norm(key)
-    query, key = rotary(query, key, *position_embeddings, norms=norms)
+    # The engine's decoding step: the rotary kernel writes the keys and values to the cache's pages itself.
+    cache = kwargs.get(CACHE_KWARG)
+    pages = None if cache is None else cache.decode_target(self.layer_idx, value.shape[-1])
+    store = None if pages is None else (value, *pages)
+    query, key = rotary(query, key, *position_embeddings, norms=norms, store=store)
+    if store is not None:
+        kwargs = {**kwargs, STORED_KWARG: True}
+    value = value.transpose(1, 2)
     key = key.transpose(1, 2)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
@@ -423,8 +450,9 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(
-        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, qw_ptr, kw_ptr, eps, hq, dim, stride_q, stride_k,
-        HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr,
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, qw_ptr, kw_ptr, eps, hq, dim, stride_q, stride_k, v_ptr,
+        stride_v, pk_ptr, pv_ptr, pages_ptr, offsets_ptr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+        ROUND: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -454,6 +482,16 @@ if triton is not None:
         hi = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
         tl.store(dst + cols, lo.to(q_out.dtype.element_ty), mask=real)
         tl.store(dst + HALF + cols, hi.to(q_out.dtype.element_ty), mask=real)
+        if STORE:  # a decoding step: the key head, and the value head beside it, also go to the row's page
+            if head >= hq:
+                kv = head - hq
+                page = tl.load(pages_ptr + token).to(tl.int64)
+                slot = ((page * (tl.num_programs(1) - hq) + kv) * PAGE + tl.load(offsets_ptr + token)) * dim
+                tl.store(pk_ptr + slot + cols, lo.to(pk_ptr.dtype.element_ty), mask=real)
+                tl.store(pk_ptr + slot + HALF + cols, hi.to(pk_ptr.dtype.element_ty), mask=real)
+                v_src = v_ptr + token * stride_v + kv * dim
+                tl.store(pv_ptr + slot + cols, tl.load(v_src + cols, mask=real), mask=real)
+                tl.store(pv_ptr + slot + HALF + cols, tl.load(v_src + HALF + cols, mask=real), mask=real)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, n, width, BLOCK: tl.constexpr, ROUND: tl.constexpr):
