@@ -762,8 +762,8 @@ def decode(
             # After the step's forward: the freed rows' last writes land before their new prompts' prefill.
             start(*map(list, zip(*fresh, strict=True)))
             last_start = step
-    steps = {"draw": draw_step, "forward": forward_step}
-    warmed.update((name, *shapes) for name, replayed in steps.items() if replayed.warm)
+    replays = {"draw": draw_step, "forward": forward_step}
+    warmed.update((name, *shapes) for name, replayed in replays.items() if replayed.warm)
     for g in waiting:
         for prompt in range(g * per_group, (g + 1) * per_group):
             results[prompt] = ([], [], "abort", [])
