@@ -6,7 +6,7 @@ the mismatch corrections and on-policy distillation (slime's algorithm flags), r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from runtime.option_fields import bounded, described, hook, slime
 
@@ -295,3 +295,10 @@ class AlgoConfig:
         """The estimator's name in ``rlcore.advantages`` (slime's ``ppo`` is ``gae``, ``on_policy_distillation``
         is ``distillation``; the others are spelled alike)."""
         return _CORE_ESTIMATOR_NAMES.get(self.advantage_estimator, self.advantage_estimator)
+
+
+def teacher_from_samples(cfg: Any) -> bool:
+    """Whether the teacher's log-probs come with the samples (``--use-opd --opd-type sglang``: a teacher server,
+    asked by a reward or generate function), not from a teacher model in the trainers. ``cfg``: a
+    ``runtime.config.Config``."""
+    return cfg.algo.use_opd and cfg.algo.opd_type == "sglang"
