@@ -55,40 +55,42 @@ def test_token_routes_are_megatrons_sequence_major_tokens(rows, length, extra, l
 
 
 def test_check_routes_names_what_is_wrong():
-    good = torch.tensor([[[[0, 3], [5, 1]]]], dtype=torch.int32)  # [1 row, 1 token, 2 layers, top 2]
-    mr.check_routes(good, num_experts=8, num_moe_layers=2, topk=2, flag="--x")
-    with pytest.raises(ValueError, match=r"--x: routed_experts of shape \(1, 1, 2, 2\), want \[rows, tokens, 3 MoE"):
-        mr.check_routes(good, num_experts=8, num_moe_layers=3, topk=2, flag="--x")
+    pattern = (0, 1, 1)  # a dense first layer: its slice is not read (SGLang leaves it 0)
+    good = torch.tensor([[[[0, 0], [0, 3], [5, 1]]]], dtype=torch.int32)  # [1 row, 1 token, 3 layers, top 2]
+    check = dict(num_experts=8, layer_pattern=pattern, topk=2, flag="--x")
+    mr.check_routes(good, **check)
+    with pytest.raises(ValueError, match=r"--x: routed_experts of shape \(1, 1, 3, 2\), want \[rows, tokens, 4 de"):
+        mr.check_routes(good, **(check | dict(layer_pattern=(0, 1, 1, 1))))
+    high = good.clone()
+    high[0, 0, 2, 0] = 8
     with pytest.raises(ValueError, match="expert ids 0..8, outside 0..7"):
-        mr.check_routes(good.clone().fill_(8).index_fill_(3, torch.tensor([0]), 0), num_experts=8, **_k2)
+        mr.check_routes(high, **check)
     repeated = good.clone()
-    repeated[0, 0, 1] = torch.tensor([4, 4])
-    with pytest.raises(ValueError, match=r"row 0, token 0, MoE layer 1 names an expert twice: \[4, 4\]"):
-        mr.check_routes(repeated, num_experts=8, **_k2)
+    repeated[0, 0, 2] = torch.tensor([4, 4])
+    with pytest.raises(ValueError, match=r"row 0, token 0, decoder layer 2 names an expert twice: \[4, 4\]"):
+        mr.check_routes(repeated, **check)
     with pytest.raises(ValueError, match="dtype torch.float32"):
-        mr.check_routes(good.float(), num_experts=8, **_k2)
+        mr.check_routes(good.float(), **check)
 
 
-_k2 = dict(num_moe_layers=2, topk=2, flag="--x")
-
-
-def test_moe_slots_skip_dense_layers():
+def test_layer_slots_skip_dense_layers():
     pattern = (0, 1, 0, 1, 1)  # megatron-core numbers layers from 1
-    assert [mr.moe_slot(n, pattern) for n in (2, 4, 5)] == [0, 1, 2]
+    assert [mr.layer_slot(n, pattern) for n in (2, 4, 5)] == [1, 3, 4]
     with pytest.raises(ValueError, match="decoder layer 2 is dense"):
-        mr.moe_slot(3, pattern)
+        mr.layer_slot(3, pattern)
 
 
 def test_modes_follow_slimes_flags():
     flags = SimpleNamespace
-    assert mr.replay_mode(None, flags()) == "off"
-    assert mr.replay_mode(flags(use_routing_replay=True)) == "r2"
-    # Both: R3 (the rollout's routes), as slime's actor; the first source that declares a flag decides it.
-    assert mr.replay_mode(flags(use_routing_replay=True, use_rollout_routing_replay=True)) == "r3"
-    assert mr.replay_mode(flags(use_rollout_routing_replay=False), flags(use_rollout_routing_replay=True)) == "off"
-    assert mr.replay_problems("r3", None) == [
+    assert mr.replay_mode(SimpleNamespace(args=flags())) is None
+    assert mr.replay_mode(SimpleNamespace(args=flags(use_routing_replay=True))) == "trainer"
+    # Both: R3 (the rollout's routes), as slime's actor.
+    both = flags(use_routing_replay=True, use_rollout_routing_replay=True)
+    assert mr.replay_mode(SimpleNamespace(args=both)) == "rollout"
+    assert mr.replay_problems("rollout", None) == [
         "--use-rollout-routing-replay: routing replay needs a MoE model (this one is dense: no router to replay)"
     ]
+    assert mr.replay_problems("rollout", object()) == [] and mr.replay_problems(None, None) == []
 
 
 # ------------------------------------------------------------------ megatron-core's models
@@ -101,7 +103,7 @@ from test_megatron_moe import save_qwen3_moe  # noqa: E402
 from rlcore import keys  # noqa: E402
 from rlcore.advantages import compute  # noqa: E402
 from runtime.train.algo import advantage_config  # noqa: E402
-from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS  # noqa: E402
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS  # noqa: E402
 from runtime.train.hooks import TrainHooks  # noqa: E402
 from runtime.train.roles import ACTOR  # noqa: E402
 
@@ -115,10 +117,10 @@ def _save_glm4_moe(folder) -> str:
     return str(folder)
 
 
-# family -> (a saved tiny model, its MoE layers, top k, experts)
+# family -> (a saved tiny model, its MoE layers (decoder layer indices), its decoder layers, top k, experts)
 FAMILIES = {
-    "qwen3_moe": (lambda folder: save_qwen3_moe(folder), 2, 2, 8),
-    "glm4_moe": (_save_glm4_moe, 2, 2, 8),
+    "qwen3_moe": (lambda folder: save_qwen3_moe(folder), [0, 1], 2, 2, 8),
+    "glm4_moe": (_save_glm4_moe, [1, 2], 3, 2, 8),  # the first layer dense
 }
 
 
@@ -129,7 +131,7 @@ def _job(tmp_path, **overrides):
 
 def _trainer(path, cfg, mode: str, **kw):
     """A Megatron trainer whose job sets slime's replay flags as ``mode`` says."""
-    flags = SimpleNamespace(use_rollout_routing_replay=mode == "r3", use_routing_replay=mode == "r2")
+    flags = SimpleNamespace(use_rollout_routing_replay=mode == "rollout", use_routing_replay=mode == "trainer")
     return trainer("megatron", path, cfg, hooks=TrainHooks(args=flags), **kw)
 
 
@@ -162,28 +164,28 @@ def test_replaying_the_models_own_routes_changes_nothing_bitwise(family, tmp_pat
     routes from the batch: log-probs, loss, gradient norm and the weights after a step are bitwise those of no
     replay (the gate weights are the same gathers of the same scores). Catches routes handed to the wrong layer, in
     batch-major order, or recorded rows put back in the wrong order."""
-    save, *_ = FAMILIES[family]
+    save, _, layers, _, _ = FAMILIES[family]
     path = save(tmp_path / "m")
     cfg = _job(tmp_path)
     td = make_batch(VOCAB)
     results = {}
-    for mode in ("off", "r2"):
+    for mode in (None, "trainer"):
         backend = _trainer(path, cfg, mode, roles=(ACTOR,))
         try:
             results[mode] = _step(backend, cfg, td)
         finally:
             backend.shutdown()
-    recorded = results["r2"][0][mr.ROUTED_EXPERTS]
-    assert recorded.dtype == torch.int32 and recorded.shape == (*td["tokens"].shape, 2, 2)
-    r3 = _trainer(path, cfg, "r3", roles=(ACTOR,))
+    recorded = results["trainer"][0][ROUTED_EXPERTS]
+    assert recorded.dtype == torch.int32 and recorded.shape == (*td["tokens"].shape, layers, 2)
+    r3 = _trainer(path, cfg, "rollout", roles=(ACTOR,))
     try:
         with_routes = td.clone()
-        with_routes.set(mr.ROUTED_EXPERTS, recorded)
-        results["r3"] = _step(r3, cfg, with_routes)
+        with_routes.set(ROUTED_EXPERTS, recorded)
+        results["rollout"] = _step(r3, cfg, with_routes)
     finally:
         r3.shutdown()
-    (want_lp, want_metrics, want_weights) = results["off"]
-    for mode in ("r2", "r3"):
+    (want_lp, want_metrics, want_weights) = results[None]
+    for mode in ("trainer", "rollout"):
         log_probs, metrics, weights = results[mode]
         assert torch.equal(log_probs[keys.OLD_LOG_PROBS], want_lp[keys.OLD_LOG_PROBS]), mode
         for name in ("loss", "pg_loss", "grad_norm"):
@@ -220,21 +222,23 @@ def test_replay_restores_the_routes_after_a_perturbed_router(family, tmp_path):
     router's scores at those experts (float64 reference), and the update moves the routers (their gradient flows).
     Catches replay not reaching a router, a layer's routes from another layer, and gate weights that do not follow
     the current router."""
-    save, layers, topk, experts = FAMILIES[family]
+    save, moe_layers, _, topk, experts = FAMILIES[family]
     path = save(tmp_path / "m")
     cfg = _job(tmp_path)
     td = make_batch(VOCAB)
-    r2 = _trainer(path, cfg, "r2", roles=(ACTOR,))
+    r2 = _trainer(path, cfg, "trainer", roles=(ACTOR,))
     try:
-        recorded = r2.compute_log_probs(td)[mr.ROUTED_EXPERTS]
+        recorded = r2.compute_log_probs(td)[ROUTED_EXPERTS]
     finally:
         r2.shutdown()
-    td.set(mr.ROUTED_EXPERTS, recorded)
-    backend = _trainer(path, cfg, "r3", roles=(ACTOR,))
+    dense = [i for i in range(recorded.shape[2]) if i not in moe_layers]
+    recorded[:, :, dense] = 0  # as SGLang reports a dense layer: not read
+    td.set(ROUTED_EXPERTS, recorded)
+    backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
     try:
         gen = torch.Generator().manual_seed(7)
         routers = [m for n, m in backend.model.named_modules() if n.endswith("mlp.router")]
-        assert len(routers) == layers
+        assert len(routers) == len(moe_layers)
         with torch.no_grad():
             for router in routers:
                 router.weight.add_(torch.randn(router.weight.shape, generator=gen))
@@ -250,17 +254,17 @@ def test_replay_restores_the_routes_after_a_perturbed_router(family, tmp_path):
         finally:
             for hook in hooks:
                 hook.remove()
-        own, replayed = calls[:layers], calls[layers:]
+        own, replayed = calls[: len(moe_layers)], calls[len(moe_layers) :]
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
         width = int(seq_lens.max())
         differs = False
-        for slot, ((_, _, _, own_map), (router, hidden, probs, routing_map)) in enumerate(
-            zip(own, replayed, strict=True)
+        for layer, (_, _, _, own_map), (router, hidden, probs, routing_map) in zip(
+            moe_layers, own, replayed, strict=True
         ):
             # megatron-core's routers see the tokens sequence-major: token s * rows + i is row i's position s.
-            want = mb[mr.ROUTED_EXPERTS][:, :width, slot].long().transpose(0, 1).reshape(-1, topk)
+            want = mb[ROUTED_EXPERTS][:, :width, layer].long().transpose(0, 1).reshape(-1, topk)
             expected = torch.zeros(width * 3, experts, dtype=torch.bool).scatter(1, want, True)
-            assert torch.equal(routing_map, expected), slot
+            assert torch.equal(routing_map, expected), layer
             differs |= not torch.equal(own_map, expected)
             gates = _gate_weights(router, hidden, want, family)
             # float32 router against the float64 reference: a few ulps of O(1) values.
@@ -287,12 +291,12 @@ def test_padding_rows_route_only_padding(tmp_path):
     routes = _foreign_routes(td, layers=2, topk=2, experts=8)
     dummy = torch.where(real[..., None, None], routes, mr.dummy_routes((rows, length, 2), topk=2).to(routes.dtype))
     other = torch.where(real[..., None, None], routes, torch.tensor([7, 5], dtype=routes.dtype))
-    backend = _trainer(path, cfg, "r3", roles=(ACTOR,))
+    backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
     try:
         out = {}
         for name, padding in (("dummy", dummy), ("other", other)):
             batch = td.clone()
-            batch.set(mr.ROUTED_EXPERTS, padding)
+            batch.set(ROUTED_EXPERTS, padding)
             calls = []
             hooks = _router_calls(backend.model, calls)
             try:
@@ -328,14 +332,14 @@ def test_a_reference_model_in_the_same_process_does_not_replay(tmp_path):
     path = save_qwen3_moe(tmp_path / "m")
     cfg = _job(tmp_path)
     td = make_batch(VOCAB)
-    td.set(mr.ROUTED_EXPERTS, _foreign_routes(td, layers=2, topk=2, experts=8))
-    off = _trainer(path, cfg, "off")
+    td.set(ROUTED_EXPERTS, _foreign_routes(td, layers=2, topk=2, experts=8))
+    off = _trainer(path, cfg, None)
     try:
         want = off.compute_log_probs(td)
     finally:
         off.shutdown()
     before = list(RouterReplay.global_router_replay_instances)
-    r3 = _trainer(path, cfg, "r3")
+    r3 = _trainer(path, cfg, "rollout")
     try:
         added = [r for r in RouterReplay.global_router_replay_instances if all(r is not b for b in before)]
         assert len(added) == 2 and {id(r) for r in added} == {id(r) for r in r3.routers.replays}
@@ -356,11 +360,11 @@ def test_activation_recompute_replays_the_same_routes(tmp_path):
     left behind."""
     path = save_qwen3_moe(tmp_path / "m")
     td = make_batch(VOCAB)
-    td.set(mr.ROUTED_EXPERTS, _foreign_routes(td, layers=2, topk=2, experts=8))
+    td.set(ROUTED_EXPERTS, _foreign_routes(td, layers=2, topk=2, experts=8))
     results = []
     for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
         cfg = _job(tmp_path, log_probs_max_tokens_per_gpu=24, **recompute)
-        backend = _trainer(path, cfg, "r3", roles=(ACTOR,))
+        backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
         try:
             results.append(_step(backend, cfg, td))
         finally:
@@ -379,11 +383,11 @@ def test_recorded_routes_follow_the_shards_rows_under_dynamic_batches(tmp_path):
     path = save_qwen3_moe(tmp_path / "m")
     cfg = _job(tmp_path, use_dynamic_batch_size=True, max_tokens_per_gpu=16)
     td = make_batch(VOCAB)
-    backend = _trainer(path, cfg, "r2", roles=(ACTOR,))
+    backend = _trainer(path, cfg, "trainer", roles=(ACTOR,))
     try:
         groups = backend._token_groups(td, log_probs=True)
         assert [i for rows in groups for i in rows] != list(range(8))  # regrouped, or the test would see nothing
-        recorded = backend.compute_log_probs(td)[mr.ROUTED_EXPERTS]
+        recorded = backend.compute_log_probs(td)[ROUTED_EXPERTS]
         calls = []
         hooks = _router_calls(backend.model, calls)
         try:
@@ -406,7 +410,7 @@ def test_recorded_routes_follow_the_shards_rows_under_dynamic_batches(tmp_path):
 def test_replay_refuses_a_batch_without_routes_and_a_dense_model(tmp_path):
     path = save_qwen3_moe(tmp_path / "m")
     cfg = _job(tmp_path)
-    backend = _trainer(path, cfg, "r3", roles=(ACTOR,))
+    backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
     try:
         with pytest.raises(ValueError, match="--use-rollout-routing-replay: the batch has no routed_experts"):
             backend.compute_log_probs(make_batch(VOCAB))
@@ -416,4 +420,4 @@ def test_replay_refuses_a_batch_without_routes_and_a_dense_model(tmp_path):
 
     dense = save_model("qwen3", tmp_path / "dense")
     with pytest.raises(ValueError, match="--use-routing-replay: routing replay needs a MoE model"):
-        _trainer(dense, cfg, "r2", roles=(ACTOR,))
+        _trainer(dense, cfg, "trainer", roles=(ACTOR,))

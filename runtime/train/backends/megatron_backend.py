@@ -164,8 +164,8 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
         if train_cfg.context_parallel_size != 1:
             problems.append("--context-parallel-size > 1 needs Transformer Engine (not used by the local spec)")
-        # slime's --use-rollout-routing-replay / --use-routing-replay (megatron_replay), read where they are declared.
-        mode = replay_mode(train_cfg, self.hooks.args)
+        # slime's --use-rollout-routing-replay / --use-routing-replay: the actor replays routes (megatron_replay).
+        mode = replay_mode(self.hooks)
         problems += replay_problems(mode, self.shape.moe)
         if problems:
             raise ValueError("; ".join(problems))
@@ -183,7 +183,7 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
         self.padded_vocab = mc.vocab_rows(self.shape, tp_size=self.tp)
         with self._shims():
             # The actor starts from a Megatron checkpoint when the job names one (runtime.cluster.checkpoint).
-            self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True, replay=mode != "off")
+            self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True, replay=mode is not None)
             self._replay_setup(mode)  # the actor's routers only: the other models never replay
             self.frozen = {
                 role.writes: self._build(paths.get(role.name, model_path), trainable=False)

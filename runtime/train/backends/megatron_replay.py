@@ -4,20 +4,21 @@ patch of megatron-core). Only the expert set is replayed: each router still comp
 weights and gathers them at the given experts (softmax or sigmoid, renormalised and scaled as the family's router
 does), so the gate weights follow the current router and its gradient flows.
 
-slime's two flags (actor only; :data:`PASS_ACTIONS`):
+slime's two flags (actor only; the modes of :func:`runtime.train.hooks.routing_replay`, :data:`PASS_ACTIONS`):
 
-- ``--use-rollout-routing-replay`` (R3): every actor forward (the old log-probs' and the update's) replays the routes
-  the rollout engine chose while sampling, the batch's ``routed_experts`` (``[B, L, num_moe_layers, topk]``, aligned
-  with ``tokens``: row ``s`` holds the experts that routed token ``s``; the last token's row and the padding rows hold
-  the distinct dummy experts ``0 .. topk - 1``).
-- ``--use-routing-replay`` (R2): the old-log-prob pass records the actor's own routes, which
-  :meth:`MegatronReplay.compute_log_probs` hands back as ``routed_experts`` (the shard's rows, whatever the
+- ``--use-rollout-routing-replay`` (R3, mode ``"rollout"``): every actor forward (the old log-probs' and the
+  update's) replays the routes the rollout engine chose while sampling, the batch's ``routed_experts``
+  (``[B, L, num_layers, topk]``, :data:`runtime.train.batch.ROUTED_EXPERTS`: row ``s`` holds the experts that routed
+  token ``s`` in each decoder layer, as SGLang reports them; dense layers' rows unused; the last token's row and the
+  padding rows hold the distinct dummy experts ``0 .. topk - 1``).
+- ``--use-routing-replay`` (R2, mode ``"trainer"``): the old-log-prob pass records the actor's own routes, which
+  :meth:`MegatronTrainer.compute_log_probs` hands back as ``routed_experts`` (the shard's rows, whatever the
   micro-batches), and the update replays them. With both flags R3 wins, as in slime.
 
 Layout (:func:`token_routes`): megatron-core's routers see a micro-batch's tokens sequence-major (``[s, b]``
 flattened, token ``s * b + i``), under ``--sequence-parallel`` only this tensor-parallel rank's chunk of the sequence;
-each MoE layer of this pipeline stage takes its own slice of the layer axis (dense layers have no router: GLM-4.5's
-and DeepSeek-V3's first layers). Expert ids are global, so expert parallelism needs nothing more.
+each MoE layer of this pipeline stage takes its own decoder layer's slice of the layer axis (dense layers have no
+router: GLM-4.5's and DeepSeek-V3's first layers). Expert ids are global, so expert parallelism needs nothing more.
 
 megatron-core keeps every ``RouterReplay`` in one process-global list (``RouterReplay.global_router_replay_instances``)
 and its static methods act on all of them. This module never calls those: it addresses the actor's routers one by one
@@ -38,48 +39,41 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.train.batch import TOKENS
+from runtime.train.batch import ROUTED_EXPERTS, TOKENS
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-# runtime.train.batch's key of a batch's routes, [B, L, num_moe_layers, topk] int32.
-ROUTED_EXPERTS = "routed_experts"
-
-# The replay modes: slime's flags, R3 first (both set: R3, as slime's actor decides).
-REPLAY_FLAGS = (("use_rollout_routing_replay", "r3"), ("use_routing_replay", "r2"))
+# The flag that selects each replay mode (runtime.train.hooks.routing_replay's names).
+REPLAY_FLAGS = {"rollout": "--use-rollout-routing-replay", "trainer": "--use-routing-replay"}
 # What the actor's routers do in each pass of a mode ("record": their own top k, kept; "replay": the batch's routes);
-# a pass not listed (the SFT step, a mode "off") routes as the routers choose.
-PASS_ACTIONS: dict[str, dict[str, str]] = {
-    "off": {},
-    "r2": {"log_probs": "record", "train": "replay"},
-    "r3": {"log_probs": "replay", "train": "replay"},
+# a pass not listed (the SFT step; no mode) routes as the routers choose.
+PASS_ACTIONS: dict[str | None, dict[str, str]] = {
+    None: {},
+    "trainer": {"log_probs": "record", "train": "replay"},
+    "rollout": {"log_probs": "replay", "train": "replay"},
 }
 
 
-def replay_mode(*sources: Any) -> str:
-    """The replay mode (a key of :data:`PASS_ACTIONS`) of slime's flags, read from the first of ``sources`` (config
-    objects, None skipped) that has each flag; unset flags are off."""
-    for flag, mode in REPLAY_FLAGS:
-        for source in sources:
-            value = getattr(source, flag, None) if source is not None else None
-            if value is not None:
-                if value:
-                    return mode
-                break
-    return "off"
+def replay_mode(hooks: Any) -> str | None:
+    """The trainer's routing-replay mode (a key of :data:`PASS_ACTIONS`): ``hooks.routing_replay`` (the driver's
+    :class:`~runtime.train.hooks.TrainHooks`), else slime's flags on the job's config ``hooks.args`` (R3 first)."""
+    mode = getattr(hooks, "routing_replay", None)
+    if mode is not None:
+        return mode
+    for name, flag in REPLAY_FLAGS.items():
+        if getattr(hooks.args, flag[2:].replace("-", "_"), False):
+            return name
+    return None
 
 
-def flag_of(mode: str) -> str:
-    """The command-line flag that selects ``mode``."""
-    return "--" + dict((m, f) for f, m in REPLAY_FLAGS)[mode].replace("_", "-")
-
-
-def replay_problems(mode: str, moe: Any) -> list[str]:
+def replay_problems(mode: str | None, moe: Any) -> list[str]:
     """What stops ``mode`` on a model of MoE shape ``moe`` (None: dense), one line each."""
-    if mode == "off" or moe is not None:
+    if mode not in PASS_ACTIONS:
+        return [f"routing replay mode {mode!r}: not one of {sorted(m for m in PASS_ACTIONS if m)}"]
+    if mode is None or moe is not None:
         return []
-    return [f"{flag_of(mode)}: routing replay needs a MoE model (this one is dense: no router to replay)"]
+    return [f"{REPLAY_FLAGS[mode]}: routing replay needs a MoE model (this one is dense: no router to replay)"]
 
 
 def dummy_routes(shape: Sequence[int], *, topk: int, device: torch.device | None = None) -> torch.Tensor:
@@ -88,16 +82,22 @@ def dummy_routes(shape: Sequence[int], *, topk: int, device: torch.device | None
     return torch.arange(topk, device=device).expand(*shape, topk)
 
 
-def check_routes(routes: torch.Tensor, *, num_experts: int, num_moe_layers: int, topk: int, flag: str) -> None:
-    """``ValueError`` naming what is wrong unless ``routes`` is ``[b, L, num_moe_layers, topk]`` integer expert ids in
-    ``[0, num_experts)``, distinct within each row (a repeated expert would route a token to fewer than ``topk``)."""
-    if routes.dim() != 4 or tuple(routes.shape[2:]) != (num_moe_layers, topk):
+def check_routes(
+    routes: torch.Tensor, *, num_experts: int, layer_pattern: Sequence[int], topk: int, flag: str
+) -> None:
+    """``ValueError`` naming what is wrong unless ``routes`` is ``[b, L, num_layers, topk]`` integer expert ids (one
+    slice per decoder layer of ``layer_pattern``) whose MoE layers' ids lie in ``[0, num_experts)``, distinct within
+    each row (a repeated expert would route a token to fewer than ``topk``); dense layers' slices are not read."""
+    layers = len(layer_pattern)
+    if routes.dim() != 4 or tuple(routes.shape[2:]) != (layers, topk):
         raise ValueError(
-            f"{flag}: {ROUTED_EXPERTS} of shape {tuple(routes.shape)}, want [rows, tokens, {num_moe_layers} MoE "
-            f"layers, top {topk}]"
+            f"{flag}: {ROUTED_EXPERTS} of shape {tuple(routes.shape)}, want [rows, tokens, {layers} decoder layers, "
+            f"top {topk}]"
         )
     if routes.dtype.is_floating_point or routes.dtype == torch.bool:
         raise ValueError(f"{flag}: {ROUTED_EXPERTS} of dtype {routes.dtype}, want integer expert ids")
+    moe = [i for i, kind in enumerate(layer_pattern) if kind]
+    routes = routes[:, :, moe]
     if routes.numel() == 0:
         return
     low, high = int(routes.min()), int(routes.max())
@@ -106,15 +106,15 @@ def check_routes(routes: torch.Tensor, *, num_experts: int, num_moe_layers: int,
     ordered = routes.sort(dim=-1).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1).nonzero()
     if len(repeated):
-        row, token, layer = repeated[0].tolist()
+        row, token, j = repeated[0].tolist()
         raise ValueError(
-            f"{flag}: {ROUTED_EXPERTS} row {row}, token {token}, MoE layer {layer} names an expert twice: "
-            f"{routes[row, token, layer].tolist()}"
+            f"{flag}: {ROUTED_EXPERTS} row {row}, token {token}, decoder layer {moe[j]} names an expert twice: "
+            f"{routes[row, token, j].tolist()}"
         )
 
 
 def token_routes(routes: torch.Tensor, *, width: int, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
-    """``[num_moe_layers, tokens, topk]`` int64: micro-batch routes ``[b, L, num_moe_layers, topk]`` in the order
+    """``[layers, tokens, topk]`` int64: micro-batch routes ``[b, L, layers, topk]`` in the order
     megatron-core's routers see the micro-batch's ``[b, width]`` tokens: cut or padded (dummy experts) to ``width``,
     sequence-major (token ``s * b + i`` is row ``i``'s position ``s``), and under sequence parallelism only chunk
     ``sp_rank`` of ``sp_size`` of the sequence (``width`` a multiple of ``sp_size``)."""
@@ -137,23 +137,23 @@ def rows_of(tokens: torch.Tensor, *, rows: int) -> torch.Tensor:
     return tokens.reshape(layers, count // rows, rows, topk).permute(2, 1, 0, 3)
 
 
-def moe_slot(layer_number: int, layer_pattern: Sequence[int]) -> int:
-    """The index on a batch's MoE-layer axis of decoder layer ``layer_number`` (megatron-core's, from 1, global over
-    pipeline stages): the MoE layers before it."""
+def layer_slot(layer_number: int, layer_pattern: Sequence[int]) -> int:
+    """The index on a batch's layer axis of the router of decoder layer ``layer_number`` (megatron-core's, from 1,
+    global over pipeline stages); ``ValueError`` for a dense layer."""
     if not layer_pattern[layer_number - 1]:
         raise ValueError(f"decoder layer {layer_number - 1} is dense in the model's layer pattern: it has no router")
-    return sum(layer_pattern[: layer_number - 1])
+    return layer_number - 1
 
 
 class ActorRouters:
-    """The ``RouterReplay`` of each MoE router of one model (the actor's stage), in the order of the batch's MoE-layer
-    axis: ``slots[j]`` is the axis index of ``replays[j]``."""
+    """The ``RouterReplay`` of each MoE router of one model (the actor's stage), in layer order: ``slots[j]`` is the
+    index of ``replays[j]``'s decoder layer on a batch's layer axis."""
 
     def __init__(self, model: torch.nn.Module, *, layer_pattern: Sequence[int]):
         from megatron.core.transformer.moe.router import TopKRouter
 
         found = sorted(
-            (moe_slot(m.layer_number, layer_pattern), m.router_replay)
+            (layer_slot(m.layer_number, layer_pattern), m.router_replay)
             for m in model.modules()
             if isinstance(m, TopKRouter) and m.router_replay is not None
         )
@@ -161,11 +161,12 @@ class ActorRouters:
         self.replays = [replay for _, replay in found]
 
     def replay(self, tokens: torch.Tensor) -> None:
-        """Hand each router its layer's routes (``tokens``: :func:`token_routes`' output) and replay them."""
+        """Hand each router its routes (``tokens[j]`` for ``replays[j]``: :func:`token_routes` of this stage's
+        layers) and replay them."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for slot, replay in zip(self.slots, self.replays, strict=True):
-            replay.set_target_indices(tokens[slot])
+        for j, replay in enumerate(self.replays):
+            replay.set_target_indices(tokens[j])
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def replay_backward(self) -> None:
@@ -207,18 +208,18 @@ class MegatronReplay:
     which pass does what (:data:`PASS_ACTIONS`), the actor's routers handed each micro-batch's routes before its
     forward, and R2's recorded routes gathered back into the shard's rows."""
 
-    replay_mode: str = "off"
+    replay_mode: str | None = None
     routers: ActorRouters | None = None
     _replay_action: str | None = None
     _recorded: list[torch.Tensor]
 
-    def _replay_setup(self, mode: str) -> None:
-        """Find the actor's routers (built with ``moe_enable_routing_replay`` when ``mode`` is on)."""
+    def _replay_setup(self, mode: str | None) -> None:
+        """Find the actor's routers (built with ``moe_enable_routing_replay`` when ``mode`` is set)."""
         self.replay_mode = mode
-        if mode != "off":
+        if mode is not None:
             self.routers = ActorRouters(self._module(self.model), layer_pattern=self.shape.moe.layer_pattern)
             if not self.routers.replays:  # a pipeline stage of dense layers only: nothing to replay here
-                self.replay_mode = "off"
+                self.replay_mode = None
 
     def _replay_close(self) -> None:
         if self.routers is not None:
@@ -246,22 +247,21 @@ class MegatronReplay:
             return
         if ROUTED_EXPERTS not in mb.keys():
             raise ValueError(
-                f"{flag_of(self.replay_mode)}: the batch has no {ROUTED_EXPERTS} (the routes to replay; the rollout "
-                "engine must report them)"
+                f"{REPLAY_FLAGS[self.replay_mode]}: the batch has no {ROUTED_EXPERTS} (the routes to replay; the "
+                "rollout engine must report them)"
             )
         moe = self.shape.moe
         routes = mb[ROUTED_EXPERTS]
         check_routes(
             routes,
             num_experts=moe.num_experts,
-            num_moe_layers=sum(moe.layer_pattern),
+            layer_pattern=moe.layer_pattern,
             topk=moe.router_topk,
-            flag=flag_of(self.replay_mode),
+            flag=REPLAY_FLAGS[self.replay_mode],
         )
         sp = self.cfg.sequence_parallel and self.tp > 1
-        tokens = token_routes(
-            routes.to(self.device), width=width, sp_rank=self.tp_rank if sp else 0, sp_size=self.tp if sp else 1
-        )
+        mine = routes[:, :, self.routers.slots].to(self.device)
+        tokens = token_routes(mine, width=width, sp_rank=self.tp_rank if sp else 0, sp_size=self.tp if sp else 1)
         self.routers.replay(tokens)
 
     def _replay_after(self, model: torch.nn.Module, output: torch.Tensor, mb: TensorDict) -> None:
@@ -276,7 +276,7 @@ class MegatronReplay:
             output.register_hook(lambda grad: routers.replay_backward())
 
     def _gathered_records(self, *, rows: int) -> torch.Tensor:
-        """``[rows, width, local MoE layers, topk]`` int32: the routes the actor's routers recorded in the last
+        """``[rows, width, this stage's MoE layers, topk]`` int32: the routes the actor's routers recorded in the last
         forward, the whole sequence (gathered over the sequence-parallel ranks)."""
         local = torch.stack(self.routers.recorded())
         if self.cfg.sequence_parallel and self.tp > 1:
@@ -287,16 +287,16 @@ class MegatronReplay:
         return rows_of(local, rows=rows).to(torch.int32).cpu()
 
     def _recorded_routes(self, td: TensorDict, groups: list[list[int]] | None) -> Mapping[str, torch.Tensor]:
-        """R2's recorded routes of the shard ``td`` in its row order, ``{ROUTED_EXPERTS: [B, L, num_moe_layers,
-        topk]}`` (empty where this pass recorded nothing): this stage's MoE layers hold what its routers chose for
-        every token of each micro-batch, its padding included (so that an update over the same micro-batches routes
-        exactly as the recording did); positions past a micro-batch's width and other pipeline stages' layers (each
-        stage replays its own) the dummy experts."""
+        """R2's recorded routes of the shard ``td`` in its row order, ``{ROUTED_EXPERTS: [B, L, num_layers, topk]}``
+        (empty where this pass recorded nothing): this stage's MoE layers hold what its routers chose for every token
+        of each micro-batch, its padding included (so that an update over the same micro-batches routes exactly as
+        the recording did); positions past a micro-batch's width, dense layers and other pipeline stages' layers
+        (each stage replays its own) the dummy experts."""
         if not self._recorded:
             return {}
         from runtime.train.packing import in_row_order
 
-        topk, layers = self.shape.moe.router_topk, sum(self.shape.moe.layer_pattern)
+        topk, layers = self.shape.moe.router_topk, len(self.shape.moe.layer_pattern)
         rows, length = td.batch_size[0], td[TOKENS].shape[1]
         parts = []
         for part in self._recorded:
@@ -311,13 +311,11 @@ class MegatronReplay:
 __all__ = [
     "PASS_ACTIONS",
     "REPLAY_FLAGS",
-    "ROUTED_EXPERTS",
     "ActorRouters",
     "MegatronReplay",
     "check_routes",
     "dummy_routes",
-    "flag_of",
-    "moe_slot",
+    "layer_slot",
     "replay_mode",
     "replay_problems",
     "rows_of",
