@@ -135,12 +135,14 @@ def _trainer(path, cfg, mode: str, **kw):
     return trainer("megatron", path, cfg, hooks=TrainHooks(args=flags), **kw)
 
 
-def _with_advantages(td, cfg, log_probs):
-    """``td`` with ``log_probs`` and GRPO advantages, the old log-probs nudged so that the ratio is not one."""
+def _with_advantages(td, cfg, log_probs, *, first_row: int = 0):
+    """``td`` (rows from ``first_row`` of a batch) with ``log_probs`` and GRPO advantages, the old log-probs nudged by
+    a function of the batch's row and position, so that the ratio is not one."""
     td = td.clone()
     td.update(log_probs)
-    mask = td[keys.MASK]
-    td.set(keys.OLD_LOG_PROBS, td[keys.OLD_LOG_PROBS] + 0.05 * torch.sin(torch.arange(mask.numel())).view_as(mask))
+    rows, width = td[keys.MASK].shape
+    where = torch.arange(first_row * width, (first_row + rows) * width).view(rows, width)
+    td.set(keys.OLD_LOG_PROBS, td[keys.OLD_LOG_PROBS] + 0.05 * torch.sin(where))
     return compute(td, advantage_config(cfg))
 
 
@@ -421,3 +423,50 @@ def test_replay_refuses_a_batch_without_routes_and_a_dense_model(tmp_path):
     dense = save_model("qwen3", tmp_path / "dense")
     with pytest.raises(ValueError, match="--use-routing-replay: routing replay needs a MoE model"):
         _trainer(dense, cfg, "trainer", roles=(ACTOR,))
+
+
+def _routed_batch():
+    td = make_batch(VOCAB)
+    td.set(ROUTED_EXPERTS, _foreign_routes(td, layers=2, topk=2, experts=8))
+    return td
+
+
+def _ep_worker(rank, port, path, tmp, out):
+    cfg = _job(tmp, expert_model_parallel_size=2, actor_num_gpus_per_node=2)
+    backend = _trainer(path, cfg, "rollout", roles=(ACTOR,), rank=rank, world_size=2, master_port=port)
+    try:
+        part = _routed_batch()[4 * rank : 4 * rank + 4]  # each data-parallel rank one group of 4
+        log_probs = backend.compute_log_probs(part)
+        metrics = backend.train(_with_advantages(part, cfg, log_probs, first_row=4 * rank), per_step_rows=4)
+        torch.save({"log_probs": log_probs[keys.OLD_LOG_PROBS], "metrics": metrics}, f"{out}.{rank}")
+    finally:
+        backend.shutdown()
+
+
+@pytest.mark.slow  # two processes spawned: about 100 s on two loaded CPU cores
+def test_expert_parallel_replay_equals_one_rank(tmp_path):
+    """R3 with foreign routes at EP=2 over gloo (two processes, each a data-parallel rank holding half the experts
+    and half the rows; the routes name global experts, dispatched to the rank that holds them) against EP=1: the same
+    log-probs, loss and gradient norm. Catches routes taken as local expert ids or sliced by expert rank."""
+    import torch.multiprocessing as mp
+    from test_megatron_backend import _free_port
+
+    path = save_qwen3_moe(tmp_path / "m")
+    out = str(tmp_path / "ep2.pt")
+    mp.spawn(_ep_worker, args=(_free_port(), path, tmp_path, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    cfg = _job(tmp_path)
+    one = _trainer(path, cfg, "rollout", roles=(ACTOR,))
+    try:
+        td = _routed_batch()
+        log_probs = one.compute_log_probs(td)
+        want = one.train(_with_advantages(td, cfg, log_probs), per_step_rows=8)
+    finally:
+        one.shutdown()
+    mask = td[keys.MASK]
+    got = torch.cat([r["log_probs"] for r in ranks])
+    # float32 both: the same experts compute the same tokens in other batches (summation order only).
+    torch.testing.assert_close(got[mask], log_probs[keys.OLD_LOG_PROBS][mask], rtol=1e-5, atol=2e-5)
+    for name in ("loss", "pg_loss", "grad_norm"):
+        assert {r["metrics"][name] for r in ranks} == {ranks[0]["metrics"][name]}  # reduced over the DP ranks
+        assert ranks[0]["metrics"][name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
