@@ -8,7 +8,7 @@ own routes in the old-log-prob pass and replays them in the update.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
@@ -80,17 +80,12 @@ def test_layer_slots_skip_dense_layers():
         mr.layer_slot(3, pattern)
 
 
-def test_modes_follow_slimes_flags():
-    flags = SimpleNamespace
-    assert mr.replay_mode(SimpleNamespace(args=flags())) is None
-    assert mr.replay_mode(SimpleNamespace(args=flags(use_routing_replay=True))) == "trainer"
-    # Both: R3 (the rollout's routes), as slime's actor.
-    both = flags(use_routing_replay=True, use_rollout_routing_replay=True)
-    assert mr.replay_mode(SimpleNamespace(args=both)) == "rollout"
+def test_replay_is_refused_on_a_dense_model_only():
     assert mr.replay_problems("rollout", None) == [
         "--use-rollout-routing-replay: routing replay needs a MoE model (this one is dense: no router to replay)"
     ]
     assert mr.replay_problems("rollout", object()) == [] and mr.replay_problems(None, None) == []
+    assert "not one of ['rollout', 'trainer']" in mr.replay_problems("r3", object())[0]
 
 
 # ------------------------------------------------------------------ megatron-core's models
@@ -104,7 +99,7 @@ from rlcore import keys  # noqa: E402
 from rlcore.advantages import compute  # noqa: E402
 from runtime.train.algo import advantage_config  # noqa: E402
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS  # noqa: E402
-from runtime.train.hooks import TrainHooks  # noqa: E402
+from runtime.train.hooks import train_hooks  # noqa: E402
 from runtime.train.roles import ACTOR  # noqa: E402
 
 VOCAB = 203
@@ -129,10 +124,16 @@ def _job(tmp_path, **overrides):
     return job(tmp_path, use_kl_loss=False, **overrides)
 
 
-def _trainer(path, cfg, mode: str, **kw):
-    """A Megatron trainer whose job sets slime's replay flags as ``mode`` says."""
-    flags = SimpleNamespace(use_rollout_routing_replay=mode == "rollout", use_routing_replay=mode == "trainer")
-    return trainer("megatron", path, cfg, hooks=TrainHooks(args=flags), **kw)
+# The replay mode -> slime's flag that selects it.
+FLAGS = {"rollout": "use_rollout_routing_replay", "trainer": "use_routing_replay"}
+
+
+def _trainer(path, cfg, mode: str | None, **kw):
+    """A Megatron trainer of ``cfg`` with slime's flag of replay ``mode`` set (through the driver's TrainHooks)."""
+    flags = {FLAGS[mode]: True} if mode else {}
+    hooks = train_hooks(dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, **flags)))
+    assert hooks.routing_replay == mode
+    return trainer("megatron", path, cfg, hooks=hooks, **kw)
 
 
 def _with_advantages(td, cfg, log_probs, *, first_row: int = 0):

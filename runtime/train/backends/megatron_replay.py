@@ -56,15 +56,9 @@ PASS_ACTIONS: dict[str | None, dict[str, str]] = {
 
 
 def replay_mode(hooks: Any) -> str | None:
-    """The trainer's routing-replay mode (a key of :data:`PASS_ACTIONS`): ``hooks.routing_replay`` (the driver's
-    :class:`~runtime.train.hooks.TrainHooks`), else slime's flags on the job's config ``hooks.args`` (R3 first)."""
-    mode = getattr(hooks, "routing_replay", None)
-    if mode is not None:
-        return mode
-    for name, flag in REPLAY_FLAGS.items():
-        if getattr(hooks.args, flag[2:].replace("-", "_"), False):
-            return name
-    return None
+    """The trainer's routing-replay mode (a key of :data:`PASS_ACTIONS`): the driver's
+    :class:`~runtime.train.hooks.TrainHooks`' ``routing_replay``, from slime's flags."""
+    return hooks.routing_replay
 
 
 def replay_problems(mode: str | None, moe: Any) -> list[str]:
