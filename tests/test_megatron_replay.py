@@ -379,6 +379,37 @@ def test_activation_recompute_replays_the_same_routes(tmp_path):
     assert all(torch.equal(rerun_weights[k], plain_weights[k]) for k in plain_weights)
 
 
+def test_recompute_after_later_forwards_pops_each_micro_batchs_own_routes(tmp_path):
+    """Forwards and backwards as a 1F1B pipeline interleaves them (two micro-batches' forwards, then their backwards
+    in order) under full recompute with R3: each backward's gradients equal that micro-batch's alone (forward then
+    backward). Catches a recompute that takes the latest forward's routes (REPLAY_FORWARD's target) instead of
+    popping its own (REPLAY_BACKWARD, switched on by the output's gradient hook)."""
+    path = save_qwen3_moe(tmp_path / "m")
+    cfg = _job(tmp_path, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    td = _routed_batch()
+    first, second = td[:3], td[3:5]
+    backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
+    params = [p for p in backend.model.parameters() if p.requires_grad]
+
+    def grads(output):
+        for p in params:
+            p.grad = None
+        output.float().square().mean().backward()
+        return [p.grad.clone() for p in params]
+
+    try:
+        backend.model.train()  # megatron-core recomputes in training mode only
+        with backend._shims(), backend._replay_pass("train"):
+            alone = [grads(backend._logits(backend.model, mb)) for mb in (first, second)]
+            outputs = [backend._logits(backend.model, mb) for mb in (first, second)]
+            interleaved = [grads(output) for output in outputs]
+    finally:
+        backend.shutdown()
+    for want, got in zip(alone, interleaved, strict=True):
+        # The same operations on the same inputs: the same gradients.
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_recorded_routes_follow_the_shards_rows_under_dynamic_batches(tmp_path):
     """R2 under --use-dynamic-batch-size (rows regrouped into micro-batches by their tokens): the routes recorded for
     each row's tokens are the experts the routers choose for that row in a plain forward of the whole shard. Catches
