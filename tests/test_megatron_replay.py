@@ -446,7 +446,8 @@ def test_replay_refuses_a_batch_without_routes_and_a_dense_model(tmp_path):
     cfg = _job(tmp_path)
     backend = _trainer(path, cfg, "rollout", roles=(ACTOR,))
     try:
-        with pytest.raises(ValueError, match="--use-rollout-routing-replay: the batch has no routed_experts"):
+        missing = "--use-rollout-routing-replay: the batch has no routed_experts .the routes to replay: the rollout"
+        with pytest.raises(ValueError, match=missing):
             backend.compute_log_probs(make_batch(VOCAB))
     finally:
         backend.shutdown()

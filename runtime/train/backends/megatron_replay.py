@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 # The flag that selects each replay mode (runtime.train.hooks.routing_replay's names).
 REPLAY_FLAGS = {"rollout": "--use-rollout-routing-replay", "trainer": "--use-routing-replay"}
+# Where each mode's routes come from (named when a batch lacks them).
+ROUTES_FROM = {"rollout": "the rollout engine reports them", "trainer": "the old-log-prob pass records them"}
 # What the actor's routers do in each pass of a mode ("record": their own top k, kept; "replay": the batch's routes);
 # a pass not listed (the SFT step; no mode) routes as the routers choose.
 PASS_ACTIONS: dict[str | None, dict[str, str]] = {
@@ -241,8 +243,8 @@ class MegatronReplay:
             return
         if ROUTED_EXPERTS not in mb.keys():
             raise ValueError(
-                f"{REPLAY_FLAGS[self.replay_mode]}: the batch has no {ROUTED_EXPERTS} (the routes to replay; the "
-                "rollout engine must report them)"
+                f"{REPLAY_FLAGS[self.replay_mode]}: the batch has no {ROUTED_EXPERTS} (the routes to replay: "
+                f"{ROUTES_FROM[self.replay_mode]})"
             )
         moe = self.shape.moe
         routes = mb[ROUTED_EXPERTS]
