@@ -21,12 +21,12 @@ and bf16 weights cast once per optimizer step from the float32 ones, gradients s
 (:meth:`TorchTrainer._step_scope`).
 
 This module is the trainer's construction (process group, models, optimizers) and state (the old actor, the
-reference's update, RNG); its forward passes and log-prob passes are ``torch_forward``'s, its optimizer steps
-``torch_step``'s, the models it trains are built and wrapped (LoRA, recompute, compile, FSDP2, the critic's value
-head) by ``torch_models``, slime's loss hooks adapted to its micro-batches by ``torch_loss_hooks``, its weights sent
-out and checkpoints written by ``torch_export`` (through ``torch_checkpoint``), its memory released while colocated
-by ``torch_offload``, and its micro-batches cut by ``runtime.train.packing``. The trainer composes them as mixins;
-every name this module had still imports from it.
+reference's update, RNG); its forward passes and log-prob passes are ``torch_forward``'s (with MoE routing replay
+through ``torch_replay``), its optimizer steps ``torch_step``'s, the models it trains are built and wrapped (LoRA,
+recompute, compile, FSDP2, the critic's value head) by ``torch_models``, slime's loss hooks adapted to its
+micro-batches by ``torch_loss_hooks``, its weights sent out and checkpoints written by ``torch_export`` (through
+``torch_checkpoint``), its memory released while colocated by ``torch_offload``, and its micro-batches cut by
+``runtime.train.packing``. The trainer composes them as mixins; every name this module had still imports from it.
 """
 
 from __future__ import annotations
@@ -46,18 +46,19 @@ from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.backends.torch_export import TorchExport
-from runtime.train.backends.torch_forward import ROLLOUT_ENTROPY, TorchForward, _identity  # noqa: F401  (moved, as above)
+from runtime.train.backends.torch_forward import ROLLOUT_ENTROPY, TorchForward, _identity  # noqa: F401
 from runtime.train.backends.torch_loss_hooks import TorchLossHooks
 from runtime.train.backends.torch_models import load_model, uses_bf16
 from runtime.train.backends.torch_offload import TorchOffload
-from runtime.train.backends.torch_step import (
-    TorchStep,
-    _host_lengths,  # noqa: F401  (moved: importable from here still)
-)
+from runtime.train.backends.torch_replay import RouteReplay
+from runtime.train.backends.torch_step import TorchStep, _host_lengths  # noqa: F401
 from runtime.train.hooks import TrainHooks
 from runtime.train.offload import HostOffload
-from runtime.train.packing import micro_batches  # noqa: F401  (megatron_forward's)
+from runtime.train.packing import micro_batches  # noqa: F401
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
+
+# The noqa names above: ROLLOUT_ENTROPY, _identity and _host_lengths moved with the methods that read them, and
+# megatron_forward reads micro_batches from here; they all still import from this module.
 
 # The roles this backend builds a model for; others are refused by name at construction.
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
@@ -141,6 +142,14 @@ class TorchTrainer(TorchForward, TorchStep, TorchLossHooks, TorchExport, TorchOf
                     f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
                     f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
                 )
+        # MoE routing replay of the actor's routers (torch_replay): "rollout" (R3) replays the batch's ROUTED_EXPERTS,
+        # "trainer" (R2) records them in the old-log-prob pass and replays them in the update.
+        self.route_replay = RouteReplay(self.model) if self.hooks.routing_replay else None
+        if self.hooks.routing_replay == "trainer" and train_cfg.keep_old_actor:
+            raise ValueError(
+                "--use-routing-replay records the routes of the old-log-prob pass, which --keep-old-actor runs on "
+                "another copy of the weights: use --use-rollout-routing-replay, or leave one of them out"
+            )
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False

@@ -18,7 +18,10 @@ from rlcore.kernels import linear_rl_loss
 from rlcore.losses import Normalizer, critic_loss, rl_loss
 from runtime.train.backends import lora
 from runtime.train.backends.torch_models import loss_in_head
-from runtime.train.batch import NUCLEUS_IDS
+from runtime.train.batch import (
+    NUCLEUS_IDS,
+    ROUTED_EXPERTS,
+)
 from runtime.train.metrics import add_step, sums_and_maxima
 
 
@@ -92,6 +95,10 @@ class TorchStep:
         averaged, maxima the largest of any step: ``runtime.train.metrics``), plus ``grad_norm`` and ``num_steps``.
         """
         self._check_resident()
+        if self.route_replay is not None and ROUTED_EXPERTS not in td.keys():
+            raise ValueError(
+                "routing replay: the shard has no routed_experts (R3: from the engine; R2: from compute_log_probs)"
+            )
         n = td.batch_size[0]
         if isinstance(per_step_rows, int):
             if n % per_step_rows:
