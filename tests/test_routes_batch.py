@@ -113,3 +113,22 @@ def test_routes_follow_their_tokens_through_splits_and_reorders(sizes, micro, bu
             assert_aligned(mb[TOKENS], mb[ROUTED_EXPERTS], mb["length"])
     merged = merge_shards(shards, global_batch_size=len(samples))
     assert torch.equal(merged[ROUTED_EXPERTS], balanced[ROUTED_EXPERTS])
+
+
+@pytest.mark.parametrize("flag", ["use_rollout_routing_replay", "use_routing_replay"])
+def test_replay_is_refused_for_a_dense_model_by_name(tmp_path, flag):
+    # Catches: a dense model accepted (nothing to replay: every batch would fail later, or replay silently nothing),
+    # and a MoE checkpoint refused.
+    from runtime.config import ConfigError, from_dict, validate
+
+    shown = "--" + flag.replace("_", "-")
+    with pytest.raises(ConfigError, match=f"{shown} replays MoE routes; the built-in tiny model is dense"):
+        validate(from_dict(None, **{flag: True}))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match=rf"{shown} replays MoE routes; --hf-checkpoint .* is a dense llama"):
+        validate(from_dict(None, hf_checkpoint=str(tmp_path), **{flag: True}))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}')
+    try:
+        validate(from_dict(None, hf_checkpoint=str(tmp_path), **{flag: True}))
+    except ConfigError as err:
+        assert "MoE routes" not in str(err)
