@@ -243,6 +243,8 @@ VALUE_REFUSALS = {
     "--use-wandb": "needs the wandb package",  # where it is not installed
     # --no-offload-train/-rollout beside it: SGLang servers hold a fixed fraction of their GPU (slime honours them).
     "--colocate": "hold a fixed fraction of their GPU",
+    # An engine over GPUs of several nodes (slime's GLM-4.7-355B script: 32).
+    "--rollout-num-gpus-per-engine": "rlcore launches single-node SGLang servers only",
 }
 
 
@@ -280,8 +282,10 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys):
+def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys, monkeypatch):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
+    # The script's `ray job submit` runs its entry point with RAY_ADDRESS set (a multi-node job joins that cluster).
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     args = [*_local_files(tmp_path, fixture["args"], fixture["hf_config"]), "--train-backend", "torch"]
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
@@ -314,8 +318,11 @@ def _megatron_reason(name):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(script, tmp_path, capsys):
+def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(
+    script, tmp_path, capsys, monkeypatch
+):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as `ray job submit` sets it for the script's entry point
     args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
     megatron = ["--train-backend", "megatron", "--dry-run", "--output-dir", str(tmp_path / "out")]
     expected = set(fixture["megatron_refusals"])

@@ -325,9 +325,10 @@ class MegatronBuild:
     def _transformer_config(self) -> Any:
         return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu)
 
-    def _build(self, path: str, *, trainable: bool, value_head: bool = False) -> torch.nn.Module:
+    def _build(self, path: str, *, trainable: bool, value_head: bool = False, replay: bool = False) -> torch.nn.Module:
         """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training; with
-        ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused."""
+        ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused;
+        with ``replay`` its routers can replay given routes (the actor's, :mod:`megatron_replay`)."""
         from megatron.core.models.gpt import GPTModel
 
         from runtime.train.backends.megatron_layers import decoder_spec
@@ -339,6 +340,7 @@ class MegatronBuild:
         if shape != self.shape and trainable:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
         config = self._transformer_config()
+        config.moe_enable_routing_replay = replay
         spec = decoder_spec(
             shape,
             attention_backend=self.cfg.attention_backend,

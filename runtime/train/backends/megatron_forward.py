@@ -33,7 +33,10 @@ class MegatronForward:
             # The rows' right padding stays out of the routers' balancing loss and expert-bias counts.
             seq_lens = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).to(self.device)
             extra["padding_mask"] = mmoe.padding_mask(seq_lens, tokens.shape[1])
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
+        self._replay_before(model, mb, tokens.shape[1])  # routing replay: the actor's routers take mb's routes
+        output = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
+        self._replay_after(model, output, mb)
+        return output
 
     def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
