@@ -129,7 +129,7 @@ def test_engine_routes_equal_a_plain_forwards_router_choices(models, name):
     # and the last token given a row.
     path = models[name]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = HFEngine(path, seed=0, max_running_requests=2)
+    engine = HFEngine(path, seed=0, max_running_requests=4)  # two group rows of two samples, one refilled
     plain = AutoModelForCausalLM.from_pretrained(path)
     prompts = [p for p in prompts_of(tokenizer, 3, seed=2) for _ in range(2)]  # groups of two samples a prompt
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, return_routed_experts=True))
