@@ -1,7 +1,8 @@
 """Routing replay under --train-backend megatron on two GPUs (skipped without them): the paths the CPU cannot run,
 R3 through PP=2's 1F1B schedule (each stage's MoE layers take their slice; the backward's recompute pops each
-micro-batch's own routes) and through TP=2 with sequence parallelism (each rank replays its chunk of the sequence),
-and R2's recording gathered over the sequence-parallel ranks, each against one GPU's replay, in float32 with TF32 off.
+micro-batch's own routes) and through TP=2 (``--sequence-parallel`` given, which trains as TP without it:
+``megatron_build.SEQUENCE_PARALLEL_NORMS``), and R2's recording at TP=2, each against one GPU's replay, in float32 with
+TF32 off.
 
 Run: ``python -m pytest -q tests/test_megatron_replay_cuda.py``. The CPU tests (``tests/test_megatron_replay.py``)
 check the replay itself: own routes bitwise, a perturbed router restored, padding, the reference model, recompute.
@@ -90,9 +91,9 @@ def test_rollout_routes_replay_over_two_gpus_as_on_one(layout, tmp_path):
     _assert_same_step(got, want)
 
 
-def test_recorded_routes_are_gathered_over_the_sequence_parallel_ranks(tmp_path):
-    """R2 at TP=2 with sequence parallelism: the routes recorded in the old-log-prob pass (each rank routes its chunk
-    of the sequence) come back whole, equal to one GPU's recording, and the replayed update equals one GPU's."""
+def test_recorded_routes_at_tp2_equal_one_gpus(tmp_path):
+    """R2 at TP=2: the routes recorded in the old-log-prob pass come back whole, equal to one GPU's recording, and the
+    replayed update equals one GPU's."""
     got, want = _two_against_one(tmp_path, "trainer", LAYOUTS["tp2-sp"])
     assert got["recorded"] is not None and got["recorded"].shape == want["recorded"].shape
     # Positions of real tokens but the last (whose prediction no loss reads): padding positions hold whatever each

@@ -59,6 +59,7 @@ from runtime.train.backends.megatron_build import (
     optimizer_config,
     process_group_backend,
     provider_context,
+    sequence_parallel,
     transformer_config,
 )
 from runtime.train.backends.megatron_export import MegatronExport
@@ -158,7 +159,7 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
             )
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
-        if self.cpu and train_cfg.sequence_parallel and self.tp > 1:
+        if self.cpu and sequence_parallel(train_cfg):
             problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
         if self.cpu and train_cfg.optimizer_cpu_offload:
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")

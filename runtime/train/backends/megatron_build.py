@@ -45,6 +45,19 @@ class ProviderContext:
 _PROVIDER_CONTEXT: contextvars.ContextVar[ProviderContext] = contextvars.ContextVar("megatron_provider_context")
 
 
+# Sequence parallelism needs norms that take it. megatron-core's own, without Transformer Engine or Apex
+# (WrappedTorchNorm), refuse it when the layers are built ("sequence parallel not supported by torch LayerNorm", seen
+# on two H200s at dc7f936). Until this backend builds norms that do, --sequence-parallel at TP > 1 trains as tensor
+# parallelism without it: the same arithmetic, with each rank's activations whole instead of cut along the sequence.
+SEQUENCE_PARALLEL_NORMS = False
+
+
+def sequence_parallel(cfg: Any) -> bool:
+    """Whether the model of ``cfg`` (the train section) is built sequence-parallel: never at TP 1 (Megatron-LM turns it
+    off there; slime's scripts pass it anyway), nor without norms that take it (:data:`SEQUENCE_PARALLEL_NORMS`)."""
+    return bool(cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1 and SEQUENCE_PARALLEL_NORMS)
+
+
 def provider_context() -> ProviderContext:
     """The :class:`ProviderContext` of the model being built, inside a ``--custom-model-provider-path`` call (slime's
     providers read Megatron's global ``get_args()`` instead, which rlcore does not set up)."""
@@ -204,8 +217,7 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         },
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        # Megatron-LM turns sequence parallelism off at TP 1 (slime's scripts pass it there too).
-        sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
+        sequence_parallel=sequence_parallel(cfg),
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runtime.train.backends.megatron_build import sequence_parallel
 from runtime.train.batch import ROUTED_EXPERTS, TOKENS
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ class MegatronReplay:
             topk=moe.router_topk,
             flag=REPLAY_FLAGS[self.replay_mode],
         )
-        sp = self.cfg.sequence_parallel and self.tp > 1
+        sp = sequence_parallel(self.cfg)
         mine = routes[:, :, self.routers.slots].to(self.device)
         tokens = token_routes(mine, width=width, sp_rank=self.tp_rank if sp else 0, sp_size=self.tp if sp else 1)
         self.routers.replay(tokens)
@@ -275,7 +276,7 @@ class MegatronReplay:
         """``[rows, width, this stage's MoE layers, topk]`` int32: the routes the actor's routers recorded in the last
         forward, the whole sequence (gathered over the sequence-parallel ranks)."""
         local = torch.stack(self.routers.recorded())
-        if self.cfg.sequence_parallel and self.tp > 1:
+        if sequence_parallel(self.cfg):
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             torch.distributed.all_gather(parts, local.contiguous(), group=self.tp_group)
             # Each rank holds its chunk of the sequence, all rows: sequence-major chunks concatenate in order.
