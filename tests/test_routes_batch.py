@@ -113,3 +113,51 @@ def test_routes_follow_their_tokens_through_splits_and_reorders(sizes, micro, bu
             assert_aligned(mb[TOKENS], mb[ROUTED_EXPERTS], mb["length"])
     merged = merge_shards(shards, global_batch_size=len(samples))
     assert torch.equal(merged[ROUTED_EXPERTS], balanced[ROUTED_EXPERTS])
+
+
+@pytest.mark.parametrize("flag", ["use_rollout_routing_replay", "use_routing_replay"])
+def test_replay_is_refused_for_a_dense_model_by_name(tmp_path, flag):
+    # Catches: a dense model accepted (nothing to replay: every batch would fail later, or replay silently nothing),
+    # and a MoE checkpoint refused.
+    from runtime.config import ConfigError, from_dict, validate
+
+    shown = "--" + flag.replace("_", "-")
+    with pytest.raises(ConfigError, match=f"{shown} replays MoE routes; the built-in tiny model is dense"):
+        validate(from_dict(None, **{flag: True}))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match=rf"{shown} replays MoE routes; --hf-checkpoint .* is a dense llama"):
+        validate(from_dict(None, hf_checkpoint=str(tmp_path), **{flag: True}))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}')
+    try:
+        validate(from_dict(None, hf_checkpoint=str(tmp_path), **{flag: True}))
+    except ConfigError as err:
+        assert "MoE routes" not in str(err)
+
+
+def test_the_flag_asks_the_engines_for_routes_and_puts_them_in_the_batch(tmp_path):
+    # Catches: --use-rollout-routing-replay not reaching the sampling params (no engine reports routes), the
+    # generation's routes not copied onto the sample, or the driver building the batch without them.
+    from types import SimpleNamespace
+
+    from runtime.config import from_dict
+    from runtime.engines.base import Generation, SamplingParams
+    from runtime.job import sampling_params
+    from runtime.rollout.generation import apply_generation
+    from runtime.train.driver import rollout_batch
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}')
+    on = from_dict(None, hf_checkpoint=str(tmp_path), use_rollout_routing_replay=True, rollout_max_response_len=4)
+    off = from_dict(None, hf_checkpoint=str(tmp_path), rollout_max_response_len=4)
+    assert sampling_params(on).return_routed_experts and not sampling_params(off).return_routed_experts
+    assert SamplingParams.from_dict(sampling_params(on).to_dict()) == sampling_params(on)
+    routes = np.arange(4 * LAYERS * TOPK, dtype=np.int32).reshape(4, LAYERS, TOPK) % EXPERTS
+    generation = Generation(token_ids=[7, 8], log_probs=[-1.0, -2.0], finish_reason="stop")
+    generation.extra["routed_experts"] = routes
+    tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda ids, **kw: "")
+    made = apply_generation(Sample(group_index=0, index=0, tokens=[4, 5, 6]), generation, tokenizer)
+    assert made.rollout_routed_experts is routes
+    made.reward = 1.0
+    assert torch.equal(
+        rollout_batch(on, [made], tokenizer, None, None)[ROUTED_EXPERTS][0, :4], torch.from_numpy(routes)
+    )
+    assert ROUTED_EXPERTS not in rollout_batch(off, [made], tokenizer, None, None).keys()
