@@ -222,20 +222,63 @@ def test_a_plugins_own_flag_is_refused_under_another_choice_with_the_reason(tmp_
         assert bool(mine) == (choice != owner), (choice, problems)
 
 
-def test_the_weight_syncs_options_are_the_transports_and_an_unset_transport_refuses_none(tmp_path):
+def test_the_weight_syncs_options_are_the_transports():
     from runtime.cluster.weight_sync import WEIGHT_SYNCS
     from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, WEIGHT_TRANSPORTS
-    from runtime.config import parse_args
 
     # The flag's choices are the options registry's names, each a weight sync the runtime builds.
     assert typing.get_args(_SPECS["update_weight_transport"][2]) == (typing.Literal[WEIGHT_TRANSPORTS], type(None))
     assert set(WEIGHT_SYNC_OPTIONS) == set(WEIGHT_TRANSPORTS) <= set(WEIGHT_SYNCS)
-    # Unset, the transport is derived when the job starts (disk under --colocate where ipc is not built), so the disk
-    # sync's settings are taken, not refused.
-    folder = str(tmp_path / "syncs")
-    cfg = parse_args(["--update-weight-disk-dir", folder, "--update-weight-disk-keep-files"])
-    assert cfg.sglang.update_weight_transport is None
-    assert (cfg.sglang.update_weight_disk_dir, cfg.sglang.update_weight_disk_keep_files) == (folder, True)
+
+
+def _disk_flags(tmp_path) -> list[list[str]]:
+    """Each of the disk sync's own flags set away from its default, from its declaration (a new one is covered)."""
+    from runtime.cluster.weight_sync_options import DiskSyncOptions
+
+    hook = tmp_path / "post_write.py"
+    hook.write_text("def publish(args, version_dir, rollout_engines):\n    pass\n")
+    values = {"custom_update_weight_post_write_path": f"{hook}:publish", "update_weight_disk_dir": str(tmp_path)}
+    return [_argv(f.name, values.get(f.name, True)) for f in dataclasses.fields(DiskSyncOptions)]
+
+
+# With --update-weight-transport unset the job derives its transport when it starts: the disk sync's settings were
+# taken and silently ignored when that was not disk. They are refused, naming what the job gets and the fix.
+@pytest.mark.parametrize(
+    ("argv", "derived"),
+    [
+        ([], "nccl or object_store"),  # engines on devices of their own: nccl on GPUs, Ray's object store on the CPU
+        (["--colocate"], "ipc"),
+        (["--colocate", "--train-backend", "megatron"], "ipc"),  # one Megatron process: ipc is built
+    ],
+)
+def test_a_disk_setting_with_the_transport_unset_is_refused_where_the_job_would_not_sync_by_disk(
+    capsys, tmp_path, argv, derived
+):
+    from runtime.cli import EXIT_BAD_INPUT, main
+
+    for disk in _disk_flags(tmp_path):
+        assert main([*disk, *argv, "--dry-run"]) == EXIT_BAD_INPUT, disk
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err, err
+        assert f"{disk[0]}: a setting of the disk weight sync, used by --update-weight-transport disk only" in err
+        assert f"(unset: {derived} in this job; give --update-weight-transport disk)" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--update-weight-transport", "disk"],
+        # Colocated with two Megatron processes the job derives disk (ipc reaches one engine from rank 0 alone).
+        ["--colocate", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"],
+    ],
+)
+def test_a_disk_setting_is_taken_where_the_job_syncs_by_disk(tmp_path, argv):
+    from runtime.config import parse_args
+
+    for disk in _disk_flags(tmp_path):
+        cfg = parse_args([*disk, *argv])
+        name = disk[0].removeprefix("--").replace("-", "_")
+        assert getattr(cfg, name) == (disk[1] if len(disk) > 1 else True), disk
 
 
 @pytest.mark.parametrize("procs", [1, 2])

@@ -35,13 +35,13 @@ def test_two_gpu_plan_on_one_gpu_fails_at_once_naming_colocate(one_gpu_cluster, 
 
 def _gpus(monkeypatch, tmp_path, n: int) -> None:
     """The driver shows ``n`` GPUs (``runtime.config`` counts them without torch), all visible."""
-    from runtime.config import schema
+    from runtime.cluster import resource_options
 
     driver = tmp_path / f"driver{n}"
     for i in range(n):
         (driver / f"0000:{i:02x}:00.0").mkdir(parents=True)
     driver.mkdir(exist_ok=True)
-    monkeypatch.setattr(schema, "NVIDIA_GPUS_DIR", str(driver))
+    monkeypatch.setattr(resource_options, "NVIDIA_GPUS_DIR", str(driver))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
@@ -53,7 +53,7 @@ def test_the_gpu_count_follows_the_driver_and_cuda_visible_devices(monkeypatch, 
     for visible, seen in (("1,3", 2), ("", 0), ("2", 1), ("0,-1,2", 1), ("0,1,2,3,4,5", 4)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert _local_gpus() == seen, visible
-    monkeypatch.setattr("runtime.config.schema.NVIDIA_GPUS_DIR", str(tmp_path / "no-driver"))
+    monkeypatch.setattr("runtime.cluster.resource_options.NVIDIA_GPUS_DIR", str(tmp_path / "no-driver"))
     assert _local_gpus() == 0
 
 

@@ -20,7 +20,7 @@ from runtime.demo.tiny_model import make_preset_model, make_tiny_model
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
 from runtime.train.attention import register_attention, varlen_attention
-from runtime.train.backends import torch_backend
+from runtime.train.backends import torch_forward, torch_step
 from runtime.train.backends.torch_backend import TorchTrainer
 from runtime.train.batch import build_batch
 from runtime.train.packing import pack_by_tokens, packed_inputs, padded_inputs
@@ -211,12 +211,22 @@ def _float64_model(path: str, attention: str = "sdpa") -> torch.nn.Module:
 # ---------------------------------------------------------------- the trainer: packed, fused, recompute
 
 
+def _full_logits(monkeypatch) -> None:
+    """The trainer's passes through the model's full logits, never the loss inside the LM head: the log-prob passes'
+    (torch_forward) and the step's (torch_step)."""
+    # The methods that choose look the name up in these modules: a later move fails here instead of testing nothing.
+    readers = {TorchTrainer._micro_log_probs.__module__, TorchTrainer._train_step.__module__}
+    assert readers == {torch_forward.__name__, torch_step.__name__}, readers
+    for module in (torch_forward, torch_step):
+        monkeypatch.setattr(module, "loss_in_head", lambda model: False)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_packed_trainer_equals_the_padded_trainer(llama_path, tmp_path, fused, monkeypatch):
     """Log-probs (actor and reference), loss, metrics and the weights after a step: packed micro-batches of at most
     40 real tokens (90 for the log-prob passes; rows regrouped) against right-padded micro-batches of four rows."""
     if not fused:
-        monkeypatch.setattr(torch_backend, "loss_in_head", lambda model: False)
+        _full_logits(monkeypatch)
     td = build_batch(_samples(len(task.ALPHABET) + 4, seed=1), pad_token_id=0)
     padded_cfg = _cfg(tmp_path, use_kl_loss=True)
     packed_cfg = _cfg(
@@ -234,7 +244,7 @@ def test_the_fused_head_equals_the_full_logits_path(qwen3_path, tmp_path, monkey
     cfg = _cfg(tmp_path, use_kl_loss=True, use_dynamic_batch_size=True, max_tokens_per_gpu=40)
     td = build_batch(_samples(QWEN3_TINY["vocab_size"], seed=2), pad_token_id=0)
     fused = _step(_trainer(qwen3_path, cfg), td, cfg)
-    monkeypatch.setattr(torch_backend, "loss_in_head", lambda model: False)
+    _full_logits(monkeypatch)
     _assert_same_step(fused, _step(_trainer(qwen3_path, cfg), td, cfg))
 
 
@@ -377,13 +387,13 @@ def _free_port():
 def _fsdp_rank(rank, world_size, port, path, cfg, td, out_dir):
     torch.set_num_threads(1)
     calls = []
-    fused = torch_backend.linear_rl_loss
+    fused = torch_step.linear_rl_loss
 
     def counting(*args, **kwargs):
         calls.append(1)
         return fused(*args, **kwargs)
 
-    torch_backend.linear_rl_loss = counting
+    torch_step.linear_rl_loss = counting
     trainer = _trainer(path, cfg, rank=rank, world_size=world_size, master_port=port)
     per_rank = td.batch_size[0] // world_size
     shard = td[rank * per_rank : (rank + 1) * per_rank]

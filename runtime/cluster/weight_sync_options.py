@@ -8,7 +8,8 @@ Every weight sync reads :class:`WeightSyncOptions` (composed into the config's `
 (:class:`DiskSyncOptions`, ``disk``'s) and its entry in :data:`WEIGHT_SYNC_OPTIONS`: ``runtime.config`` composes it
 into its section, refuses its flags under another ``--update-weight-transport``, and runs the chosen transport's
 ``check``. Unset, the transport is derived when the job starts (the engine kind's default:
-``runtime.engines.registry``), so no transport's settings are refused then. (``ipc``'s need of ``--colocate`` is with
+``runtime.engines.registry``); a transport's settings are refused then unless the derivation can pick it
+(:func:`derived_transports`). (``ipc``'s need of ``--colocate`` is with
 the other colocate rules, on the composed config: ``runtime.config.checks``; an SGLang engine's limit on ``ipc`` is
 in ``runtime.engines.sglang_options``.)"""
 
@@ -18,6 +19,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.engines.registry import ROLLOUT_ENGINES
 from runtime.option_fields import bounded, described, hook, own_fields, slime
 
 
@@ -158,3 +160,10 @@ OPTIONS: dict[str, type] = {"rollout": WeightSyncOptions, "sglang": WeightTransp
 def weight_sync_options(name: str) -> types.SimpleNamespace:
     """The options of ``--update-weight-transport name`` (see :data:`WEIGHT_SYNC_OPTIONS`)."""
     return WEIGHT_SYNC_OPTIONS[name]
+
+
+def derived_transports(cfg: Any) -> tuple[str, ...]:
+    """The transports the job gets with ``--update-weight-transport`` unset: its engine kind's default
+    (``EngineKind.weight_sync``), on GPUs and on the CPU (the config does not know which the job will run on)."""
+    kind = ROLLOUT_ENGINES[cfg.rollout.rollout_engine]
+    return tuple(dict.fromkeys(kind.weight_sync(cfg, use_gpu) for use_gpu in (True, False)))

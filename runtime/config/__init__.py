@@ -8,8 +8,8 @@ cannot work together raise ``ConfigError`` naming the flags, before anything sta
 On a CPU-only machine the ``*_gpus*`` fields count processes (CPU slots): ``--actor-num-gpus-per-node 2`` runs
 two trainer processes, ``--rollout-num-gpus 1`` one embedded engine.
 
-The package by responsibility: :mod:`.schema` (the sections, composed from where each is declared: the shared ones
-there, the others beside the code that reads them), :mod:`.typecheck` (types and bounds, by pydantic),
+The package by responsibility: :mod:`.schema` (the sections composed into ``Config``, each declared beside the code
+that reads it, with the plug-ins' options), :mod:`.typecheck` (types and bounds, by pydantic),
 :mod:`.resolve` (a ``Config`` from settings), :mod:`.evalsets`, :mod:`.yaml_io`, :mod:`.checks` (``validate``) and
 :mod:`.argv` (the command line). Every name is importable from ``runtime.config``.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_compat
-from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, weight_sync_options
+from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, derived_transports, weight_sync_options
 from runtime.config.evalsets import _eval_dataset_problems, eval_datasets
 from runtime.config.resolve import from_dict
 from runtime.config.schema import (
@@ -352,7 +352,30 @@ def _not_creatable_dir(path: str) -> str | None:
     return None
 
 
+# The config.json fields that give a MoE model's routed experts (qwen3_moe, mixtral/olmoe, glm4_moe/deepseek_v3).
+MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_routing_replay(problems: list[str], cfg: Config) -> None:
+    """``--use-routing-replay`` / ``--use-rollout-routing-replay`` replay experts: a model without them is refused."""
+    a = cfg.algo
+    if not (a.use_routing_replay or a.use_rollout_routing_replay):
+        return
+    shown = "--use-rollout-routing-replay" if a.use_rollout_routing_replay else "--use-routing-replay"
+    if cfg.model.hf_checkpoint is None:
+        problems.append(f"{shown} replays MoE routes; the built-in tiny model is dense (give a MoE --hf-checkpoint)")
+        return
+    hf = read_config_json(cfg.model.hf_checkpoint)
+    text = hf.get("text_config", hf) if hf is not None else None
+    if isinstance(text, dict) and not any(text.get(name) for name in MOE_EXPERT_FIELDS):
+        problems.append(
+            f"{shown} replays MoE routes; --hf-checkpoint {cfg.model.hf_checkpoint} is a dense "
+            f"{text.get('model_type', 'model')} (no {'/'.join(MOE_EXPERT_FIELDS)} in its config.json)"
+        )
+
+
 def _check_combinations(problems: list[str], cfg: Config) -> None:
+    _check_routing_replay(problems, cfg)
     if cfg.rollout.rollout_max_response_len is None and not slime_compat.is_sft_job(cfg):
         problems.append(
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "
@@ -517,13 +540,16 @@ def installed(dotted: str) -> bool:
 # The plug-in kinds: the flag that chooses one -> its registry of options modules and the loader of one. Each module
 # declares ``OWN_FIELDS`` (its flags: refused under another choice) and, when it has rules, ``check(problems, cfg)``
 # (run when it is chosen). Which flag belongs to which plug-in is the plug-ins' declaration, not a list kept here.
-# A kind whose flag is unset (--update-weight-transport: derived when the job starts) refuses nothing.
+# A kind whose flag is unset is derived when the job starts (DERIVED_CHOICES: what it can be), or refuses nothing.
 PLUGIN_KINDS: dict[str, tuple[Mapping[str, Any], Callable[[str], Any]]] = {
     "train_backend": (TRAIN_BACKEND_OPTIONS, backend_options),
     "rollout_engine": (ROLLOUT_ENGINE_OPTIONS, engine_options),
     "rollout_schedule": (SCHEDULE_OPTIONS, schedule_options),
     "update_weight_transport": (WEIGHT_SYNC_OPTIONS, weight_sync_options),
 }
+# The kinds whose flag, unset, is derived when the job starts: the choices the derivation can make for a config. A
+# plug-in's own flag set while its plug-in is none of them would be ignored, so it is refused.
+DERIVED_CHOICES: dict[str, Callable[[Config], tuple[str, ...]]] = {"update_weight_transport": derived_transports}
 
 
 def _check_plugins(problems: list[str], cfg: Config) -> None:
@@ -533,15 +559,20 @@ def _check_plugins(problems: list[str], cfg: Config) -> None:
     defaults = from_dict(hf_checkpoint=cfg.model.hf_checkpoint, prompt_data=cfg.data.prompt_data)
     for kind, (registry, options) in PLUGIN_KINDS.items():
         chosen = getattr(cfg, kind)
-        if chosen is None:
+        if chosen is None and kind not in DERIVED_CHOICES:
             continue
+        derived = DERIVED_CHOICES[kind](cfg) if chosen is None else ()
         for owner in registry:
-            if owner == chosen:
+            if owner == chosen or owner in derived:
                 continue
+            # Unset and derived: the refusal says what the job gets instead, and how to have the owner.
+            unset = f" (unset: {' or '.join(derived)} in this job; give {flag(kind)} {owner})" if derived else ""
             for name, what in options(owner).OWN_FIELDS.items():
                 if getattr(cfg, name) != getattr(defaults, name):
                     shown = _SPECS[name][1].metadata.get("flag", flag(name))
-                    problems.append(f"{shown}: {what}, used by {flag(kind)} {owner} only")
+                    problems.append(f"{shown}: {what}, used by {flag(kind)} {owner} only{unset}")
+        if chosen is None:
+            continue
         check = getattr(options(chosen), "check", None)
         if check is not None:
             check(problems, cfg)

@@ -6,7 +6,7 @@ the mismatch corrections and on-policy distillation (slime's algorithm flags), r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from runtime.option_fields import bounded, described, hook, slime
 
@@ -125,6 +125,28 @@ class AlgoConfig:
             "with --use-tis or --get-mismatch-metrics: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
             "loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), in place of TIS",
             slime=slime("algo", None, differs="torch backend only; metrics are token means"),
+        ),
+    )
+    use_routing_replay: bool = field(
+        default=False,
+        metadata=described(
+            "MoE routing replay (R2, arXiv 2507.18071): the actor's old-log-prob forward records each token's experts "
+            "and its training forwards replay them, the gate weights recomputed from the current router",
+            slime=slime("algo", False, differs="MoE models only (refused for a dense model)"),
+        ),
+    )
+    use_rollout_routing_replay: bool = field(
+        default=False,
+        metadata=described(
+            "MoE rollout routing replay (R3, arXiv 2510.11370): every forward of the actor replays the experts the "
+            "rollout engine chose for each token (implies --use-routing-replay), the gate weights recomputed from the "
+            "current router",
+            slime=slime(
+                "algo",
+                False,
+                differs="MoE models only; the embedded engine reports routes too (slime: SGLang's "
+                "return_routed_experts)",
+            ),
         ),
     )
     use_rollout_logprobs: bool = field(
@@ -295,3 +317,10 @@ class AlgoConfig:
         """The estimator's name in ``rlcore.advantages`` (slime's ``ppo`` is ``gae``, ``on_policy_distillation``
         is ``distillation``; the others are spelled alike)."""
         return _CORE_ESTIMATOR_NAMES.get(self.advantage_estimator, self.advantage_estimator)
+
+
+def teacher_from_samples(cfg: Any) -> bool:
+    """Whether the teacher's log-probs come with the samples (``--use-opd --opd-type sglang``: a teacher server,
+    asked by a reward or generate function), not from a teacher model in the trainers. ``cfg``: a
+    ``runtime.config.Config``."""
+    return cfg.algo.use_opd and cfg.algo.opd_type == "sglang"

@@ -20,76 +20,51 @@ activation recompute of every decoder layer (``--recompute-granularity full``), 
 and bf16 weights cast once per optimizer step from the float32 ones, gradients summed in float32
 (:meth:`TorchTrainer._step_scope`).
 
-This module is the trainer's forward passes and steps; the models it trains are built and wrapped (LoRA, recompute,
-compile, FSDP2, the critic's value head) by ``torch_models``, slime's loss hooks adapted to its micro-batches by
-``torch_loss_hooks``, its weights sent out and checkpoints written by ``torch_export`` (through ``torch_checkpoint``),
-its memory released while colocated by ``torch_offload``, and its micro-batches cut by ``runtime.train.packing``.
+This module is the trainer's construction (process group, models, optimizers) and state (the old actor, the
+reference's update, RNG); its forward passes and log-prob passes are ``torch_forward``'s (with MoE routing replay
+through ``torch_replay``), its optimizer steps ``torch_step``'s, the models it trains are built and wrapped (LoRA,
+recompute, compile, FSDP2, the critic's value head) by ``torch_models``, slime's loss hooks adapted to its
+micro-batches by ``torch_loss_hooks``, its weights sent out and checkpoints written by ``torch_export`` (through
+``torch_checkpoint``), its memory released while colocated by ``torch_offload``, and its micro-batches cut by
+``runtime.train.packing``. The trainer composes them as mixins; every name this module had still imports from it.
 """
 
 from __future__ import annotations
 
-import itertools
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 from torch.distributed.constants import default_pg_timeout
 
 from rlcore import keys
-from rlcore.kernels import linear_logprobs_entropy, linear_rl_loss, logprobs_entropy, nucleus_log_probs
-from rlcore.losses import LossConfig, Normalizer, critic_loss, rl_loss
+from rlcore.losses import LossConfig
 from runtime.cluster.loopback import confine_collectives, is_loopback, rendezvous_store
 from runtime.config import TrainConfig
 from runtime.engines.hf_engine import pick_device, restore_rng_state, rng_state
 from runtime.train.backends import lora
 from runtime.train.backends.stateless_adam import StatelessAdamW
 from runtime.train.backends.torch_export import TorchExport
+from runtime.train.backends.torch_forward import ROLLOUT_ENTROPY, TorchForward, _identity  # noqa: F401
 from runtime.train.backends.torch_loss_hooks import TorchLossHooks
-from runtime.train.backends.torch_models import load_model, loss_in_head, uses_bf16
+from runtime.train.backends.torch_models import load_model, uses_bf16
 from runtime.train.backends.torch_offload import TorchOffload
-from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
-from runtime.train.hooks import (
-    STORE_PREFIX,
-    TrainHooks,
-)
-from runtime.train.metrics import add_step, sums_and_maxima
+from runtime.train.backends.torch_replay import RouteReplay
+from runtime.train.backends.torch_step import TorchStep, _host_lengths  # noqa: F401
+from runtime.train.hooks import TrainHooks
 from runtime.train.offload import HostOffload
-from runtime.train.packing import (
-    ModelInputs,
-    in_row_order,
-    micro_batches,
-    pack_by_tokens,
-    packed_inputs,
-    padded_inputs,
-    token_budget,
-)
+from runtime.train.packing import micro_batches  # noqa: F401
 from runtime.train.roles import ACTOR, CRITIC, REFERENCE, TEACHER, ModelRole
 
-# Where --use-rollout-entropy puts each log-prob pass's entropy (slime's "entropy" and "ref_entropy").
-ROLLOUT_ENTROPY = {keys.OLD_LOG_PROBS: keys.OLD_ENTROPY, keys.REF_LOG_PROBS: keys.REF_ENTROPY}
+# The noqa names above: ROLLOUT_ENTROPY, _identity and _host_lengths moved with the methods that read them, and
+# megatron_forward reads micro_batches from here; they all still import from this module.
 
-# slime's store_prefix of each role's log-prob forward (--custom-megatron-before-log-prob-hook-path).
 # The roles this backend builds a model for; others are refused by name at construction.
 SUPPORTED_ROLES = (ACTOR, REFERENCE, TEACHER, CRITIC)
 
 
-def _identity(hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head's forward while the loss runs inside the head (``TorchTrainer._response_hidden``)."""
-    return hidden
-
-
-def _host_lengths(mb: TensorDict) -> list[int] | None:
-    """Each row's valid response tokens, counted where the micro-batch lives if that is the host (then the fused
-    loss queues its work without waiting for the device); ``None`` for a batch already on the device."""
-    mask = mb[keys.MASK]
-    return mask.sum(-1).tolist() if mask.device.type == "cpu" else None
-
-
-class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
+class TorchTrainer(TorchForward, TorchStep, TorchLossHooks, TorchExport, TorchOffload):
     """One data-parallel rank of the torch backend. Every public method is called on all ranks at once."""
 
     def __init__(
@@ -167,6 +142,14 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
                     f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
                     f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
                 )
+        # MoE routing replay of the actor's routers (torch_replay): "rollout" (R3) replays the batch's ROUTED_EXPERTS,
+        # "trainer" (R2) records them in the old-log-prob pass and replays them in the update.
+        self.route_replay = RouteReplay(self.model) if self.hooks.routing_replay else None
+        if self.hooks.routing_replay == "trainer" and train_cfg.keep_old_actor:
+            raise ValueError(
+                "--use-routing-replay records the routes of the old-log-prob pass, which --keep-old-actor runs on "
+                "another copy of the weights: use --use-rollout-routing-replay, or leave one of them out"
+            )
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False
@@ -232,185 +215,8 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
             value_head=value_head,
         )
 
-    def _autocast(self):
-        """bf16 autocast on one process outside a :meth:`_step_scope` (inside one the weights are bf16 already)."""
-        if self.bf16 and self.world_size == 1 and self._masters is None:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
-    def _backward(self, loss: torch.Tensor, *, real: bool) -> None:
-        # Each rank's loss is its share of the global batch's loss (a global Normalizer), so gradients must add up
-        # over ranks; FSDP averages them (and gloo has no pre-scaled sum), hence the factor world_size.
-        # Outside autocast: the backward runs in the forward's dtypes (recompute restores the forward's autocast).
-        with torch.autocast(self.device.type, enabled=False):
-            (loss * (self.world_size if real else 0.0)).backward()
-        if self._masters is not None:
-            self._accumulate_grads()
-
-    def _accumulate_grads(self) -> None:
-        """Inside a bf16 :meth:`_step_scope`: add the micro-batch's bf16 gradients into the float32 accumulators and
-        free them, so the step's gradient is summed in float32 (as FSDP2's ``reduce_dtype``)."""
-        assert self._masters is not None
-        for i, (param, master, accum) in enumerate(self._masters):
-            if param.grad is not None:
-                self._masters[i] = (param, master, param.grad.float() if accum is None else accum.add_(param.grad))
-                param.grad = None
-
-    def _inputs(self, mb: TensorDict) -> ModelInputs:
-        """Model inputs of micro-batch ``mb`` (on the device): one packed row with ``--use-dynamic-batch-size``,
-        right-padded rows otherwise."""
-        layout = packed_inputs if self.cfg.use_dynamic_batch_size else padded_inputs
-        # Laid out where ``mb`` is (the host, for the trainer's own micro-batches: no device syncs), then moved.
-        lengths = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
-        inputs = layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
-        return inputs.to(self.device)
-
-    def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
-        """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
-        the model's full logits. Under top-p replay (``NUCLEUS_IDS`` in ``mb``) the log-probs are renormalised over
-        each token's nucleus (:func:`rlcore.kernels.nucleus_log_probs`); the entropy stays the full
-        distribution's, as in slime."""
-        inputs = self._inputs(mb)
-        # Top-p replay: the nucleus ids are range-checked where they arrive (the host), not with a device sync.
-        host_nucleus = mb[NUCLEUS_IDS] if NUCLEUS_IDS in mb.keys() else None
-        mb = mb.to(self.device)
-        with self._autocast():
-            logits = model(**inputs.model_kwargs(), use_cache=False).logits
-        response = mb[RESPONSE_TOKENS]
-        # ``picked`` is a fresh copy nothing else reads (index_select's backward does not need its output), so the
-        # backward may write d(logits) into it instead of allocating another [b * T, V] buffer (not when the nucleus
-        # replay reads it too).
-        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.picks.reshape(-1))
-        if host_nucleus is None:
-            log_probs, entropy = logprobs_entropy(
-                picked,
-                response.reshape(-1),
-                temperature=self.temperature,
-                with_entropy=with_entropy,
-                inplace_backward=True,
-            )
-        else:
-            vocab = logits.shape[-1]
-            if host_nucleus.device.type == "cpu" and bool(((host_nucleus < -1) | (host_nucleus >= vocab)).any()):
-                raise ValueError(f"{NUCLEUS_IDS}: ids must be in [0, {vocab}) or -1 (padding)")
-            nucleus = mb[NUCLEUS_IDS]
-            log_probs = nucleus_log_probs(
-                picked,
-                response.reshape(-1),
-                nucleus.reshape(-1, nucleus.shape[-1]),
-                temperature=self.temperature,
-                validate=host_nucleus.device.type != "cpu",
-            ).float()
-            entropy = None
-            if with_entropy:  # the full distribution's, as in slime
-                _, entropy = logprobs_entropy(
-                    picked,
-                    response.reshape(-1),
-                    temperature=self.temperature,
-                    with_entropy=True,
-                    inplace_backward=False,
-                )
-        shape = response.shape
-        return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
-
-    def _values(self, mb: TensorDict) -> torch.Tensor:
-        """Response-aligned critic values [b, T] float32 on micro-batch ``mb`` (with gradient when enabled): the value
-        head's output at the position that predicts each response token, i.e. the value of the state before it."""
-        inputs = self._inputs(mb)
-        mb = mb.to(self.device)
-        with self._autocast():
-            out = self.critic(**inputs.model_kwargs(), use_cache=False)
-        return out.logits[..., 0].float().reshape(-1)[inputs.picks]
-
-    def _response_hidden(
-        self, model: torch.nn.Module, mb: TensorDict
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(hidden [b * T, H], lm_head weight [V, H], targets [b * T])``: the final hidden states at the positions
-        that predict the response tokens, the LM head's weight in their dtype, and the response tokens.
-
-        The model runs through its own (root) forward with the LM head made the identity, so under FSDP2 the root's
-        hooks run: its parameters (embeddings, final norm, LM head) are unsharded for the forward and stay so until
-        the backward (FSDP2 does not reshard the root after its forward), and their gradients are reduce-scattered
-        after it as if the head had run inside. The weight read after the forward is that unsharded parameter (in the
-        mixed-precision policy's dtype under bf16). On one process under bf16 it is the step's bf16 copy
-        (:meth:`_step_scope`)."""
-        inputs = self._inputs(mb)
-        mb = mb.to(self.device)
-        head = model.get_output_embeddings()
-        head.forward = _identity
-        try:
-            with self._autocast(), warnings.catch_warnings():
-                # FSDP2 warns that the root returns a view (the head's input); nothing writes into it in place.
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-                hidden = model(**inputs.model_kwargs(), use_cache=False).logits
-        finally:
-            del head.forward
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.picks.reshape(-1))
-        return picked.to(dtype), self._cast(head.weight, dtype), mb[RESPONSE_TOKENS].reshape(-1)
-
-    def _cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` in ``dtype`` (already so inside a bf16 :meth:`_step_scope` and under FSDP2's policy)."""
-        return weight.to(dtype)
-
     def _models(self) -> list[torch.nn.Module]:
         return [self.model, *self.frozen.values(), *([self.critic] if self.critic is not None else [])]
-
-    @contextmanager
-    def _step_scope(self) -> Iterator[None]:
-        """The micro-batches of one optimizer step (or one log-prob pass). Under bf16 on one process, what FSDP2's
-        ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` does across ranks: every float32 parameter of
-        the trainer's models is cast to bf16 once for the scope (its ``data`` swapped for the copy), so the forward
-        and backward run wholly in bf16, the residual stream and norms included (autocast would keep them in float32,
-        with a cast before every matmul); each micro-batch's bf16 gradients are summed into float32 accumulators
-        (:meth:`_accumulate_grads`). On exit the float32 weights are put back with the summed gradients, before the
-        optimizer step."""
-        if not (self.bf16 and self.world_size == 1):
-            yield
-            return
-        params = {id(p): p for model in self._models() for p in model.parameters() if p.dtype == torch.float32}
-        self._masters = []
-        for param in params.values():
-            accum, param.grad = param.grad, None
-            self._masters.append((param, param.data, accum))
-            param.data = param.data.to(torch.bfloat16)
-        try:
-            yield
-        finally:
-            for param, master, accum in self._masters:
-                param.data = master
-                param.grad = accum
-            self._masters = None
-
-    def _balanced(self, parts: list[TensorDict]) -> Iterator[tuple[TensorDict, bool]]:
-        """Yield ``(micro_batch, real)``; under FSDP every rank runs as many passes (extra ones are not real)."""
-        count = len(parts)
-        if self.group is not None:
-            n = torch.tensor([count], device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-            count = int(n)
-        for i in range(count):
-            yield (parts[i], True) if i < len(parts) else (parts[-1], False)
-
-    def _micro_batches(self, td: TensorDict, *, log_probs: bool = False) -> list[TensorDict]:
-        """``td``'s rows in micro-batches: packed by real tokens with ``--use-dynamic-batch-size`` (rows regrouped:
-        see :meth:`_parts_and_groups`), else consecutive rows by ``--micro-batch-size`` or the token budget
-        (:func:`runtime.train.packing.token_budget`; ``log_probs``: a log-prob pass's)."""
-        if self.cfg.use_dynamic_batch_size:
-            return self._parts_and_groups(td, log_probs=log_probs)[0]
-        return micro_batches(
-            td, micro_batch_size=self.cfg.micro_batch_size, max_tokens=token_budget(self.cfg, log_probs=log_probs)
-        )
-
-    def _parts_and_groups(self, td: TensorDict, *, log_probs: bool) -> tuple[list[TensorDict], list[list[int]] | None]:
-        """The micro-batches of a pass over ``td`` (``log_probs``: a log-prob pass, with its token budget), and
-        their rows for :func:`runtime.train.packing.in_row_order` to undo the regrouping of
-        ``--use-dynamic-batch-size`` on their concatenated outputs (``None``: consecutive rows)."""
-        if not self.cfg.use_dynamic_batch_size:
-            return self._micro_batches(td, log_probs=log_probs), None
-        lengths = (td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()
-        groups = pack_by_tokens(lengths, max_tokens=token_budget(self.cfg, log_probs=log_probs))
-        return [td[torch.tensor(rows)] for rows in groups], groups
 
     def dp_info(self) -> tuple[int, int]:
         """Every rank is a data-parallel shard (FSDP shards parameters, not data)."""
@@ -418,236 +224,6 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
 
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.group
-
-    @torch.no_grad()
-    def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` (the actor's current weights) and what each other role writes (``ref_log_probs`` for the
-        reference, ``teacher_log_probs`` for the teacher, ``values`` for the critic), [B, T] float32 each, for this
-        rank's shard ``td``."""
-        self._check_resident()
-        models = {ACTOR.writes: (self.model, nullcontext), **{k: (m, nullcontext) for k, m in self.frozen.items()}}
-        if self.base_is_reference:
-            models[REFERENCE.writes] = (self.model, lambda: lora.base_only(self.model))
-        out: dict[str, list[torch.Tensor]] = {key: [] for key in models}
-        for key, (model, context) in models.items():
-            # slime's store prefixes: "" for the actor, "ref_" for the reference, "teacher_" for the teacher.
-            with context():
-                self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
-        if self.old_actor is not None:
-            # The old log-probs under the old actor's weights (slime's _switch_model("old_actor")): they are swapped
-            # in for this pass and the current ones put back after it.
-            current = self._actor_copy()
-            self._load_actor_copy(self.old_actor)
-            try:
-                old = self._log_probs_of(self.model, nullcontext, td)
-            finally:
-                self._load_actor_copy(current)
-            del models[ACTOR.writes], out[ACTOR.writes]
-        if self.critic is not None:
-            out[CRITIC.writes] = []
-        parts, groups = self._parts_and_groups(td, log_probs=True)
-        with self._step_scope():
-            for mb, real in self._balanced(parts):
-                if self.critic is not None:
-                    values = self._values(mb)
-                    if real:
-                        out[CRITIC.writes].append(values.detach())
-                for key, (model, context) in models.items():
-                    entropy_key = ROLLOUT_ENTROPY.get(key) if self.hooks.rollout_entropy else None
-                    with context():
-                        if entropy_key is None:
-                            log_probs = self._micro_log_probs(model, mb)
-                        else:
-                            log_probs, entropy = self._forward(model, mb, with_entropy=True)
-                    if real:
-                        out[key].append(log_probs.float())
-                        if entropy_key is not None:
-                            out.setdefault(entropy_key, []).append(entropy.float())
-        # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
-        logs = {k: in_row_order(torch.cat(v).cpu(), groups) for k, v in out.items()}
-        if self.old_actor is not None:
-            logs[ACTOR.writes] = old
-        return TensorDict(logs, batch_size=td.batch_size)
-
-    def _log_probs_of(self, model: torch.nn.Module, context: Any, td: TensorDict) -> torch.Tensor:
-        """[B, T] float32 log-probs of ``model`` (under ``context()``) on this rank's shard ``td``."""
-        parts, groups = self._parts_and_groups(td, log_probs=True)
-        outputs = []
-        with self._step_scope():
-            for mb, real in self._balanced(parts):
-                with context():
-                    log_probs = self._micro_log_probs(model, mb)
-                if real:
-                    outputs.append(log_probs.float())
-        return in_row_order(torch.cat(outputs).cpu(), groups)
-
-    def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
-        if loss_in_head(model) and NUCLEUS_IDS not in mb.keys():
-            hidden, weight, targets = self._response_hidden(model, mb)
-            log_probs, _ = linear_logprobs_entropy(
-                hidden, weight, targets, temperature=self.temperature, with_entropy=False
-            )
-            return log_probs.view(mb[RESPONSE_TOKENS].shape)
-        return self._forward(model, mb, with_entropy=False)[0]
-
-    def _global_normalizer(self, parts: list[TensorDict]) -> Normalizer:
-        norm = sum(
-            Normalizer.of(
-                mb[keys.MASK].to(self.device),
-                seq_counts=mb[keys.SEQ_COUNTS].to(self.device) if keys.SEQ_COUNTS in mb.keys() else None,
-            )
-            for mb in parts
-        )
-        return norm.reduce(self.group)
-
-    def _optimizer_step(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> float:
-        """Clip the gradients of ``model`` (the actor by default) and step ``optimizer`` (its own); the norm."""
-        model, optimizer = model or self.model, optimizer or self.optimizer
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.clip_grad)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
-
-    def _reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
-        if self.group is not None:
-            sums, maxes = self._all_reduce(sums, dist.ReduceOp.SUM), self._all_reduce(maxes, dist.ReduceOp.MAX)
-        return {**sums, **maxes}
-
-    def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
-        names = sorted(values)
-        t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op, group=self.group)
-        return dict(zip(names, t.tolist(), strict=True))
-
-    def train(
-        self, td: TensorDict, *, per_step_rows: int | Sequence[int], rollout_id: int | None = None
-    ) -> dict[str, float]:
-        """Optimizer steps over this rank's shard ``td``: ``per_step_rows`` consecutive rows per step (or, a list,
-        each step's own count).
-
-        ``td`` carries the contract's ``mask``, ``advantages``, ``old_log_probs``, ``rollout_log_probs`` and, with a
-        reference model, ``ref_log_probs``. Returns the global batches' metrics over the steps (token means
-        averaged, maxima the largest of any step: ``runtime.train.metrics``), plus ``grad_norm`` and ``num_steps``.
-        """
-        self._check_resident()
-        n = td.batch_size[0]
-        if isinstance(per_step_rows, int):
-            if n % per_step_rows:
-                raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
-            per_step_rows = [per_step_rows] * (n // per_step_rows)
-        if sum(per_step_rows) != n:
-            raise ValueError(f"steps of {list(per_step_rows)} rows do not add up to the shard's {n} rows")
-        totals: dict[str, float] = {}
-        steps = len(per_step_rows)
-        bounds = [0, *itertools.accumulate(per_step_rows)]
-        lora.set_dropout(self.model, active=True)
-        try:
-            for step in range(steps):
-                self._call_hook(
-                    "custom_megatron_before_train_step_hook_path", rollout_id, step, self.model, self.optimizer, None
-                )
-                self._train_step(td[bounds[step] : bounds[step + 1]], steps, totals)
-        finally:
-            lora.set_dropout(self.model, active=False)
-        totals["num_steps"] = steps
-        return totals
-
-    def _train_step(self, td: TensorDict, steps: int, totals: dict[str, float]) -> None:
-        """One optimizer step over ``td``; folds its metrics into ``totals`` (``runtime.train.metrics.add_step``)."""
-        parts = self._micro_batches(td)
-        norm = self._global_normalizer(parts)
-        pending: list[dict[str, Any]] = []
-        with self._step_scope():
-            for mb, real in self._balanced(parts):
-                batch = mb.to(self.device).clone(recurse=False)
-                loss_type = self.hooks.loss_type
-                reducer = self._hook.get("custom_pg_loss_reducer_function_path")
-                tis = self._hook.get("custom_tis_function_path")
-                if loss_type == "sft_loss":
-                    loss = self._sft_loss(batch, norm, mode=self.loss_cfg.loss_agg_mode)
-                    metrics = {"loss": loss.detach()}
-                elif loss_type == "custom_loss":
-                    loss, metrics = self._custom_loss(batch, norm)
-                elif loss_in_head(self.model) and reducer is None and tis is None and NUCLEUS_IDS not in mb.keys():
-                    hidden, weight, targets = self._response_hidden(self.model, mb)
-                    loss, metrics = linear_rl_loss(
-                        hidden,
-                        weight,
-                        targets,
-                        batch,
-                        self.loss_cfg,
-                        norm=norm,
-                        temperature=self.temperature,
-                        seq_lengths=_host_lengths(mb),
-                    )
-                else:
-                    log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
-                    batch.set(keys.LOG_PROBS, log_probs)
-                    batch.set(keys.ENTROPY, entropy)
-                    pg_reduce = None if reducer is None else self._pg_reduce(reducer, batch, norm)
-                    mismatch = None if tis is None else self._mismatch(tis, batch)
-                    loss, metrics = rl_loss(batch, self.loss_cfg, norm=norm, pg_reduce=pg_reduce, mismatch=mismatch)
-                self._backward(loss, real=real)
-                if real:
-                    # Read after the loop: a float() here would wait for each micro-batch's kernels.
-                    pending.append({name: (v.detach() if torch.is_tensor(v) else v) for name, v in metrics.items()})
-        step_metrics = self._reduce_metrics(*sums_and_maxima(pending))
-        step_metrics["grad_norm"] = self._optimizer_step()
-        add_step(totals, step_metrics, steps=steps)
-
-    def train_critic(self, td: TensorDict, *, per_step_rows: int) -> dict[str, float]:
-        """Optimizer steps of the critic over this rank's shard ``td``, ``per_step_rows`` rows each, on slime's value
-        loss (:func:`rlcore.losses.critic_loss` with ``--value-clip`` and the job's aggregation).
-
-        ``td`` carries ``mask``, ``old_values`` (the critic's values before these steps) and ``returns`` (the
-        targets). Returns ``critic/``-prefixed metrics averaged over the steps (``value_loss``, ``value_clipfrac``,
-        ``values_mean``, ``grad_norm``, ``num_steps``), the same on every rank.
-        """
-        self._check_resident()
-        if self.critic is None:
-            raise RuntimeError("train_critic: this trainer runs no critic (--advantage-estimator ppo)")
-        n = td.batch_size[0]
-        if n % per_step_rows:
-            raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
-        steps = n // per_step_rows
-        totals: dict[str, float] = {}
-        for step in range(steps):
-            parts = self._micro_batches(td[step * per_step_rows : (step + 1) * per_step_rows])
-            norm = self._global_normalizer(parts)
-            pending: list[dict[str, Any]] = []
-            with self._step_scope():
-                for mb, real in self._balanced(parts):
-                    batch = mb.to(self.device).clone(recurse=False)
-                    batch.set(keys.VALUES, self._values(mb))
-                    loss, metrics = critic_loss(
-                        batch, clip=self.loss_cfg.value_clip, loss_agg_mode=self.loss_cfg.loss_agg_mode, norm=norm
-                    )
-                    self._backward(loss, real=real)
-                    if real:  # read after the loop, as the actor's step does: no wait per micro-batch
-                        pending.append({name: v.detach() if torch.is_tensor(v) else v for name, v in metrics.items()})
-            step_metrics = self._reduce_metrics(*sums_and_maxima(pending))
-            step_metrics["grad_norm"] = self._optimizer_step(self.critic, self.critic_optimizer)
-            add_step(totals, step_metrics, steps=steps)
-        totals["num_steps"] = steps
-        return {f"critic/{name}": value for name, value in totals.items()}
-
-    def sft_train(self, td: TensorDict) -> dict[str, float]:
-        """One supervised step on (prompt, response) rows: the negative log-likelihood of the response tokens."""
-        self._check_resident()
-        parts = self._micro_batches(td)
-        norm = self._global_normalizer(parts)
-        total = 0.0
-        with self._step_scope():
-            for mb, real in self._balanced(parts):
-                # The same loss as --loss-type sft_loss (a token mean, as slime's SFT scripts aggregate).
-                loss = self._sft_loss(mb.to(self.device), norm, mode="token_mean")
-                self._backward(loss, real=real)
-                total += float(loss) if real else 0.0
-        metrics = self._reduce_metrics({"sft_loss": total}, {})
-        metrics["grad_norm"] = self._optimizer_step()
-        return metrics
 
     @torch.no_grad()
     def update_reference(self) -> None:
