@@ -346,6 +346,7 @@ def sampling_params(cfg: Config) -> SamplingParams:
         stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
         stop=tuple(r.rollout_stop or ()),
         return_top_p_token_ids=top_p_replay(cfg),
+        return_routed_experts=cfg.algo.use_rollout_routing_replay,
     )
 
 

@@ -199,9 +199,6 @@ REFUSED_FLAGS: tuple[SlimeFlag, ...] = (
     # data
     _f("--multimodal-keys", "data", None, REFUSED, TEXT_ONLY, type=_json),
     _true("--balance-by-flops", "data", REFUSED, PACKING),
-    # algo
-    _true("--use-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
-    _true("--use-rollout-routing-replay", "algo", REFUSED, MEGATRON + " (MoE routing replay)"),
     # network
     _true(
         "--use-distributed-post",

@@ -69,6 +69,7 @@ GENERATE_FIELDS = {
     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
     "return_hidden_states", "lora_path", "custom_logit_processor", "session_params", "priority", "bootstrap_host",
     "bootstrap_port", "bootstrap_room", "data_parallel_rank", "image_data", "audio_data", "video_data", "modalities",
+    "return_routed_experts",
 }  # fmt: skip
 # Field names of SGLang's SamplingParams.
 SAMPLING_FIELDS = {
@@ -246,6 +247,7 @@ class FakeSGLangServer:
         startup_delay: float = 0.0,
         token_delay: float = 0.0,
         enable_lora: bool = False,
+        enable_return_routed_experts: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -263,6 +265,9 @@ class FakeSGLangServer:
         self.weight_version = "default"
         # --enable-lora, and the loaded adapters by name: (folder, the base model with the adapter merged in).
         self.enable_lora = enable_lora
+        # --enable-return-routed-experts: a request's return_routed_experts gets meta_info["routed_experts"] (SGLang's
+        # base64 of int32 [prompt + output tokens - 1, num_hidden_layers, topk]); without it the field is absent.
+        self.enable_return_routed_experts = enable_return_routed_experts
         self.adapters: dict[str, tuple[str, Any]] = {}
         # The flags it was launched with (main()), reported by /server_info as SGLang reports its ServerArgs.
         self.launch_args: dict[str, Any] = {}
@@ -748,6 +753,7 @@ class FakeSGLangServer:
                     "logprob_start_len": start_len[i],
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
+                    "routes": bool(body.get("return_routed_experts", False)) and self.enable_return_routed_experts,
                     "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
                 }
             )
@@ -765,7 +771,7 @@ class FakeSGLangServer:
         tokens: list[int] = []
         log_probs: list[float] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
-        with self._model_lock:
+        with self._model_lock, _RouteCapture(job["model"], enabled=job["routes"]) as routes:
             model = job["model"]
             out = model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
             prompt_log_probs = self._input_token_logprobs(job, out.logits[0])
@@ -815,6 +821,8 @@ class FakeSGLangServer:
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
             if prompt_log_probs is not None:
                 meta["input_token_logprobs"] = prompt_log_probs
+        if job["routes"]:
+            meta["routed_experts"] = routes.base64()
         text = self.tokenizer.decode(output_ids, skip_special_tokens=s.skip_special_tokens)
         if trim and isinstance(finish["matched"], str) and finish["matched"] in text:
             text = text[: text.index(finish["matched"])]
@@ -897,6 +905,42 @@ class FakeSGLangServer:
             self.model.load_state_dict(state, strict=False)
 
 
+class _RouteCapture:
+    """The experts every MoE router of ``model`` chose for each token fed through it (the prompt's forward, then one
+    token per step: the last sampled token is never fed, so it has no row), as SGLang's routed-experts capturer
+    keeps them: ``[tokens, num_hidden_layers, topk]`` int32, a dense layer's rows 0."""
+
+    def __init__(self, model: Any, *, enabled: bool):
+        self.model, self.enabled, self.rows, self.handles = model, enabled, [], []
+
+    def __enter__(self) -> _RouteCapture:
+        if self.enabled:
+            from runtime.engines.routes import moe_routers, routes_shape
+
+            self.layers, self.topk = routes_shape(self.model.config)
+            routers = list(moe_routers(self.model))
+            self.first = routers[0][0]
+            self.handles = [
+                router.register_forward_hook(lambda module, args, out, layer=layer: self._keep(layer, out[2]))
+                for layer, router in routers
+            ]
+        return self
+
+    def _keep(self, layer: int, experts: torch.Tensor) -> None:
+        if layer == self.first:
+            self.rows.append(torch.zeros(experts.shape[0], self.layers, self.topk, dtype=torch.int32))
+        self.rows[-1][:, layer] = experts.to(torch.int32)
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def base64(self) -> str:
+        from runtime.engines.routes import routes_to_base64
+
+        return routes_to_base64(torch.cat(self.rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve like ``python -m sglang.launch_server``: SGLang 0.5.23's own flags (from the generated list, so an
     unknown flag fails as in SGLang), of which the fake uses ``--model-path``, ``--host``, ``--port`` and
@@ -914,6 +958,7 @@ def main(argv: list[str] | None = None) -> None:
         # A test of request concurrency slows decoding so that requests overlap.
         token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
         enable_lora=bool(getattr(args, "enable_lora", False)),
+        enable_return_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
     )
     server.launch_args = vars(args)
     stop = threading.Event()

@@ -152,11 +152,35 @@ def test_slimes_mla_flags_agree_or_are_named():
     assert mc.weight_mapping(mc.default_model_name("deepseek_v3"), shape) == "deepseek_v3"
 
 
-def test_mla_is_refused_over_tensor_parallel_ranks():
-    shape = mc.shape_from_hf(deepseek_config().to_dict())
-    assert mc.parallel_problems(shape, tp_size=1, pp_size=1, ep_size=2) == []
-    (problem,) = mc.parallel_problems(shape, tp_size=2, pp_size=1)
-    assert "multi-latent attention" in problem and "--tensor-model-parallel-size 2" in problem
+def test_slimes_rotary_flags_agree_with_yarn_or_plain_rotary():
+    """slime's MLA scripts pass Megatron-LM's YaRN flags (MLA takes YaRN by default): DeepSeek-V3's match its
+    rope_scaling; Moonlight's factor 1 is plain rotary, where the mscales scale nothing. Under MLA --kv-channels is
+    not read, and the latent norms are --qk-layernorm."""
+    yarn = mc.shape_from_hf(deepseek_config().to_dict())
+    given = dict(rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0, rope_type="yarn", qk_layernorm=True)
+    assert mc.shape_flag_problems(given | dict(kv_channels=16), yarn) == []
+    problems = mc.shape_flag_problems(
+        given | dict(rotary_scaling_factor=40.0, mscale_all_dim=0.0, rope_type="rope"), yarn
+    )
+    assert [p.split()[0] for p in problems] == ["--rope-type", "--rotary-scaling-factor", "--mscale-all-dim"], problems
+    plain = mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict())
+    moonlight = dict(
+        rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=1.0, kv_channels=16, qk_layernorm=True,
+        moe_router_num_groups=1, moe_router_group_topk=1,
+    )  # fmt: skip
+    assert mc.shape_flag_problems(moonlight, plain) == []
+    assert mc.shape_flag_problems(moonlight | dict(rope_type="rope"), plain) == []
+    (problem,) = mc.shape_flag_problems(moonlight | dict(rotary_scaling_factor=40.0), plain)
+    assert problem.startswith(
+        "--rotary-scaling-factor 40.0 disagrees with config.json: rope_scaling's factor gives 1.0"
+    )
+    # A model without MLA: plain rotary, and --kv-channels is its head_dim.
+    from test_megatron_mapping import hf_config
+
+    dense = mc.shape_from_hf(hf_config("qwen3").to_dict())
+    assert mc.shape_flag_problems(dict(rotary_scaling_factor=1.0, rope_type="rope"), dense) == []
+    problems = mc.shape_flag_problems(dict(rope_type="yarn", kv_channels=dense.kv_channels + 1), dense)
+    assert [p.split()[0] for p in problems] == ["--kv-channels", "--rope-type"], problems
 
 
 # ------------------------------------------------------------------ weights
@@ -244,5 +268,6 @@ def test_the_job_takes_slimes_mla_flags_and_names_each_disagreement(tmp_path):
         "2",
     ]  # fmt: skip
     assert _problems([*job, *slime]) == []
-    problems = _problems([*job, "--q-lora-rank", "1536", "--tensor-model-parallel-size", "2"])
-    assert sorted(p.split()[0] for p in problems) == ["--q-lora-rank", "--tensor-model-parallel-size"], problems
+    problems = _problems([*job, "--q-lora-rank", "1536", "--rotary-scaling-factor", "40", "--mscale-all-dim", "1"])
+    assert sorted(p.split()[0] for p in problems) == ["--q-lora-rank", "--rotary-scaling-factor"], problems
+    assert _problems([*job, "--tensor-model-parallel-size", "2", "--rotary-scaling-factor", "4"]) == []

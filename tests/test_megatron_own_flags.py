@@ -254,7 +254,12 @@ def test_transformer_config_carries_the_megatron_flags(job, bf16):
     assert (tc.num_layers, tc.hidden_size, tc.num_query_groups) == (2, 64, 2)
 
 
-def test_sequence_parallel_at_tp1_is_off_as_megatron_lm_turns_it_off(job):
+def test_sequence_parallel_is_taken_and_trains_as_tensor_parallelism_without_it(job):
+    """Off at TP 1 as Megatron-LM turns it off; at TP 2 too, since megatron-core's norms without Transformer Engine
+    or Apex refuse it (which this test checks: it fails once they take it, and the backend should then build it)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     from runtime.train.backends.megatron_backend import transformer_config
 
     shape = mc.shape_from_hf(QWEN3)
@@ -264,7 +269,14 @@ def test_sequence_parallel_at_tp1_is_off_as_megatron_lm_turns_it_off(job):
     at_tp2 = parse_args(
         [*job, *MEGATRON, "--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     )
-    assert transformer_config(shape, at_tp2.train, bf16=False, cpu=True).sequence_parallel
+    assert at_tp2.train.sequence_parallel
+    assert not transformer_config(shape, at_tp2.train, bf16=False, cpu=True).sequence_parallel
+    sp = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2, sequence_parallel=True,
+        normalization="RMSNorm",
+    )  # fmt: skip
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
+        WrappedTorchNorm(sp, 8)
 
 
 def test_optimizer_config_carries_the_cpu_offload_flags(job):

@@ -3,6 +3,7 @@
 These run on a GPU machine (``pytest -q tests/test_runtime_loop_cuda.py``); CI has none and skips them.
 """
 
+import io
 import socket
 
 import pytest
@@ -105,7 +106,12 @@ def _fsdp_rank(rank, world_size, port, path, cfg, td, out):
     metrics = trainer.train(shard, per_step_rows=per_rank)
     weights = trainer.get_weights()
     if rank == 0:
-        out.put((metrics, {k: v.clone() for k, v in weights.items()}))
+        # As bytes, not tensors: a queued tensor is shared through a file descriptor that this process must still
+        # be alive to hand over, and it may exit before the parent reads the queue (FileNotFoundError, seen on four
+        # H200s at a2a812d).
+        buffer = io.BytesIO()
+        torch.save((metrics, {k: v.detach().cpu() for k, v in weights.items()}), buffer)
+        out.put(buffer.getvalue())
     trainer.shutdown()
 
 
@@ -129,7 +135,7 @@ def test_fsdp_over_nccl_gives_the_single_gpu_gradient(tmp_path):
     procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, port, path, cfg, td, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got, weights = out.get(timeout=300)
+    got, weights = torch.load(io.BytesIO(out.get(timeout=300)))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

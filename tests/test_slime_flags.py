@@ -136,9 +136,9 @@ def test_refused_flags_are_accepted_at_slimes_default_and_refused_otherwise(entr
 
 def test_refused_flags_in_a_yaml_config_are_refused_too(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("use_routing_replay: true\nrollout_task_type: code\nref_load: null\n")
+    path.write_text("enable_mtp_training: true\nrollout_task_type: code\nref_load: null\n")
     problems = _problems(["--config", str(path)])
-    assert any(p.startswith("--use-routing-replay") for p in problems)
+    assert any(p.startswith("--enable-mtp-training") for p in problems)
     assert any(p.startswith("--rollout-task-type code") for p in problems)
     assert not any("--ref-load" in p for p in problems)  # at slime's default
 
@@ -158,9 +158,9 @@ def test_flags_of_other_issues_and_megatron_are_named_with_the_issue(argv, named
 
 def test_every_problem_is_reported_at_once():
     problems = _problems(
-        ["--use-routing-replay", "--sglang-x", "1", "--global-batch-size", "7", "--micro-batch-size", "2"]
+        ["--enable-mtp-training", "--sglang-x", "1", "--global-batch-size", "7", "--micro-batch-size", "2"]
     )
-    assert [p.split(":")[0].split()[0] for p in problems[:2]] == ["--sglang-x", "--use-routing-replay"]
+    assert [p.split(":")[0].split()[0] for p in problems[:2]] == ["--sglang-x", "--enable-mtp-training"]
     assert any("--global-batch-size 7" in p for p in problems)
 
 
@@ -171,8 +171,8 @@ def test_custom_config_path_overrides_the_command_line_and_carries_hook_settings
     assert (cfg.train.lr, cfg.algo.eps_clip_high) == (2.0e-5, 0.3)  # the file wins, as in slime
     assert (cfg.tis_mode, cfg.rs_upper_bound) == ("mask", 2.0)  # what slime's mis.py reads from args
     assert cfg.custom_args == {"tis_mode": "mask", "rs_upper_bound": 2.0}
-    path.write_text("use_routing_replay: true\n")
-    assert any(p.startswith("--use-routing-replay") for p in _problems(["--custom-config-path", str(path)]))
+    path.write_text("enable_mtp_training: true\n")
+    assert any(p.startswith("--enable-mtp-training") for p in _problems(["--custom-config-path", str(path)]))
     assert "--custom-config-path: file" in _problems(["--custom-config-path", str(tmp_path / "nope.yaml")])[0]
 
 
@@ -184,7 +184,7 @@ def test_docs_table_is_the_generated_one():
 
 def test_help_lists_refused_flags_with_their_reason():
     text = " ".join(build_parser().format_help().split())
-    assert "--use-routing-replay" in text and "refused: not built in rlcore's Megatron backend yet" in text
+    assert "--enable-mtp-training" in text and "refused: not built in rlcore's Megatron backend yet" in text
 
 
 # ---------------------------------------------------------------- slime's run scripts
@@ -243,6 +243,8 @@ VALUE_REFUSALS = {
     "--use-wandb": "needs the wandb package",  # where it is not installed
     # --no-offload-train/-rollout beside it: SGLang servers hold a fixed fraction of their GPU (slime honours them).
     "--colocate": "hold a fixed fraction of their GPU",
+    # An engine over GPUs of several nodes (slime's GLM-4.7-355B script: 32).
+    "--rollout-num-gpus-per-engine": "rlcore launches single-node SGLang servers only",
 }
 
 
@@ -280,8 +282,10 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys):
+def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys, monkeypatch):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
+    # The script's `ray job submit` runs its entry point with RAY_ADDRESS set (a multi-node job joins that cluster).
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     args = [*_local_files(tmp_path, fixture["args"], fixture["hf_config"]), "--train-backend", "torch"]
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
@@ -314,8 +318,11 @@ def _megatron_reason(name):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(script, tmp_path, capsys):
+def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(
+    script, tmp_path, capsys, monkeypatch
+):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as `ray job submit` sets it for the script's entry point
     args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
     megatron = ["--train-backend", "megatron", "--dry-run", "--output-dir", str(tmp_path / "out")]
     expected = set(fixture["megatron_refusals"])

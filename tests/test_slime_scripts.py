@@ -3,9 +3,10 @@ that needs (runtime/slime_compat.py): the training backend inferred as slime run
 iterations from ``--num-epoch``, slime's module paths, the flags that need Transformer Engine, and W&B logging.
 
 The scripts' command lines are test data (tests/fixtures/slime_scripts/*.json: each names its source file at slime's
-commit, captured by tools/slime_script_args.py). Of the MoE scripts, Qwen3-30B-A3B's is among them (its
-config.json: the released model's, the ``qwen3-30b-a3b-2layers`` preset's fields at 48 layers); the others are issue
-27's later stages. GLM-4-9B's passes too, less slime's --spec plug-in and context parallelism."""
+commit, captured by tools/slime_script_args.py). The MoE scripts among them, each with its released model's
+config.json: Qwen3-30B-A3B (the ``qwen3-30b-a3b-2layers`` preset's fields at 48 layers), GLM-4.7-355B-A32B (GLM-4.5's
+layout, ``glm4_moe``; slime renamed its GLM-4.5 script so) and Moonlight-16B-A3B (the DeepSeek-V3 layout, MLA at
+TP=4). GLM-4-9B's passes too, less slime's --spec plug-in and context parallelism."""
 
 import json
 import math
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # with training: one step off-policy, rlcore's --async).
 ENTRY_POINTS = {"train.py": [], "train_async.py": ["--async"]}
 SCRIPTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
-# Every script's families are built by the Megatron backend (Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE).
+# Every script's families are built by the Megatron backend (Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE, GLM-4.5,
+# DeepSeek-V3).
 DRY_RUN_SCRIPTS = SCRIPTS
 
 
@@ -58,8 +60,11 @@ def _refused(fixture):
 
 
 @pytest.mark.parametrize("name", DRY_RUN_SCRIPTS)
-def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path, capsys):
+def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path, capsys, monkeypatch):
     fixture, argv = _script(name, tmp_path)
+    # Each script starts Ray itself (`ray start`, on every node of a multi-node job) and hands its entry point to
+    # `ray job submit`, which runs it with RAY_ADDRESS set to that cluster: rlcore-run joins a cluster so.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     refused = _refused(fixture)
     rc, out, err = _dry_run(argv, tmp_path, capsys)
     if refused:
@@ -86,7 +91,17 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         # slime's layer spec plug-in (the backend builds GLM-4's layers from config.json itself) and context
         # parallelism (Transformer Engine's attention).
         "run-glm4-9B": {"--spec", "--context-parallel-size"},
-    }
+        # DeepEP's dispatcher (twice: the flag and the dispatcher type it selects), and an engine over 32 GPUs of
+        # several nodes (rlcore launches single-node SGLang servers).
+        "run-glm4.7-355B-A32B": {
+            "--use-precision-aware-optimizer", "--moe-enable-deepep", "--moe-token-dispatcher-type",
+            "--context-parallel-size", "--rollout-num-gpus-per-engine",
+        },
+        "run-moonlight-16B-A3B": {
+            "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--moe-enable-deepep",
+            "--moe-token-dispatcher-type",
+        },
+    }  # fmt: skip
     # The scripts the issue names are all among those covered.
     for name in (
         "run-qwen3-4B",

@@ -473,7 +473,12 @@ class EngineGroup:
                 tp_size=s.rollout_num_gpus_per_engine,
                 # slime's seeds: engine i's server starts at --seed + i x --num-gpus-per-node.
                 seed=cfg.seed + i * cfg.resources.num_gpus_per_node,
-                server_args={**lora_server_args(cfg), **s.sglang_args},
+                # --use-rollout-routing-replay: the servers report each token's experts (slime sets this flag too).
+                server_args={
+                    **lora_server_args(cfg),
+                    **({"enable_return_routed_experts": True} if cfg.algo.use_rollout_routing_replay else {}),
+                    **s.sglang_args,
+                },
             )
             self._server_specs.append((launcher_opts, env, argv))
             pending.append(

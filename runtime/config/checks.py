@@ -352,7 +352,30 @@ def _not_creatable_dir(path: str) -> str | None:
     return None
 
 
+# The config.json fields that give a MoE model's routed experts (qwen3_moe, mixtral/olmoe, glm4_moe/deepseek_v3).
+MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_routing_replay(problems: list[str], cfg: Config) -> None:
+    """``--use-routing-replay`` / ``--use-rollout-routing-replay`` replay experts: a model without them is refused."""
+    a = cfg.algo
+    if not (a.use_routing_replay or a.use_rollout_routing_replay):
+        return
+    shown = "--use-rollout-routing-replay" if a.use_rollout_routing_replay else "--use-routing-replay"
+    if cfg.model.hf_checkpoint is None:
+        problems.append(f"{shown} replays MoE routes; the built-in tiny model is dense (give a MoE --hf-checkpoint)")
+        return
+    hf = read_config_json(cfg.model.hf_checkpoint)
+    text = hf.get("text_config", hf) if hf is not None else None
+    if isinstance(text, dict) and not any(text.get(name) for name in MOE_EXPERT_FIELDS):
+        problems.append(
+            f"{shown} replays MoE routes; --hf-checkpoint {cfg.model.hf_checkpoint} is a dense "
+            f"{text.get('model_type', 'model')} (no {'/'.join(MOE_EXPERT_FIELDS)} in its config.json)"
+        )
+
+
 def _check_combinations(problems: list[str], cfg: Config) -> None:
+    _check_routing_replay(problems, cfg)
     if cfg.rollout.rollout_max_response_len is None and not slime_compat.is_sft_job(cfg):
         problems.append(
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "

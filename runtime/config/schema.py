@@ -156,6 +156,17 @@ class ModelConfig:
         default=None, metadata=_help("Megatron: MLA's rotary part of a query/key head (qk_rope_head_dim)")
     )
     v_head_dim: int | None = field(default=None, metadata=_help("Megatron: MLA's value head (v_head_dim)"))
+    # Megatron-LM's rotary flags for MLA (YaRN), checked against config.json's rope_scaling alike.
+    rope_type: str | None = field(
+        default=None, metadata=_help("Megatron: rope or yarn (MLA's default: yarn; rope_scaling's type)")
+    )
+    rotary_scaling_factor: float | None = field(
+        default=None, metadata=_help("Megatron: YaRN's context factor (rope_scaling's factor; 1: plain rotary)")
+    )
+    mscale: float | None = field(default=None, metadata=_help("Megatron: YaRN's mscale (rope_scaling's mscale)"))
+    mscale_all_dim: float | None = field(
+        default=None, metadata=_help("Megatron: YaRN's mscale_all_dim (rope_scaling's mscale_all_dim)")
+    )
 
 
 @dataclass(frozen=True)

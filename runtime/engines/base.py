@@ -28,7 +28,9 @@ class SamplingParams:
     many tokens (slime's ``--eval-min-new-tokens``; the log-probs are then those of the constrained distribution).
     ``return_top_p_token_ids`` (top-p nucleus replay, the name of slime's SGLang ``custom_params`` switch): the engine
     reports each token's nucleus (``Generation.extra``'s ``top_p_token_ids`` / ``top_p_token_offsets``, slime's
-    layout) and the log-prob of each token over it, renormalised.
+    layout) and the log-prob of each token over it, renormalised. ``return_routed_experts`` (SGLang's request field,
+    routing replay): the engine reports the experts that routed every token (``Generation.extra["routed_experts"]``,
+    ``[len(prompt) + len(token_ids) - 1, num_layers, topk]`` int32: :mod:`runtime.engines.routes`).
     """
 
     max_new_tokens: int
@@ -39,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     min_new_tokens: int = 0
     return_top_p_token_ids: bool = False
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -82,6 +85,7 @@ class SamplingParams:
             "min_new_tokens": self.min_new_tokens,
             # slime's sampling params ask its patched SGLang for the nucleus this way.
             **({"custom_params": {"return_top_p_token_ids": True}} if self.return_top_p_token_ids else {}),
+            **({"return_routed_experts": True} if self.return_routed_experts else {}),
         }
 
 

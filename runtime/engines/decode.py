@@ -44,11 +44,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.engines.decode_attention import DECODE_ATTENTION, PAGE_SIZE, STORE_DECODE_KV, default_kernel
+from runtime.engines.routes import RouteRecorder
 from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
@@ -429,6 +431,7 @@ class Decoded:
     finish: list[str]
     steps: int
     nucleus: list[list[list[int]]] | None = None
+    routes: list[Any] | None = None
 
 
 @torch.no_grad()
@@ -457,6 +460,7 @@ def decode(
     kernel: str | None = None,
     kv_tokens: int | None = None,
     page_size: int | None = None,
+    record_routes: bool = False,
 ) -> Decoded:
     """Sample up to ``max_new_tokens`` for each row of a left-padded batch of prompts.
 
@@ -483,7 +487,8 @@ def decode(
     such as a stop string; it only ends them early.
     ``on_cache`` is shown the :class:`DecodeCache` once it is built (tests measure it). ``nucleus``: report each
     draw's kept set (:func:`sample_tokens`) and its log-prob renormalised over it; the sets of the steps since the
-    last check are kept on the device and read back at the check, with no sync of their own.
+    last check are kept on the device and read back at the check, with no sync of their own. ``record_routes``: report
+    each prompt's routed experts (:class:`runtime.engines.routes.RouteRecorder`; ``[len(tokens) - 1, layers, topk]``).
     """
     device = input_ids.device
     if cuda_graph is None:
@@ -544,6 +549,12 @@ def decode(
     # transformers takes a 4-D mask as given; decoding steps attend through the cache and ignore it.
     step_mask = torch.ones(slots, 1, 1, 1, dtype=torch.bool, device=device)
     step_model = _compiled(model) if compile else model
+    RouteRecorder.detach(model)
+    recorder = (
+        RouteRecorder(model, group_rows=group_rows, slots=slots, width=width, columns=columns)
+        if record_routes
+        else None
+    )
     last = max_new_tokens - 1
 
     def start(rows: list[int], starting: list[int]) -> None:
@@ -561,6 +572,8 @@ def decode(
         mask = real[heads]
         cache.prefix_start[r] = cache.width - all_lengths[heads]
         cache.prefill_rows = r
+        if recorder:
+            recorder.prefill(r)
         try:
             logits = model(
                 input_ids=input_ids[heads],
@@ -572,6 +585,8 @@ def decode(
             ).logits[:, -1]
         finally:
             cache.prefill_rows = None
+        if recorder:
+            recorder.prefilled()
         if logits_in is None:
             logits_in = torch.zeros(slots, logits.shape[-1], dtype=logits.dtype, device=device)
             is_stop_id = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
@@ -606,6 +621,8 @@ def decode(
         """Feed each row's newest token: rotary position = prompt length + its index; response column = its index."""
         newest = (count - 1).clamp(min=0)
         cache.set_step(newest)
+        if recorder:
+            recorder.step(newest)
         logits = step_model(
             input_ids=token_in[:, None],
             attention_mask=step_mask,
@@ -632,6 +649,7 @@ def decode(
 
     draw_step, forward_step = _Replayed(draw, cuda_graph), _Replayed(forward, cuda_graph)
     results: list[tuple[list[int], list[float], str, list[list[int]]] | None] = [None] * batch
+    routes: list[Any] = [None] * batch
     running: list[int | None] = [None] * group_rows  # the group each group row runs
     started = [0] * group_rows  # the step at which each group row's group started (the latest is preempted first)
     open_rows = [False] * slots  # the row's prompt has not handed its response back yet
@@ -682,6 +700,10 @@ def decode(
                     reason = "abort"
                 prompt = running[s // per_group] * per_group + s % per_group
                 results[prompt] = (drawn, lps_out[s, : counts[s]].tolist(), reason, slot_nuclei[s][: counts[s]])
+                if recorder:
+                    routes[prompt] = recorder.take(
+                        s, s // per_group, prompt_length=prompt_lengths[prompt], drawn=counts[s]
+                    )
                 slot_nuclei[s] = []
                 open_rows[s] = False
                 cache.release_row(s)
@@ -710,6 +732,7 @@ def decode(
     for g in waiting:
         for prompt in range(g * per_group, (g + 1) * per_group):
             results[prompt] = ([], [], "abort", [])
+    RouteRecorder.detach(model)
     empty_lps = torch.zeros(0, dtype=torch.float32)
     return Decoded(
         tokens=[torch.tensor(r[0], dtype=torch.long) for r in results],
@@ -717,6 +740,7 @@ def decode(
         finish=[r[2] for r in results],
         steps=step,
         nucleus=[r[3] for r in results] if nucleus else None,
+        routes=routes if recorder else None,
     )
 
 

@@ -325,6 +325,7 @@ class HFEngine:
             share_prompts=self.share_prompts,
             kernel=self.attention_kernel,
             kv_tokens=self.kv_cache_tokens,
+            record_routes=params.return_routed_experts,
         )
         results = []
         rows = zip(decoded.tokens, decoded.log_probs, decoded.finish, strict=True)
@@ -334,13 +335,16 @@ class HFEngine:
             # its text holds one.
             at_string = stop_string_end(ids, params.stop, self._decode)
             n = len(ids) if at_string is None else at_string
+            extra = {} if decoded.nucleus is None else top_p_token_data(decoded.nucleus[row][:n])
+            if decoded.routes is not None and decoded.routes[row] is not None:
+                extra["routed_experts"] = decoded.routes[row][: len(prompts[row]) + n - 1]
             results.append(
                 Generation(
                     token_ids=ids[:n],
                     log_probs=lps[:n].tolist(),
                     finish_reason="stop" if at_string is not None else finish,
                     weight_version=version,
-                    extra={} if decoded.nucleus is None else top_p_token_data(decoded.nucleus[row][:n]),
+                    extra=extra,
                 )
             )
         return results

@@ -77,6 +77,7 @@ from runtime.engines.hf_engine import (
     safetensors_files,
     some_names,
 )
+from runtime.engines.routes import routes_from_base64, routes_shape
 
 FINISH_REASONS = ("stop", "length", "abort")
 # The SGLang router's header for the key that its consistent-hashing and manual policies route by.
@@ -147,11 +148,20 @@ def parse_weight_version(value: Any) -> int | None:
     return None
 
 
-def generation_from_sglang(output: dict[str, Any], *, weight_version: int) -> Generation:
+def generation_from_sglang(
+    output: dict[str, Any],
+    *,
+    weight_version: int,
+    prompt_length: int | None = None,
+    routes_shape: tuple[int, int] | None = None,
+) -> Generation:
     """A :class:`Generation` from one element of ``/generate``'s answer (sent with ``return_logprob``).
 
     Token ids and log-probs come from ``meta_info.output_token_logprobs``; ``output_ids``, when the server sends it,
-    must agree with them. ``weight_version`` is used when the server does not report a numeric one.
+    must agree with them. ``weight_version`` is used when the server does not report a numeric one. With
+    ``routes_shape`` (``(num_hidden_layers, topk)``; the request sent ``return_routed_experts``)
+    ``meta_info.routed_experts`` becomes ``extra["routed_experts"]``, ``[prompt_length + tokens - 1, layers, topk]``
+    int32 (:mod:`runtime.engines.routes`).
     """
     if not isinstance(output, dict) or not isinstance(output.get("meta_info"), dict):
         raise ValueError(f"output must be a dict with a 'meta_info' dict, got {str(output)[:200]}")
@@ -181,6 +191,17 @@ def generation_from_sglang(output: dict[str, Any], *, weight_version: int) -> Ge
     if kind not in FINISH_REASONS:
         raise ValueError(f"meta_info.finish_reason must be a dict with type in {FINISH_REASONS}, got {finish!r}")
     version = parse_weight_version(meta.get("weight_version"))
+    routes = {}
+    if routes_shape is not None:
+        if "routed_experts" not in meta:
+            raise ValueError(
+                "meta_info has no routed_experts although the request sent return_routed_experts: start the server "
+                "with --enable-return-routed-experts (rlcore's launcher does under --use-rollout-routing-replay)"
+            )
+        rows = prompt_length + len(token_ids) - 1
+        routes["routed_experts"] = routes_from_base64(
+            meta["routed_experts"], rows=rows, layers=routes_shape[0], topk=routes_shape[1]
+        )
     return Generation(
         token_ids=token_ids,
         log_probs=log_probs,
@@ -192,6 +213,7 @@ def generation_from_sglang(output: dict[str, Any], *, weight_version: int) -> Ge
             "finish": finish,
             # SGLang 0.5.23's spans [{"version", "start", "end"}] of the versions the tokens were sampled with.
             "weight_versions": meta.get("weight_versions"),
+            **routes,
         },
     )
 
@@ -304,6 +326,7 @@ class SGLangEngine:
         self._owns_weights_dir = weights_dir is None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rlcore-sglang-weights-"))
         self._hf_checkpoint = Path(hf_checkpoint) if hf_checkpoint is not None else None
+        self._routes: tuple[int, int] | None = None
         self._last_weights: Path | None = None
         # The LoRA adapter the server holds for this engine (``load_lora_adapter``), named in every /generate.
         self.lora_name: str | None = None
@@ -433,6 +456,7 @@ class SGLangEngine:
                 "sampling_params": sampling,
                 "return_logprob": True,
                 "logprob_start_len": -1,
+                **({"return_routed_experts": True} if params.return_routed_experts else {}),
                 # One id for the batch: SGLang numbers its prompts after it; the router takes only a string here.
                 "rid": f"rlcore-{batch}",
                 **({"lora_path": self.lora_name} if self.lora_name is not None else {}),
@@ -442,7 +466,11 @@ class SGLangEngine:
         if not isinstance(outputs, list) or len(outputs) != len(prompts):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise ValueError(f"/generate answered {got} outputs for {len(prompts)} prompts")
-        return [generation_from_sglang(o, weight_version=self._weight_version) for o in outputs]
+        shape = self._routes_shape() if params.return_routed_experts else None
+        return [
+            generation_from_sglang(o, weight_version=self._weight_version, prompt_length=len(p), routes_shape=shape)
+            for o, p in zip(outputs, prompts, strict=True)
+        ]
 
     def load_weights(self, bucket: dict[str, Any], *, weight_version: int | None = None) -> None:
         """Collect a bucket of HF-named tensors; with ``weight_version`` (the last bucket of an update), write the
@@ -676,6 +704,12 @@ class SGLangEngine:
         self.client.close()
         if self._owns_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    def _routes_shape(self) -> tuple[int, int]:
+        """``(num_hidden_layers, num_experts_per_tok)`` of the served checkpoint (routed experts' layout)."""
+        if self._routes is None:
+            self._routes = routes_shape(json.loads((self._config_source() / "config.json").read_text()))
+        return self._routes
 
     def _config_source(self) -> Path:
         if self._hf_checkpoint is None:

@@ -128,6 +128,9 @@ def apply_generation(
     if "top_p_token_ids" in generation.extra:
         sample.rollout_top_p_token_ids = list(generation.extra["top_p_token_ids"])
         sample.rollout_top_p_token_offsets = list(generation.extra["top_p_token_offsets"])
+    if "routed_experts" in generation.extra:
+        # The request's whole sequence (a continuation's prompt holds the earlier part): it replaces what was there.
+        sample.rollout_routed_experts = generation.extra["routed_experts"]
     return sample
 
 

@@ -3,8 +3,10 @@
 The fields, ``Status``'s values, ``SpecInfo`` / ``PrefixCacheInfo`` and the helpers hooks call
 (``get_reward_value``, ``effective_response_length``, ``append_response_tokens``, ``to_dict`` / ``from_dict``) follow
 slime's ``slime/utils/types.py``. ``rollout_top_p_token_ids`` / ``_offsets`` (top-p replay) are slime's layout: the
-nucleus of response token ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. The fields of slime's that need model parts
-rlcore lacks (multimodal inputs, routed experts) are kept so that hooks may set them, and are not read.
+nucleus of response token ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. ``rollout_routed_experts`` (routing replay)
+is slime's layout too: ``[len(tokens) - 1, num_layers, topk]`` integer expert ids (numpy or torch; int16 or wider),
+row ``s`` the experts that routed token ``s`` in each decoder layer. The fields of slime's that need model parts
+rlcore lacks (multimodal inputs) are kept so that hooks may set them, and are not read.
 """
 
 from __future__ import annotations

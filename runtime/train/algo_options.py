@@ -127,6 +127,28 @@ class AlgoConfig:
             slime=slime("algo", None, differs="torch backend only; metrics are token means"),
         ),
     )
+    use_routing_replay: bool = field(
+        default=False,
+        metadata=described(
+            "MoE routing replay (R2, arXiv 2507.18071): the actor's old-log-prob forward records each token's experts "
+            "and its training forwards replay them, the gate weights recomputed from the current router",
+            slime=slime("algo", False, differs="MoE models only (refused for a dense model)"),
+        ),
+    )
+    use_rollout_routing_replay: bool = field(
+        default=False,
+        metadata=described(
+            "MoE rollout routing replay (R3, arXiv 2510.11370): every forward of the actor replays the experts the "
+            "rollout engine chose for each token (implies --use-routing-replay), the gate weights recomputed from the "
+            "current router",
+            slime=slime(
+                "algo",
+                False,
+                differs="MoE models only; the embedded engine reports routes too (slime: SGLang's "
+                "return_routed_experts)",
+            ),
+        ),
+    )
     use_rollout_logprobs: bool = field(
         default=False,
         metadata=described(

@@ -28,6 +28,11 @@ ROLLOUT_INDEX = "rollout_index"
 # [B, T, K] int32: each response token's top-p nucleus, padded with -1 (slime's rollout_top_p_token_ids/_offsets,
 # laid out by rlcore.kernels.pad_nucleus); present only under top-p replay, where every log-prob is taken over it.
 NUCLEUS_IDS = "rollout_top_p_token_ids"
+# [B, L, layers, topk] int32: the experts that routed each token of TOKENS (row s: token s) in every decoder layer,
+# from the rollout engine (slime's rollout_routed_experts); present only under routing replay. The layer axis is the
+# model's decoder layers, as SGLang reports them (a dense layer's rows are unused). The last token's row (the engine
+# never feeds it) and padding rows hold the distinct dummy experts 0..topk-1.
+ROUTED_EXPERTS = "routed_experts"
 
 
 def build_batch(
@@ -38,6 +43,7 @@ def build_batch(
     reward_key: str | None = None,
     top_p_replay: bool = False,
     teacher_log_probs: bool = False,
+    routed_experts: bool | None = None,
 ) -> TensorDict:
     """The rollout batch of ``samples`` (each generated and scored), ``batch_size=[B]``.
 
@@ -61,6 +67,10 @@ def build_batch(
 
     ``teacher_log_probs`` (``--opd-type sglang``): ``teacher_log_probs`` [B, T] float32 from each sample's
     ``teacher_log_probs`` (0 on padding); a sample without them raises.
+
+    ``routed_experts`` (``--use-rollout-routing-replay``): ``ROUTED_EXPERTS`` [B, L, layers, topk] int32 from each
+    sample's ``rollout_routed_experts`` ([len(tokens) - 1, layers, topk], slime's layout); True: a sample without them
+    raises; None: added when every sample has them; False: never added.
     """
     if not samples:
         raise ValueError("samples must hold at least one Sample, got none")
@@ -120,6 +130,8 @@ def build_batch(
                     "see reward/errors if it failed"
                 )
             extra[keys.TEACHER_LOG_PROBS][i, : s.response_length] = torch.as_tensor(values, dtype=torch.float32)
+    if routed_experts or (routed_experts is None and all(s.rollout_routed_experts is not None for s in samples)):
+        extra[ROUTED_EXPERTS] = routes_of(samples, width=width)
     if nuclei:
         width = max(max(x.shape[1] for x in nuclei), 1)
         extra[NUCLEUS_IDS] = torch.full((n, horizon, width), -1, dtype=torch.int32)
@@ -142,6 +154,46 @@ def build_batch(
         },
         batch_size=[n],
     )
+
+
+def dummy_routes(rows: int, layers: int, topk: int) -> torch.Tensor:
+    """``[rows, layers, topk]`` int32 rows of the distinct dummy experts ``0..topk-1``: what the last token and
+    padding route to under replay (any valid, distinct ids do: those tokens' outputs never reach a loss)."""
+    return torch.arange(topk, dtype=torch.int32).expand(rows, layers, topk).clone()
+
+
+def routes_of(samples: Sequence[Sample], *, width: int) -> torch.Tensor:
+    """``ROUTED_EXPERTS`` [B, width, layers, topk] int32 of ``samples`` (see :func:`build_batch`): row ``s`` of sample
+    ``i`` the experts of its token ``s``; its last token's row and the padding after it :func:`dummy_routes`."""
+    shape = None
+    routes = []
+    for i, s in enumerate(samples):
+        if s.rollout_routed_experts is None:
+            raise ValueError(
+                f"sample {i} (index {s.index}) has no rollout_routed_experts, which --use-rollout-routing-replay "
+                "needs: the engine reports them when asked (SGLang's return_routed_experts); a custom generate "
+                "function must set them ([len(tokens) - 1, num_layers, topk] expert ids)"
+            )
+        x = torch.as_tensor(s.rollout_routed_experts)
+        if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 3 or x.shape[0] != len(s.tokens) - 1:
+            raise ValueError(
+                f"sample {i} (index {s.index}): rollout_routed_experts must be integer [len(tokens) - 1 = "
+                f"{len(s.tokens) - 1}, num_layers, topk], got {x.dtype} {list(x.shape)}"
+            )
+        if shape is not None and x.shape[1:] != shape:
+            raise ValueError(
+                f"sample {i} (index {s.index}): rollout_routed_experts has [layers, topk] {list(x.shape[1:])}, "
+                f"sample 0 {list(shape)}"
+            )
+        if x.numel() and int(x.min()) < 0:
+            raise ValueError(f"sample {i} (index {s.index}): rollout_routed_experts holds a negative expert id")
+        shape = x.shape[1:]
+        routes.append(x)
+    layers, topk = shape
+    out = dummy_routes(len(samples) * width, layers, topk).view(len(samples), width, layers, topk)
+    for i, x in enumerate(routes):
+        out[i, : x.shape[0]] = x.to(torch.int32)
+    return out
 
 
 def _nucleus(i: int, s: Sample) -> torch.Tensor:

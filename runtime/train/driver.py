@@ -72,6 +72,7 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
             require_rollout_log_probs=need_lps,
             top_p_replay=top_p_replay(cfg),
             teacher_log_probs=teacher_from_samples(cfg),
+            routed_experts=cfg.algo.use_rollout_routing_replay,
         )
         return (
             batch
@@ -93,6 +94,7 @@ def rollout_batch(cfg: Config, samples: list[Sample], tokenizer: Any, adv_cfg: A
         reward_key=cfg.reward.reward_key,
         top_p_replay=top_p_replay(cfg),
         teacher_log_probs=teacher_from_samples(cfg),
+        routed_experts=cfg.algo.use_rollout_routing_replay,
     )
     if adv_cfg is None:
         return batch

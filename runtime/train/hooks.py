@@ -78,6 +78,9 @@ class TrainHooks:
     only_train: tuple[str, ...] = ()
     freeze: tuple[str, ...] = ()
     rollout_entropy: bool = False
+    # MoE routing replay (--use-rollout-routing-replay / --use-routing-replay): "rollout" replays the engine's routes
+    # (the batch's ROUTED_EXPERTS), "trainer" records the actor's own in the old-log-prob pass and replays those.
+    routing_replay: str | None = None
 
     def resolve(self) -> dict[str, Hook]:
         """Import every hook (in this process); the driver resolved them already, so this fails only when the
@@ -108,7 +111,16 @@ def train_hooks(cfg: Any) -> TrainHooks:
         only_train=tuple(t.only_train_params_name_list or ()),
         freeze=tuple(t.freeze_params_name_list or ()),
         rollout_entropy=a.use_rollout_entropy,
+        routing_replay=routing_replay(a),
     )
+
+
+def routing_replay(algo: Any) -> str | None:
+    """Which routes the actor replays: ``"rollout"`` (R3, ``--use-rollout-routing-replay``, which implies
+    ``--use-routing-replay`` as in slime), ``"trainer"`` (R2, ``--use-routing-replay`` alone), or None."""
+    if algo.use_rollout_routing_replay:
+        return "rollout"
+    return "trainer" if algo.use_routing_replay else None
 
 
 def freeze_parameters(

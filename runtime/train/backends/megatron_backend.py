@@ -59,10 +59,12 @@ from runtime.train.backends.megatron_build import (
     optimizer_config,
     process_group_backend,
     provider_context,
+    sequence_parallel,
     transformer_config,
 )
 from runtime.train.backends.megatron_export import MegatronExport
 from runtime.train.backends.megatron_forward import MegatronForward
+from runtime.train.backends.megatron_replay import MegatronReplay, replay_mode, replay_problems
 from runtime.train.backends.megatron_state import (
     OPTIMIZER_SHARDING,
     MegatronState,
@@ -93,7 +95,7 @@ def _torn_down_on_failure(init: Any) -> Any:
     return wrapper
 
 
-class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExport, MegatronState):
+class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExport, MegatronState, MegatronReplay):
     """One rank of the megatron backend. Every public method is called on all ranks at once."""
 
     @_torn_down_on_failure
@@ -150,19 +152,22 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
                 f"--expert-model-parallel-size {self.ep} must divide the {world_size // self.pp} ranks of a pipeline "
                 "stage"
             )
-        if self.cpu and self.shape.moe is not None and self.tp > 1:
+        if self.cpu and self.shape.moe is not None and any(self.shape.moe.layer_pattern) and self.tp > 1:
             problems.append(
                 "experts with --tensor-model-parallel-size > 1 are not built on the CPU (its gradient reduction "
                 "covers TP 1; on GPUs megatron-core's DDP reduces them)"
             )
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
-        if self.cpu and train_cfg.sequence_parallel and self.tp > 1:
+        if self.cpu and sequence_parallel(train_cfg):
             problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
         if self.cpu and train_cfg.optimizer_cpu_offload:
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
         if train_cfg.context_parallel_size != 1:
             problems.append("--context-parallel-size > 1 needs Transformer Engine (not used by the local spec)")
+        # slime's --use-rollout-routing-replay / --use-routing-replay: the actor replays routes (megatron_replay).
+        mode = replay_mode(self.hooks)
+        problems += replay_problems(mode, self.shape.moe)
         if problems:
             raise ValueError("; ".join(problems))
         self.bf16 = _uses_bf16(train_cfg.bf16, self.device)
@@ -179,7 +184,8 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
         self.padded_vocab = mc.vocab_rows(self.shape, tp_size=self.tp)
         with self._shims():
             # The actor starts from a Megatron checkpoint when the job names one (runtime.cluster.checkpoint).
-            self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True)
+            self.model = self._build(paths.get(ACTOR.name, model_path), trainable=True, replay=mode is not None)
+            self._replay_setup(mode)  # the actor's routers only: the other models never replay
             self.frozen = {
                 role.writes: self._build(paths.get(role.name, model_path), trainable=False)
                 for role in roles
@@ -216,11 +222,12 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
         models = {ACTOR.writes: self.model, **self.frozen}
         out: dict[str, torch.Tensor] = {}
         parts, groups = self._log_prob_parts(td)
-        with self._shims():
+        with self._shims(), self._replay_pass("log_probs"):
             for key, model in models.items():
                 self._call_hook("custom_megatron_before_log_prob_hook_path", model, STORE_PREFIX.get(key, ""))
                 outputs = self._run(model, parts, forward_only=True)
                 out[key] = in_row_order(torch.cat([p["log_probs"] for p in outputs]).float().cpu(), groups)
+            out.update(self._recorded_routes(td, groups))  # --use-routing-replay: the routes the update replays
             if self.critic is not None:
                 out[CRITIC.writes] = in_row_order(self.critic.values(td, parts=parts), groups)
         return TensorDict(out, batch_size=td.batch_size)
@@ -263,6 +270,7 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
     def shutdown(self) -> None:
         """Destroy Megatron's parallel groups and the process group this trainer created (safe on a trainer whose
         ``__init__`` failed part way)."""
+        self._replay_close()
         if hasattr(self, "ps") and self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
         if getattr(self, "_own_group", False) and dist.is_initialized():

@@ -45,6 +45,19 @@ class ProviderContext:
 _PROVIDER_CONTEXT: contextvars.ContextVar[ProviderContext] = contextvars.ContextVar("megatron_provider_context")
 
 
+# Sequence parallelism needs norms that take it. megatron-core's own, without Transformer Engine or Apex
+# (WrappedTorchNorm), refuse it when the layers are built ("sequence parallel not supported by torch LayerNorm", seen
+# on two H200s at dc7f936). Until this backend builds norms that do, --sequence-parallel at TP > 1 trains as tensor
+# parallelism without it: the same arithmetic, with each rank's activations whole instead of cut along the sequence.
+SEQUENCE_PARALLEL_NORMS = False
+
+
+def sequence_parallel(cfg: Any) -> bool:
+    """Whether the model of ``cfg`` (the train section) is built sequence-parallel: never at TP 1 (Megatron-LM turns it
+    off there; slime's scripts pass it anyway), nor without norms that take it (:data:`SEQUENCE_PARALLEL_NORMS`)."""
+    return bool(cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1 and SEQUENCE_PARALLEL_NORMS)
+
+
 def provider_context() -> ProviderContext:
     """The :class:`ProviderContext` of the model being built, inside a ``--custom-model-provider-path`` call (slime's
     providers read Megatron's global ``get_args()`` instead, which rlcore does not set up)."""
@@ -204,8 +217,7 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         },
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        # Megatron-LM turns sequence parallelism off at TP 1 (slime's scripts pass it there too).
-        sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
+        sequence_parallel=sequence_parallel(cfg),
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
@@ -325,9 +337,10 @@ class MegatronBuild:
     def _transformer_config(self) -> Any:
         return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu)
 
-    def _build(self, path: str, *, trainable: bool, value_head: bool = False) -> torch.nn.Module:
+    def _build(self, path: str, *, trainable: bool, value_head: bool = False, replay: bool = False) -> torch.nn.Module:
         """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training; with
-        ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused."""
+        ``value_head`` the critic's (:mod:`megatron_critic`): its output layer is a value head, the LM head unused;
+        with ``replay`` its routers can replay given routes (the actor's, :mod:`megatron_replay`)."""
         from megatron.core.models.gpt import GPTModel
 
         from runtime.train.backends.megatron_layers import decoder_spec
@@ -339,6 +352,7 @@ class MegatronBuild:
         if shape != self.shape and trainable:
             raise ValueError(f"{path}: its config.json describes another model than {self.model_path}")
         config = self._transformer_config()
+        config.moe_enable_routing_replay = replay
         spec = decoder_spec(
             shape,
             attention_backend=self.cfg.attention_backend,

@@ -22,6 +22,7 @@ from typing import Any
 
 from runtime.train.backends.megatron_mla import MLAShape, mla_from_hf
 from runtime.train.backends.megatron_mla import config_kwargs as mla_config_kwargs
+from runtime.train.backends.megatron_mla import tp_problems as mla_tp_problems
 from runtime.train.backends.megatron_moe import MoEShape, layer_pattern, local_experts, moe_from_hf
 
 
@@ -228,7 +229,8 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "rotary_base": (lambda s: s.rotary_base, "rope_theta"),
     "rotary_percent": (lambda s: s.rotary_percent, "partial_rotary_factor"),
     "norm_epsilon": (lambda s: s.norm_epsilon, "rms_norm_eps"),
-    "qk_layernorm": (lambda s: s.qk_layernorm, "model_type"),
+    # Under MLA megatron-core's QK norms are the latent norms (q_a_layernorm, kv_a_layernorm), which it always has.
+    "qk_layernorm": (lambda s: s.qk_layernorm or s.mla is not None, "model_type"),
     "add_qkv_bias": (lambda s: s.add_qkv_bias, "model_type / attention_bias"),
     "post_self_attn_layernorm": (lambda s: s.post_norms, "model_type (GLM-4's post_self_attn_layernorm)"),
     "post_mlp_layernorm": (lambda s: s.post_norms, "model_type (GLM-4's post_mlp_layernorm)"),
@@ -264,7 +266,24 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
     "qk_head_dim": (lambda s: s.mla and s.mla.qk_head_dim, "qk_nope_head_dim"),
     "qk_pos_emb_head_dim": (lambda s: s.mla and s.mla.qk_pos_emb_head_dim, "qk_rope_head_dim"),
     "v_head_dim": (lambda s: s.mla and s.mla.v_head_dim, "v_head_dim"),
+    # Rotary scaling (MLA's YaRN; a model without MLA has plain rotary, factor 1).
+    "rope_type": (lambda s: s.mla.rope_type if s.mla else "rope", "rope_scaling's type"),
+    "rotary_scaling_factor": (lambda s: s.mla.rotary_scaling_factor if s.mla else 1.0, "rope_scaling's factor"),
+    "mscale": (lambda s: s.mla.mscale if s.mla else 1.0, "rope_scaling's mscale"),
+    "mscale_all_dim": (lambda s: s.mla.mscale_all_dim if s.mla else 0.0, "rope_scaling's mscale_all_dim"),
 }
+
+
+def _plain_rotary(shape: ModelShape) -> bool:
+    return shape.mla is None or shape.mla.rope_type == "rope"
+
+
+def _yarn_only(name: str) -> Callable[[Any, ModelShape], Any]:
+    """A YaRN value's reader: under plain rotary (YaRN at factor 1) megatron-core's YaRN scales nothing, whatever
+    ``name`` says, so any value agrees; --rotary-scaling-factor, checked on its own, says whether the factor is 1."""
+    return lambda given, s: getattr(s.mla, name) if s.mla is not None and _plain_rotary(s) else given
+
+
 # How a flag's value reads before it is compared (the flag as given, the shape): --moe-layer-freq is an expression.
 FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
     "moe_layer_freq": lambda given, s: list(layer_pattern(given, num_layers=s.num_layers)),
@@ -272,8 +291,16 @@ FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
     "moe_router_pre_softmax": lambda given, s: (
         s.moe.pre_softmax if s.moe and s.moe.score_function != "softmax" else given
     ),
-    # --moe-router-num-groups 1 is no grouping (the shape says None).
+    # --moe-router-num-groups 1 is no grouping (the shape says None), and so is --moe-router-group-topk 1 with it.
     "moe_router_num_groups": lambda given, s: None if given == 1 and s.moe and s.moe.num_groups is None else given,
+    "moe_router_group_topk": lambda given, s: None if given == 1 and s.moe and s.moe.num_groups is None else given,
+    # megatron-core's MLA sizes its heads by --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim and never reads
+    # --kv-channels (slime's MLA scripts set it to --qk-head-dim): any value agrees.
+    "kv_channels": lambda given, s: s.kv_channels if s.mla is not None else given,
+    # MLA takes YaRN unless --rope-type rope; YaRN at factor 1 is plain rotary (the factor is checked on its own).
+    "rope_type": lambda given, s: s.mla.rope_type if s.mla is not None and _plain_rotary(s) else given,
+    "mscale": _yarn_only("mscale"),
+    "mscale_all_dim": _yarn_only("mscale_all_dim"),
 }
 
 
@@ -445,11 +472,8 @@ def parallel_problems(
             local_experts(shape.moe, ep_size=ep_size)
         except ValueError as err:
             problems.append(f"{err} ({source})")
-    if shape.mla is not None and tp_size != 1:
-        problems.append(
-            f"--tensor-model-parallel-size {tp_size}: multi-latent attention ({source}) is built at tensor "
-            "parallelism 1 only"
-        )
+    if shape.mla is not None:
+        problems += mla_tp_problems(shape.mla, heads=shape.num_attention_heads, tp_size=tp_size, source=source)
     if shape.num_query_groups % tp_size:
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "

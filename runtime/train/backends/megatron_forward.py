@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from rlcore.kernels import logprobs_entropy
 from runtime.train.backends import megatron_moe as mmoe
+from runtime.train.backends.megatron_build import sequence_parallel
 from runtime.train.backends.torch_backend import micro_batches
 from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
 from runtime.train.packing import min_micro_batches, pack_by_tokens, token_budget
@@ -33,12 +34,15 @@ class MegatronForward:
             # The rows' right padding stays out of the routers' balancing loss and expert-bias counts.
             seq_lens = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).to(self.device)
             extra["padding_mask"] = mmoe.padding_mask(seq_lens, tokens.shape[1])
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
+        self._replay_before(model, mb, tokens.shape[1])  # routing replay: the actor's routers take mb's routes
+        output = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **extra)
+        self._replay_after(model, output, mb)
+        return output
 
     def _inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seq_lens = mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]
         width = int(seq_lens.max())
-        if self.cfg.sequence_parallel and width % self.tp:
+        if sequence_parallel(self.cfg) and width % self.tp:
             width += self.tp - width % self.tp  # the sequence splits evenly over TP ranks
         tokens = mb[TOKENS][:, :width].to(self.device)
         if tokens.shape[1] < width:

@@ -10,25 +10,27 @@ MLA projects each token's keys and values through a low-rank latent (``kv_lora_r
 interleaved pairs gathered first), with plain rotary or YaRN (``rope_type``, its factor, original length, betas and
 both mscales, which also scale the softmax).
 
-Weights (one tensor-parallel rank: MLA is refused at ``--tensor-model-parallel-size`` > 1, not built):
+Weights, and how a tensor-parallel rank holds each (megatron-core's local spec: the down projections are
+column-parallel over the latent, gathered before the latent norms; the up projections column-parallel over the heads;
+the output projection row-parallel; the latent norms whole on every rank):
 
 ==========================================  =====================================
 Megatron (``decoder.layers.i.``)            HF (``model.layers.L.``)
 ==========================================  =====================================
-``self_attention.linear_q_proj``            ``self_attn.q_proj`` (no query LoRA)
-``self_attention.linear_q_down_proj``       ``self_attn.q_a_proj``
-``self_attention.q_layernorm``              ``self_attn.q_a_layernorm``
-``self_attention.linear_q_up_proj``         ``self_attn.q_b_proj``
-``self_attention.linear_kv_down_proj``      ``self_attn.kv_a_proj_with_mqa``
-``self_attention.kv_layernorm``             ``self_attn.kv_a_layernorm``
-``self_attention.linear_kv_up_proj``        ``self_attn.kv_b_proj``
-``self_attention.linear_proj``              ``self_attn.o_proj``
+``self_attention.linear_q_proj``            ``self_attn.q_proj`` (no query LoRA), TP rows
+``self_attention.linear_q_down_proj``       ``self_attn.q_a_proj``, TP rows
+``self_attention.q_layernorm``              ``self_attn.q_a_layernorm``, whole
+``self_attention.linear_q_up_proj``         ``self_attn.q_b_proj``, TP rows
+``self_attention.linear_kv_down_proj``      ``self_attn.kv_a_proj_with_mqa``, TP rows
+``self_attention.kv_layernorm``             ``self_attn.kv_a_layernorm``, whole
+``self_attention.linear_kv_up_proj``        ``self_attn.kv_b_proj``, TP rows
+``self_attention.linear_proj``              ``self_attn.o_proj``, TP columns
 ==========================================  =====================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +143,35 @@ NAMES: dict[bool, dict[str, str]] = {
 }
 
 
+# The dimension a tensor-parallel rank cuts each Megatron MLA tensor along (None: whole on every rank).
+SPLIT_DIM: dict[str, int | None] = {
+    "linear_q_proj.weight": 0,
+    "linear_q_down_proj.weight": 0,
+    "q_layernorm.weight": None,
+    "linear_q_up_proj.weight": 0,
+    "linear_kv_down_proj.weight": 0,
+    "kv_layernorm.weight": None,
+    "linear_kv_up_proj.weight": 0,
+    "linear_proj.weight": 1,
+}
+
+
+def tp_problems(mla: MLAShape, *, heads: int, tp_size: int, source: str = "config.json") -> list[str]:
+    """What keeps ``tp_size`` tensor-parallel ranks from each holding an equal cut of every MLA tensor."""
+    cuts = {
+        "num_attention_heads": heads,
+        "kv_lora_rank + qk_rope_head_dim": mla.kv_lora_rank + mla.qk_pos_emb_head_dim,
+    }
+    if mla.q_lora_rank is not None:
+        cuts["q_lora_rank"] = mla.q_lora_rank
+    return [
+        f"--tensor-model-parallel-size {tp_size} must divide {what} {size} of {source} (multi-latent attention "
+        "cuts it over the ranks)"
+        for what, size in cuts.items()
+        if size % tp_size
+    ]
+
+
 def names(mla: MLAShape) -> dict[str, str]:
     """Megatron attention tensor name (after ``self_attention.``) -> HF name (after ``self_attn.``)."""
     return NAMES[mla.q_lora_rank is not None]
@@ -170,12 +201,25 @@ def hf_attention_shapes(
     return out
 
 
+def _cut(tensor: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    return tensor.clone() if dim is None else tensor.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
 def attention_to_megatron(
-    hf: Mapping[str, torch.Tensor], mla: MLAShape, *, hf_prefix: str, prefix: str
+    hf: Mapping[str, torch.Tensor],
+    mla: MLAShape,
+    *,
+    hf_prefix: str,
+    prefix: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """One layer's MLA tensors under ``prefix`` (``decoder.layers.i.``) from the HF tensors under ``hf_prefix``
-    (``model.layers.L.``); clones."""
-    return {f"{prefix}self_attention.{m}": hf[f"{hf_prefix}self_attn.{h}"].clone() for m, h in names(mla).items()}
+    """Tensor-parallel rank ``tp_rank``'s MLA tensors of one layer under ``prefix`` (``decoder.layers.i.``) from the HF
+    tensors under ``hf_prefix`` (``model.layers.L.``), cut as :data:`SPLIT_DIM` says; copies."""
+    return {
+        f"{prefix}self_attention.{m}": _cut(hf[f"{hf_prefix}self_attn.{h}"], SPLIT_DIM[m], tp_rank, tp_size)
+        for m, h in names(mla).items()
+    }
 
 
 def attention_to_hf(name: str, mla: MLAShape) -> str | None:
@@ -186,6 +230,15 @@ def attention_to_hf(name: str, mla: MLAShape) -> str | None:
     return None if hf is None else "self_attn." + hf
 
 
+def join_parts(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of the Megatron MLA layer tensor ``name`` (after ``decoder.layers.i.``) from its
+    tensor-parallel ranks' ``parts``, in rank order."""
+    import torch  # (here: ``--help`` and ``--dry-run`` read this module without torch)
+
+    dim = SPLIT_DIM[name.removeprefix("self_attention.")]
+    return parts[0] if dim is None else torch.cat(list(parts), dim=dim)
+
+
 __all__ = [
     "HF_LATENT_NORM_EPS",
     "MLAShape",
@@ -193,6 +246,9 @@ __all__ = [
     "attention_to_megatron",
     "config_kwargs",
     "hf_attention_shapes",
+    "join_parts",
     "mla_from_hf",
     "names",
+    "SPLIT_DIM",
+    "tp_problems",
 ]

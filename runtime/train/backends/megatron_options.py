@@ -35,7 +35,10 @@ class MegatronOptions:
         default=False,
         metadata=described(
             own="a Megatron flag",
-            text="Megatron: sequence parallelism within TP (off at TP 1, which Megatron-LM turns it off at)",
+            text=(
+                "Megatron: sequence parallelism within TP; taken, and trains as TP without it (megatron-core's norms "
+                "without Transformer Engine or Apex refuse it): the same arithmetic, more activation memory"
+            ),
         ),
     )
     recompute_method: Literal["uniform", "block"] | None = field(

@@ -63,7 +63,7 @@ class MegatronSteps:
             raise ValueError(f"shard of {n} rows is not a whole number of steps of {per_step_rows} rows")
         steps = n // per_step_rows
         totals: dict[str, float] = {}
-        with self._shims():
+        with self._shims(), self._replay_pass("train"):
             for step in range(steps):
                 self._call_hook(
                     "custom_megatron_before_train_step_hook_path",

@@ -198,7 +198,9 @@ def to_megatron(
         p, m = _layer(layer), f"decoder.layers.{local}."
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
         if shape.mla is not None:
-            out.update(mla.attention_to_megatron(hf, shape.mla, hf_prefix=p, prefix=m))
+            out.update(
+                mla.attention_to_megatron(hf, shape.mla, hf_prefix=p, prefix=m, tp_rank=tp_rank, tp_size=tp_size)
+            )
         else:
             _attention_to_megatron(out, hf, shape, p=p, m=m, tp_rank=tp_rank, tp_size=tp_size)
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
@@ -304,7 +306,7 @@ def layer_to_hf(
         return
     hf_name = None if shape.mla is None else mla.attention_to_hf(name, shape.mla)
     if hf_name is not None:
-        yield p + hf_name, parts[0]  # one tensor-parallel rank (MLA is built at TP 1)
+        yield p + hf_name, mla.join_parts(name, parts)
         return
     attn = p + "self_attn."
     if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

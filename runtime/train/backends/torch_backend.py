@@ -51,7 +51,15 @@ from runtime.train.backends.torch_export import TorchExport
 from runtime.train.backends.torch_loss_hooks import TorchLossHooks
 from runtime.train.backends.torch_models import load_model, loss_in_head, uses_bf16
 from runtime.train.backends.torch_offload import TorchOffload
-from runtime.train.batch import NUCLEUS_IDS, PROMPT_LENGTHS, RESPONSE_LENGTHS, RESPONSE_TOKENS, TOKENS
+from runtime.train.backends.torch_replay import RouteReplay, routes_for_inputs, routes_from_inputs
+from runtime.train.batch import (
+    NUCLEUS_IDS,
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    RESPONSE_TOKENS,
+    ROUTED_EXPERTS,
+    TOKENS,
+)
 from runtime.train.hooks import (
     STORE_PREFIX,
     TrainHooks,
@@ -167,6 +175,14 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
                     f"the {role.name} model {paths.get(role.name, model_path)!r} has a vocabulary of "
                     f"{other.config.vocab_size}, the actor {self.model.config.vocab_size}: they must share a tokenizer"
                 )
+        # MoE routing replay of the actor's routers (torch_replay): "rollout" (R3) replays the batch's ROUTED_EXPERTS,
+        # "trainer" (R2) records them in the old-log-prob pass and replays them in the update.
+        self.route_replay = RouteReplay(self.model) if self.hooks.routing_replay else None
+        if self.hooks.routing_replay == "trainer" and train_cfg.keep_old_actor:
+            raise ValueError(
+                "--use-routing-replay records the routes of the old-log-prob pass, which --keep-old-actor runs on "
+                "another copy of the weights: use --use-rollout-routing-replay, or leave one of them out"
+            )
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False
@@ -265,12 +281,46 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
         inputs = layout(mb[TOKENS], mb[PROMPT_LENGTHS], lengths, horizon=mb[RESPONSE_TOKENS].shape[1])
         return inputs.to(self.device)
 
+    @contextmanager
+    def _base_model(self) -> Iterator[None]:
+        """The LoRA base model as the reference: adapters disabled, routing as usual (replay is the actor's)."""
+        with lora.base_only(self.model), self.route_replay.pause() if self.route_replay else nullcontext():
+            yield
+
+    def _route(self, model: torch.nn.Module, mb: TensorDict) -> None:
+        """Before a forward of ``model`` on ``mb``: under routing replay the actor's routers replay ``mb``'s
+        ``ROUTED_EXPERTS`` (laid out like :meth:`_inputs`), or, under R2 before its routes exist (the old-log-prob
+        pass), record their own. Other models, and the LoRA base as the reference, route as usual."""
+        replay = self.route_replay
+        if replay is None or model is not self.model or replay.paused:
+            if replay is not None:
+                replay.off()
+            return
+        if ROUTED_EXPERTS in mb.keys():
+            lengths = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).cpu()
+            flat = routes_for_inputs(mb[ROUTED_EXPERTS], lengths, packed=self.cfg.use_dynamic_batch_size)
+            replay.replay(flat, device=self.device)
+        elif self.hooks.routing_replay == "trainer":
+            replay.record()
+        else:
+            raise ValueError(
+                "--use-rollout-routing-replay: the batch has no routed_experts (build_batch(routed_experts=True) "
+                "from samples the engine reported routes for)"
+            )
+
+    def _recorded_routes(self, mb: TensorDict) -> torch.Tensor:
+        """R2: the routes the actor's last forward on ``mb`` recorded, in the batch layout ``[b, L, layers, topk]``."""
+        lengths = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).cpu()
+        flat = self.route_replay.recorded_routes().cpu()
+        return routes_from_inputs(flat, lengths, packed=self.cfg.use_dynamic_batch_size, width=mb[TOKENS].shape[1])
+
     def _forward(self, model: torch.nn.Module, mb: TensorDict, *, with_entropy: bool) -> tuple[torch.Tensor, Any]:
         """Response-aligned ``(log_probs [b, T], entropy [b, T] or None)`` of ``model`` on micro-batch ``mb``, through
         the model's full logits. Under top-p replay (``NUCLEUS_IDS`` in ``mb``) the log-probs are renormalised over
         each token's nucleus (:func:`rlcore.kernels.nucleus_log_probs`); the entropy stays the full
         distribution's, as in slime."""
         inputs = self._inputs(mb)
+        self._route(model, mb)
         # Top-p replay: the nucleus ids are range-checked where they arrive (the host), not with a device sync.
         host_nucleus = mb[NUCLEUS_IDS] if NUCLEUS_IDS in mb.keys() else None
         mb = mb.to(self.device)
@@ -335,6 +385,7 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
         mixed-precision policy's dtype under bf16). On one process under bf16 it is the step's bf16 copy
         (:meth:`_step_scope`)."""
         inputs = self._inputs(mb)
+        self._route(model, mb)
         mb = mb.to(self.device)
         head = model.get_output_embeddings()
         head.forward = _identity
@@ -427,7 +478,7 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
         self._check_resident()
         models = {ACTOR.writes: (self.model, nullcontext), **{k: (m, nullcontext) for k, m in self.frozen.items()}}
         if self.base_is_reference:
-            models[REFERENCE.writes] = (self.model, lambda: lora.base_only(self.model))
+            models[REFERENCE.writes] = (self.model, self._base_model)
         out: dict[str, list[torch.Tensor]] = {key: [] for key in models}
         for key, (model, context) in models.items():
             # slime's store prefixes: "" for the actor, "ref_" for the reference, "teacher_" for the teacher.
@@ -461,6 +512,12 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
                             log_probs, entropy = self._forward(model, mb, with_entropy=True)
                     if real:
                         out[key].append(log_probs.float())
+                        if (
+                            key == ACTOR.writes
+                            and self.route_replay is not None
+                            and self.route_replay.mode == "record"
+                        ):
+                            out.setdefault(ROUTED_EXPERTS, []).append(self._recorded_routes(mb))
                         if entropy_key is not None:
                             out.setdefault(entropy_key, []).append(entropy.float())
         # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
@@ -532,6 +589,10 @@ class TorchTrainer(TorchLossHooks, TorchExport, TorchOffload):
         averaged, maxima the largest of any step: ``runtime.train.metrics``), plus ``grad_norm`` and ``num_steps``.
         """
         self._check_resident()
+        if self.route_replay is not None and ROUTED_EXPERTS not in td.keys():
+            raise ValueError(
+                "routing replay: the shard has no routed_experts (R3: from the engine; R2: from compute_log_probs)"
+            )
         n = td.batch_size[0]
         if isinstance(per_step_rows, int):
             if n % per_step_rows:
