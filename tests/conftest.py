@@ -2,6 +2,7 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+from suite_tools import ray_module_order
 
 # Every Ray the tests start listens on 127.0.0.1, as rlcore-run's own does (runtime/cluster/loopback.py): servers
 # launched on a Ray node bind the node's address, and traffic to the machine's routable address may not reach them.
@@ -17,6 +18,83 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# ---------------------------------------------------------------- one Ray for neighbouring modules
+# A local Ray costs about 7 s to start and stop on a quiet 2-core machine. Modules that take the ``ray_session``
+# fixture declare the Ray they need in RAY_RESOURCES (ray.init's num_cpus/num_gpus; 2 CPUs when absent); they run
+# together at the end of the suite, grouped by those resources, and a module's Ray stays up for the next module when
+# that one asks for the same resources. A module's leftovers cannot reach the next one: its module fixtures (engines,
+# fleets, trainers) are torn down before its Ray is handed on, and a Ray with any CPU or GPU still held is restarted.
+RAY_DEFAULT_RESOURCES = {"num_cpus": 2}
+_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
+
+
+def ray_resources(module) -> tuple[tuple[str, int], ...]:
+    """The Ray a module's ``ray_session`` asks for, as a sortable key."""
+    wanted = getattr(module, "RAY_RESOURCES", RAY_DEFAULT_RESOURCES)
+    unknown = set(wanted) - set(_RESOURCE_NAMES)
+    if unknown:
+        raise ValueError(
+            f"{module.__name__}.RAY_RESOURCES: unknown keys {sorted(unknown)}; known {list(_RESOURCE_NAMES)}"
+        )
+    return tuple(sorted(wanted.items()))
+
+
+def _ray_key(item):
+    """The Ray resources the item's module asks for, or None when the item takes no ``ray_session``."""
+    module = getattr(item, "module", None)
+    return ray_resources(module) if module is not None and "ray_session" in getattr(item, "fixturenames", ()) else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules whose tests take ``ray_session`` run last, grouped by the Ray they ask for (``ray_module_order``); each
+    module's tests keep their order, and the other modules theirs."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(getattr(item, "module", None), []).append(item)
+    groups = list(modules.values())
+    keys = [min(filter(None, map(_ray_key, group)), default=None) for group in groups]
+    order, hand_on = ray_module_order(keys)
+    items[:] = [item for i in order for item in groups[i]]
+    config.stash[_HAND_ON] = {group[0].module: hand_on[i] for i, group in enumerate(groups) if keys[i] is not None}
+
+
+_HAND_ON = pytest.StashKey[dict]()
+
+
+def _ray_matches(ray, wanted: tuple[tuple[str, int], ...], *, settle_s: float = 5.0) -> bool:
+    """Whether the running Ray has exactly these CPUs and GPUs, all free (freed resources may take a moment)."""
+    import time
+
+    total = {_RESOURCE_NAMES[name]: float(count) for name, count in wanted}
+    total.setdefault("GPU", 0.0)
+    cluster = ray.cluster_resources()
+    if {name: cluster.get(name, 0.0) for name in total} != total:
+        return False
+    deadline = time.monotonic() + settle_s
+    while True:
+        free = ray.available_resources()
+        if {name: free.get(name, 0.0) for name in total} == total:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def ray_session(request):
+    """A local Ray with the module's RAY_RESOURCES, the previous module's when it asked for the same and left
+    nothing running; shut down after the module unless the next module asks for the same."""
+    import ray
+
+    wanted = ray_resources(request.module)
+    if ray.is_initialized() and not _ray_matches(ray, wanted):
+        ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(**dict(wanted), include_dashboard=False, log_to_driver=False)
+    yield
+    if not request.config.stash.get(_HAND_ON, {}).get(request.module, False):
+        ray.shutdown()
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ it is imported, so ``test_triton_kernel_under_the_interpreter`` reruns this modu
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from suite_tools import run_interpreted
 
 from runtime.engines.decode import engine_attention
 from runtime.engines.decode_attention import decode_attention_reference, decode_attention_triton, triton
@@ -407,12 +406,8 @@ def test_triton_kernel_plain_sampling_draws_the_inverse_cdf_token(dtype):
 
 @pytest.mark.skipif(INTERPRETED or triton is None, reason="this process already runs interpreted, or no Triton")
 def test_triton_kernel_under_the_interpreter():
-    here = Path(__file__).resolve()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here), "-k", "triton_kernel"]
-    result = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "9 passed" in result.stdout, result.stdout[-2000:]
+    select = "triton_kernel and not under_the_interpreter"  # (this test is skipped in an interpreted process)
+    run_interpreted(Path(__file__).name, select=select, expect_passed=9, timeout=600)
 
 
 @pytest.mark.skipif(triton is None, reason="fuse_model needs Triton")

@@ -34,11 +34,8 @@ TRAINER_TRAINING = "ray::TrainerWorker.train_rollout"
 TIMING = ("perf/", "reward/time")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+# ray_session (tests/conftest.py) starts Ray with these; shared with neighbouring modules that ask for the same.
+RAY_RESOURCES = {"num_cpus": 4}
 
 
 @pytest.fixture(scope="module")

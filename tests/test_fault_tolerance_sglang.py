@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import ray
 
 from runtime.cli import EXIT_JOB_STOPPED, main
 from runtime.logger import METRICS_FILE, read_metrics
@@ -37,11 +36,8 @@ SGLANG = [
 ROUTER_GENERATING = "ray::SGLangEngine.generate"
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+# ray_session (tests/conftest.py) starts Ray with these; shared with neighbouring modules that ask for the same.
+RAY_RESOURCES = {"num_cpus": 4}
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,6 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """The tiny model with a chat template."""
     from transformers import AutoTokenizer

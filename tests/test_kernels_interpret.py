@@ -6,27 +6,17 @@ Under a suite already started with TRITON_INTERPRET=1, ``test_kernels.py`` itsel
 
 The interpreter runs every program instance in Python, so its cost grows with the rows of a case: the linear cases
 with N >= H use N = 12 or 13 (just above H = 8, more head pieces than larger N), which lets every case of the file run
-here (earlier N = 40 and 33 took 3 minutes on a 2-core machine, and some cases were left to a slow test).
+here (earlier N = 40 and 33 took 3 minutes on a 2-core machine, and some cases were left to a slow test). The cases
+are spread over one pytest-xdist worker per core (``suite_tools.run_interpreted``): the interpreter keeps one core
+busy, so two workers on a 2-core machine take about half the wall time of one.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-
-def _interpret() -> None:
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(here / "test_kernels.py")]
-    result = subprocess.run(command, cwd=here.parent, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    summary = result.stdout.splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary and "deselected" not in summary, result.stdout[-2000:]
+from suite_tools import run_interpreted
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this process already runs interpreted")
 def test_kernels_under_triton_interpreter():
-    _interpret()
+    run_interpreted("test_kernels.py", timeout=600)

@@ -235,27 +235,21 @@ def test_tensor_parallel_two_ranks_equal_one(model_type, tmp_path):
         one.shutdown()
 
 
-def test_rlcore_run_trains_the_builtin_job_with_megatron(tmp_path):
-    """A few GRPO steps of the built-in job through rlcore-run --train-backend megatron (Ray, the embedded engine,
-    the object-store weight sync); the final HF export loads with transformers."""
+def test_rlcore_run_trains_the_builtin_job_with_megatron(ray_session, tmp_path, capsys):
+    """A few GRPO steps of the built-in job through rlcore-run's entry point with --train-backend megatron (Ray, the
+    embedded engine, the object-store weight sync); the final HF export loads with transformers. In this process on
+    the module's Ray (a subprocess paid its own Python and Ray start, about 10 s; tests/test_signals.py and
+    tests/test_runtime_seams.py run ``python -m runtime.cli`` itself)."""
     import json
-    import subprocess
-    import sys
 
     from transformers import AutoModelForCausalLM
 
+    from runtime.cli import main
+
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "--train-backend", "megatron", "--num-rollout", "2"]
-        + ["--output-dir", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "done, 2 steps" in result.stdout + result.stderr
+    assert main(["--train-backend", "megatron", "--num-rollout", "2", "--output-dir", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "done, 2 steps" in captured.out + captured.err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) >= 2
     AutoModelForCausalLM.from_pretrained(out / "final_model")

@@ -35,17 +35,21 @@ def test_each_rank_holds_its_cut_and_the_cuts_join_back_exactly(variant):
 
 
 def test_tensor_parallel_sizes_that_do_not_divide_the_latent_or_the_heads_are_named():
-    shape = mc.shape_from_hf(deepseek_config().to_dict())  # 4 heads, q_lora_rank 24, kv_lora_rank 32 + rope 8
+    # Every layer dense: MoE layers at TP > 1 are refused on their own (sequence parallelism).
+    dense = dict(first_k_dense_replace=2)
+    shape = mc.shape_from_hf(deepseek_config(**dense).to_dict())  # 4 heads, q_lora_rank 24, kv_lora_rank 32 + rope 8
     assert mc.parallel_problems(shape, tp_size=2, pp_size=1) == []
     problems = mc.parallel_problems(shape, tp_size=3, pp_size=1)
     assert any("num_attention_heads 4" in p for p in problems), problems
     assert any("kv_lora_rank + qk_rope_head_dim 40" in p for p in problems), problems
-    odd = mc.shape_from_hf(deepseek_config(q_lora_rank=25).to_dict())
+    odd = mc.shape_from_hf(deepseek_config(q_lora_rank=25, **dense).to_dict())
     (problem,) = mc.parallel_problems(odd, tp_size=2, pp_size=1)
     assert problem.startswith("--tensor-model-parallel-size 2 must divide q_lora_rank 25"), problem
     assert mla.tp_problems(shape.mla, heads=4, tp_size=1) == []
-    moonlight = mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict())
+    moonlight = mc.shape_from_hf(deepseek_config(**MOONLIGHT, **dense).to_dict())
     assert mc.parallel_problems(moonlight, tp_size=2, pp_size=1) == []
+    (moe,) = mc.parallel_problems(mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict()), tp_size=2, pp_size=1)
+    assert "megatron-core trains MoE layers over tensor-parallel ranks only with sequence parallelism" in moe
 
 
 pytest.importorskip("megatron.core")

@@ -173,13 +173,6 @@ def test_trained_weights_reach_the_engine_in_checkpoint_names(presets, name, tmp
         assert torch.equal(exported[key], value), key
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_two_fsdp_trainers_over_moe_layers_give_the_single_trainer_step(ray_session, presets, tmp_path):
     path = presets["tiny-qwen3-moe"]
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -33,22 +33,20 @@ def test_a_spread_group_whose_rank_zero_node_is_loopback_is_refused():
         rendezvous_address([], IPS)
 
 
-def test_a_one_node_placement_meets_on_loopback_at_a_free_port():
+def test_a_one_node_placement_meets_on_loopback_at_a_free_port(ray_session):
     import socket
 
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
     try:
-        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
         ray.get(group.ready())
         address, port = trainer_rendezvous(Placement(group, False, [0, 1], [], 1.0, 1))
         assert address == LOOPBACK
         with socket.socket() as s:
             s.bind((LOOPBACK, port))  # free
-        remove_placement_group(group)
     finally:
-        ray.shutdown()
+        remove_placement_group(group)
 
 
 def test_nodes_that_all_have_loopback_addresses_meet_at_rank_zeros():

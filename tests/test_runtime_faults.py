@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import ray
 
 from runtime.cli import EXIT_BAD_INPUT, EXIT_JOB_STOPPED, main
 from runtime.cluster import checkpoint, loopback
@@ -361,13 +360,6 @@ def test_save_must_be_a_creatable_directory(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- jobs that start (one Ray session)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_a_hook_failing_mid_run_saves_the_last_step_then_resume_repairs_the_metrics(ray_session, tmp_path, capsys):

@@ -86,13 +86,6 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def random_samples(tokenizer, n_groups, group_size, *, seed):
     """Scored samples of the built-in task with random responses (varied lengths, some tool-masked tokens)."""
     g = torch.Generator().manual_seed(seed)

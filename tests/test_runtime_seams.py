@@ -16,11 +16,13 @@ import pytest
 import ray
 import torch
 import torch.distributed.checkpoint as dcp
+from suite_tools import kill_and_wait_gone
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore import keys
 from rlcore.advantages import compute, sequence_advantages
+from runtime.cli import main
 from runtime.cluster.engines import EngineGroup
 from runtime.cluster.placement import create_placement
 from runtime.cluster.trainers import TrainerGroup
@@ -51,13 +53,6 @@ SMALL = {
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), alphabet=task.ALPHABET, seed=0))
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _batch(model_path, n_groups=2, group=4, seed=0):
@@ -306,13 +301,7 @@ class TestWeightSyncs:
             for name, value in weights.items():
                 assert torch.equal(got[name], value), name
             # A killed engine is restarted by the next group call and rejoins with the trainers' weights and version.
-            dead = engines.actors[0]
-            ray.kill(dead)
-            # ray.kill returns before the process is gone: a call right after may still be answered by it.
-            with pytest.raises(ray.exceptions.RayActorError):
-                for _ in range(600):
-                    ray.get(dead.__ray_ready__.remote(), timeout=60)
-                    time.sleep(0.1)
+            kill_and_wait_gone(engines.actors[0])
             trainers.version = base + 7
             assert engines.weight_versions() == [base + 7]
             got = engines.get_weights()
@@ -377,38 +366,46 @@ _SLOW_SCHEDULE = pytest.mark.slow(reason="same kill-and-resume mechanism as full
     "schedule",
     [pytest.param("sync", marks=_SLOW_SCHEDULE), pytest.param("one_step", marks=_SLOW_SCHEDULE), "fully_async"],
 )
-def test_sigkill_mid_step_then_load_trains_every_prompt_exactly_as_the_uninterrupted_run(schedule, tmp_path):
+def test_sigkill_mid_step_then_load_trains_every_prompt_exactly_as_the_uninterrupted_run(
+    schedule, ray_session, tmp_path
+):
     prompts = _prompt_file(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    whole = subprocess.run(_job(tmp_path, "whole", prompts, schedule), env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    # The uninterrupted run beside the one to be killed (each a job of its own: its own Ray, output folder and data
+    # position): on two cores the pair takes less wall time than one after the other.
+    whole_log = tmp_path / "whole.stderr"
+    with open(whole_log, "w") as log:
+        whole = subprocess.Popen(_job(tmp_path, "whole", prompts, schedule), env=env, stdout=log, stderr=log)
+    try:
+        ckpt = tmp_path / "ckpt"
+        cmd = _job(tmp_path, "killed", prompts, schedule, ["--save", str(ckpt), "--save-interval", "2"])
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        ledger = tmp_path / "killed" / LEDGER_FILE
+        deadline = time.time() + 240
+        # Killed once step 2 (the first epoch's last) is trained: the checkpoint step_000002 (2 done) is written,
+        # step 3 (the second epoch's first) runs, and in the async schedules later groups are in flight; the resume
+        # redoes step 2 and crosses into the second epoch. (Was 9 steps killed after 5: about 6 more steps over the
+        # three jobs for the same crossings.)
+        while time.time() < deadline and proc.poll() is None:
+            if ledger.exists() and len(ledger.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert (ckpt / "latest").read_text().strip() in ("step_000002", "step_000004")
+        assert whole.wait(timeout=600) == 0, whole_log.read_text()[-2000:]
+    finally:
+        if whole.poll() is None:
+            whole.kill()
+            whole.wait()
     expected, steps = _trained(tmp_path / "whole")
     assert steps == list(range(6)) and len(expected) == 12  # 2 epochs of 6 prompts, 3 steps each
-
-    ckpt = tmp_path / "ckpt"
-    cmd = _job(tmp_path, "killed", prompts, schedule, ["--save", str(ckpt), "--save-interval", "2"])
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ledger = tmp_path / "killed" / LEDGER_FILE
-    deadline = time.time() + 240
-    # Killed once step 2 (the first epoch's last) is trained: the checkpoint step_000002 (2 done) is written, step 3
-    # (the second epoch's first) runs, and in the async schedules later groups are in flight; the resume redoes step 2
-    # and crosses into the second epoch. (Was 9 steps killed after 5: about 6 more steps over the three jobs for
-    # the same crossings.)
-    while time.time() < deadline and proc.poll() is None:
-        if ledger.exists() and len(ledger.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read()[-2000:]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (ckpt / "latest").read_text().strip() in ("step_000002", "step_000004")
-    resumed = subprocess.run(
-        _job(tmp_path, "killed", prompts, schedule, ["--save", str(ckpt), "--load", str(ckpt)]),
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # The resume in this process, on the module's Ray (a third ``python -m runtime.cli`` paid its own Python and Ray
+    # start; the kill needs a process of its own, the resume does not).
+    resume = _job(tmp_path, "killed", prompts, schedule, ["--save", str(ckpt), "--load", str(ckpt)])
+    assert resume[1:3] == ["-m", "runtime.cli"]
+    assert main(resume[3:]) == 0
     got, steps = _trained(tmp_path / "killed")
     assert steps == list(range(6))
     assert got == expected

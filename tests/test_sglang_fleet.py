@@ -43,11 +43,9 @@ def model_path(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), alphabet=task.ALPHABET, seed=0))
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+# ray_session (tests/conftest.py) starts Ray with these; shared with neighbouring modules that ask for the same.
+# 4 CPUs, more than the 3 slots a job here takes: the fault-tolerance modules' size, so one Ray serves all four.
+RAY_RESOURCES = {"num_cpus": 4}
 
 
 def fleet_cfg(tmp_path, model_path, **overrides):

@@ -98,15 +98,6 @@ def publish(args, version_dir, rollout_engines):
 """
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("keep_files", [False, True])
 def test_disk_sync_writes_slimes_version_folders_calls_the_hook_and_cleans_up(
     keep_files, ray_session, tmp_path, monkeypatch

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 from fake_sglang import FakeSGLangServer
+from suite_tools import kill_and_wait_gone
 from transformers import AutoModelForCausalLM
 
 from runtime.config import ConfigError, from_dict, validate
@@ -21,6 +22,9 @@ from runtime.logger import METRICS_FILE, read_metrics
 from runtime.loop import run
 
 FAKE_SERVER = f"{sys.executable} {Path(__file__).with_name('fake_sglang.py')}"
+# ray_session (tests/conftest.py) starts Ray with these; shared with neighbouring modules that ask for the same.
+# 4 CPUs, more than the 2 slots a job here takes: the fault-tolerance modules' size, so one Ray serves all four.
+RAY_RESOURCES = {"num_cpus": 4}
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +127,9 @@ def test_lora_adapter_transport_is_checked(tmp_path, model_path):
 
 
 @pytest.mark.slow  # (the conformance test below covers the same path, the router included, in less time)
-def test_a_lora_job_samples_with_base_plus_adapter_on_launched_servers(tmp_path, model_path):
+def test_a_lora_job_samples_with_base_plus_adapter_on_launched_servers(ray_session, tmp_path, model_path):
     pytest.importorskip("sglang_router", reason="a launched fleet runs behind the router (the dev extra)")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run(_cfg(tmp_path, model_path), progress=False)
-    finally:
-        ray.shutdown()
+    result = run(_cfg(tmp_path, model_path), progress=False)
     rows = read_metrics(result.output_dir / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1]
     # Step 1 samples after the first adapter push: the server's base + adapter log-probs equal the trainer's.
@@ -137,11 +137,10 @@ def test_a_lora_job_samples_with_base_plus_adapter_on_launched_servers(tmp_path,
     assert all(r["train/rollout_log_prob_abs_diff"] < 1e-4 for r in rows)
 
 
-def test_the_lora_adapter_weight_sync_conformance(tmp_path, model_path):
+def test_the_lora_adapter_weight_sync_conformance(ray_session, tmp_path, model_path):
     """WeightSync's methods on lora_adapter: a push leaves every server sampling with base + the trained adapter
     (its log-probs are the trainer's), and a restarted engine rejoins with the adapter the others serve."""
     import asyncio
-    import time
 
     from rlcore import keys
     from rlcore.advantages import sequence_advantages
@@ -154,7 +153,6 @@ def test_the_lora_adapter_weight_sync_conformance(tmp_path, model_path):
     from runtime.train.batch import build_batch
 
     cfg = _cfg(tmp_path, model_path, rollout_batch_size=2, global_batch_size=8, lr=5e-2)
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     placement = create_placement(cfg)
     trainers = TrainerGroup(
         placement,
@@ -199,16 +197,10 @@ def test_the_lora_adapter_weight_sync_conformance(tmp_path, model_path):
         assert not engine_matches_trainer()  # the servers still sample with the base weights
         sync.push(5)
         assert engines.weight_versions() == [5] and engine_matches_trainer()
-        dead = engines.actors[0]
-        ray.kill(dead)
-        with pytest.raises(ray.exceptions.RayActorError):
-            for _ in range(600):
-                ray.get(dead.__ray_ready__.remote(), timeout=60)
-                time.sleep(0.1)
+        kill_and_wait_gone(engines.actors[0])
         assert engines.weight_versions() == [5] and engine_matches_trainer()  # the adapter the others serve
     finally:
         sync.close()
         trainers.shutdown()
         engines.shutdown()
         ray.util.remove_placement_group(placement.group)
-        ray.shutdown()

@@ -304,6 +304,7 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
 MEGATRON_REFUSALS = {
     "--context-parallel-size": "needs Transformer Engine's attention",
     "--sglang-cuda-graph-bs": "not a flag of SGLang",
+    "--tensor-model-parallel-size": "trains MoE layers over tensor-parallel ranks only with sequence parallelism",
     **VALUE_REFUSALS,
 }
 

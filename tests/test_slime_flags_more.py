@@ -5,7 +5,6 @@ job), ``--load-forge-rollout-data`` with slime's forge rollout (replayed samples
 import math
 
 import pytest
-import ray
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,13 +65,6 @@ def test_correct_sample_metrics_match_slimes_loop(n, max_len, seed, ranks):
         assert got[f"rollout/correct_length/{name}"] == pytest.approx(value, abs=1e-12)
     means = [(-log_probs[i][mask[i]]).sum().item() / max(int(mask[i].sum()), 1) for i in correct]
     assert got["rollout/correct_entropy"] == pytest.approx(sum(means) / len(means) if means else 0.0, abs=1e-9)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_log_correct_samples_logs_from_the_trained_batch(ray_session, tmp_path):

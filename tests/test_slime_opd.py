@@ -7,7 +7,6 @@ import asyncio
 import math
 
 import pytest
-import ray
 import torch
 from fake_sglang import FakeSGLangServer
 from transformers import AutoModelForCausalLM
@@ -103,13 +102,6 @@ def test_opd_sglang_needs_what_fills_the_teacher_log_probs():
         parse_args([*OPD, "--rm-url", "http://127.0.0.1:1/generate", "--opd-teacher-load", "/x"])
     cfg = parse_args([*OPD, "--rm-url", "http://127.0.0.1:1/generate"])
     assert cfg.algo.use_opd and cfg.algo.opd_type == "sglang"
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_a_job_distills_from_the_teacher_server(ray_session, models, teacher, tmp_path):

@@ -302,7 +302,7 @@ def test_the_torch_critic_is_a_value_head_copy_that_learns_its_targets(model_pat
 # ---------------------------------------------------------------- a PPO job through rlcore-run
 
 
-def test_ppo_job_through_the_cli_trains_the_critic_first_and_its_value_loss_falls(tmp_path, capsys):
+def test_ppo_job_through_the_cli_trains_the_critic_first_and_its_value_loss_falls(ray_session, tmp_path, capsys):
     out = tmp_path / "ppo"
     argv = ["--advantage-estimator", "ppo", "--num-critic-only-steps", "2", "--rollout-batch-size", "4"]
     argv += [

@@ -4,7 +4,6 @@ they equal the engine's; ``--no-rollout-top-p-replay`` (ours) keeps the untrunca
 ``tests/test_nucleus.py``, the engine and the trainer in ``tests/test_runtime_engine.py``."""
 
 import pytest
-import ray
 import torch
 
 from runtime.config import ConfigError, from_dict, parse_args, validate
@@ -26,13 +25,6 @@ SMALL = {
     "rollout_top_p": 0.5,
     "get_mismatch_metrics": True,
 }
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_the_engine_is_asked_for_the_nucleus_only_under_replay():

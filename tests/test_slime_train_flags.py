@@ -30,13 +30,6 @@ SMALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 # ---------------------------------------------------------------- --use-stateless-adam
 
 

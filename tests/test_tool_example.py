@@ -64,7 +64,7 @@ def _job(tmp_path, steps, *extra):
     return read_metrics(run(parse_args([*argv, *extra]), progress=False).output_dir / METRICS_FILE)
 
 
-def test_the_example_runs_as_a_job(tmp_path):
+def test_the_example_runs_as_a_job(ray_session, tmp_path):
     rows = _job(tmp_path, 1, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16")
     (row,) = rows
     assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "train/loss" in row

@@ -49,6 +49,8 @@ _PROVIDER_CONTEXT: contextvars.ContextVar[ProviderContext] = contextvars.Context
 # (WrappedTorchNorm), refuse it when the layers are built ("sequence parallel not supported by torch LayerNorm", seen
 # on two H200s at dc7f936). Until this backend builds norms that do, --sequence-parallel at TP > 1 trains as tensor
 # parallelism without it: the same arithmetic, with each rank's activations whole instead of cut along the sequence.
+# megatron-core trains MoE layers at TP > 1 only with it (MoELayer raises otherwise), so those are refused
+# (megatron_config.parallel_problems).
 SEQUENCE_PARALLEL_NORMS = False
 
 

@@ -474,6 +474,13 @@ def parallel_problems(
             problems.append(f"{err} ({source})")
     if shape.mla is not None:
         problems += mla_tp_problems(shape.mla, heads=shape.num_attention_heads, tp_size=tp_size, source=source)
+    if shape.moe is not None and any(shape.moe.layer_pattern) and tp_size > 1:
+        problems.append(
+            f"--tensor-model-parallel-size {tp_size} with the MoE layers of {source}: megatron-core trains MoE layers "
+            "over tensor-parallel ranks only with sequence parallelism, which its norms without Transformer Engine or "
+            "Apex refuse (megatron_build.SEQUENCE_PARALLEL_NORMS); split the experts with "
+            "--expert-model-parallel-size at TP 1"
+        )
     if shape.num_query_groups % tp_size:
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide num_key_value_heads {shape.num_query_groups} "
