@@ -69,7 +69,11 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(baselin
     assert kill.pid is not None and status == 0
     stdout, err = _stderr_lines(capsys)
     assert err == []
-    assert "died during generate (ActorDiedError" in stdout and "restarted" in stdout
+    # Killed while it generated: its death is met by that call (its requests re-dispatched), or, when the call had
+    # just returned, by the next group call (the weight sync: nothing to re-dispatch). Seen once in the whole suite.
+    met_in_generate = "died during generate (ActorDiedError" in stdout
+    assert met_in_generate or "rlcore-run: rollout engine 0 died (ActorDiedError" in stdout, stdout[-2000:]
+    assert "restarted" in stdout
     rows = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # Exactly one restart, in the step that was rolling out when the engine was killed; the killed engine's
@@ -77,8 +81,9 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(baselin
     assert sum(r["engines/restarts"] for r in rows) == 1
     hit = next(r for r in rows if r["engines/restarts"])
     assert hit["step"] >= kill.steps_before
-    assert 1 <= hit["engines/redispatched_requests"] <= 16
-    assert sum(r["engines/redispatched_requests"] for r in rows) == hit["engines/redispatched_requests"]
+    redispatched = hit["engines/redispatched_requests"]
+    assert 1 <= redispatched <= 16 if met_in_generate else redispatched == 0
+    assert sum(r["engines/redispatched_requests"] for r in rows) == redispatched
     # Every prompt of the data schedule trained exactly once, as in the uninterrupted run; every step full.
     assert ledger_prompts(out) == baseline
     assert all(r["reward/num_scored"] == 16 and r["rollout/groups_aborted"] == 0 for r in rows)
