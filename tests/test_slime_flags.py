@@ -238,6 +238,15 @@ def _flag_of(problem):
 
 
 SCRIPTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
+
+
+@pytest.fixture
+def ray_job_submit(monkeypatch):
+    """A slime script starts Ray itself (`ray start`, on every node of a multi-node job) and hands its entry point to
+    `ray job submit`, which runs it with RAY_ADDRESS set to that cluster: rlcore-run joins a cluster so."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+
+
 # What rlcore-run refuses in a slime script beyond the table's flags, each with the reason its message gives.
 VALUE_REFUSALS = {
     "--use-wandb": "needs the wandb package",  # where it is not installed
@@ -282,10 +291,9 @@ def test_slime_script_is_refused_naming_each_unsupported_flag_with_its_reason(sc
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys, monkeypatch):
+@pytest.mark.usefixtures("ray_job_submit")
+def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    # The script's `ray job submit` runs its entry point with RAY_ADDRESS set (a multi-node job joins that cluster).
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     args = [*_local_files(tmp_path, fixture["args"], fixture["hf_config"]), "--train-backend", "torch"]
     main([*args, "--dry-run", "--output-dir", str(tmp_path / "out")])
     problems = [line[4:] for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
@@ -319,11 +327,9 @@ def _megatron_reason(name):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(
-    script, tmp_path, capsys, monkeypatch
-):
+@pytest.mark.usefixtures("ray_job_submit")
+def test_slime_script_under_the_megatron_backend_is_refused_exactly_its_named_flags(script, tmp_path, capsys):
     fixture = json.loads((FIXTURES / f"{script}.json").read_text())
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as `ray job submit` sets it for the script's entry point
     args = _local_files(tmp_path, fixture["args"], fixture["hf_config"])
     megatron = ["--train-backend", "megatron", "--dry-run", "--output-dir", str(tmp_path / "out")]
     expected = set(fixture["megatron_refusals"])

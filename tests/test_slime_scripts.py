@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_slime_flags import EXAMPLE_MODULES, FIXTURES, _flag_of, _local_files, _strip
+from test_slime_flags import EXAMPLE_MODULES, FIXTURES, _flag_of, _local_files, _strip, ray_job_submit  # noqa: F401
 
 from runtime import slime_compat, slime_flags
 from runtime.cli import EXIT_BAD_INPUT, main
@@ -60,11 +60,9 @@ def _refused(fixture):
 
 
 @pytest.mark.parametrize("name", DRY_RUN_SCRIPTS)
-def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path, capsys, monkeypatch):
+@pytest.mark.usefixtures("ray_job_submit")
+def test_slime_script_passes_dry_run_by_changing_the_entry_point(name, tmp_path, capsys):
     fixture, argv = _script(name, tmp_path)
-    # Each script starts Ray itself (`ray start`, on every node of a multi-node job) and hands its entry point to
-    # `ray job submit`, which runs it with RAY_ADDRESS set to that cluster: rlcore-run joins a cluster so.
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     refused = _refused(fixture)
     rc, out, err = _dry_run(argv, tmp_path, capsys)
     if refused:

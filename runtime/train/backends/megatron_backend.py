@@ -152,11 +152,6 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
                 f"--expert-model-parallel-size {self.ep} must divide the {world_size // self.pp} ranks of a pipeline "
                 "stage"
             )
-        if self.cpu and self.shape.moe is not None and any(self.shape.moe.layer_pattern) and self.tp > 1:
-            problems.append(
-                "experts with --tensor-model-parallel-size > 1 are not built on the CPU (its gradient reduction "
-                "covers TP 1; on GPUs megatron-core's DDP reduces them)"
-            )
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
         if self.cpu and sequence_parallel(train_cfg):

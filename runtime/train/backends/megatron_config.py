@@ -274,14 +274,15 @@ SHAPE_FLAGS: dict[str, tuple[Callable[[ModelShape], Any], str]] = {
 }
 
 
-def _plain_rotary(shape: ModelShape) -> bool:
-    return shape.mla is None or shape.mla.rope_type == "rope"
+def _one_is_no_grouping(given: Any, shape: ModelShape) -> Any:
+    return None if given == 1 and shape.moe and shape.moe.num_groups is None else given
 
 
 def _yarn_only(name: str) -> Callable[[Any, ModelShape], Any]:
-    """A YaRN value's reader: under plain rotary (YaRN at factor 1) megatron-core's YaRN scales nothing, whatever
-    ``name`` says, so any value agrees; --rotary-scaling-factor, checked on its own, says whether the factor is 1."""
-    return lambda given, s: getattr(s.mla, name) if s.mla is not None and _plain_rotary(s) else given
+    """The reader of MLA's rotary field ``name`` (the rotary type or a YaRN value): for an MLA model with plain rotary,
+    YaRN at factor 1 is that rotary and scales nothing, whatever ``name`` says, so any value agrees;
+    --rotary-scaling-factor, checked on its own, says whether the factor is 1."""
+    return lambda given, s: getattr(s.mla, name) if s.mla is not None and s.mla.rope_type == "rope" else given
 
 
 # How a flag's value reads before it is compared (the flag as given, the shape): --moe-layer-freq is an expression.
@@ -292,13 +293,13 @@ FLAG_READERS: dict[str, Callable[[Any, ModelShape], Any]] = {
         s.moe.pre_softmax if s.moe and s.moe.score_function != "softmax" else given
     ),
     # --moe-router-num-groups 1 is no grouping (the shape says None), and so is --moe-router-group-topk 1 with it.
-    "moe_router_num_groups": lambda given, s: None if given == 1 and s.moe and s.moe.num_groups is None else given,
-    "moe_router_group_topk": lambda given, s: None if given == 1 and s.moe and s.moe.num_groups is None else given,
+    "moe_router_num_groups": _one_is_no_grouping,
+    "moe_router_group_topk": _one_is_no_grouping,
     # megatron-core's MLA sizes its heads by --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim and never reads
     # --kv-channels (slime's MLA scripts set it to --qk-head-dim): any value agrees.
     "kv_channels": lambda given, s: s.kv_channels if s.mla is not None else given,
     # MLA takes YaRN unless --rope-type rope; YaRN at factor 1 is plain rotary (the factor is checked on its own).
-    "rope_type": lambda given, s: s.mla.rope_type if s.mla is not None and _plain_rotary(s) else given,
+    "rope_type": _yarn_only("rope_type"),
     "mscale": _yarn_only("mscale"),
     "mscale_all_dim": _yarn_only("mscale_all_dim"),
 }
