@@ -70,9 +70,11 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(baselin
     stdout, err = _stderr_lines(capsys)
     assert err == []
     # Killed while it generated: its death is met by that call (its requests re-dispatched), or, when the call had
-    # just returned, by the next group call (the weight sync: nothing to re-dispatch). Seen once in the whole suite.
+    # just returned, by whichever comes next: the next group call (the weight sync) or the health monitor's next
+    # check. Both have nothing to re-dispatch. Each of the later two was seen once in a whole suite.
     met_in_generate = "died during generate (ActorDiedError" in stdout
-    assert met_in_generate or "rlcore-run: rollout engine 0 died (ActorDiedError" in stdout, stdout[-2000:]
+    met_after = ("rollout engine 0 died (ActorDiedError", "rollout engine 0 the health check failed (ActorDiedError")
+    assert met_in_generate or any(m in stdout for m in met_after), stdout[-2000:]
     assert "restarted" in stdout
     rows = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
