@@ -56,10 +56,12 @@ What it reproduces, because the adapter depends on it:
   "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
   ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
 
-A test can hold decoding where it wants it (``hold_at``, ``hold_file``; ``FAKE_SGLANG_HOLD_AT`` and
-``FAKE_SGLANG_HOLD_FILE`` for a launched server): a request that has sampled ``hold_at`` tokens waits, before its next
-decoding step, while the file ``hold_file`` exists; ``/server_info`` reports the ids of the requests held
-(``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in flight.
+A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``; ``FAKE_SGLANG_HOLD_AT``,
+``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched server): every request after the first
+``hold_after`` (counted per prompt) that has sampled ``hold_at`` tokens waits, before its next decoding step, while the
+file ``hold_file`` exists, or without a file until the server's weight version changes. ``/server_info`` reports the
+ids of the requests held (``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in
+flight; a weight sync that waited for held requests to finish would never return.
 
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
 sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
@@ -308,8 +310,8 @@ class FakeSGLangServer:
     """An HTTP server on ``host:port`` (port 0: a free one) in a background thread, serving a HF model folder.
 
     ``startup_delay`` seconds of ``503`` from the health routes mimic a server still loading; ``token_delay`` slows
-    each decoding step so that a test can abort a running request; ``hold_at`` and ``hold_file`` hold decoding (see
-    the module docstring). Use as a context manager; ``url`` is the base URL.
+    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file`` and ``hold_after``
+    hold decoding (see the module docstring). Use as a context manager; ``url`` is the base URL.
     ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state to tests.
     """
 
@@ -326,6 +328,7 @@ class FakeSGLangServer:
         enable_return_routed_experts: bool = False,
         hold_at: int | None = None,
         hold_file: str | Path | None = None,
+        hold_after: int = 0,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -375,6 +378,7 @@ class FakeSGLangServer:
         self._gate: asyncio.Condition | None = None
         self.weight_session = False
         self.hold_at, self.hold_file = hold_at, None if hold_file is None else Path(hold_file)
+        self.hold_after = hold_after
         self.held: set[str] = set()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -395,6 +399,8 @@ class FakeSGLangServer:
         self.stop()
 
     def start(self) -> FakeSGLangServer:
+        # SGLang's request classes, imported before serving (a first import on the event loop would stall it).
+        sglang_api.load()
         self._thread = threading.Thread(target=self._serve, name="fake-sglang", daemon=True)
         self._thread.start()
         if not self._ready.wait(30):
@@ -987,6 +993,7 @@ class FakeSGLangServer:
                     "logprob_start_len": start_len[i],
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
+                    "ordinal": self._request_counter,
                     "routes": bool(body.get("return_routed_experts", False)) and self.enable_return_routed_experts,
                     "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
                 }
@@ -1039,7 +1046,7 @@ class FakeSGLangServer:
                             break
                     if self.token_delay:
                         time.sleep(self.token_delay)
-                    self._hold(rid, len(tokens))
+                    self._hold(job, len(tokens))
                     out = self._step(model, job["prompt"] + tokens, live, routes, past=out.past_key_values)
         finally:
             with self._state_lock:
@@ -1088,14 +1095,16 @@ class FakeSGLangServer:
                     return model(input_ids=torch.tensor([ids]), use_cache=True)
                 return model(input_ids=torch.tensor([ids[-1:]]), past_key_values=past, use_cache=True)
 
-    def _hold(self, rid: str, tokens: int) -> None:
-        """A test's hold (see the module docstring): after ``hold_at`` tokens, wait while ``hold_file`` exists."""
-        if tokens != self.hold_at or self.hold_file is None:
+    def _hold(self, job: dict[str, Any], tokens: int) -> None:
+        """A test's hold (see the module docstring): after ``hold_at`` tokens, wait while ``hold_file`` exists, or
+        without one until the weight version changes."""
+        if tokens != self.hold_at or job["ordinal"] <= self.hold_after:
             return
+        version, rid = self.weight_version, job["rid"]
         with self._state_lock:
             self.held.add(rid)
         try:
-            while self.hold_file.exists():
+            while self.hold_file.exists() if self.hold_file is not None else self.weight_version == version:
                 time.sleep(0.01)
         finally:
             with self._state_lock:
@@ -1234,9 +1243,10 @@ def main(argv: list[str] | None = None) -> None:
         port=getattr(args, "port", 30000),
         # A test of request concurrency slows decoding so that requests overlap.
         token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
-        # A test of a weight sync mid-rollout holds decoding after this many tokens while this file exists.
+        # A test of a weight sync mid-rollout holds decoding (see the module docstring).
         hold_at=int(os.environ["FAKE_SGLANG_HOLD_AT"]) if "FAKE_SGLANG_HOLD_AT" in os.environ else None,
         hold_file=os.environ.get("FAKE_SGLANG_HOLD_FILE"),
+        hold_after=int(os.environ.get("FAKE_SGLANG_HOLD_AFTER", "0")),
         enable_lora=bool(getattr(args, "enable_lora", False)),
         enable_return_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
     )
