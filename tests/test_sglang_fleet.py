@@ -15,6 +15,7 @@ import httpx
 import pytest
 import ray
 import torch
+from fake_sglang import FakeSGLangServer
 from transformers import AutoTokenizer
 
 from rlcore.advantages import sequence_advantages
@@ -98,6 +99,7 @@ def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, 
     assert not _launched_by(model_path)
 
 
+@pytest.mark.slow  # the job below runs the same pause through the router; this one checks the spans (~30 s)
 def test_an_update_mid_rollout_pauses_the_server_and_the_rollout_goes_on_with_the_new_weights(
     ray_session, model_path, tmp_path
 ):
@@ -105,8 +107,10 @@ def test_an_update_mid_rollout_pauses_the_server_and_the_rollout_goes_on_with_th
     # rollout in flight would never return; paused, it returns with every request still held mid-way.
     n, length, hold_at = 4, 6, 2
     other = make_tiny_model(tmp_path / "other", alphabet=task.ALPHABET, seed=1)
-    held = f"env FAKE_SGLANG_HOLD_AT={hold_at} {FAKE_SERVER}"
-    with one_engine_fleet(tmp_path, model_path, sglang_server_command=held) as (_, engines, url):
+    with (
+        FakeSGLangServer(model_path, hold_at=hold_at) as server,
+        one_engine_fleet(tmp_path, model_path, sglang_url=server.url) as (_, engines, url),
+    ):
         prompts = [[1 + i, 2, 3] for i in range(n)]
         rollout = engines.generate_async(prompts, SamplingParams(max_new_tokens=length, top_k=1))
         _until(lambda: len(server_info(url)["internal_states"][0]["held"]) == n)
@@ -137,21 +141,20 @@ def _until(condition, timeout=120.0):
         time.sleep(0.05)
 
 
-@pytest.mark.slow  # a 2-step job on a launched server and the router (~100 s on 2 busy cores); `make test-slow`
 def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_for_the_rollout(
     ray_session, model_path, tmp_path
 ):
     # The fake holds every request of the second rollout after HOLD_AT tokens until its weights change: a sync that
     # waited for that rollout to finish would never come (the job would hang), one that pauses the server, updates
-    # and continues lets it finish. First in the module with the test above: the shared fleet holds the CPU slots.
+    # and continues lets it finish. Before the shared fleet below, which holds the CPU slots a job needs.
     n, length, hold_at = 4, 6, 2
-    held = f"env FAKE_SGLANG_HOLD_AT={hold_at} FAKE_SGLANG_HOLD_AFTER={n} {FAKE_SERVER}"
     saved = str(tmp_path / "rollouts" / "{rollout_id}.pt")
+    server = FakeSGLangServer(model_path, hold_at=hold_at, hold_after=n).start()
     cfg = fleet_cfg(
         tmp_path,
         model_path,
         rollout_num_gpus=1,
-        sglang_server_command=held,
+        sglang_url=server.url,
         rollout_schedule="one_step",
         num_rollout=2,
         rollout_max_response_len=length,
@@ -167,7 +170,10 @@ def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_
     job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
     job.start()
     job.join(600)
+    server.stop()
     assert finished, "the job did not finish: the weight sync waited for the held rollout"
+    # Both syncs (after steps 0 and 1) paused the server in retract mode; each prompt was sent once.
+    assert server.pauses == ["retract", "retract"] and server.requests["/generate"] == 2 * n
     rows = read_metrics(finished[0].output_dir / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1]
     first, second = (load_rollout_data(saved, step) for step in (0, 1))
