@@ -97,3 +97,66 @@ def test_a_new_engine_and_backend_need_no_edit_of_the_config(tmp_path):
         "--toy-engine-width: a flag of the toy engine, used by --rollout-engine toy only",
     ]
     assert "--toy-engine-width" in out["help"] and "--toy-backend-depth" in out["help"]
+
+
+# Top-p replay is two capabilities, each declared by its plug-in: the engine reports each token's nucleus, the
+# backend replays it. The same toy plug-ins with and without their declaration, under --rollout-top-p 0.9.
+TOP_P_DRIVER = """
+import dataclasses, json
+import runtime.engines.registry as engines
+import runtime.train.backends as backends
+
+engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine")
+engines.ROLLOUT_ENGINE_OPTIONS["toy"] = "toy_engine_options"
+backends.TRAIN_BACKENDS["toy"] = "toy_backend:ToyTrainer"
+backends.TRAIN_BACKEND_OPTIONS["toy"] = "toy_backend_options"
+
+from runtime.config import ConfigError, parse_args
+
+def problems(engine, backend):
+    try:
+        parse_args(["--rollout-engine", engine, "--train-backend", backend, "--rollout-top-p", "0.9"])
+    except ConfigError as err:
+        return err.problems
+    return []
+
+print(json.dumps({f"{e}/{b}": problems(e, b) for e in ("hf", "toy") for b in ("torch", "toy")}))
+"""
+
+
+def _top_p_outcome(tmp_path, declared: bool) -> dict[str, list[str]]:
+    folder = tmp_path / f"declared_{declared}"
+    folder.mkdir()
+    engine, backend = textwrap.dedent(TOY_ENGINE_OPTIONS), textwrap.dedent(TOY_BACKEND_OPTIONS)
+    if declared:
+        engine += "REPORTS_TOP_P_NUCLEI = True\n"
+        backend += "REPLAYS_TOP_P_NUCLEI = True\n"
+    (folder / "toy_engine_options.py").write_text(engine)
+    (folder / "toy_backend_options.py").write_text(backend)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)])}
+    done = subprocess.run(
+        [sys.executable, "-c", TOP_P_DRIVER], env=env, cwd=folder, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_top_p_replay_follows_what_a_new_engine_and_backend_declare(tmp_path):
+    # Mutation caught: a check that names engines or backends (the sglang/megatron list it replaced) accepts the
+    # undeclared toys; one that ignores the declaration refuses the declared ones.
+    engine = (
+        "--rollout-top-p 0.9 replays each token's nucleus in training (slime's top-p replay), which --rollout-engine "
+        "toy does not do (toy_engine_options does not declare REPORTS_TOP_P_NUCLEI = True): add "
+        "--no-rollout-top-p-replay to train on untruncated log-probs"
+    )
+    backend = engine.replace("--rollout-engine toy", "--train-backend toy").replace(
+        "toy_engine_options does not declare REPORTS_TOP_P_NUCLEI",
+        "toy_backend_options does not declare REPLAYS_TOP_P_NUCLEI",
+    )
+    assert _top_p_outcome(tmp_path, declared=False) == {
+        "hf/torch": [],
+        "hf/toy": [backend],
+        "toy/torch": [engine],
+        "toy/toy": [engine, backend],
+    }
+    assert _top_p_outcome(tmp_path, declared=True) == {"hf/torch": [], "hf/toy": [], "toy/torch": [], "toy/toy": []}

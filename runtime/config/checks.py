@@ -73,25 +73,39 @@ def _check_core_ranges(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} {getattr(cfg, name)!r}: out of rlcore's range ({err})")
 
 
+# Top-p replay's two halves, each a capability its plug-in declares in its options module (True: it does its half;
+# False, or nothing declared: it does not, and ``TOP_P_NUCLEI_NOTE`` may say why): the engine reports each token's
+# nucleus, the backend takes log-probs over it. The plug-in kind's flag -> its options loader and the capability.
+TOP_P_REPLAY_CAPABILITIES: dict[str, tuple[Callable[[str], Any], str]] = {
+    "rollout_engine": (engine_options, "REPORTS_TOP_P_NUCLEI"),
+    "train_backend": (backend_options, "REPLAYS_TOP_P_NUCLEI"),
+}
+
+
+def _check_top_p_replay(problems: list[str], cfg: Config) -> None:
+    """slime's top-p replay runs only where the chosen engine and backend each declare their half of it."""
+    if not top_p_replay(cfg):
+        return
+    for kind, (options, capability) in TOP_P_REPLAY_CAPABILITIES.items():
+        chosen = getattr(cfg, kind)
+        module = options(chosen)
+        if getattr(module, capability, False) is True:
+            continue
+        why = getattr(module, "TOP_P_NUCLEI_NOTE", f"{module.__name__} does not declare {capability} = True")
+        problems.append(
+            f"--rollout-top-p {cfg.rollout.rollout_top_p} replays each token's nucleus in training (slime's top-p "
+            f"replay), which {flag(kind)} {chosen} does not do ({why}): add --no-rollout-top-p-replay to train on "
+            "untruncated log-probs"
+        )
+
+
 def _check_positive(problems: list[str], cfg: Config) -> None:
     # Each number's own bounds are declared on its field (_bounded) and rlcore's are rlcore's (_check_core_ranges);
     # these are the rules that involve more than one value, or more than a bound.
     r, t, res, e = cfg.rollout, cfg.train, cfg.resources, cfg.eval
     if res.rollout_num_gpus is None:
         problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
-    if top_p_replay(cfg):
-        cannot = {
-            "--rollout-engine sglang": r.rollout_engine == "sglang",
-            "--train-backend megatron": t.train_backend == "megatron",
-        }
-        problems += [
-            f"--rollout-top-p {r.rollout_top_p} replays each token's nucleus in training (slime's top-p replay), "
-            f"which {what} does not do yet (the embedded engine reports the nucleus, the torch backend replays it; "
-            "SGLang needs slime's sglang-top_p.patch): add --no-rollout-top-p-replay to train on untruncated "
-            "log-probs"
-            for what, true in cannot.items()
-            if true
-        ]
+    _check_top_p_replay(problems, cfg)
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
         problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
     context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len

@@ -301,6 +301,10 @@ class MegatronOptions:
 OPTIONS: dict[str, type] = {"train": MegatronOptions}
 # Every flag this backend alone reads -> what it is (the refusal under another backend names it).
 OWN_FIELDS: dict[str, str] = own_fields(MegatronOptions)
+# Top-p replay (--rollout-top-p below 1) needs the backend to take log-probs over each token's nucleus (the refusal
+# quotes the note).
+REPLAYS_TOP_P_NUCLEI = False
+TOP_P_NUCLEI_NOTE = "its loss takes log-probs over the whole vocabulary (no nucleus replay is built)"
 # Megatron's own flags (the others are slime's flags of its Megatron backend).
 MEGATRON_TRAIN_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what == MegatronOptions.OWN)
 MEGATRON_SLIME_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what != MegatronOptions.OWN)
