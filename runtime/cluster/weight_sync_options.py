@@ -162,6 +162,13 @@ def weight_sync_options(name: str) -> types.SimpleNamespace:
     return WEIGHT_SYNC_OPTIONS[name]
 
 
+def syncs_weights(cfg: Any) -> bool:
+    """Whether the job runs a weight sync at all: a debug mode that runs one side only (``--debug-train-only``, which
+    ``--load-debug-rollout-data`` and slime's SFT imply: no engines; ``--debug-rollout-only``: no trainers) gets
+    ``runtime.cluster.weight_sync.NoSync`` whatever the transport, so no transport reads a sync's settings there."""
+    return not (cfg.debug.train_only or cfg.debug.debug_rollout_only)
+
+
 def derived_transports(cfg: Any) -> tuple[str, ...]:
     """The transports the job gets with ``--update-weight-transport`` unset: its engine kind's default
     (``EngineKind.weight_sync``), on GPUs and on the CPU (the config does not know which the job will run on)."""

@@ -14,7 +14,12 @@ from typing import Any
 
 from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_compat
-from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, derived_transports, weight_sync_options
+from runtime.cluster.weight_sync_options import (
+    WEIGHT_SYNC_OPTIONS,
+    derived_transports,
+    syncs_weights,
+    weight_sync_options,
+)
 from runtime.config.evalsets import _eval_dataset_problems, eval_datasets
 from runtime.config.resolve import from_dict
 from runtime.config.schema import (
@@ -564,6 +569,9 @@ PLUGIN_KINDS: dict[str, tuple[Mapping[str, Any], Callable[[str], Any]]] = {
 # The kinds whose flag, unset, is derived when the job starts: the choices the derivation can make for a config. A
 # plug-in's own flag set while its plug-in is none of them would be ignored, so it is refused.
 DERIVED_CHOICES: dict[str, Callable[[Config], tuple[str, ...]]] = {"update_weight_transport": derived_transports}
+# The kinds whose plug-in runs only in some jobs: where none runs, no plug-in of the kind ignores a setting, so none
+# is refused (the chosen one's rules still run). A weight sync runs only where both trainers and engines do.
+RUNS: dict[str, Callable[[Config], bool]] = {"update_weight_transport": syncs_weights}
 
 
 def _check_plugins(problems: list[str], cfg: Config) -> None:
@@ -576,7 +584,8 @@ def _check_plugins(problems: list[str], cfg: Config) -> None:
         if chosen is None and kind not in DERIVED_CHOICES:
             continue
         derived = DERIVED_CHOICES[kind](cfg) if chosen is None else ()
-        for owner in registry:
+        runs = kind not in RUNS or RUNS[kind](cfg)
+        for owner in registry if runs else ():
             if owner == chosen or owner in derived:
                 continue
             # Unset and derived: the refusal says what the job gets instead, and how to have the owner.
