@@ -126,11 +126,15 @@ def _check_lora_adapter(problems: list[str], cfg: Any) -> None:
 
 
 def _check_ipc(problems: list[str], cfg: Any) -> None:
-    """The Megatron backend sends from rank 0 alone: ipc reaches one colocated engine from one trainer process."""
-    if cfg.train.train_backend == "megatron" and cfg.resources.num_trainer_procs > 1:
+    """A backend that sends from rank 0 alone (its options' ``WEIGHTS_FROM_RANK0``: the Megatron backend's): ipc
+    reaches one colocated engine from one trainer process."""
+    from runtime.train.backends import backend_options
+
+    backend = cfg.train.train_backend
+    if getattr(backend_options(backend), "WEIGHTS_FROM_RANK0", False) and cfg.resources.num_trainer_procs > 1:
         problems.append(
-            "--update-weight-transport ipc reaches one engine from the Megatron backend: with more than one trainer "
-            "process give nccl or disk (unset under --colocate: disk)"
+            f"--update-weight-transport ipc reaches one engine from the {backend.capitalize()} backend (its rank 0 "
+            "alone sends): with more than one trainer process give nccl or disk (unset under --colocate: disk)"
         )
 
 

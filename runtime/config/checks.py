@@ -36,7 +36,7 @@ from runtime.config.schema import (
 )
 from runtime.config.typecheck import _type_problems
 from runtime.config.yaml_io import _tree_value, read_yaml_tree
-from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, engine_options
+from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
 from runtime.hooks import HookError, resolve_hook
 from runtime.rollout.schedule_options import SCHEDULE_OPTIONS, schedule_options
 from runtime.train.backends import TRAIN_BACKEND_OPTIONS, backend_options
@@ -306,17 +306,27 @@ def _earlier_num_rollout(output_dir: str) -> int | None:
         return None
 
 
+def _reads_torch_dist(backend: str) -> bool:
+    """Whether ``--train-backend backend`` reads Megatron torch_dist checkpoints (its options' READS_TORCH_DIST)."""
+    return getattr(backend_options(backend), "READS_TORCH_DIST", False) is True
+
+
+def _torch_dist_backends() -> str:
+    """The flags that choose a backend reading torch_dist checkpoints, for a refusal to name."""
+    return " or ".join(f"--train-backend {name}" for name in TRAIN_BACKEND_OPTIONS if _reads_torch_dist(name))
+
+
 def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
-    """``--opd-teacher-load`` (with ``--opd-teacher-ckpt-step``): an HF folder, or under --train-backend megatron a
-    torch_dist checkpoint, or the save root holding the step asked for (slime's)."""
+    """``--opd-teacher-load`` (with ``--opd-teacher-ckpt-step``): an HF folder, or under a backend that reads them
+    (--train-backend megatron) a torch_dist checkpoint, or the save root holding the step asked for (slime's)."""
     a = cfg.algo
     load, step = a.opd_teacher_load, a.opd_teacher_ckpt_step
-    megatron = cfg.train.train_backend == "megatron"
+    megatron = _reads_torch_dist(cfg.train.train_backend)
     if step is not None:
         if not megatron:
             problems.append(
                 "--opd-teacher-ckpt-step picks a step of a Megatron --opd-teacher-load save root: it needs "
-                "--train-backend megatron"
+                f"{_torch_dist_backends()}"
             )
             return
         from runtime.train.backends.megatron_paths import find_checkpoint
@@ -331,7 +341,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
     if not megatron:
         problems.append(
             f"--opd-teacher-load: {load!r} is not an HF model folder (no config.json); Megatron torch_dist "
-            "checkpoints need --train-backend megatron"
+            f"checkpoints need {_torch_dist_backends()}"
         )
     elif not _is_megatron_checkpoint(load, "--opd-teacher-load", problems):
         problems.append(
@@ -417,10 +427,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
     ref_load, ref_step = cfg.ckpt.ref_load, cfg.ckpt.ref_ckpt_step
     if ref_step is not None:
-        if ref_load is None or cfg.train.train_backend != "megatron":
+        if ref_load is None or not _reads_torch_dist(cfg.train.train_backend):
             problems.append(
                 "--ref-ckpt-step picks a step of a Megatron --ref-load: it needs both --ref-load and "
-                "--train-backend megatron"
+                f"{_torch_dist_backends()}"
             )
         else:
             from runtime.train.backends.megatron_paths import find_checkpoint
@@ -430,10 +440,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             except ValueError as err:
                 problems.append(f"{err} (--ref-ckpt-step {ref_step})")
     if ref_load is not None and not os.path.isfile(os.path.join(ref_load, "config.json")):
-        if cfg.train.train_backend != "megatron":
+        if not _reads_torch_dist(cfg.train.train_backend):
             problems.append(
                 f"--ref-load {ref_load!r}: the {cfg.train.train_backend} backend loads the reference from an HF "
-                "folder (config.json and weights); Megatron torch_dist checkpoints need --train-backend megatron"
+                f"folder (config.json and weights); Megatron torch_dist checkpoints need {_torch_dist_backends()}"
             )
         elif not _is_megatron_checkpoint(ref_load, "--ref-load", problems):
             problems.append(
@@ -632,11 +642,12 @@ def _check_colocate(problems: list[str], cfg: Config) -> None:
             "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
             "--colocate"
         )
+    engine = cfg.rollout.rollout_engine
     for name in ("offload_rollout", "offload_train"):
-        if res.colocate and cfg.rollout.rollout_engine == "sglang" and getattr(s, name) is False:
+        if res.colocate and ROLLOUT_ENGINES[engine].fixed_memory and getattr(s, name) is False:
             problems.append(
-                f"--colocate shares devices between trainers and SGLang servers, which hold a fixed fraction of "
-                f"their GPU: it needs {flag(name)}"
+                f"--colocate shares devices between trainers and --rollout-engine {engine} engines, which hold a "
+                f"fixed fraction of their GPU: it needs {flag(name)}"
             )
     if cfg.rollout.rollout_schedule != "sync" and res.colocate:
         problems.append(

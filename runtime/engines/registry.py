@@ -37,6 +37,15 @@ class EngineKind:
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
     restartable: bool = False
+    # Whether the engine group starts a router in front of the engines (SGLang's, ``runtime.cluster.engines``) and
+    # sends each request through it.
+    router: bool = False
+    # Whether each request carries its own sampling seed (slime's per-sample SGLang seeds from ``--rollout-seed``); an
+    # engine without it draws from seeded streams of its own.
+    sampling_seeds: bool = False
+    # Whether an engine holds a fixed fraction of its GPU's memory (an SGLang server's static pool), so that sharing
+    # devices with the trainers (``--colocate``) needs the offloads.
+    fixed_memory: bool = False
     # Whether the engine receives a weight broadcast while it generates (``stage_weights_from_distributed``) and
     # swaps it in between two rollouts (``commit_staged_weights``): one-step async then syncs without draining.
     stages_weights: bool = False
@@ -61,12 +70,15 @@ def _sglang_engines(cfg: Any) -> int:
 
 def _colocated_sync(cfg: Any) -> str | None:
     """Under ``--colocate``: ``ipc``, or ``disk`` where ipc is not built (an SGLang engine of several GPUs, whose
-    ranks each need their own trainer's handles; several Megatron processes, of which rank 0 alone sends)."""
+    ranks each need their own trainer's handles; several processes of a backend whose rank 0 alone sends, its options'
+    ``WEIGHTS_FROM_RANK0``: the Megatron backend's)."""
     if not cfg.resources.colocate:
         return None
+    from runtime.train.backends import backend_options
+
     several_gpus = cfg.rollout.rollout_engine == "sglang" and cfg.sglang.rollout_num_gpus_per_engine > 1
-    several_megatron = cfg.train.train_backend == "megatron" and cfg.resources.num_trainer_procs > 1
-    return "disk" if several_gpus or several_megatron else "ipc"
+    from_rank0 = getattr(backend_options(cfg.train.train_backend), "WEIGHTS_FROM_RANK0", False)
+    return "disk" if several_gpus or (from_rank0 and cfg.resources.num_trainer_procs > 1) else "ipc"
 
 
 def _split_sync(use_gpu: bool) -> str:
@@ -107,6 +119,9 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "hf_checkpoint": model_path,
         },
         restartable=True,
+        router=True,
+        sampling_seeds=True,
+        fixed_memory=True,
     ),
 }
 

@@ -16,8 +16,10 @@ TRAIN_BACKENDS: dict[str, str] = {
 }
 
 
-# Each backend's options module: its ``OWN_FIELDS`` (the flags only it reads; refused under another backend). Light:
-# the config imports it to validate, without the backend's dependencies.
+# Each backend's options module: its ``OWN_FIELDS`` (the flags only it reads; refused under another backend) and what
+# it can do, each a module constant the config and the weight sync read (absent: no): ``REPLAYS_TOP_P_NUCLEI``,
+# ``READS_TORCH_DIST``, ``WEIGHTS_FROM_RANK0``. Light: the config imports it to validate, without the backend's
+# dependencies.
 TRAIN_BACKEND_OPTIONS: dict[str, str] = {
     "torch": "runtime.train.backends.torch_options",
     "megatron": "runtime.train.backends.megatron_options",
