@@ -1,5 +1,5 @@
 """DESIGN.md's promise, tried as a plug-in author would: a new rollout engine and a new training backend, each with a
-flag of its own and a rule, are their own modules plus two registry lines each, and the configuration takes them
+flag of its own and a rule, are their own modules plus one registry line each, and the configuration takes them
 with nothing in ``runtime/config/`` edited: the flags parse into their sections, a rule of the plug-in runs when it
 is chosen, and the flags are refused under another choice, naming the owner.
 
@@ -48,16 +48,16 @@ OPTIONS = {"train": ToyBackendOptions}
 OWN_FIELDS = own_fields(ToyBackendOptions)
 """
 
-# The two registry lines of each plug-in, then the job's command lines.
+# The one registry line of each plug-in, then the job's command lines.
 DRIVER = """
 import dataclasses, json, sys
 import runtime.engines.registry as engines
 import runtime.train.backends as backends
 
-engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine")
-engines.ROLLOUT_ENGINE_OPTIONS["toy"] = "toy_engine_options"
-backends.TRAIN_BACKENDS["toy"] = "toy_backend:ToyTrainer"
-backends.TRAIN_BACKEND_OPTIONS["toy"] = "toy_backend_options"
+engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(
+    engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine", options="toy_engine_options"
+)
+backends.TRAIN_BACKENDS["toy"] = backends.Backend("toy_backend:ToyTrainer", "toy_backend_options")
 
 from runtime.config import ConfigError, build_parser, parse_args
 
@@ -110,11 +110,9 @@ import runtime.train.backends as backends
 
 declared = os.environ["TOY_DECLARED"] == "1"
 engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(
-    engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine", fixed_memory=declared
+    engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine", options="toy_engine_options", fixed_memory=declared
 )
-engines.ROLLOUT_ENGINE_OPTIONS["toy"] = "toy_engine_options"
-backends.TRAIN_BACKENDS["toy"] = "toy_backend:ToyTrainer"
-backends.TRAIN_BACKEND_OPTIONS["toy"] = "toy_backend_options"
+backends.TRAIN_BACKENDS["toy"] = backends.Backend("toy_backend:ToyTrainer", "toy_backend_options")
 
 from runtime.config import ConfigError, parse_args
 

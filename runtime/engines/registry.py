@@ -1,24 +1,27 @@
 """Rollout engines by ``--rollout-engine`` name: what each needs from the cluster and how to build one.
 
-A new engine is one module with a class implementing :class:`runtime.engines.base.RolloutEngine` plus one entry in
-:data:`ROLLOUT_ENGINES`; an engine with flags of its own adds an options module (its fields, as
-``runtime.engines.sglang_options``) and one entry in :data:`ROLLOUT_ENGINE_OPTIONS`. The engine group
-(``runtime.cluster.engines``) and the weight sync read these entries; they never name an engine class.
+A new engine is its class (implementing :class:`runtime.engines.base.RolloutEngine`) and its options module (its
+flags and what it can do, as ``runtime.engines.sglang_options``), plus one entry in :data:`ROLLOUT_ENGINES` naming
+both. The engine group (``runtime.cluster.engines``), the weight sync and the config read these entries; they never
+name an engine class.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from runtime.option_fields import registry_view
 
 
 @dataclass(frozen=True)
 class EngineKind:
     """How to run one kind of engine.
 
-    ``cls``: the class, as an import path. ``bundles_per_engine``: how many device bundles of the job's placement
+    ``cls``: the class, as an import path. ``options``: its options module (:data:`ROLLOUT_ENGINE_OPTIONS`), as an
+    import path. ``bundles_per_engine``: how many device bundles of the job's placement
     group each engine takes (an embedded engine one; a launched SGLang server ``--rollout-num-gpus-per-engine``; a
     server that already runs none). ``launches``: whether the engine group starts a server per engine
     (``runtime.cluster.engines``) and hands its URL to the constructor as ``base_url``.
@@ -31,6 +34,7 @@ class EngineKind:
     """
 
     cls: str
+    options: str
     bundles_per_engine: Callable[[Any], int]
     launches: Callable[[Any], bool]
     weight_sync: Callable[[Any, bool], str]
@@ -91,6 +95,7 @@ def _split_sync(use_gpu: bool) -> str:
 ROLLOUT_ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
         cls="runtime.engines.hf_engine:HFEngine",
+        options="runtime.engines.hf_options",
         bundles_per_engine=lambda cfg: 1,
         launches=lambda cfg: False,
         weight_sync=lambda cfg, use_gpu: (
@@ -109,6 +114,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",
+        options="runtime.engines.sglang_options",
         bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
         launches=lambda cfg: not sglang_urls(cfg),
         weight_sync=lambda cfg, use_gpu: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "nccl",
@@ -126,17 +132,15 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
 }
 
 
-# Each engine's options module: ``OPTIONS`` (config section -> the dataclass of its fields there), ``OWN_FIELDS`` (the
-# flags only it reads; refused under another engine) and, when it has rules, ``check(problems, cfg)``. Light: the
-# config imports them to build its sections, without the engine's dependencies.
-ROLLOUT_ENGINE_OPTIONS: dict[str, str] = {
-    "hf": "runtime.engines.hf_options",
-    "sglang": "runtime.engines.sglang_options",
-}
+# Each engine's options module (its ``EngineKind.options``, read live from :data:`ROLLOUT_ENGINES`): ``OPTIONS``
+# (config section -> the dataclass of its fields there), ``OWN_FIELDS`` (the flags only it reads; refused under
+# another engine), what it can do (``REPORTS_TOP_P_NUCLEI``) and, when it has rules, ``check(problems, cfg)``. Light:
+# the config imports them to build its sections, without the engine's dependencies.
+ROLLOUT_ENGINE_OPTIONS: Mapping[str, str] = registry_view(ROLLOUT_ENGINES, "options")
 
 
 def engine_options(name: str) -> Any:
-    """The options module of ``--rollout-engine name`` (see :data:`ROLLOUT_ENGINE_OPTIONS`)."""
+    """The options module of ``--rollout-engine name`` (its ``EngineKind.options``)."""
     return importlib.import_module(ROLLOUT_ENGINE_OPTIONS[name])
 
 
