@@ -3,6 +3,7 @@ Triton's interpreter, a killed Ray actor waited for, and the two gloo ranks that
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import multiprocessing
 import os
@@ -146,12 +147,17 @@ class RankPool:
         context = multiprocessing.get_context("spawn")
         self._tasks = [context.Queue() for _ in range(self.nprocs)]
         self._results = context.Queue()
+        # Not daemonic: a rank's task may start processes of its own (megatron-core's checkpoint writer starts a
+        # multiprocessing Manager), which daemonic processes may not. close() stops them, at the latest when this
+        # interpreter exits: atexit runs this later registration before multiprocessing's own exit hook, which would
+        # otherwise wait for them.
         self._procs = [
-            context.Process(target=_serve, args=(rank, self._tasks[rank], self._results), daemon=True)
+            context.Process(target=_serve, args=(rank, self._tasks[rank], self._results), daemon=False)
             for rank in range(self.nprocs)
         ]
         for proc in self._procs:
             proc.start()
+        atexit.register(self.close)
 
     @property
     def alive(self) -> bool:
