@@ -362,6 +362,19 @@ def _check_routing_replay(problems: list[str], cfg: Config) -> None:
     if not (a.use_routing_replay or a.use_rollout_routing_replay):
         return
     shown = "--use-rollout-routing-replay" if a.use_rollout_routing_replay else "--use-routing-replay"
+    if slime_compat.is_sft_job(cfg):
+        # slime's sft_rollout reads samples from the data: no engine reports their experts (its fill_routing_replay
+        # asserts on the missing rollout_routed_experts), and SFT runs no old-log-prob pass for R2 to record in.
+        problems.append(
+            f"{shown} replays routes an engine reported (R3) or an old-log-prob pass recorded (R2); an SFT job has "
+            "neither (its samples come from the data): leave it out"
+        )
+        return
+    if a.loss_type == "sft_loss" and not a.use_rollout_routing_replay:
+        problems.append(
+            "--use-routing-replay records routes in the old-log-prob pass, which --loss-type sft_loss does not run: "
+            "use --use-rollout-routing-replay (the engine's routes) or leave it out"
+        )
     if cfg.model.hf_checkpoint is None:
         problems.append(f"{shown} replays MoE routes; the built-in tiny model is dense (give a MoE --hf-checkpoint)")
         return
