@@ -87,7 +87,10 @@ def test_custom_and_sft_losses_replay_the_engines_routes(path, tmp_path, loss_ty
     # Catches: a loss path whose forward skips the replay (the routers left off, taking the perturbed router's own
     # experts, or left replaying the previous micro-batch's routes: a token-count mismatch), and the custom loss's
     # padded rows given the packed layout's routes under --use-dynamic-batch-size.
-    cfg = cfg_of(tmp_path, use_dynamic_batch_size=True, max_tokens_per_gpu=256)
+    # The custom loss under --use-dynamic-batch-size (its own padded rows against the packed layout elsewhere); the
+    # SFT loss padded, so that one router call covers the rows as router_choices reads them.
+    packed = loss_type == "custom_loss"
+    cfg = cfg_of(tmp_path, use_dynamic_batch_size=packed, max_tokens_per_gpu=256 if packed else None)
     paths = {"custom_loss_function_path": f"{PLUGIN}:pg_loss_as_custom_loss"} if loss_type == "custom_loss" else {}
     hooks = TrainHooks(args=cfg, paths=paths, loss_type=loss_type, routing_replay="rollout")
     trainer = TorchTrainer(
@@ -104,7 +107,6 @@ def test_custom_and_sft_losses_replay_the_engines_routes(path, tmp_path, loss_ty
     if loss_type == "custom_loss":
         seen = router_choices(trainer.model, lambda: trainer._custom_loss(batch.clone(), norm)[0].backward())
     else:
-        trainer.cfg = cfg_of(tmp_path).train  # the padded layout, so that one hook call covers the rows
         seen = router_choices(trainer.model, lambda: trainer._sft_loss(batch.clone(), norm, mode="token_mean"))
     assert_routed_as(seen, routes, lengths, differs_from=own)
 
