@@ -107,9 +107,9 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         # stages (94 layers over PP=4 with a shorter last stage: --decoder-last-pipeline-num-layers; the backend builds
         # equal stages, so PP=4 must divide 94), and an engine over 32 GPUs of several nodes.
         "run-qwen3-235B-A22B": {
-            "--hf-checkpoint", "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers", "--sglang-cuda-graph-bs",
-            "--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-            "--rollout-num-gpus-per-engine",
+            "--hf-checkpoint", "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers",
+            "--sglang-cuda-graph-bs", "--context-parallel-size", "--tensor-model-parallel-size",
+            "--pipeline-model-parallel-size", "--rollout-num-gpus-per-engine",
         },
         "run-qwen3-235B-A22B-sft": {"--use-precision-aware-optimizer", "--tensor-model-parallel-size"},
         # DeepSeek-R1 (the DeepSeek-V3 layout; its --hf-checkpoint the bf16 copy the script names in a comment, see
