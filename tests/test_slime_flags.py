@@ -254,6 +254,8 @@ VALUE_REFUSALS = {
     "--colocate": "hold a fixed fraction of their GPU",
     # An engine over GPUs of several nodes (slime's GLM-4.7-355B script: 32).
     "--rollout-num-gpus-per-engine": "rlcore launches single-node SGLang servers only",
+    # A quantized checkpoint (slime's Qwen3-235B-A22B script trains from the released FP8 one).
+    "--hf-checkpoint": "rlcore trains and syncs unquantized weights",
 }
 
 
