@@ -148,10 +148,11 @@ def sync_weights(job: Job, done: int, metrics: dict[str, float]) -> None:
         job.weights.stage(done)
         job.source.defer(job.weights.commit)
     elif job.paused_sync:
-        # One-step async on engines that pause (SGLang): the rollout in flight stops where it is, takes the new
-        # weights and goes on with them; the sync does not wait for it.
+        # One-step or fully async on engines that pause (SGLang): the generation in flight stops where it is, takes
+        # the new weights and goes on with them; the sync does not wait for it. Then fully_async admits at ``done``.
         with job.engines.generation_paused():
             job.weights.push(done)
+        job.source.resume(done)
     else:
         job.source.pause()
         job.engine_memory.resume(["weights"])

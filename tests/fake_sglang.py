@@ -56,12 +56,13 @@ What it reproduces, because the adapter depends on it:
   "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
   ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
 
-A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``; ``FAKE_SGLANG_HOLD_AT``,
-``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched server): every request after the first
-``hold_after`` (counted per prompt) that has sampled ``hold_at`` tokens waits, before its next decoding step, while the
-file ``hold_file`` exists, or without a file until the server's weight version changes. ``/server_info`` reports the
-ids of the requests held (``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in
-flight; a weight sync that waited for held requests to finish would never return.
+A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``, ``hold_count``;
+``FAKE_SGLANG_HOLD_AT``, ``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched server): every request
+after the first ``hold_after`` (counted per prompt; only the ``hold_count`` next ones when given) that has sampled
+``hold_at`` tokens waits, before its next decoding step, while the file ``hold_file`` exists, or without a file until
+the server's weight version changes. ``/server_info`` reports the ids of the requests held
+(``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in flight; a weight sync that
+waited for held requests to finish would never return.
 
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
 sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
@@ -310,8 +311,8 @@ class FakeSGLangServer:
     """An HTTP server on ``host:port`` (port 0: a free one) in a background thread, serving a HF model folder.
 
     ``startup_delay`` seconds of ``503`` from the health routes mimic a server still loading; ``token_delay`` slows
-    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file`` and ``hold_after``
-    hold decoding (see the module docstring). Use as a context manager; ``url`` is the base URL.
+    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file``, ``hold_after`` and
+    ``hold_count`` hold decoding (see the module docstring). Use as a context manager; ``url`` is the base URL.
     ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state to tests.
     """
 
@@ -329,6 +330,7 @@ class FakeSGLangServer:
         hold_at: int | None = None,
         hold_file: str | Path | None = None,
         hold_after: int = 0,
+        hold_count: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -378,7 +380,7 @@ class FakeSGLangServer:
         self._gate: asyncio.Condition | None = None
         self.weight_session = False
         self.hold_at, self.hold_file = hold_at, None if hold_file is None else Path(hold_file)
-        self.hold_after = hold_after
+        self.hold_after, self.hold_count = hold_after, hold_count
         self.held: set[str] = set()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1099,6 +1101,8 @@ class FakeSGLangServer:
         """A test's hold (see the module docstring): after ``hold_at`` tokens, wait while ``hold_file`` exists, or
         without one until the weight version changes."""
         if tokens != self.hold_at or job["ordinal"] <= self.hold_after:
+            return
+        if self.hold_count is not None and job["ordinal"] > self.hold_after + self.hold_count:
             return
         version, rid = self.weight_version, job["rid"]
         with self._state_lock:

@@ -188,6 +188,55 @@ def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_
     assert rows[1]["rollout/weight_version_lag_max"] == 1
 
 
+def test_fully_async_syncs_by_pausing_the_servers_neither_draining_nor_cutting_off(ray_session, model_path, tmp_path):
+    # --max-staleness 1, 2 groups x 2 samples a step: steps 0 and 1's 8 requests are admitted (and sent: the router
+    # client takes 512 at once) at the start, step 2's 4 only after the sync that follows step 0 (the admission bound).
+    # The fake holds those 4 after HOLD_AT tokens until its weights change, so the sync after step 1 finds them in
+    # flight: one that drained them (or aborted them: a held request does not end on /abort_request) would never come;
+    # one that pauses the server, updates and continues lets them finish with the new weights. --partial-rollout is on:
+    # paused, nothing is cut off even so.
+    n, length, hold_at = 4, 6, 2
+    saved = str(tmp_path / "rollouts" / "{rollout_id}.pt")
+    server = FakeSGLangServer(model_path, hold_at=hold_at, hold_after=2 * n, hold_count=n).start()
+    cfg = fleet_cfg(
+        tmp_path,
+        model_path,
+        rollout_num_gpus=1,
+        sglang_url=server.url,
+        rollout_schedule="fully_async",
+        max_staleness=1,
+        partial_rollout=True,
+        num_rollout=3,
+        rollout_max_response_len=length,
+        rollout_top_k=1,  # greedy and no eos: every response runs to its length, so a lost token would show
+        global_batch_size=n,
+        micro_batch_size=n,
+        lr=1e-3,
+        use_tensorboard=False,
+        save_debug_rollout_data=saved,
+    )
+    finished: list = []
+    job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
+    job.start()
+    job.join(300)  # (about 30 s on two busy cores; a sync that waits for the held requests never ends)
+    server.stop()
+    assert finished, "the job did not finish: the weight sync waited for the held requests"
+    # Every sync (after steps 0, 1 and 2) paused the server in retract mode; nothing was aborted.
+    assert server.pauses == ["retract"] * 3 and server.requests.get("/abort_request", 0) == 0
+    rows = read_metrics(finished[0].output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    steps = [load_rollout_data(saved, step) for step in range(3)]
+    # Steps 0 and 1 were sampled by the launch weights; step 2's, admitted at version 1, by version 1 up to the sync
+    # mid-way and by version 2 from there on: it counts by its oldest version, one behind step 2's trainers.
+    assert [[s.weight_versions for s in samples] for samples in steps] == [[["0"]] * n, [["0"]] * n, [["1", "2"]] * n]
+    assert [r["rollout/weight_version_lag_max"] for r in rows] == [0, 1, 1]
+    for samples in steps:
+        assert sorted(collections.Counter(s.index for s in samples).values()) == [2, 2]  # 2 prompts x 2 samples
+        assert all(s.response_length == length and s.status == Sample.Status.TRUNCATED for s in samples)
+        assert all(s.loss_mask == [1] * length for s in samples)  # the tokens of before the sync train too
+    assert len({s.index for samples in steps for s in samples}) == 6  # no prompt trained twice
+
+
 @contextlib.contextmanager
 def one_engine_fleet(tmp_path, model_path, **overrides):
     """One launched fake server behind the real router (its own, torn down on exit: before the shared fleet below

@@ -17,7 +17,11 @@ are this one loop with a different source, picked by ``--rollout-schedule`` from
   admitted at engine version ``v`` only if it will be trained by step ``v + --max-staleness``. At a weight update
   running generations are drained, or with ``--partial-rollout`` cut off (``RolloutEngine.abort``) and resumed with
   the new weights, their tokens joined (``--mask-offpolicy-in-partial-rollout`` takes the part sampled with the old
-  weights out of the loss).
+  weights out of the loss). On engines that pause (SGLang) they are neither: the servers pause around the sync and
+  every generation goes on with the new weights where it stopped (``runtime.loop.sync_weights``), with or without
+  ``--partial-rollout`` (not under ``--mask-offpolicy-in-partial-rollout``, which needs the cut). A sample whose
+  tokens span several versions counts by its oldest (:func:`staleness_metrics`), which is never older than the
+  version it was admitted at, so the admission bound holds as before.
 
 Every prompt handed out is tracked by the :class:`PromptFeed` until the step that consumed it is committed: a
 checkpoint stores the data position plus every prompt handed out but not yet committed (in flight, buffered or
@@ -191,6 +195,10 @@ class RolloutSettings:
 
 @runtime_checkable
 class RolloutSource(Protocol):
+    # ``generates_across_syncs`` (an attribute, False where absent): generation may be in flight at a weight sync, and
+    # the source takes it going on with the new weights, so engines that pause (SGLang) are paused around the sync
+    # instead of :meth:`pause` draining or cutting it off (``runtime.loop.sync_weights``); :meth:`resume` follows it.
+
     def start(self, step: int) -> None:
         """Begin producing from ``step`` (the job's first step, or the one a resume continues at)."""
         ...
@@ -247,6 +255,7 @@ class BatchSource(_Source):
     def __init__(self, *args: Any, lookahead: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead
+        self.generates_across_syncs = lookahead == 1
         self._futures: dict[int, concurrent.futures.Future] = {}
         self._before_next: Callable[[], Any] | None = None
 
@@ -339,6 +348,11 @@ class StreamingSource(_Source):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # Paused around a sync, a generation goes on with the new weights, its tokens of before the sync kept in the
+        # loss; --mask-offpolicy-in-partial-rollout needs them cut off at the sync (where the old part ends).
+        self.generates_across_syncs = not (
+            self.settings.partial_rollout and self.settings.mask_offpolicy_in_partial_rollout
+        )
         self._slots: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._next_seq = 0
         self._consumed = 0  # live groups consumed (trained) since start, counted from the start step
