@@ -174,3 +174,43 @@ def test_equal_sampling_seeds_sample_alike_and_others_differ(server):
 
     assert sample(11) == sample(11)
     assert len({tuple(sample(s)) for s in range(20, 26)}) > 1
+
+
+def _sglang_http_server_tree():
+    """SGLang's ``entrypoints/http_server.py``, parsed (importing it would start SGLang's machinery)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed (the dev extra; see the Makefile)")
+    return ast.parse((Path(spec.origin).parent / "srt" / "entrypoints" / "http_server.py").read_text())
+
+
+def test_the_fakes_model_info_reports_sglangs_keys_and_weight_version_lives_only_there(server):
+    # rlcore reads a server's weight version from /model_info (the health check compares it with the version it
+    # loaded last): the fake answers the keys SGLang's own handler builds, and, like SGLang 0.5.23, has no
+    # /get_weight_version route for the engine to rely on.
+    import ast
+
+    tree = _sglang_http_server_tree()
+    handler = next(n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == "model_info")
+    result = next(
+        n.value
+        for n in ast.walk(handler)
+        if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["result"]
+    )
+    # (``embedding`` is added only for embedding models)
+    sglang_keys = {k.value for k in result.keys}
+    routes = {
+        d.args[0].value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)
+        for d in n.decorator_list
+        if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)
+    }
+    assert "weight_version" in sglang_keys and "/model_info" in routes and "/get_weight_version" not in routes
+    answer = httpx.get(f"{server.url}/model_info").json()
+    assert set(answer) == sglang_keys and answer["weight_version"] == server.weight_version
+    assert httpx.get(f"{server.url}/get_weight_version").status_code == 404

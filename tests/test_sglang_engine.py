@@ -17,6 +17,7 @@ from runtime.engines.sglang_engine import (
     SGLangConnectionError,
     SGLangEngine,
     SGLangHTTPError,
+    SGLangWeightsLost,
     generation_from_sglang,
     sampling_params_to_sglang,
     sampling_seed,
@@ -490,3 +491,28 @@ def test_an_http_error_survives_pickling_as_ray_sends_it():
         "No available workers",
     )
     assert str(err) == "SGLang POST http://h:1/generate failed with HTTP 503: No available workers"
+
+
+def test_a_server_restarted_in_place_after_an_update_fails_the_health_check_naming_both_versions(model_dirs):
+    # An external server that restarts comes back on its port with its launch weights and answers every check of
+    # liveness; only its weight version (/model_info) tells that it no longer holds what was loaded into it.
+    port = free_port()
+    with FakeSGLangServer(model_dirs[0], port=port) as srv:
+        eng = SGLangEngine(srv.url, timeout=30, startup_timeout=10)
+        assert eng.health()  # (before any update: the label it reports now, "default", is the one to keep)
+    with FakeSGLangServer(model_dirs[0], port=port):
+        assert eng.health()  # restarted before any update: it holds the weights it held
+        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=3)
+        assert eng.health()
+    with FakeSGLangServer(model_dirs[0], port=port) as srv:
+        assert srv.weight_version == "default"
+        with pytest.raises(SGLangWeightsLost) as err:
+            eng.health()
+        assert str(err.value) == (
+            f"SGLang server http://127.0.0.1:{port} reports weight version 'default', not '3' (the one loaded into it "
+            "last): it restarted with its launch weights, or another client updated it"
+        )
+        # Loading the weights again (what the engine group's restart does) makes it healthy.
+        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=3)
+        assert eng.health()
+    eng.close()

@@ -26,7 +26,7 @@ from runtime.cluster.weight_sync import DistributedSync, check_weights_equal, ma
 from runtime.config import from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
-from runtime.engines import SamplingParams
+from runtime.engines import SamplingParams, launcher
 from runtime.logger import METRICS_FILE, read_metrics
 from runtime.loop import run
 from runtime.rollout import generation
@@ -235,6 +235,68 @@ def test_fully_async_syncs_by_pausing_the_servers_neither_draining_nor_cutting_o
         assert all(s.response_length == length and s.status == Sample.Status.TRUNCATED for s in samples)
         assert all(s.loss_mask == [1] * length for s in samples)  # the tokens of before the sync train too
     assert len({s.index for samples in steps for s in samples}) == 6  # no prompt trained twice
+
+
+# The external server that restart_in_place_at_step_one restarts, and what it saw (the hook runs in this process).
+_RESTARTED: dict = {}
+
+
+def restart_in_place_at_step_one(rollout_id, args, samples, metrics, rollout_time):
+    """--custom-rollout-log-function-path: after step 1's rollout (the server holds version 1 since the sync after
+    step 0; nothing generates now), restart the external server on its port, as its process would come back, faster
+    than any request could meet its death. Then wait (the job waits too) until it holds version 1 again."""
+    if rollout_id != 1:
+        return False
+    state = _RESTARTED
+    state["before"] = state["server"].weight_version
+    state["server"].stop()
+    state["server"] = server = FakeSGLangServer(state["model"], port=state["port"]).start()
+    deadline = time.monotonic() + 60  # (the health check runs every second; a reload takes a few)
+    while server.weight_version != "1" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state["after"] = server.weight_version
+    return False
+
+
+def test_an_external_server_restarted_between_steps_is_noticed_by_its_weight_version_and_reloaded(
+    ray_session, model_path, tmp_path, capsys
+):
+    # A restarted external server answers every liveness check with its launch weights; the health check compares
+    # the version it reports with the one loaded into it last, treats the difference as a death and the engine group
+    # loads the trainers' weights into it again. Without that, step 2 would sample from the launch weights labelled 1.
+    port = launcher.free_port()
+    _RESTARTED.clear()
+    _RESTARTED.update(model=model_path, port=port, server=FakeSGLangServer(model_path, port=port).start())
+    cfg = fleet_cfg(
+        tmp_path,
+        model_path,
+        rollout_num_gpus=1,
+        sglang_url=f"http://127.0.0.1:{port}",
+        num_rollout=3,
+        rollout_max_response_len=4,
+        global_batch_size=4,
+        micro_batch_size=4,
+        lr=1e-3,
+        use_tensorboard=False,
+        rollout_health_check_interval=1.0,
+        custom_rollout_log_function_path=f"{__name__}.restart_in_place_at_step_one",
+    )
+    try:
+        result = run(cfg, progress=False)
+    finally:
+        _RESTARTED["server"].stop()
+    assert _RESTARTED["before"] == "1" and _RESTARTED["after"] == "1", _RESTARTED
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rlcore-run: rollout engine 0")]
+    assert lines[0] == (
+        "rlcore-run: rollout engine 0 the health check failed (SGLangWeightsLost: SGLang server "
+        f"http://127.0.0.1:{port} reports weight version 'default', not '1' (the one loaded into it last): it "
+        "restarted with its launch weights, or another client updated it); restarting it"
+    )
+    rows = read_metrics(result.output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2] and sum(r["engines/restarts"] for r in rows) == 1
+    # Nothing lost, and every step sampled by the trainers' weights (the fake computes in float32).
+    assert all(r["reward/num_scored"] == 4 for r in rows)
+    assert all(r["train/rollout_log_prob_abs_diff"] < 1e-4 for r in rows)
 
 
 @contextlib.contextmanager

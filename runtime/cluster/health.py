@@ -86,6 +86,8 @@ class HealthMonitor:
             healthy = ray.get(actor.health.remote(), timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             return f"no answer to a health check in --rollout-health-check-timeout {self.timeout:g} s"
+        except ray.exceptions.RayTaskError as err:  # the engine's own error (Ray's first line names only the call)
+            return f"the health check failed ({first_line(err.cause or err)})"
         except ray.exceptions.RayError as err:
             return f"the health check failed ({first_line(err)})"
         return None if healthy else "the health check answered unhealthy"

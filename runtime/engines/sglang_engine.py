@@ -72,12 +72,14 @@ reached the server is never sent twice, because generation and weight loads are 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,11 @@ class SGLangHTTPError(RuntimeError):
 
 class SGLangConnectionError(ConnectionError):
     """The server could not be reached, retries included."""
+
+
+class SGLangWeightsLost(RuntimeError):
+    """The server reports another weight version than the one loaded into it last: it restarted (with its launch
+    weights) or something else updated it, and it no longer samples with the weights the engine says it holds."""
 
 
 def sampling_params_to_sglang(params: SamplingParams) -> dict[str, Any]:
@@ -366,6 +373,10 @@ class SGLangEngine:
         self.lora_name: str | None = None
         # Whether a weight-update session is open on the server (opened here), and whether generation is paused.
         self._session_open = False
+        # The weight version label the server must report (``/model_info``): the last one loaded into it, or before
+        # any update the one it reported first; and whether an update is under way (the label moves then).
+        self._server_label: str | None = None
+        self._updating = False
         self.paused = False
         if wait_healthy:
             self.wait_healthy(startup_timeout)
@@ -404,14 +415,39 @@ class SGLangEngine:
 
         A released or closed engine is not asked: ``/health_generate`` runs a one-token generation, which a server
         whose memory is released cannot do. It waits while generation is paused (the engine group checks no health
-        then).
+        then). A server that answers must also hold the weights loaded into it last (:meth:`check_server_weights`):
+        one that restarted in between, back before anything met its death, raises :class:`SGLangWeightsLost`.
         """
         if self.released or self.closed:
             return False
         try:
-            return self.client.get("/health_generate").status_code == 200
+            if self.client.get("/health_generate").status_code != 200:
+                return False
+            self.check_server_weights()
         except httpx.TransportError:
             return False
+        return True
+
+    def check_server_weights(self) -> None:
+        """Raise :class:`SGLangWeightsLost` unless the server reports (``/model_info``'s ``weight_version``; SGLang
+        0.5.23 has no ``/get_weight_version``) the version loaded into it last, or before any update the version it
+        reported at the first check. Skipped while an update is under way, when the label is between the two.
+
+        A restarted server holds its launch weights and reports its launch version (``"default"``) however it was
+        updated before, so a restart that no request and no health check met is caught here. LoRA adapters do not
+        move the label (the base weights stay), so under ``--update-weight-transport lora_adapter`` only the launch
+        label is checked."""
+        expected = self._server_label
+        label = self.server_weight_version()
+        if self._updating or expected != self._server_label:
+            return
+        if expected is None:
+            self._server_label = label
+        elif label != expected:
+            raise SGLangWeightsLost(
+                f"SGLang server {self.base_url} reports weight version {label!r}, not {expected!r} (the one loaded "
+                "into it last): it restarted with its launch weights, or another client updated it"
+            )
 
     def wait_healthy(self, timeout: float, *, poll: float = 0.2) -> None:
         """Block until ``/health_generate`` answers 200; ``TimeoutError`` after ``timeout`` seconds."""
@@ -622,8 +658,6 @@ class SGLangEngine:
             check_weight_version(weight_version)
             payload["weight_version"] = str(weight_version)
         self._in_session("/update_weights_from_distributed", payload, last=weight_version is not None)
-        if weight_version is not None:
-            self._weight_version = weight_version
 
     def update_weights_from_tensor(self, payload: bytes, *, weight_version: int | None = None) -> None:
         """Have a colocated server load one bucket shared as handles (``/update_weights_from_tensor``): SGLang takes
@@ -635,22 +669,37 @@ class SGLangEngine:
             check_weight_version(weight_version)
             body["weight_version"] = str(weight_version)
         self._in_session("/update_weights_from_tensor", body, last=weight_version is not None)
-        if weight_version is not None:
-            self._weight_version = weight_version
 
     def _in_session(self, path: str, payload: dict[str, Any], *, last: bool) -> None:
         """Post one bucket of an update inside a weight-update session (see the module docstring): opened before the
-        update's first bucket, closed after its ``last`` one or at once when a bucket fails."""
-        if not self._session_open:
-            self._post("/begin_weight_update", {})
-            self._session_open = True
+        update's first bucket, closed after its ``last`` one (which carries the update's ``weight_version``) or at
+        once when a bucket fails."""
+        with self._label_moving():
+            if not self._session_open:
+                self._post("/begin_weight_update", {})
+                self._session_open = True
+            try:
+                self._post(path, payload)
+            except BaseException:
+                self._end_session(quietly=True)
+                raise
+            if last:
+                self._end_session()
+                self._loaded(int(payload["weight_version"]))
+
+    @contextlib.contextmanager
+    def _label_moving(self) -> Iterator[None]:
+        """An update under way: the server's weight version label may move (see :meth:`check_server_weights`)."""
+        self._updating = True
         try:
-            self._post(path, payload)
-        except BaseException:
-            self._end_session(quietly=True)
-            raise
-        if last:
-            self._end_session()
+            yield
+        finally:
+            self._updating = False
+
+    def _loaded(self, weight_version: int) -> None:
+        """The server holds ``weight_version`` now, and reports it as its label."""
+        self._server_label = str(weight_version)
+        self._weight_version = weight_version
 
     def _end_session(self, *, quietly: bool = False) -> None:
         self._session_open = False
@@ -735,17 +784,19 @@ class SGLangEngine:
 
     def _load_from_disk(self, folder: Path, weight_version: int, *, owned: bool) -> None:
         """``/update_weights_from_disk`` of ``folder``; an ``owned`` folder (written here) is deleted if refused."""
-        try:
-            self._post("/update_weights_from_disk", {"model_path": str(folder), "weight_version": str(weight_version)})
-        except BaseException:
-            if owned:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
+        with self._label_moving():
+            try:
+                body = {"model_path": str(folder), "weight_version": str(weight_version)}
+                self._post("/update_weights_from_disk", body)
+            except BaseException:
+                if owned:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._loaded(weight_version)
         # The load is synchronous, so the previous folder written here is no longer read by the server.
         if self._last_weights is not None:
             shutil.rmtree(self._last_weights, ignore_errors=True)
         self._last_weights = folder if owned else None
-        self._weight_version = weight_version
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the server's GPU memory: all of it, or the ``tags`` among ``weights``, ``kv_cache``, ``cuda_graph``
