@@ -56,11 +56,12 @@ What it reproduces, because the adapter depends on it:
   "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
   ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
 
-A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``, ``hold_count``;
-``FAKE_SGLANG_HOLD_AT``, ``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched server): every request
-after the first ``hold_after`` (counted per prompt; only the ``hold_count`` next ones when given) that has sampled
-``hold_at`` tokens waits, before its next decoding step, while the file ``hold_file`` exists, or without a file until
-the server's weight version changes. ``/server_info`` reports the ids of the requests held
+A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``, ``hold_count``,
+``hold_timeout``; ``FAKE_SGLANG_HOLD_AT``, ``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched
+server): every request after the first ``hold_after`` (counted per prompt; only the ``hold_count`` next ones when
+given) that has sampled ``hold_at`` tokens waits, before its next decoding step, while the file ``hold_file`` exists,
+or without a file until the server's weight version changes (or ``hold_timeout`` seconds pass; ``hold_releases``
+counts the holds ended by each, ``"version"`` and ``"timeout"``). ``/server_info`` reports the ids of the requests held
 (``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in flight; a weight sync that
 waited for held requests to finish would never return.
 
@@ -72,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -311,9 +313,10 @@ class FakeSGLangServer:
     """An HTTP server on ``host:port`` (port 0: a free one) in a background thread, serving a HF model folder.
 
     ``startup_delay`` seconds of ``503`` from the health routes mimic a server still loading; ``token_delay`` slows
-    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file``, ``hold_after`` and
-    ``hold_count`` hold decoding (see the module docstring). Use as a context manager; ``url`` is the base URL.
-    ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state to tests.
+    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file``, ``hold_after``,
+    ``hold_count`` and ``hold_timeout`` hold decoding (see the module docstring). Use as a context manager; ``url`` is
+    the base URL. ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state
+    to tests.
     """
 
     def __init__(
@@ -331,6 +334,7 @@ class FakeSGLangServer:
         hold_file: str | Path | None = None,
         hold_after: int = 0,
         hold_count: int | None = None,
+        hold_timeout: float | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -380,7 +384,8 @@ class FakeSGLangServer:
         self._gate: asyncio.Condition | None = None
         self.weight_session = False
         self.hold_at, self.hold_file = hold_at, None if hold_file is None else Path(hold_file)
-        self.hold_after, self.hold_count = hold_after, hold_count
+        self.hold_after, self.hold_count, self.hold_timeout = hold_after, hold_count, hold_timeout
+        self.hold_releases: collections.Counter[str] = collections.Counter()
         self.held: set[str] = set()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1105,14 +1110,19 @@ class FakeSGLangServer:
         if self.hold_count is not None and job["ordinal"] > self.hold_after + self.hold_count:
             return
         version, rid = self.weight_version, job["rid"]
+        deadline = math.inf if self.hold_timeout is None else time.monotonic() + self.hold_timeout
         with self._state_lock:
             self.held.add(rid)
         try:
             while self.hold_file.exists() if self.hold_file is not None else self.weight_version == version:
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(0.01)
         finally:
             with self._state_lock:
                 self.held.discard(rid)
+                if self.hold_file is None:
+                    self.hold_releases["version" if self.weight_version != version else "timeout"] += 1
 
     def _input_token_logprobs(self, job: dict[str, Any], logits: torch.Tensor) -> list[list[Any]] | None:
         """SGLang's ``meta_info.input_token_logprobs`` for ``logprob_start_len`` k >= 0: ``[logprob, id, text]`` of
