@@ -14,6 +14,8 @@ a tiny model's train step and update on two busy cores (0.1-1 s), so both checks
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_sglang_pause  # noqa: E402
 
@@ -21,6 +23,9 @@ from tools import bench_sglang_pause  # noqa: E402
 RAY_RESOURCES = {"num_cpus": 4}
 
 
+# Slow, not in the default suite: two jobs, one of them waiting out two 5 s holds; 126 s on a shared 2-core machine at
+# load 7-10 (2026-11-27), which make test's 30-minute budget has no room for.
+@pytest.mark.slow
 def test_tiny_run_prints_the_table_and_the_paused_sync_waits_less_than_the_drained_one(ray_session, capsys):
     # Catches: the bench measuring the same mode twice (the hold counts and pauses would match), a sync that waits for
     # the rollout in flight while paused (its holds would run out), a column renamed or dropped.
