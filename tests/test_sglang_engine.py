@@ -516,3 +516,24 @@ def test_a_server_restarted_in_place_after_an_update_fails_the_health_check_nami
         eng.update_weights_from_disk(str(model_dirs[1]), weight_version=3)
         assert eng.health()
     eng.close()
+
+
+def test_a_health_check_while_an_update_moves_the_label_is_not_a_death(model_dirs, monkeypatch):
+    # The health check runs beside the engine's other calls: one that lands after the server took the new version but
+    # before the engine recorded it sees the labels differ, and must not call that a restart.
+    with FakeSGLangServer(model_dirs[0]) as srv:
+        eng = SGLangEngine(srv.url, timeout=30, startup_timeout=10)
+        assert eng.health()
+        post, seen = eng._post, []
+
+        def post_then_check(path, payload):
+            answer = post(path, payload)
+            if path == "/update_weights_from_disk":
+                seen.append((srv.weight_version, eng.weight_version(), eng.health()))
+            return answer
+
+        monkeypatch.setattr(eng, "_post", post_then_check)
+        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=4)
+        assert seen == [("4", 0, True)]  # the server moved, the engine not yet: no death
+        assert eng.health() and eng.weight_version() == 4
+        eng.close()
