@@ -35,7 +35,7 @@ def test_each_rank_holds_its_cut_and_the_cuts_join_back_exactly(variant):
 
 
 def test_tensor_parallel_sizes_that_do_not_divide_the_latent_or_the_heads_are_named():
-    # Every layer dense: MoE layers at TP > 1 are refused on their own (sequence parallelism).
+    # Every layer dense: MoE layers at TP > 1 without --sequence-parallel are refused on their own.
     dense = dict(first_k_dense_replace=2)
     shape = mc.shape_from_hf(deepseek_config(**dense).to_dict())  # 4 heads, q_lora_rank 24, kv_lora_rank 32 + rope 8
     assert mc.parallel_problems(shape, tp_size=2, pp_size=1) == []
@@ -48,8 +48,10 @@ def test_tensor_parallel_sizes_that_do_not_divide_the_latent_or_the_heads_are_na
     assert mla.tp_problems(shape.mla, heads=4, tp_size=1) == []
     moonlight = mc.shape_from_hf(deepseek_config(**MOONLIGHT, **dense).to_dict())
     assert mc.parallel_problems(moonlight, tp_size=2, pp_size=1) == []
-    (moe,) = mc.parallel_problems(mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict()), tp_size=2, pp_size=1)
-    assert "megatron-core trains MoE layers over tensor-parallel ranks only with sequence parallelism" in moe
+    moonlight_moe = mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict())
+    (moe,) = mc.parallel_problems(moonlight_moe, tp_size=2, pp_size=1)
+    assert "needs --sequence-parallel (megatron-core trains MoE layers over tensor-parallel ranks only" in moe
+    assert mc.parallel_problems(moonlight_moe, tp_size=2, pp_size=1, sequence_parallel=True) == []
 
 
 pytest.importorskip("megatron.core")
@@ -77,7 +79,7 @@ def _tp_worker(rank, port, path, tmp, out):
 def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path):
     """TP=2 over gloo: logits equal transformers' (the sharded projections gathered as megatron-core's local spec
     does), the exported weights are the checkpoint's, and a train step's loss and gradient norm are TP=1's. Both layers
-    dense: the CPU builds no experts at TP > 1 (tests/test_megatron_families_cuda.py runs the MoE layers at TP=2)."""
+    dense, without --sequence-parallel (MoE layers at TP=2 with it: tests/test_megatron_sequence_parallel.py)."""
     import torch.multiprocessing as mp
     from test_megatron_backend import _free_port, job, make_batch, train_once, trainer
 

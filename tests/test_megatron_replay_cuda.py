@@ -1,7 +1,7 @@
 """Routing replay under --train-backend megatron on two GPUs (skipped without them): the path the CPU cannot run,
 R3 through PP=2's 1F1B schedule (each stage's MoE layers take their slice; the backward's recompute pops each
-micro-batch's own routes), against one GPU's replay, in float32 with TF32 off. (MoE layers at TP > 1 are refused:
-megatron-core trains them only with sequence parallelism, which its norms without Transformer Engine refuse.)
+micro-batch's own routes), against one GPU's replay, in float32 with TF32 off. (Replay at TP=2 with
+--sequence-parallel, each rank its chunk of the sequence, runs on the CPU: tests/test_megatron_sequence_parallel.py.)
 
 Run: ``python -m pytest -q tests/test_megatron_replay_cuda.py``. The CPU tests (``tests/test_megatron_replay.py``)
 check the replay itself: own routes bitwise, a perturbed router restored, padding, the reference model, recompute.

@@ -85,11 +85,8 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
     assert {name: flags for name, flags in refused.items() if flags} == {
         "run-qwen3-4B-amd": {"--colocate"},
         "run-qwen3-32B": {"--use-precision-aware-optimizer", "--sglang-cuda-graph-bs"},
-        # MoE layers over tensor-parallel ranks need sequence parallelism, which megatron-core's norms refuse
-        # without Transformer Engine or Apex.
-        "run-qwen3-30B-A3B": {
-            "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--tensor-model-parallel-size",
-        },
+        # (MoE layers over tensor-parallel ranks need --sequence-parallel, which the MoE scripts pass.)
+        "run-qwen3-30B-A3B": {"--use-precision-aware-optimizer", "--sglang-cuda-graph-bs"},
         # slime's layer spec plug-in (the backend builds GLM-4's layers from config.json itself) and context
         # parallelism (Transformer Engine's attention).
         "run-glm4-9B": {"--spec", "--context-parallel-size"},
@@ -97,11 +94,11 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         # several nodes (rlcore launches single-node SGLang servers).
         "run-glm4.7-355B-A32B": {
             "--use-precision-aware-optimizer", "--moe-enable-deepep", "--moe-token-dispatcher-type",
-            "--context-parallel-size", "--rollout-num-gpus-per-engine", "--tensor-model-parallel-size",
+            "--context-parallel-size", "--rollout-num-gpus-per-engine",
         },
         "run-moonlight-16B-A3B": {
             "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--moe-enable-deepep",
-            "--moe-token-dispatcher-type", "--tensor-model-parallel-size",
+            "--moe-token-dispatcher-type",
         },
     }  # fmt: skip
     # The scripts the issue names are all among those covered.
