@@ -70,6 +70,61 @@ class PostNormTransformerLayer(TransformerLayer):
         self.mlp_bda = _normed(self.mlp_bda, self.post_mlp_layernorm)
 
 
+class _SumLastColumnsGrad(torch.autograd.Function):
+    """The identity forward; backward, the gradient of the last ``width`` columns summed over ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
+        ctx.width, ctx.group = width, group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        part = grad[..., -ctx.width :].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., -ctx.width :] = part
+        return grad, None, None
+
+
+def _whole_kv_latent(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[Any, Any]:
+    """A forward hook on MLA's column-parallel ``linear_kv_down_proj``: its output gathered whole along the columns
+    (and under sequence parallelism cut back to this rank's sequence chunk), so that ``MLASelfAttention`` takes its
+    path for a whole latent, where the gradient of the key's rotary part (``k_pos_emb``, shared by every head) is
+    summed over the tensor-parallel ranks: under sequence parallelism by its own gather of ``k_pos_emb`` (whose
+    backward reduce-scatters), else by :class:`_SumLastColumnsGrad`. On megatron-core 0.16.1's path for a column-cut
+    output, the gather's backward keeps each rank's own heads' share of that gradient: the rotary rows of
+    ``linear_kv_down_proj`` and everything before them train on part of their gradient (seen at TP=2 over gloo, with
+    and without sequence parallelism: tests/test_megatron_sequence_parallel.py)."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    out, bias = output
+    group = module.tp_group
+    if group is None or group.size() == 1:
+        return output
+    out = gather_from_tensor_model_parallel_region(out, group=group)
+    if module.config.sequence_parallel:
+        return scatter_to_sequence_parallel_region(out, group=group), bias
+    return _SumLastColumnsGrad.apply(out, module.config.qk_pos_emb_head_dim, group), bias
+
+
+def mla_attention() -> type:
+    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj``."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class WholeLatentMLASelfAttention(MLASelfAttention):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent)
+
+    return WholeLatentMLASelfAttention
+
+
 # torch's norm of each megatron-core ``normalization`` the backend builds (megatron-core's WrappedTorchNorm's choice).
 TORCH_NORMS: dict[str, type[torch.nn.Module]] = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
@@ -183,6 +238,9 @@ def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_
     )
     if shape.post_norms:
         spec = dataclasses.replace(spec, module=PostNormTransformerLayer)
+    if shape.mla is not None:
+        attention = dataclasses.replace(spec.submodules.self_attention, module=mla_attention())
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
     norms = {**NORM_SEES, **(MLA_NORMS if shape.mla is not None else {})}
     for path, module in norms.items():
         spec = _with_module(spec, path, module)
@@ -216,5 +274,6 @@ __all__ = [
     "config_class",
     "decoder_spec",
     "layer_spec",
+    "mla_attention",
     "torch_norm",
 ]
