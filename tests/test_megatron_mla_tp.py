@@ -60,6 +60,7 @@ pytest.importorskip("megatron.core")
 def _tp_worker(rank, port, path, tmp, out):
     from test_megatron_backend import job, make_batch, train_once, trainer
     from test_megatron_moe import routed_logits
+    from test_megatron_sequence_parallel import tensor_grads
     from transformers import AutoModelForCausalLM
 
     cfg = job(tmp, tensor_model_parallel_size=2, train_backend="megatron", actor_num_gpus_per_node=2)
@@ -69,9 +70,12 @@ def _tp_worker(rank, port, path, tmp, out):
         logits, want, got_routes, want_routes = routed_logits(mega, hf, make_batch(203)[:5])
         weights = mega.get_weights()
         metrics = train_once(mega, cfg, make_batch(203))
+        grads = tensor_grads(mega)
         # Each rank's logits are its half of the (padded) vocabulary.
         result = dict(logits=logits, want=want, got_routes=got_routes, want_routes=want_routes)
-        torch.save({**result, "weights": weights, "metrics": metrics, "dp": mega.dp_info()}, f"{out}.{rank}")
+        torch.save(
+            {**result, "weights": weights, "metrics": metrics, "grads": grads, "dp": mega.dp_info()}, f"{out}.{rank}"
+        )
     finally:
         mega.shutdown()
 
@@ -82,6 +86,7 @@ def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path):
     dense, without --sequence-parallel (MoE layers at TP=2 with it: tests/test_megatron_sequence_parallel.py)."""
     import torch.multiprocessing as mp
     from test_megatron_backend import _free_port, job, make_batch, train_once, trainer
+    from test_megatron_sequence_parallel import assert_hf_grads_equal, tensor_grads
 
     hf = deepseek_model(first_k_dense_replace=2)
     path = tmp_path / "deepseek-v3"
@@ -106,5 +111,10 @@ def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path):
         # partial sums), a few ulps apart.
         assert tp2["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
         assert tp2["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        # Every gradient, which the norm above hides (the key's rotary part summed over the ranks:
+        # megatron_layers.mla_attention; the latent norms' whole on every rank, not summed).
+        assert_hf_grads_equal(
+            [r["grads"] for r in ranks], tensor_grads(one), mc.shape_from_hf(hf.config.to_dict()), what="MLA"
+        )
     finally:
         one.shutdown()

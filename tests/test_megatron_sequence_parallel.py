@@ -202,7 +202,6 @@ def _run(case: str, path: str, tmp, **kw) -> dict:
     names, this rank's part) and the exported weights."""
     from test_megatron_backend import make_batch, train_once, trainer
 
-    from runtime.train.backends import megatron_moe as mmoe
     from runtime.train.hooks import train_hooks
     from runtime.train.roles import ACTOR
 
@@ -212,17 +211,36 @@ def _run(case: str, path: str, tmp, **kw) -> dict:
         td = make_batch(VOCAB)
         log_probs = backend.compute_log_probs(td)
         metrics = train_once(backend, cfg, td)
-        tensors = mmoe.model_tensors(backend._module(backend.model))
-        grads = {n: (t if t.grad is None else t.grad).detach().clone() for n, t in tensors.items()}
         return dict(
             log_probs=log_probs,
             metrics=metrics,
-            grads=grads,
+            grads=tensor_grads(backend),
             weights=backend.get_weights(),
             sp=backend._module(backend.model).config.sequence_parallel,
         )
     finally:
         backend.shutdown()
+
+
+def tensor_grads(backend) -> dict[str, torch.Tensor]:
+    """Every tensor's gradient of the actor after a step, by Megatron name (a buffer, the expert bias: its value)."""
+    from runtime.train.backends import megatron_moe as mmoe
+
+    tensors = mmoe.model_tensors(backend._module(backend.model))
+    return {n: (t if t.grad is None else t.grad).detach().clone() for n, t in tensors.items()}
+
+
+def assert_hf_grads_equal(ranks: list[dict], one: dict, shape, *, what: str) -> None:
+    """The TP ranks' gradients (``ranks``, EP=1) joined as the export joins weights equal TP=1's (``one``), HF-named.
+    float32, the same sums in other orders: relative to each tensor's largest entry."""
+    from runtime.train.backends import megatron_weights as mw
+
+    got, want = mw.to_hf([ranks], shape), mw.to_hf([[one]], shape)
+    for name, value in want.items():
+        scale = float(value.abs().max()) or 1.0
+        torch.testing.assert_close(
+            got[name], value, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
 
 
 def _sp_worker(rank, ports, cases, paths, tmp, out):
@@ -252,7 +270,6 @@ def default_cases(tmp_path_factory):
 def _check(case: str, ranks: list[dict], one: dict, path: str) -> None:
     from test_megatron_backend import make_batch
 
-    from runtime.train.backends import megatron_weights as mw
     from runtime.train.backends.megatron_build import _read_shape
     from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS
 
@@ -286,14 +303,8 @@ def _check(case: str, ranks: list[dict], one: dict, path: str) -> None:
                 torch.testing.assert_close(
                     r["grads"][name], want, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{case} {n}: {m}"
                 )
-    if "expert_model_parallel_size" not in CASES[case][1]:  # every tensor, HF-named (the export's joins, at EP=1)
-        got = mw.to_hf([[r["grads"] for r in ranks]], shape)
-        want = mw.to_hf([[one["grads"]]], shape)
-        for name, value in want.items():
-            scale = float(value.abs().max()) or 1.0
-            torch.testing.assert_close(
-                got[name], value, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{case} {n}: {m}"
-            )
+    if "expert_model_parallel_size" not in CASES[case][1]:
+        assert_hf_grads_equal([r["grads"] for r in ranks], one["grads"], shape, what=case)
     for name, value in one["weights"].items():
         # One Adam step of lr 1e-3 from equal weights and gradients equal to float32 rounding.
         torch.testing.assert_close(
