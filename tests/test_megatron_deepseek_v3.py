@@ -219,6 +219,30 @@ def test_weights_round_trip_exactly(variant, pp, ep):
             assert torch.equal(got, hf[f"model.layers.1.mlp.experts.{4 * r + 3}.down_proj.weight"])
 
 
+def test_the_checkpoints_mtp_layer_is_neither_read_nor_refused():
+    # DeepSeek-V3/R1's checkpoints store their multi-token-prediction layer after the decoder's (model.layers.61 of
+    # 61 layers, with its eh_proj, enorm, hnorm and shared_head beside a decoder layer's tensors); transformers skips
+    # it, and so does the reader. Catches: a real checkpoint refused for those tensors at load, the MTP layer read as
+    # a decoder layer, and a checkpoint whose config.json declares no MTP layer accepted with an extra layer.
+    hf = checkpoint_state(deepseek_model())
+    layers = DEEPSEEK_V3["num_hidden_layers"]
+    extra = {
+        f"model.layers.{layers}.{name}": torch.randn(3)
+        for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.kv_a_layernorm.weight")
+    }
+    with_mtp = mc.shape_from_hf(deepseek_config(num_nextn_predict_layers=1).to_dict())
+    assert with_mtp.checkpoint_mtp_layers == 1 and with_mtp.num_layers == layers
+    shard = mw.to_megatron({**hf, **extra}, with_mtp, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    assert shard.keys() == mw.to_megatron(hf, with_mtp, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1).keys()
+    without = mc.shape_from_hf(deepseek_config(num_nextn_predict_layers=0).to_dict())
+    assert without.checkpoint_mtp_layers == 0
+    with pytest.raises(ValueError, match=rf"unexpected \['model\.layers\.{layers}\."):
+        mw.check_hf_state({**hf, **extra}, without)
+    beyond = {f"model.layers.{layers + 1}.enorm.weight": torch.randn(3)}  # past the one MTP layer declared
+    with pytest.raises(ValueError, match="unexpected"):
+        mw.check_hf_state({**hf, **beyond}, with_mtp)
+
+
 # ------------------------------------------------------------------ megatron-core's model
 
 pytest.importorskip("megatron.core")

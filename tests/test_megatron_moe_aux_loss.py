@@ -249,9 +249,67 @@ def test_seq_aux_loss_is_the_mean_of_each_rows_switch_loss(tmp_path, model_path)
     assert metrics["moe_aux_loss"] == pytest.approx(float(want_loss), rel=1e-5)
 
 
+def _global_reference(calls, parts, weights):
+    """``(the step's loss, its gradient on each router weight)``, float64, of megatron-core 0.16.1's global_aux_loss
+    (``router.py`` ``_apply_global_aux_loss``, one data-parallel rank): micro-batch ``m``'s Switch loss of its own
+    scores against the tokens per expert averaged over micro-batches ``1..m`` of the step,
+    ``coeff x E / (k x T_m^2) x sum_e P_e x mean_{j <= m} c_je`` (``P_e`` the sum of expert ``e``'s scores over the
+    ``T_m`` real tokens of ``m``, ``c_je`` the real tokens of ``j`` whose top-k took ``e``), per layer; the step's loss
+    is the sum over layers of the micro-batches' mean."""
+    ws = {n: w.double().requires_grad_(True) for n, w in weights.items()}
+    layers = len(calls) // len(parts)
+    counts: dict[str, list[torch.Tensor]] = {}
+    loss = torch.zeros((), dtype=torch.float64)
+    for i, (module_name, h) in enumerate(calls):
+        mb = parts[i // layers]
+        name, w = _weight_of(module_name, ws)
+        x = h.transpose(0, 1).double()[_real(mb)]
+        scores = torch.softmax(x @ w.T, dim=-1)
+        chosen = torch.zeros_like(scores).scatter(1, scores.topk(TOPK, dim=-1).indices, 1.0)
+        counts.setdefault(name, []).append(chosen.sum(0).detach())
+        running = torch.stack(counts[name]).mean(0)
+        tokens = x.shape[0]
+        loss = loss + COEFF * EXPERTS * (scores.sum(0) * running).sum() / (TOPK * tokens * tokens) / len(parts)
+    grads = torch.autograd.grad(loss, list(ws.values()))
+    return loss.detach(), dict(zip(ws, grads, strict=True))
+
+
+def test_global_aux_loss_is_the_switch_loss_against_the_steps_running_counts(tmp_path, model_path):
+    """--moe-router-load-balancing-type global_aux_loss over 3 micro-batches of unequal lengths, two steps: each step's
+    metric and last router gradient equal the float64 loss against the step's running average of tokens per expert,
+    and the counts start again at each step. Catches: the running count not reset after a step (on the CPU megatron-
+    core's finalize_model_grads does not run: the second step would average in the first's counts), the batch-level
+    loss taken instead (the two differ here), padding counted, and the metric divided by the data-parallel size."""
+    td = _batch([5, 9, 7, 4, 8, 6, 9, 5], seed=5)
+    results = {}
+    for coeff in (COEFF, 0.0):
+        mega = _trainer(tmp_path, model_path, coeff=coeff, micro_batch_size=3, balancing="global_aux_loss")
+        try:
+            steps = []
+            for _ in range(2):
+                calls = []
+                steps.append((*_run_step(mega, td, calls), calls))
+            results[coeff] = steps
+        finally:
+            mega.shutdown()
+    for step, (metrics, before, grads, parts, calls) in enumerate(results[COEFF]):
+        want_loss, want_grads = _global_reference(calls, parts, before)
+        batch_loss, _ = _reference(calls, parts, before)
+        assert abs(float(want_loss) - float(batch_loss)) > 1e-4 * float(want_loss), step  # the kinds differ here
+        assert metrics["moe_aux_loss"] == pytest.approx(float(want_loss), rel=1e-5), step
+        if step == 0:  # (the next step starts from other weights with and without the coefficient)
+            _, before0, grads0, _, _ = results[0.0][0]
+            assert all(torch.equal(before[n], before0[n]) for n in before)
+            (last,) = [n for n in grads if f"layers.{len(calls) // len(parts) - 1}." in n]
+            grad, grad0 = grads[last].double(), grads0[last].double()
+            # As for aux_loss: float32's ~1e-7 relative error of a gradient of order 1e-2.
+            torch.testing.assert_close(grad, grad0 + want_grads[last], rtol=1e-5, atol=1e-7)
+            assert (grad - grad0).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize(
     ("coeff", "balancing", "named"),
-    [(-0.1, "aux_loss", "must be >= 0"), (0.01, "global_aux_loss", "global_aux_loss with --moe-aux-loss-coeff")],
+    [(-0.1, "aux_loss", "must be >= 0"), (0.01, "sinkhorn", "sinkhorn with --moe-aux-loss-coeff")],
 )
 def test_refuses_what_is_not_built(coeff, balancing, named):
     from types import SimpleNamespace
@@ -260,7 +318,7 @@ def test_refuses_what_is_not_built(coeff, balancing, named):
         SimpleNamespace(moe_aux_loss_coeff=coeff, moe_router_load_balancing_type=balancing)
     )
     assert len(problems) == 1 and named in problems[0]
-    for ok in ("aux_loss", "seq_aux_loss", "none"):
+    for ok in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
         assert moe.aux_loss_problems(SimpleNamespace(moe_aux_loss_coeff=0.01, moe_router_load_balancing_type=ok)) == []
 
 

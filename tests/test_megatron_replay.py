@@ -280,6 +280,52 @@ def test_replay_restores_the_routes_after_a_perturbed_router(family, tmp_path):
         backend.shutdown()
 
 
+def test_the_sft_loss_on_engine_rollouts_replays_the_engines_routes(tmp_path):
+    """--loss-type sft_loss on engine rollouts (a rollout function of its own, so not slime's SFT job, which is
+    refused) under R3: every router call of the optimizer step takes the batch's routes, micro-batch by micro-batch,
+    after a perturbed router would choose others. Catches the SFT loss's step left out of the replay pass."""
+    save, moe_layers, _, topk, experts = FAMILIES["qwen3_moe"]
+    path = save(tmp_path / "m")
+    cfg = _job(tmp_path)
+    td = make_batch(VOCAB)
+    r2 = _trainer(path, cfg, "trainer", roles=(ACTOR,))
+    try:
+        td.set(ROUTED_EXPERTS, r2.compute_log_probs(td)[ROUTED_EXPERTS])
+    finally:
+        r2.shutdown()
+    sft = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, loss_type="sft_loss"))
+    backend = _trainer(path, sft, "rollout", roles=(ACTOR,))
+    try:
+        gen = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            for name, router in backend.model.named_modules():
+                if name.endswith("mlp.router"):
+                    router.weight.add_(torch.randn(router.weight.shape, generator=gen))
+        calls = []
+        hooks = _router_calls(backend.model, calls)
+        try:
+            backend.train(td, per_step_rows=8)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        parts = backend._micro_batches(td)
+        assert len(parts) > 1 and len(calls) == len(parts) * len(moe_layers)
+        differs = False
+        for i, (router, hidden, _, routing_map) in enumerate(calls):
+            mb, layer = parts[i // len(moe_layers)], moe_layers[i % len(moe_layers)]
+            width = int((mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).max())
+            rows = mb[ROUTED_EXPERTS].shape[0]
+            want = mb[ROUTED_EXPERTS][:, :width, layer].long().transpose(0, 1).reshape(-1, topk)
+            assert torch.equal(
+                routing_map, torch.zeros(width * rows, experts, dtype=torch.bool).scatter(1, want, 1)
+            ), i
+            own = (hidden.reshape(-1, hidden.shape[-1]) @ router.weight.T).topk(topk, -1).indices
+            differs |= not torch.equal(own.sort(-1).values, want.sort(-1).values)
+        assert differs, "the perturbation changed no route: the test would not see a replay that does nothing"
+    finally:
+        backend.shutdown()
+
+
 def test_padding_rows_route_only_padding(tmp_path):
     """Replayed routes whose padding rows (and the positions past a row's tokens) hold the dummy experts
     ``0 .. topk - 1`` or any other experts: the real tokens get exactly their recorded experts and the same log-probs

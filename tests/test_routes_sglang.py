@@ -4,6 +4,8 @@ answers as SGLang 0.5.23 does (only when started with ``--enable-return-routed-e
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
@@ -12,13 +14,18 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from transformers import AutoModelForCausalLM
 
+from runtime.cluster.engines import server_args
+from runtime.config import from_dict, validate
 from runtime.demo import task
 from runtime.demo.tiny_model import make_preset_model
+from runtime.engines import sglang_api
 from runtime.engines.base import SamplingParams
+from runtime.engines.launcher import server_argv
 from runtime.engines.routes import moe_routers, routes_from_base64, routes_to_base64
 from runtime.engines.sglang_engine import SGLangEngine
 from tests.fake_sglang import FakeSGLangServer
 
+API = sglang_api.load()
 SHAPES = st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(1, 3))
 
 
@@ -85,3 +92,38 @@ def test_a_server_started_without_the_flag_is_named(moe_path):
                 engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, return_routed_experts=True))
         finally:
             engine.close()
+
+
+@pytest.mark.skipif(API is None, reason="sglang is not installed (pip install --no-deps sglang==0.5.23)")
+@pytest.mark.parametrize("replay", [True, False])
+def test_the_server_command_line_asks_for_routes_under_rollout_routing_replay(moe_path, tmp_path, replay):
+    # Catches: the launcher dropping --enable-return-routed-experts (SGLang then answers without routes and every
+    # sample is refused at the batch), the flag spelled as a field SGLang 0.5.23's ServerArgs lacks, and the flag
+    # set on a job that never replays (SGLang then keeps a route buffer per token for nothing).
+    assert "enable_return_routed_experts" in API.ServerArgs.__struct_fields__
+    cfg = validate(
+        from_dict(
+            None,
+            hf_checkpoint=moe_path,
+            output_dir=str(tmp_path / "out"),
+            rollout_max_response_len=8,
+            rollout_batch_size=2,
+            n_samples_per_prompt=2,
+            num_rollout=1,
+            actor_num_gpus_per_node=1,
+            use_rollout_routing_replay=replay,
+        )
+    )
+    argv = server_argv(
+        "python -m sglang.launch_server",
+        model_path=moe_path,
+        host="h",
+        port=1,
+        tp_size=1,
+        seed=0,
+        server_args=server_args(cfg),
+    )
+    assert ("--enable-return-routed-experts" in argv) is replay
+    parser = argparse.ArgumentParser()
+    API.ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(argv[3:]).enable_return_routed_experts is replay

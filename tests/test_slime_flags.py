@@ -313,6 +313,8 @@ MEGATRON_REFUSALS = {
     "--context-parallel-size": "needs Transformer Engine's attention",
     "--sglang-cuda-graph-bs": "not a flag of SGLang",
     "--tensor-model-parallel-size": "trains MoE layers over tensor-parallel ranks only with sequence parallelism",
+    # Stages of equal depth (slime's DeepSeek-R1 script gives the last stage 13 of 61 layers instead).
+    "--pipeline-model-parallel-size": "must divide num_hidden_layers",
     **VALUE_REFUSALS,
 }
 

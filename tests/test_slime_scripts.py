@@ -100,6 +100,14 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
             "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--moe-enable-deepep",
             "--moe-token-dispatcher-type",
         },
+        # DeepSeek-R1 (the DeepSeek-V3 layout; its --hf-checkpoint the bf16 copy the script names in a comment, see
+        # below): also an uneven last pipeline stage (13 of 61 layers) and so PP 4 over 61 layers. It trains no MTP
+        # layer (no --mtp-num-layers, which is refused); its SGLang speculative decoding (EAGLE) is SGLang's own.
+        "run-deepseek-r1": {
+            "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers", "--moe-enable-deepep",
+            "--context-parallel-size", "--moe-token-dispatcher-type", "--tensor-model-parallel-size",
+            "--pipeline-model-parallel-size", "--rollout-num-gpus-per-engine",
+        },
     }  # fmt: skip
     # The scripts the issue names are all among those covered.
     for name in (
@@ -111,6 +119,24 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         "retool_qwen3_4b_sft",
     ):
         assert name in DRY_RUN_SCRIPTS and not refused[name]
+
+
+@pytest.mark.usefixtures("ray_job_submit")
+def test_the_released_fp8_deepseek_r1_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    # slime's script points --hf-checkpoint at DeepSeek-R1's released fp8 weights and names the bf16 copy in a
+    # comment; the fixture holds the copy (a local path, config.json without quantization_config). Catches the fp8
+    # release accepted: both backends would read its float8 tensors (and their scale tensors) as the weights they
+    # train, and the weight sync would send bf16 tensors to engines serving the fp8 layout.
+    fixture, argv = _script("run-deepseek-r1", tmp_path)
+    release = {**fixture["hf_config"], "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    (tmp_path / "release").mkdir()
+    (tmp_path / "release" / "config.json").write_text(json.dumps(release))
+    at = argv.index("--hf-checkpoint") + 1
+    argv = _strip([*argv[:at], str(tmp_path / "release"), *argv[at + 1 :]], _refused(fixture))
+    rc, _, err = _dry_run(argv, tmp_path, capsys)
+    assert rc == EXIT_BAD_INPUT
+    (problem,) = [line[4:] for line in err.splitlines() if line.startswith("  - ")] or [err.strip()]
+    assert "--hf-checkpoint" in problem and "fp8 weights" in problem and "bf16 copy" in problem
 
 
 # ---------------------------------------------------------------- SFT

@@ -2,6 +2,7 @@
 
     python3 tools/bench_routing_replay.py                                  # tiny Qwen3-MoE on a GPU (bf16)
     python3 tools/bench_routing_replay.py --prompts 4 --new-tokens 8       # a CPU smoke run (float32)
+    python3 tools/bench_routing_replay.py --prompts 8 --new-tokens 16 --engine-dtype bfloat16   # CPU, flips
 
 The embedded engine samples ``--new-tokens`` tokens for each of ``--prompts`` random prompts, reporting each token's
 log-prob and the experts that routed every token (``return_routed_experts``). The torch trainer then recomputes the
@@ -10,6 +11,9 @@ engine's is the "flipped" column), and replaying the engine's routes (``--use-ro
 gives ``|trainer - rollout|`` over the response tokens (mean, 99th percentile, max) and the share of tokens (prompt and
 response, each sequence's last aside) whose expert set differs from the engine's in some layer: the routing flips that
 replay undoes.
+
+On the CPU both sides compute in float32 by default and agree on nearly every expert (no flips: the rows differ by
+float32 rounding); ``--engine-dtype bfloat16`` samples in bfloat16 against the float32 trainer, as GPU jobs do.
 
 A random-init model (``--router-std`` redraws the routers: transformers' default init nearly ties every expert, the
 worst case for flips); the gaps are what the arithmetic gives, not what a trained model's sharper routers would.
@@ -34,7 +38,7 @@ def measure(path: str, args: argparse.Namespace) -> list[tuple[str, torch.Tensor
     from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS, build_batch
     from runtime.train.hooks import TrainHooks
 
-    engine = HFEngine(path, seed=0)
+    engine = HFEngine(path, seed=0, dtype=args.engine_dtype)
     vocab = engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
@@ -99,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--router-std", type=float, default=None, help="redraw the routers N(0, std)")
+    parser.add_argument(
+        "--engine-dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="the engine's weights (auto: bfloat16 on a GPU, float32 on the CPU); the trainer keeps its own",
+    )
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM

@@ -146,6 +146,14 @@ def lora_server_args(cfg: Config) -> dict[str, Any]:
     }
 
 
+def server_args(cfg: Config) -> dict[str, Any]:
+    """The SGLang server flags of every launched server (``--sglang-*`` values win): LoRA's, and under
+    ``--use-rollout-routing-replay`` ``--enable-return-routed-experts`` so that the servers report each token's experts
+    (slime's engine sets it too)."""
+    replay = {"enable_return_routed_experts": True} if cfg.algo.use_rollout_routing_replay else {}
+    return {**lora_server_args(cfg), **replay, **cfg.sglang.sglang_args}
+
+
 class EngineGroup:
     """The rollout engines: the servers, and where requests go (see the module docstring)."""
 
@@ -473,12 +481,7 @@ class EngineGroup:
                 tp_size=s.rollout_num_gpus_per_engine,
                 # slime's seeds: engine i's server starts at --seed + i x --num-gpus-per-node.
                 seed=cfg.seed + i * cfg.resources.num_gpus_per_node,
-                # --use-rollout-routing-replay: the servers report each token's experts (slime sets this flag too).
-                server_args={
-                    **lora_server_args(cfg),
-                    **({"enable_return_routed_experts": True} if cfg.algo.use_rollout_routing_replay else {}),
-                    **s.sglang_args,
-                },
+                server_args=server_args(cfg),
             )
             self._server_specs.append((launcher_opts, env, argv))
             pending.append(

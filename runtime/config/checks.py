@@ -362,6 +362,19 @@ def _check_routing_replay(problems: list[str], cfg: Config) -> None:
     if not (a.use_routing_replay or a.use_rollout_routing_replay):
         return
     shown = "--use-rollout-routing-replay" if a.use_rollout_routing_replay else "--use-routing-replay"
+    if slime_compat.is_sft_job(cfg):
+        # slime's sft_rollout reads samples from the data: no engine reports their experts (its fill_routing_replay
+        # asserts on the missing rollout_routed_experts), and SFT runs no old-log-prob pass for R2 to record in.
+        problems.append(
+            f"{shown} replays routes an engine reported (R3) or an old-log-prob pass recorded (R2); an SFT job has "
+            "neither (its samples come from the data): leave it out"
+        )
+        return
+    if a.loss_type == "sft_loss" and not a.use_rollout_routing_replay:
+        problems.append(
+            "--use-routing-replay records routes in the old-log-prob pass, which --loss-type sft_loss does not run: "
+            "use --use-rollout-routing-replay (the engine's routes) or leave it out"
+        )
     if cfg.model.hf_checkpoint is None:
         problems.append(f"{shown} replays MoE routes; the built-in tiny model is dense (give a MoE --hf-checkpoint)")
         return
@@ -374,8 +387,24 @@ def _check_routing_replay(problems: list[str], cfg: Config) -> None:
         )
 
 
+def _check_unquantized_checkpoint(problems: list[str], cfg: Config) -> None:
+    """A quantized ``--hf-checkpoint`` (DeepSeek-R1's released fp8 weights, with their ``weight_scale_inv`` tensors) is
+    refused: both backends read its weights as the parameters they train, and the weight sync sends unquantized
+    tensors to engines that would serve the quantized layout."""
+    hf = read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
+    quant = hf.get("quantization_config") if hf is not None else None
+    if quant is None:
+        return
+    method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+    problems.append(
+        f"--hf-checkpoint {cfg.model.hf_checkpoint}: {method} weights (config.json's quantization_config); rlcore "
+        "trains and syncs unquantized weights: give the bf16 copy of the checkpoint"
+    )
+
+
 def _check_combinations(problems: list[str], cfg: Config) -> None:
     _check_routing_replay(problems, cfg)
+    _check_unquantized_checkpoint(problems, cfg)
     if cfg.rollout.rollout_max_response_len is None and not slime_compat.is_sft_job(cfg):
         problems.append(
             "--rollout-max-response-len has no default outside the built-in job (slime has none either): set the "

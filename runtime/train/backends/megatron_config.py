@@ -106,6 +106,9 @@ class ModelShape:
     hf_gate_up_fused: bool = False
     # Multi-latent attention (DeepSeek-V3, Moonlight); None: grouped-query attention.
     mla: MLAShape | None = None
+    # The checkpoint's multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers), stored after the
+    # decoder's as model.layers.{num_layers + i}: neither built nor read, as transformers skips them.
+    checkpoint_mtp_layers: int = 0
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -206,6 +209,7 @@ def shape_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Mode
         rotary_interleaved=family.rotary_interleaved,
         hf_gate_up_fused=family.hf_gate_up_fused,
         mla=mla,
+        checkpoint_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
 
 

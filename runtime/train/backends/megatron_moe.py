@@ -422,9 +422,27 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ the balancing loss (--moe-aux-loss-coeff)
 
-# megatron-core's tracker name of each --moe-router-load-balancing-type this backend trains with a coefficient > 0
-# (global_aux_loss keeps a running count that Megatron's training loop resets each step; not built here).
-AUX_LOSS_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+@dataclass(frozen=True)
+class AuxLossKind:
+    """One ``--moe-router-load-balancing-type`` this backend trains with a coefficient > 0: megatron-core's tracker
+    name of its per-layer value, and whether a data-parallel rank's value is its share of one loss over the global
+    batch (the ranks' values add up to it: ``global_aux_loss``, whose counts are summed over DP) rather than a loss of
+    its own (the step's metric is then the mean over ranks)."""
+
+    tracked: str
+    shares_over_dp: bool = False
+
+
+AUX_LOSS_KINDS = {
+    "aux_loss": AuxLossKind("load_balancing_loss"),
+    "seq_aux_loss": AuxLossKind("seq_load_balancing_loss"),
+    # Each micro-batch's Switch loss against the tokens per expert averaged over the step's micro-batches so far
+    # (summed over the data-parallel ranks), a running count megatron-core's finalize_model_grads resets after each
+    # step; the CPU's own gradient path resets it too (reset_step_counts).
+    "global_aux_loss": AuxLossKind("global_load_balancing_loss", shares_over_dp=True),
+}
+AUX_LOSS_TRACKED = {kind: spec.tracked for kind, spec in AUX_LOSS_KINDS.items()}
 
 
 def aux_loss_problems(train: Any) -> list[str]:
@@ -432,14 +450,17 @@ def aux_loss_problems(train: Any) -> list[str]:
     coeff, kind = train.moe_aux_loss_coeff, train.moe_router_load_balancing_type
     if coeff < 0:
         return [f"--moe-aux-loss-coeff must be >= 0, got {coeff}"]
-    if coeff > 0 and kind not in (*AUX_LOSS_TRACKED, "none"):
-        built = ", ".join(AUX_LOSS_TRACKED)
-        return [
-            f"--moe-router-load-balancing-type {kind} with --moe-aux-loss-coeff {coeff}: its running count over a "
-            f"step is reset by Megatron's own training loop, which rlcore does not run (takes {built} or a "
-            "coefficient of 0)"
-        ]
+    if coeff > 0 and kind not in (*AUX_LOSS_KINDS, "none"):
+        built = ", ".join(AUX_LOSS_KINDS)
+        return [f"--moe-router-load-balancing-type {kind} with --moe-aux-loss-coeff {coeff}: takes {built} or none"]
     return []
+
+
+def aux_loss_metric_share(kind: str, value: float, *, dp_size: int) -> float:
+    """This data-parallel rank's part of the step's ``moe_aux_loss`` metric (a sum over the DP ranks) from its
+    recorded ``value`` (:func:`recorded_aux_loss`): the value itself where the ranks' values are shares of one loss,
+    else ``value / dp_size`` (their mean)."""
+    return value if AUX_LOSS_KINDS[kind].shares_over_dp else value / dp_size
 
 
 def padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -491,6 +512,16 @@ def recorded_aux_loss(coeff: float, *, micro_batches: int, groups: Sequence[Any]
     return total * coeff / micro_batches
 
 
+def reset_step_counts(model: torch.nn.Module) -> None:
+    """Zero what megatron-core's routers count over one optimizer step (the tokens per expert of the expert-bias
+    update, ``global_aux_loss``'s running counts): what its ``finalize_model_grads`` does after the gradients on
+    GPUs, for the CPU's own gradient path."""
+    import importlib
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    fmg.reset_model_temporary_tensors(model.config, [model])
+
+
 def update_expert_bias(model: torch.nn.Module) -> None:
     """megatron-core's step of every router's expert bias by ``moe_router_bias_update_rate`` towards balanced loads
     (the tokens each expert got since the last step, summed over the tensor- and data-parallel ranks), then its
@@ -501,11 +532,13 @@ def update_expert_bias(model: torch.nn.Module) -> None:
     # The module, not the function of the same name that megatron.core.distributed exports.
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     fmg._update_router_expert_bias([model], model.config)
-    fmg.reset_model_temporary_tensors(model.config, [model])
+    reset_step_counts(model)
 
 
 __all__ = [
+    "AUX_LOSS_KINDS",
     "AUX_LOSS_TRACKED",
+    "AuxLossKind",
     "EXPERT_BIAS",
     "LOAD_BALANCING_BUILT",
     "MOE_READERS",
@@ -522,10 +555,12 @@ __all__ = [
     "moe_from_hf",
     "moe_to_megatron",
     "split_whole_experts",
+    "aux_loss_metric_share",
     "aux_loss_problems",
     "clear_aux_loss",
     "padding_mask",
     "recorded_aux_loss",
+    "reset_step_counts",
     "set_aux_loss_scale",
     "transformer_config_kwargs",
     "update_expert_bias",

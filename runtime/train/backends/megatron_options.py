@@ -186,8 +186,8 @@ class MegatronOptions:
         default=0.0,
         metadata=described(
             own="a Megatron flag",
-            text="Megatron: balancing loss weight (aux_loss, seq_aux_loss; padding tokens left out; reported as "
-            "moe_aux_loss)",
+            text="Megatron: balancing loss weight (aux_loss, seq_aux_loss, global_aux_loss; padding tokens left out; "
+            "reported as moe_aux_loss)",
         ),
     )
     moe_router_dtype: str | None = field(

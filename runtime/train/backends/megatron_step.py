@@ -123,10 +123,14 @@ class MegatronSteps:
     def _moe_aux_loss(self, micro_batches: int) -> float:
         """This rank's share of the step's ``moe_aux_loss`` metric, a sum like the loss's token means: the balancing
         loss the step added (:func:`megatron_moe.recorded_aux_loss`: --moe-aux-loss-coeff x the sum over MoE layers of
-        the micro-batches' mean) over the data-parallel size, so that the sum over DP ranks is their mean."""
+        the micro-batches' mean) over the data-parallel size, so that the sum over DP ranks is their mean
+        (``global_aux_loss``: as it is, each rank's value a share of the global batch's loss)."""
         groups = [self.ps.get_tensor_and_context_parallel_group(), self.ps.get_pipeline_model_parallel_group()]
         value = mmoe.recorded_aux_loss(self.cfg.moe_aux_loss_coeff, micro_batches=micro_batches, groups=groups)
-        return 0.0 if value is None else float(value) / self.dp_size
+        if value is None:
+            return 0.0
+        kind = self.cfg.moe_router_load_balancing_type
+        return mmoe.aux_loss_metric_share(kind, float(value), dp_size=self.dp_size)
 
     def _all_reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
         group = self.dp_group()
@@ -191,6 +195,8 @@ class MegatronSteps:
         if self.shape.moe is not None and self.shape.moe.expert_bias:
             # The routers' expert-bias step towards balanced loads, which finalize_model_grads takes on GPUs.
             mmoe.update_expert_bias(self._module(model))
+        elif self.shape.moe is not None:
+            mmoe.reset_step_counts(self._module(model))  # global_aux_loss's running counts, as on GPUs
         return grad_norm
 
     def _grad_norm(

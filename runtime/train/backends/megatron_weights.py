@@ -118,9 +118,11 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def check_hf_state(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, source: str = "the checkpoint") -> None:
     """``ValueError`` unless ``hf`` holds exactly the tensors of ``shape`` with their shapes (a tied checkpoint may
-    also carry ``lm_head.weight`` equal to the embedding)."""
+    also carry ``lm_head.weight`` equal to the embedding, and a checkpoint with multi-token-prediction layers their
+    tensors, which are not read)."""
     expected = hf_shapes(shape)
-    extra = set(hf) - set(expected)
+    mtp = tuple(_layer(shape.num_layers + i) for i in range(shape.checkpoint_mtp_layers))
+    extra = {name for name in set(hf) - set(expected) if not name.startswith(mtp)}
     if shape.tie_embeddings and LM_HEAD in extra:
         if not torch.equal(hf[LM_HEAD], hf.get(EMBED, hf[LM_HEAD])):
             raise ValueError(

@@ -144,12 +144,8 @@ class TorchTrainer(TorchForward, TorchStep, TorchLossHooks, TorchExport, TorchOf
                 )
         # MoE routing replay of the actor's routers (torch_replay): "rollout" (R3) replays the batch's ROUTED_EXPERTS,
         # "trainer" (R2) records them in the old-log-prob pass and replays them in the update.
+        # Under --keep-old-actor R2 records in the pass that swaps the old actor's weights into this model.
         self.route_replay = RouteReplay(self.model) if self.hooks.routing_replay else None
-        if self.hooks.routing_replay == "trainer" and train_cfg.keep_old_actor:
-            raise ValueError(
-                "--use-routing-replay records the routes of the old-log-prob pass, which --keep-old-actor runs on "
-                "another copy of the weights: use --use-rollout-routing-replay, or leave one of them out"
-            )
         self.optimizer = self._adamw(self.model)
         self.critic_optimizer = self._adamw(self.critic) if self.critic is not None else None
         self.released = False

@@ -73,10 +73,11 @@ class TorchForward:
         with lora.base_only(self.model), self.route_replay.pause() if self.route_replay else nullcontext():
             yield
 
-    def _route(self, model: torch.nn.Module, mb: TensorDict) -> None:
+    def _route(self, model: torch.nn.Module, mb: TensorDict, *, packed: bool | None = None) -> None:
         """Before a forward of ``model`` on ``mb``: under routing replay the actor's routers replay ``mb``'s
-        ``ROUTED_EXPERTS`` (laid out like :meth:`_inputs`), or, under R2 before its routes exist (the old-log-prob
-        pass), record their own. Other models, and the LoRA base as the reference, route as usual."""
+        ``ROUTED_EXPERTS`` (laid out like :meth:`_inputs`, or as ``packed`` says), or, under R2 before its routes
+        exist (the old-log-prob pass), record their own. Other models, and the LoRA base as the reference, route as
+        usual."""
         replay = self.route_replay
         if replay is None or model is not self.model or replay.paused:
             if replay is not None:
@@ -84,7 +85,8 @@ class TorchForward:
             return
         if ROUTED_EXPERTS in mb.keys():
             lengths = (mb[PROMPT_LENGTHS] + mb[RESPONSE_LENGTHS]).cpu()
-            flat = routes_for_inputs(mb[ROUTED_EXPERTS], lengths, packed=self.cfg.use_dynamic_batch_size)
+            packed = self.cfg.use_dynamic_batch_size if packed is None else packed
+            flat = routes_for_inputs(mb[ROUTED_EXPERTS], lengths, packed=packed)
             replay.replay(flat, device=self.device)
         elif self.hooks.routing_replay == "trainer":
             replay.record()
@@ -263,6 +265,8 @@ class TorchForward:
         if self.old_actor is not None:
             # The old log-probs under the old actor's weights (slime's _switch_model("old_actor")): they are swapped
             # in for this pass and the current ones put back after it.
+            # Under R2 that pass records the routes the update replays: the old actor's, as slime records them
+            # after its switch to "old_actor".
             current = self._actor_copy()
             self._load_actor_copy(self.old_actor)
             try:
@@ -299,20 +303,23 @@ class TorchForward:
         # One device-to-host copy per pass, after every micro-batch is queued (a .cpu() each would wait for it).
         logs = {k: in_row_order(torch.cat(v).cpu(), groups) for k, v in out.items()}
         if self.old_actor is not None:
-            logs[ACTOR.writes] = old
+            logs.update(old)
         return TensorDict(logs, batch_size=td.batch_size)
 
-    def _log_probs_of(self, model: torch.nn.Module, context: Any, td: TensorDict) -> torch.Tensor:
-        """[B, T] float32 log-probs of ``model`` (under ``context()``) on this rank's shard ``td``."""
+    def _log_probs_of(self, model: torch.nn.Module, context: Any, td: TensorDict) -> dict[str, torch.Tensor]:
+        """``old_log_probs`` [B, T] float32 of ``model`` (under ``context()``) on this rank's shard ``td``, and the
+        ``routed_experts`` its routers recorded where the actor records them (R2)."""
         parts, groups = self._parts_and_groups(td, log_probs=True)
-        outputs = []
+        out: dict[str, list[torch.Tensor]] = {ACTOR.writes: []}
         with self._step_scope():
             for mb, real in self._balanced(parts):
                 with context():
                     log_probs = self._micro_log_probs(model, mb)
                 if real:
-                    outputs.append(log_probs.float())
-        return in_row_order(torch.cat(outputs).cpu(), groups)
+                    out[ACTOR.writes].append(log_probs.float())
+                    if model is self.model and self.route_replay is not None and self.route_replay.mode == "record":
+                        out.setdefault(ROUTED_EXPERTS, []).append(self._recorded_routes(mb))
+        return {k: in_row_order(torch.cat(v).cpu(), groups) for k, v in out.items()}
 
     def _micro_log_probs(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
         if loss_in_head(model) and NUCLEUS_IDS not in mb.keys():

@@ -65,6 +65,9 @@ class TorchLossHooks:
         total = (batch[PROMPT_LENGTHS] + batch[RESPONSE_LENGTHS]).tolist()
         width = max(total)
         attention = torch.arange(width, device=self.device)[None, :] < torch.tensor(total, device=self.device)[:, None]
+        # Routing replay as in the policy loss's forward: these right-padded rows cut to the longest are the padded
+        # layout (whatever --use-dynamic-batch-size packs elsewhere).
+        self._route(self.model, batch, packed=False)
         with self._autocast():
             logits = self.model(
                 input_ids=batch[TOKENS][:, :width], attention_mask=attention.long(), use_cache=False
