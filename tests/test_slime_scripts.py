@@ -105,8 +105,8 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         # layer (no --mtp-num-layers, which is refused); its SGLang speculative decoding (EAGLE) is SGLang's own.
         "run-deepseek-r1": {
             "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers", "--moe-enable-deepep",
-            "--context-parallel-size", "--moe-token-dispatcher-type", "--tensor-model-parallel-size",
-            "--pipeline-model-parallel-size", "--rollout-num-gpus-per-engine",
+            "--context-parallel-size", "--moe-token-dispatcher-type", "--pipeline-model-parallel-size",
+            "--rollout-num-gpus-per-engine",
         },
     }  # fmt: skip
     # The scripts the issue names are all among those covered.

@@ -17,6 +17,7 @@ a family's layers add (:data:`runtime.train.backends.megatron_config.FAMILIES`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -113,8 +114,10 @@ def _whole_kv_latent(module: torch.nn.Module, args: Any, output: tuple[torch.Ten
     return _SumLastColumnsGrad.apply(out, module.config.qk_pos_emb_head_dim, group), bias
 
 
+@functools.cache
 def mla_attention() -> type:
-    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj``."""
+    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj`` (one class,
+    made once: megatron-core is imported when a model is built)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     class WholeLatentMLASelfAttention(MLASelfAttention):
@@ -249,7 +252,7 @@ def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_
 
 def decoder_spec(
     shape: ModelShape, *, attention_backend: str, grouped_gemm: bool = False, pp_rank: int = 0, pp_size: int = 1
-) -> ModuleSpec | TransformerBlockSubmodules:
+) -> TransformerBlockSubmodules:
     """What ``GPTModel``'s ``transformer_layer_spec`` takes for pipeline stage ``pp_rank`` of ``pp_size`` (equal
     stages, :func:`megatron_config.stage_layers`): the stage's layers in order (each dense or MoE as
     ``shape.moe.layer_pattern`` says) and the final norm, :class:`SequenceParallelNorm` (given a single layer spec,
