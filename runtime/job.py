@@ -26,6 +26,7 @@ from runtime.cluster.weight_sync import WeightSync, check_weights_equal, disk_op
 from runtime.colocation import EngineMemory, Offload
 from runtime.config import Config, dump_yaml, to_dict, top_p_replay
 from runtime.engines.base import SamplingParams
+from runtime.engines.registry import engine_kind
 from runtime.evaluation import EvalSet, eval_hub, evaluate
 from runtime.faults import LastStep
 from runtime.job_data import job_data_source, prepare_model_and_data, resolve_num_rollout
@@ -162,7 +163,7 @@ def build_job(
         custom_generate=hooks.custom_generate,
         rewards=hub,
         # slime's per-sample SGLang seeds, from --rollout-seed (see RolloutContext).
-        sampling_seed=cfg.data.rollout_seed if r.rollout_engine == "sglang" else None,
+        sampling_seed=cfg.data.rollout_seed if engine_kind(r.rollout_engine).sampling_seeds else None,
     )
     feed, data_source = job_data_source(cfg, dataset, hooks)
     job_data = JobData(feed, data_source)

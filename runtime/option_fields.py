@@ -8,6 +8,7 @@ composes their dataclasses into its sections, so neither imports the other at lo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,3 +69,21 @@ def own_fields(*options: type) -> dict[str, str]:
     what each is: its ``own`` metadata, else the class's ``OWN`` text. Derived from the declarations, so a field
     added to a plug-in's options is its own with no list to keep."""
     return {f.name: f.metadata.get("own") or cls.OWN for cls in options for f in dataclasses.fields(cls)}
+
+
+class registry_view(Mapping[str, Any]):  # noqa: N801 - used as a function: registry_view(registry, field)
+    """A live, read-only ``name -> entry.<field>`` view of a plug-in registry (``{name: entry}``): a registry's one
+    line per plug-in names its class and its options module, and the options registries are views of it, so a
+    plug-in added to the registry (even after this module is imported) is in the view too."""
+
+    def __init__(self, registry: Mapping[str, Any], field: str) -> None:
+        self._registry, self._field = registry, field
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self._registry[name], self._field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registry)
+
+    def __len__(self) -> int:
+        return len(self._registry)

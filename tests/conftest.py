@@ -2,7 +2,7 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
-from suite_tools import ray_module_order
+from suite_tools import RankPool, ranks_first, ray_module_order
 
 # Every Ray the tests start listens on 127.0.0.1, as rlcore-run's own does (runtime/cluster/loopback.py): servers
 # launched on a Ray node bind the node's address, and traffic to the machine's routable address may not reach them.
@@ -46,20 +46,27 @@ def _ray_key(item):
     return ray_resources(module) if module is not None and "ray_session" in getattr(item, "fixturenames", ()) else None
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: the hand-ons are between the modules that will run
 def pytest_collection_modifyitems(session, config, items):
-    """Modules whose tests take ``ray_session`` run last, grouped by the Ray they ask for (``ray_module_order``); each
-    module's tests keep their order, and the other modules theirs."""
+    """Modules whose tests take ``ray_session`` run last, grouped by the Ray they ask for (``ray_module_order``); the
+    modules that take ``gloo_ranks`` and no Ray run first (``ranks_first``); each module's tests keep their order, and
+    the other modules theirs."""
     modules: dict = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None), []).append(item)
     groups = list(modules.values())
     keys = [min(filter(None, map(_ray_key, group)), default=None) for group in groups]
     order, hand_on = ray_module_order(keys)
+    # The modules that take ``gloo_ranks`` and no Ray run first, together, so their ranks start once.
+    pooled = [any("gloo_ranks" in getattr(item, "fixturenames", ()) for item in group) for group in groups]
+    order, ranks_hand_on = ranks_first(order, keys, pooled)
     items[:] = [item for i in order for item in groups[i]]
     config.stash[_HAND_ON] = {group[0].module: hand_on[i] for i, group in enumerate(groups) if keys[i] is not None}
+    config.stash[_RANKS_HAND_ON] = {group[0].module: ranks_hand_on[i] for i, group in enumerate(groups)}
 
 
 _HAND_ON = pytest.StashKey[dict]()
+_RANKS_HAND_ON = pytest.StashKey[dict]()
 
 
 def _ray_matches(ray, wanted: tuple[tuple[str, int], ...], *, settle_s: float = 5.0) -> bool:
@@ -106,3 +113,27 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ---------------------------------------------------------------- two gloo ranks for neighbouring modules
+# A Megatron test over two gloo ranks runs its per-rank function on ``gloo_ranks`` (``gloo_ranks.run(fn, *args)``,
+# as ``torch.multiprocessing.spawn(fn, args, nprocs=2)``): two interpreters kept between tests (suite_tools.RankPool),
+# handed on to the next module when it takes them too (those modules run first, together), restarted after a failed
+# task. Each task still builds its own process group on its own port.
+_RANKS: list[RankPool] = []
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks(request):
+    """Two ranks: the previous module's when it handed them on (restarted if a task of it failed), else fresh ones."""
+    if not _RANKS:
+        _RANKS.append(RankPool(2))
+    yield _RANKS[0]
+    if _RANKS and not request.config.stash.get(_RANKS_HAND_ON, {}).get(request.module, False):
+        _RANKS.pop().close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Ranks handed on to a module that a selection then left out are stopped with the session."""
+    while _RANKS:
+        _RANKS.pop().close()

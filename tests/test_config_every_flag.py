@@ -264,6 +264,30 @@ def test_a_disk_setting_with_the_transport_unset_is_refused_where_the_job_would_
         assert f"(unset: {derived} in this job; give --update-weight-transport disk)" in err, err
 
 
+# A debug mode that runs one side only gets no weight sync (runtime.cluster.weight_sync.NoSync), whatever the
+# transport: no transport runs to ignore a disk setting, so none is refused; the same setting with both sides running
+# is (the test above). Mutation caught: the rule of the test above applied to every job refuses these.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--debug-train-only", "--load-debug-rollout-data", "/data/rollout_{rollout_id}.pt"],
+        ["--load-debug-rollout-data", "/data/rollout_{rollout_id}.pt"],  # implies --debug-train-only, as in slime
+        ["--debug-rollout-only"],
+    ],
+)
+@pytest.mark.parametrize("transport", [[], ["--update-weight-transport", "nccl"]])
+def test_a_disk_setting_is_refused_by_no_transport_where_no_weight_sync_runs(tmp_path, mode, transport):
+    from runtime.config import ConfigError, parse_args
+
+    for disk in _disk_flags(tmp_path):
+        cfg = parse_args([*disk, *transport, *mode])
+        name = disk[0].removeprefix("--").replace("-", "_")
+        assert getattr(cfg, name) == (disk[1] if len(disk) > 1 else True), disk
+        # Control: without the debug mode both sides run, and the setting is refused.
+        with pytest.raises(ConfigError, match=f"{disk[0]}: a setting of the disk weight sync"):
+            parse_args([*disk, *transport])
+
+
 @pytest.mark.parametrize(
     "argv",
     [

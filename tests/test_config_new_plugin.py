@@ -1,5 +1,5 @@
 """DESIGN.md's promise, tried as a plug-in author would: a new rollout engine and a new training backend, each with a
-flag of its own and a rule, are their own modules plus two registry lines each, and the configuration takes them
+flag of its own and a rule, are their own modules plus one registry line each, and the configuration takes them
 with nothing in ``runtime/config/`` edited: the flags parse into their sections, a rule of the plug-in runs when it
 is chosen, and the flags are refused under another choice, naming the owner.
 
@@ -48,16 +48,16 @@ OPTIONS = {"train": ToyBackendOptions}
 OWN_FIELDS = own_fields(ToyBackendOptions)
 """
 
-# The two registry lines of each plug-in, then the job's command lines.
+# The one registry line of each plug-in, then the job's command lines.
 DRIVER = """
 import dataclasses, json, sys
 import runtime.engines.registry as engines
 import runtime.train.backends as backends
 
-engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine")
-engines.ROLLOUT_ENGINE_OPTIONS["toy"] = "toy_engine_options"
-backends.TRAIN_BACKENDS["toy"] = "toy_backend:ToyTrainer"
-backends.TRAIN_BACKEND_OPTIONS["toy"] = "toy_backend_options"
+engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(
+    engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine", options="toy_engine_options"
+)
+backends.TRAIN_BACKENDS["toy"] = backends.Backend("toy_backend:ToyTrainer", "toy_backend_options")
 
 from runtime.config import ConfigError, build_parser, parse_args
 
@@ -97,3 +97,93 @@ def test_a_new_engine_and_backend_need_no_edit_of_the_config(tmp_path):
         "--toy-engine-width: a flag of the toy engine, used by --rollout-engine toy only",
     ]
     assert "--toy-engine-width" in out["help"] and "--toy-backend-depth" in out["help"]
+
+
+# What a plug-in can do is its own declaration too: the same toy plug-ins with and without their capabilities.
+# Top-p replay: the engine reports each token's nucleus, the backend replays it (options module constants). A
+# backend that reads Megatron torch_dist checkpoints takes one as --ref-load. An engine that holds a fixed fraction of
+# its GPU (EngineKind.fixed_memory, its registry line) needs the offloads under --colocate.
+CAPABILITY_DRIVER = """
+import dataclasses, json, os, sys
+import runtime.engines.registry as engines
+import runtime.train.backends as backends
+
+declared = os.environ["TOY_DECLARED"] == "1"
+engines.ROLLOUT_ENGINES["toy"] = dataclasses.replace(
+    engines.ROLLOUT_ENGINES["hf"], cls="toy_engine:ToyEngine", options="toy_engine_options", fixed_memory=declared
+)
+backends.TRAIN_BACKENDS["toy"] = backends.Backend("toy_backend:ToyTrainer", "toy_backend_options")
+
+from runtime.config import ConfigError, parse_args
+
+def problems(*argv):
+    try:
+        parse_args(list(argv))
+    except ConfigError as err:
+        return err.problems
+    return []
+
+print(json.dumps({
+    "top_p": {
+        f"{e}/{b}": problems("--rollout-engine", e, "--train-backend", b, "--rollout-top-p", "0.9")
+        for e in ("hf", "toy") for b in ("torch", "toy")
+    },
+    "ref_load": problems("--train-backend", "toy", "--ref-load", sys.argv[1]),
+    "colocate": problems("--rollout-engine", "toy", "--colocate", "--no-offload-train"),
+}))
+"""
+
+
+def _capabilities(tmp_path, declared: bool) -> dict:
+    folder = tmp_path / f"declared_{declared}"
+    folder.mkdir()
+    engine, backend = textwrap.dedent(TOY_ENGINE_OPTIONS), textwrap.dedent(TOY_BACKEND_OPTIONS)
+    if declared:
+        engine += "REPORTS_TOP_P_NUCLEI = True\n"
+        backend += "REPLAYS_TOP_P_NUCLEI = True\nREADS_TORCH_DIST = True\n"
+    (folder / "toy_engine_options.py").write_text(engine)
+    (folder / "toy_backend_options.py").write_text(backend)
+    checkpoint = tmp_path / "torch_dist"  # a torch_dist folder as megatron-core writes one (its two metadata files)
+    checkpoint.mkdir(exist_ok=True)
+    (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (checkpoint / ".metadata").write_bytes(b"")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)]), "TOY_DECLARED": str(int(declared))}
+    done = subprocess.run(
+        [sys.executable, "-c", CAPABILITY_DRIVER, str(checkpoint)],
+        env=env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_what_a_new_engine_and_backend_can_do_is_their_declaration(tmp_path):
+    # Mutations caught: a check that names engines or backends (the sglang/megatron lists these replaced) accepts the
+    # undeclared toys or refuses the declared ones.
+    engine = (
+        "--rollout-top-p 0.9 replays each token's nucleus in training (slime's top-p replay), which --rollout-engine "
+        "toy does not do (toy_engine_options does not declare REPORTS_TOP_P_NUCLEI = True): add "
+        "--no-rollout-top-p-replay to train on untruncated log-probs"
+    )
+    backend = engine.replace("--rollout-engine toy", "--train-backend toy").replace(
+        "toy_engine_options does not declare REPORTS_TOP_P_NUCLEI",
+        "toy_backend_options does not declare REPLAYS_TOP_P_NUCLEI",
+    )
+    bare = _capabilities(tmp_path, declared=False)
+    assert bare["top_p"] == {"hf/torch": [], "hf/toy": [backend], "toy/torch": [engine], "toy/toy": [engine, backend]}
+    (refused,) = bare["ref_load"]
+    assert refused.endswith(
+        "the toy backend loads the reference from an HF folder (config.json and weights); Megatron torch_dist "
+        "checkpoints need --train-backend megatron"
+    )
+    assert bare["colocate"] == []
+    declared = _capabilities(tmp_path, declared=True)
+    assert declared["top_p"] == {"hf/torch": [], "hf/toy": [], "toy/torch": [], "toy/toy": []}
+    assert declared["ref_load"] == []
+    assert declared["colocate"] == [
+        "--colocate shares devices between trainers and --rollout-engine toy engines, which hold a fixed fraction of "
+        "their GPU: it needs --offload-train"
+    ]

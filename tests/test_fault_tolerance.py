@@ -7,6 +7,7 @@ engine while it generates, ``ray::TrainerWorker.train_rollout`` a trainer while 
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -46,6 +47,19 @@ def baseline(ray_session, tmp_path_factory):
     return ledger_prompts(out)
 
 
+# How a killed engine's death can be met first (its "restarting it" line), and what each path re-dispatches.
+MET_BY = {
+    # the generate call in flight fails: its requests (up to the step's 16) are sent again
+    "generate": r"rlcore-run: rollout engine \d+ died during generate \(ActorDiedError.*",
+    # the health monitor's check, with the call in flight (it then fails and re-dispatches, silently: the engine is
+    # restarting already) or just returned (nothing to re-dispatch). Seen in CI at f5deb1c.
+    "health check": r"rlcore-run: rollout engine \d+ the health check failed \(ActorDiedError.*",
+    # the next group call (the weight sync), after the rollout: no generate call is in flight. Seen once at 238e3ba.
+    "group call": r"rlcore-run: rollout engine \d+ died \(ActorDiedError.*\) during \w+; restarting it",
+}
+REDISPATCHED = {"generate": (1, 16), "health check": (0, 16), "group call": (0, 0)}
+
+
 def _run_killing(args, out, title, *, after_steps):
     thread, kill = kill_when(os.getpid(), title, out, after_steps=after_steps, timeout=300)
     status = main(args)
@@ -69,22 +83,24 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(baselin
     assert kill.pid is not None and status == 0
     stdout, err = _stderr_lines(capsys)
     assert err == []
-    # Killed while it generated: its death is met by that call (its requests re-dispatched), or, when the call had
-    # just returned, by whichever comes next: the next group call (the weight sync) or the health monitor's next
-    # check. Both have nothing to re-dispatch. Each of the later two was seen once in a whole suite.
-    met_in_generate = "died during generate (ActorDiedError" in stdout
-    met_after = ("rollout engine 0 died (ActorDiedError", "rollout engine 0 the health check failed (ActorDiedError")
-    assert met_in_generate or any(m in stdout for m in met_after), stdout[-2000:]
+    # The engine is killed while its process is titled as generating, so the call may be in flight or just returned;
+    # the first path to meet the death reports it (the engine index: two engines may lose either), the others find it
+    # restarting and say nothing. Each path's own outcome:
+    (restart,) = [line for line in stdout.splitlines() if line.endswith("; restarting it")]
+    met = next((path for path, pattern in MET_BY.items() if re.fullmatch(pattern, restart)), None)
+    assert met is not None, restart
     assert "restarted" in stdout
     rows = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    # Exactly one restart, in the step that was rolling out when the engine was killed; the killed engine's
-    # requests went elsewhere (two engines: to the live one; one engine: to itself, restarted).
+    # Exactly one restart, in the step that was rolling out when the engine was killed or a later one (met after the
+    # call returned); the killed engine's requests went elsewhere (two engines: to the live one; one engine: to
+    # itself, restarted).
     assert sum(r["engines/restarts"] for r in rows) == 1
     hit = next(r for r in rows if r["engines/restarts"])
     assert hit["step"] >= kill.steps_before
     redispatched = hit["engines/redispatched_requests"]
-    assert 1 <= redispatched <= 16 if met_in_generate else redispatched == 0
+    low, high = REDISPATCHED[met]
+    assert low <= redispatched <= high, (met, redispatched, restart)
     assert sum(r["engines/redispatched_requests"] for r in rows) == redispatched
     # Every prompt of the data schedule trained exactly once, as in the uninterrupted run; every step full.
     assert ledger_prompts(out) == baseline

@@ -78,11 +78,17 @@ def test_a_server_killed_mid_rollout_is_relaunched_and_no_sample_is_lost(baselin
     assert "restarted (server http://" in stdout
     rows = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    # One relaunch; with one server the router had nowhere to send the killed server's requests, so they were sent
-    # again once it was back (with two, the router itself retries them on the live one).
+    # One relaunch. The server is killed while the router's client is titled as generating, so a request may be in
+    # flight or the last one just answered; the first path to meet the death reports it. Met by a failed request
+    # (with one server the router had nowhere to send it, so it was sent again once the server was back; with two
+    # the router itself retries on the live one): at least that request re-dispatched under one server. Met by the
+    # health monitor or the next group call (the weight sync) after the last answer: nothing was in flight, so
+    # nothing to re-dispatch is a legal outcome too (a request in flight then is re-dispatched without a line).
     assert sum(r["engines/restarts"] for r in rows) == 1
     redispatched = sum(r["engines/redispatched_requests"] for r in rows)
-    assert redispatched >= (1 if servers == 1 else 0)
+    (restart,) = [line for line in stdout.splitlines() if line.endswith("; restarting it")]
+    met_by_request = "does not answer: the router failed a request" in restart
+    assert redispatched >= (1 if servers == 1 and met_by_request else 0), restart
     assert ledger_prompts(out) == baseline
     assert all(r["reward/num_scored"] == 16 and r["rollout/groups_aborted"] == 0 for r in rows)
     # The servers sample with the trainer's weights after the relaunch too (the gloo group formed again).
@@ -217,6 +223,10 @@ def test_an_external_server_that_dies_is_readded_when_it_answers_or_the_job_stop
     )
 
     def bring_back():
+        # Back 3 s after the kill: the health monitor (a check every second) or a failed request meets the death
+        # first. A server that came back before anything met its death would not be noticed at all (it answers, with
+        # the base weights): the runtime does not compare a server's weight version in its health check, so that path
+        # is not a legal outcome this test could accept; the 3 s margin is what keeps it away.
         while kill.at is None:
             time.sleep(0.1)
         time.sleep(3)

@@ -309,15 +309,14 @@ def test_bf16_logits_stay_bf16_and_give_the_float32_cast_log_probs(tmp_path):
     torch.testing.assert_close(got[mask], want.view(response.shape)[mask], rtol=0, atol=atol)
 
 
-def test_sdpa_at_tp2_equals_unfused_at_tp1(tmp_path):
+def test_sdpa_at_tp2_equals_unfused_at_tp1(tmp_path, gloo_ranks):
     """Two gloo ranks split the heads (4 query heads, 2 key/value groups: one group each) and run the SDPA attention:
     their log-probs, loss and gradient norm equal one rank's with Megatron's unfused attention."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port, _tp_worker
 
     path = save_model("qwen3", tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_tp_worker, args=(2, _free_port(), path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_tp_worker, 2, _free_port(), path, tmp_path, out)
     tp2 = torch.load(out, weights_only=False)
     cfg = job(tmp_path, train_backend="megatron", attention_backend="local")
     one = trainer("megatron", path, cfg)

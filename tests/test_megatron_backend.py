@@ -206,12 +206,10 @@ def _tp_worker(rank, world, port, path, tmp, out):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_tensor_parallel_two_ranks_equal_one(model_type, tmp_path):
-    import torch.multiprocessing as mp
-
+def test_tensor_parallel_two_ranks_equal_one(model_type, tmp_path, gloo_ranks):
     path = save_model(model_type, tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_tp_worker, args=(2, _free_port(), path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_tp_worker, 2, _free_port(), path, tmp_path, out)
     tp2 = torch.load(out, weights_only=False)
     assert tp2["dp"] == (0, 1)
     cfg = job(tmp_path, train_backend="megatron")

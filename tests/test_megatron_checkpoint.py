@@ -149,12 +149,10 @@ def _load_tp2_worker(rank, world, port, path, tmp, folder, out):
 
 
 @pytest.mark.slow  # ~30 s of gloo ranks; test_megatron_cuda.py resumes a one-GPU checkpoint at TP=2 on GPUs
-def test_a_tp1_checkpoint_resumes_at_tp2_and_back(tmp_path):
+def test_a_tp1_checkpoint_resumes_at_tp2_and_back(tmp_path, gloo_ranks):
     """Saved at TP=1 (vocabulary padded to 128 rows) after a step, loaded at TP=2 (256 rows): the next step's
     log-probs, loss, gradient norm and weights equal those of the TP=1 trainer that goes on; what TP=2 saves then
     loads at TP=1 with the same weights."""
-    import torch.multiprocessing as mp
-
     path = save_model("qwen3", tmp_path / "m", vocab_size=VOCAB)
     cfg = job(tmp_path, train_backend="megatron")
     td = make_batch(VOCAB)
@@ -169,7 +167,7 @@ def test_a_tp1_checkpoint_resumes_at_tp2_and_back(tmp_path):
     finally:
         one.shutdown()
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_load_tp2_worker, args=(2, _free_port(), path, tmp_path, folder, out), nprocs=2, join=True)
+    gloo_ranks.run(_load_tp2_worker, 2, _free_port(), path, tmp_path, folder, out)
     tp2 = torch.load(out, weights_only=False)
     mask = td[keys.MASK]
     torch.testing.assert_close(

@@ -274,14 +274,14 @@ def _unshimmed_all_to_all():
         dist.all_to_all_single = shimmed
 
 
-def test_expert_parallel_over_gloo_needs_int_split_sizes():
+def test_expert_parallel_over_gloo_needs_int_split_sizes(gloo_ranks):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_expert_parallel_rank, args=(port, out), nprocs=2)
+    gloo_ranks.run(_expert_parallel_rank, port, out)
     for rank in (0, 1):
         refused, got, expected = out[rank]
         # megatron-core hands the split sizes over as tensors, which gloo's all_to_all_single does not take.

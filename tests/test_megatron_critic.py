@@ -277,12 +277,10 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
     ],
     ids=["tp2", "tp2-sp", "dp2", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
 )
-def test_two_ranks_equal_one(layout, device, tmp_path):
-    import torch.multiprocessing as mp
-
+def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
     path = save_model("qwen3", tmp_path / "m")
     out = str(tmp_path / "rank{rank}.pt")
-    mp.spawn(_parallel_worker, args=(2, _free_port(), path, tmp_path, out, layout, device), nprocs=2, join=True)
+    gloo_ranks.run(_parallel_worker, 2, _free_port(), path, tmp_path, out, layout, device)
     ranks = [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
     cfg = ppo_job(tmp_path, bf16="false", train_backend="megatron")
     td = make_batch(203)

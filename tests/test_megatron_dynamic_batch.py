@@ -178,9 +178,7 @@ def _dp_worker(rank, world, port, path, tmp, batch_file, out, dynamic):
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "fixed"])
-def test_two_data_parallel_ranks_equal_one(dynamic, tmp_path):
-    import torch.multiprocessing as mp
-
+def test_two_data_parallel_ranks_equal_one(dynamic, tmp_path, gloo_ranks):
     path = save_model("llama", tmp_path / "m")
     knobs = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=BUDGET) if dynamic else {}
     cfg = job(tmp_path, lr=LR, train_backend="megatron", **knobs)
@@ -194,7 +192,7 @@ def test_two_data_parallel_ranks_equal_one(dynamic, tmp_path):
         one.shutdown()
     batch_file, out = str(tmp_path / "batch.pt"), str(tmp_path / "dp2")
     torch.save(ready, batch_file)
-    mp.spawn(_dp_worker, args=(2, _free_port(), path, tmp_path, batch_file, out, dynamic), nprocs=2, join=True)
+    gloo_ranks.run(_dp_worker, 2, _free_port(), path, tmp_path, batch_file, out, dynamic)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     assert [r["dp"] for r in ranks] == [(0, 2), (1, 2)]
     if dynamic:

@@ -254,14 +254,13 @@ def _padded_tp_worker(rank, world, port, path, tmp, out):
         mega.shutdown()
 
 
-def test_a_padded_vocab_splits_over_two_tensor_parallel_ranks(tmp_path):
-    import torch.multiprocessing as mp
+def test_a_padded_vocab_splits_over_two_tensor_parallel_ranks(tmp_path, gloo_ranks):
     from safetensors.torch import load_file
     from test_megatron_backend import LOGP_TOL, _free_port
 
     path = save_model("llama", tmp_path / "m")
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_padded_tp_worker, args=(2, _free_port(), path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_padded_tp_worker, 2, _free_port(), path, tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     saved = load_file(f"{path}/model.safetensors")
     # 320 rows, 160 per rank: rank 1 holds tokens 160..202, then zero rows up to 319.

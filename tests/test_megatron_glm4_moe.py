@@ -287,17 +287,16 @@ def _ep_worker(rank, port, path, tmp, out):
         mega.shutdown()
 
 
-def test_expert_parallel_two_ranks_equal_transformers(tmp_path):
+def test_expert_parallel_two_ranks_equal_transformers(tmp_path, gloo_ranks):
     """EP=2 over gloo (two processes, each with half the experts and half the rows, tokens sent to the other rank's
     experts and back) gives transformers' logits, as EP=1 does above."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port
 
     hf = glm4_moe_model(**GROUPED)
     path = tmp_path / "glm4_moe"
     hf.save_pretrained(path)
     out = str(tmp_path / "ep2.pt")
-    mp.spawn(_ep_worker, args=(_free_port(), str(path), tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_ep_worker, _free_port(), str(path), tmp_path, out)
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         with torch.no_grad():

@@ -80,11 +80,10 @@ def _tp_worker(rank, port, path, tmp, out):
         mega.shutdown()
 
 
-def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path):
+def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path, gloo_ranks):
     """TP=2 over gloo: logits equal transformers' (the sharded projections gathered as megatron-core's local spec
     does), the exported weights are the checkpoint's, and a train step's loss and gradient norm are TP=1's. Both layers
     dense, without --sequence-parallel (MoE layers at TP=2 with it: tests/test_megatron_sequence_parallel.py)."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port, job, make_batch, train_once, trainer
     from test_megatron_sequence_parallel import assert_hf_grads_equal, tensor_grads
 
@@ -92,7 +91,7 @@ def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path):
     path = tmp_path / "deepseek-v3"
     hf.save_pretrained(path)
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_tp_worker, args=(_free_port(), str(path), tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_tp_worker, _free_port(), str(path), tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     tp2 = ranks[0]
     assert [r["dp"] for r in ranks] == [(0, 1), (0, 1)]

@@ -498,16 +498,15 @@ def _ep_worker(rank, port, path, tmp, out):
 
 
 @pytest.mark.slow
-def test_expert_parallel_two_ranks_equal_one(tmp_path):
+def test_expert_parallel_two_ranks_equal_one(tmp_path, gloo_ranks):
     """EP=2 over gloo (two processes, each a data-parallel rank with half the experts and half the rows) against EP=1
     (one process, all rows): the same logits and log-probs, the same losses and gradient norms over three steps,
     the same exported weights."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port, make_batch, trainer
 
     path = save_qwen3_moe(tmp_path / "m")
     out = str(tmp_path / "ep2.pt")
-    mp.spawn(_ep_worker, args=(_free_port(), path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_ep_worker, _free_port(), path, tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     # Each rank holds 4 of the 8 experts of each of the 2 layers (2 tensors each).
     assert len(ranks[0]["experts"]) == 2 * 4 * 2

@@ -376,15 +376,14 @@ def _ep_worker(rank, port, path, tmp, out):
 
 
 @pytest.mark.slow
-def test_expert_parallel_ranks_with_one_shard_each_equal_one_rank(tmp_path, model_path):
+def test_expert_parallel_ranks_with_one_shard_each_equal_one_rank(tmp_path, model_path, gloo_ranks):
     """EP=2 over gloo, both data-parallel ranks given the same rows: the reported loss (the DP mean) and the routers'
     DP-averaged gradients equal one rank's over those rows at EP=1. Catches a metric summed, not averaged, over DP
     ranks (x2), and a balancing-loss gradient that tokens dispatched to the other rank's experts change."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port
 
     out = str(tmp_path / "ep2.pt")
-    mp.spawn(_ep_worker, args=(_free_port(), model_path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_ep_worker, _free_port(), model_path, tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     mega = _trainer(tmp_path, model_path, coeff=COEFF, micro_batch_size=3)
     try:

@@ -523,16 +523,15 @@ def _ep_worker(rank, port, path, tmp, out):
 
 
 @pytest.mark.slow  # two processes spawned: about 100 s on two loaded CPU cores
-def test_expert_parallel_replay_equals_one_rank(tmp_path):
+def test_expert_parallel_replay_equals_one_rank(tmp_path, gloo_ranks):
     """R3 with foreign routes at EP=2 over gloo (two processes, each a data-parallel rank holding half the experts
     and half the rows; the routes name global experts, dispatched to the rank that holds them) against EP=1: the same
     log-probs, loss and gradient norm. Catches routes taken as local expert ids or sliced by expert rank."""
-    import torch.multiprocessing as mp
     from test_megatron_backend import _free_port
 
     path = save_qwen3_moe(tmp_path / "m")
     out = str(tmp_path / "ep2.pt")
-    mp.spawn(_ep_worker, args=(_free_port(), path, tmp_path, out), nprocs=2, join=True)
+    gloo_ranks.run(_ep_worker, _free_port(), path, tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     cfg = _job(tmp_path)
     one = _trainer(path, cfg, "rollout", roles=(ACTOR,))

@@ -46,6 +46,9 @@ def test_replay_is_refused_where_the_nucleus_is_not_reported():
     cfg = parse_args(["--rollout-top-p", "0.9", "--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1",
                       "--no-rollout-top-p-replay"])  # fmt: skip
     assert cfg.rollout.rollout_top_p == 0.9
+    # The Megatron backend declares no nucleus replay (runtime.train.backends.megatron_options).
+    with pytest.raises(ConfigError, match="which --train-backend megatron does not do .its loss takes log-probs"):
+        parse_args(["--rollout-top-p", "0.9", "--train-backend", "megatron"])
 
 
 def test_train_log_probs_equal_the_engines_over_the_nucleus(ray_session, tmp_path):

@@ -200,7 +200,7 @@ class EngineGroup:
                 opts = placement.options(placement.engine_bundles[i]) if per and urls is None else {"num_cpus": 0}
                 self._specs.append((opts, kwargs))
                 self.actors.append(remote_cls.options(**opts).remote(**kwargs))
-            if cfg.rollout.rollout_engine == "sglang":
+            if self.kind.router:
                 self._start_router(cfg, remote_cls, model_path, [ray.get(a.url.remote()) for a in self.actors])
         except BaseException:
             self.shutdown()

@@ -126,11 +126,15 @@ def _check_lora_adapter(problems: list[str], cfg: Any) -> None:
 
 
 def _check_ipc(problems: list[str], cfg: Any) -> None:
-    """The Megatron backend sends from rank 0 alone: ipc reaches one colocated engine from one trainer process."""
-    if cfg.train.train_backend == "megatron" and cfg.resources.num_trainer_procs > 1:
+    """A backend that sends from rank 0 alone (its options' ``WEIGHTS_FROM_RANK0``: the Megatron backend's): ipc
+    reaches one colocated engine from one trainer process."""
+    from runtime.train.backends import backend_options
+
+    backend = cfg.train.train_backend
+    if getattr(backend_options(backend), "WEIGHTS_FROM_RANK0", False) and cfg.resources.num_trainer_procs > 1:
         problems.append(
-            "--update-weight-transport ipc reaches one engine from the Megatron backend: with more than one trainer "
-            "process give nccl or disk (unset under --colocate: disk)"
+            f"--update-weight-transport ipc reaches one engine from the {backend.capitalize()} backend (its rank 0 "
+            "alone sends): with more than one trainer process give nccl or disk (unset under --colocate: disk)"
         )
 
 
@@ -160,6 +164,13 @@ OPTIONS: dict[str, type] = {"rollout": WeightSyncOptions, "sglang": WeightTransp
 def weight_sync_options(name: str) -> types.SimpleNamespace:
     """The options of ``--update-weight-transport name`` (see :data:`WEIGHT_SYNC_OPTIONS`)."""
     return WEIGHT_SYNC_OPTIONS[name]
+
+
+def syncs_weights(cfg: Any) -> bool:
+    """Whether the job runs a weight sync at all: a debug mode that runs one side only (``--debug-train-only``, which
+    ``--load-debug-rollout-data`` and slime's SFT imply: no engines; ``--debug-rollout-only``: no trainers) gets
+    ``runtime.cluster.weight_sync.NoSync`` whatever the transport, so no transport reads a sync's settings there."""
+    return not (cfg.debug.train_only or cfg.debug.debug_rollout_only)
 
 
 def derived_transports(cfg: Any) -> tuple[str, ...]:

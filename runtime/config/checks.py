@@ -14,7 +14,12 @@ from typing import Any
 
 from rlcore.advantage_config import GROUP_BASELINE_ESTIMATORS
 from runtime import slime_compat
-from runtime.cluster.weight_sync_options import WEIGHT_SYNC_OPTIONS, derived_transports, weight_sync_options
+from runtime.cluster.weight_sync_options import (
+    WEIGHT_SYNC_OPTIONS,
+    derived_transports,
+    syncs_weights,
+    weight_sync_options,
+)
 from runtime.config.evalsets import _eval_dataset_problems, eval_datasets
 from runtime.config.resolve import from_dict
 from runtime.config.schema import (
@@ -31,7 +36,7 @@ from runtime.config.schema import (
 )
 from runtime.config.typecheck import _type_problems
 from runtime.config.yaml_io import _tree_value, read_yaml_tree
-from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, engine_options
+from runtime.engines.registry import ROLLOUT_ENGINE_OPTIONS, ROLLOUT_ENGINES, engine_options
 from runtime.hooks import HookError, resolve_hook
 from runtime.rollout.schedule_options import SCHEDULE_OPTIONS, schedule_options
 from runtime.train.backends import TRAIN_BACKEND_OPTIONS, backend_options
@@ -73,25 +78,39 @@ def _check_core_ranges(problems: list[str], cfg: Config) -> None:
             problems.append(f"{flag(name)} {getattr(cfg, name)!r}: out of rlcore's range ({err})")
 
 
+# Top-p replay's two halves, each a capability its plug-in declares in its options module (True: it does its half;
+# False, or nothing declared: it does not, and ``TOP_P_NUCLEI_NOTE`` may say why): the engine reports each token's
+# nucleus, the backend takes log-probs over it. The plug-in kind's flag -> its options loader and the capability.
+TOP_P_REPLAY_CAPABILITIES: dict[str, tuple[Callable[[str], Any], str]] = {
+    "rollout_engine": (engine_options, "REPORTS_TOP_P_NUCLEI"),
+    "train_backend": (backend_options, "REPLAYS_TOP_P_NUCLEI"),
+}
+
+
+def _check_top_p_replay(problems: list[str], cfg: Config) -> None:
+    """slime's top-p replay runs only where the chosen engine and backend each declare their half of it."""
+    if not top_p_replay(cfg):
+        return
+    for kind, (options, capability) in TOP_P_REPLAY_CAPABILITIES.items():
+        chosen = getattr(cfg, kind)
+        module = options(chosen)
+        if getattr(module, capability, False) is True:
+            continue
+        why = getattr(module, "TOP_P_NUCLEI_NOTE", f"{module.__name__} does not declare {capability} = True")
+        problems.append(
+            f"--rollout-top-p {cfg.rollout.rollout_top_p} replays each token's nucleus in training (slime's top-p "
+            f"replay), which {flag(kind)} {chosen} does not do ({why}): add --no-rollout-top-p-replay to train on "
+            "untruncated log-probs"
+        )
+
+
 def _check_positive(problems: list[str], cfg: Config) -> None:
     # Each number's own bounds are declared on its field (_bounded) and rlcore's are rlcore's (_check_core_ranges);
     # these are the rules that involve more than one value, or more than a bound.
     r, t, res, e = cfg.rollout, cfg.train, cfg.resources, cfg.eval
     if res.rollout_num_gpus is None:
         problems.append("--rollout-num-gpus must be a number (leave it out to have it derived)")
-    if top_p_replay(cfg):
-        cannot = {
-            "--rollout-engine sglang": r.rollout_engine == "sglang",
-            "--train-backend megatron": t.train_backend == "megatron",
-        }
-        problems += [
-            f"--rollout-top-p {r.rollout_top_p} replays each token's nucleus in training (slime's top-p replay), "
-            f"which {what} does not do yet (the embedded engine reports the nucleus, the torch backend replays it; "
-            "SGLang needs slime's sglang-top_p.patch): add --no-rollout-top-p-replay to train on untruncated "
-            "log-probs"
-            for what, true in cannot.items()
-            if true
-        ]
+    _check_top_p_replay(problems, cfg)
     if e.eval_top_k is not None and e.eval_top_k != -1 and e.eval_top_k < 1:
         problems.append(f"--eval-top-k must be -1 (off) or >= 1, got {e.eval_top_k!r}")
     context, prompt = cfg.data.rollout_max_context_len, cfg.data.rollout_max_prompt_len
@@ -287,17 +306,27 @@ def _earlier_num_rollout(output_dir: str) -> int | None:
         return None
 
 
+def _reads_torch_dist(backend: str) -> bool:
+    """Whether ``--train-backend backend`` reads Megatron torch_dist checkpoints (its options' READS_TORCH_DIST)."""
+    return getattr(backend_options(backend), "READS_TORCH_DIST", False) is True
+
+
+def _torch_dist_backends() -> str:
+    """The flags that choose a backend reading torch_dist checkpoints, for a refusal to name."""
+    return " or ".join(f"--train-backend {name}" for name in TRAIN_BACKEND_OPTIONS if _reads_torch_dist(name))
+
+
 def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
-    """``--opd-teacher-load`` (with ``--opd-teacher-ckpt-step``): an HF folder, or under --train-backend megatron a
-    torch_dist checkpoint, or the save root holding the step asked for (slime's)."""
+    """``--opd-teacher-load`` (with ``--opd-teacher-ckpt-step``): an HF folder, or under a backend that reads them
+    (--train-backend megatron) a torch_dist checkpoint, or the save root holding the step asked for (slime's)."""
     a = cfg.algo
     load, step = a.opd_teacher_load, a.opd_teacher_ckpt_step
-    megatron = cfg.train.train_backend == "megatron"
+    megatron = _reads_torch_dist(cfg.train.train_backend)
     if step is not None:
         if not megatron:
             problems.append(
                 "--opd-teacher-ckpt-step picks a step of a Megatron --opd-teacher-load save root: it needs "
-                "--train-backend megatron"
+                f"{_torch_dist_backends()}"
             )
             return
         from runtime.train.backends.megatron_paths import find_checkpoint
@@ -312,7 +341,7 @@ def _check_opd_teacher(problems: list[str], cfg: Config) -> None:
     if not megatron:
         problems.append(
             f"--opd-teacher-load: {load!r} is not an HF model folder (no config.json); Megatron torch_dist "
-            "checkpoints need --train-backend megatron"
+            f"checkpoints need {_torch_dist_backends()}"
         )
     elif not _is_megatron_checkpoint(load, "--opd-teacher-load", problems):
         problems.append(
@@ -427,10 +456,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             problems.append(f"--save-hf {cfg.ckpt.save_hf!r}: a path formatted with {{rollout_id}} only ({err!r})")
     ref_load, ref_step = cfg.ckpt.ref_load, cfg.ckpt.ref_ckpt_step
     if ref_step is not None:
-        if ref_load is None or cfg.train.train_backend != "megatron":
+        if ref_load is None or not _reads_torch_dist(cfg.train.train_backend):
             problems.append(
                 "--ref-ckpt-step picks a step of a Megatron --ref-load: it needs both --ref-load and "
-                "--train-backend megatron"
+                f"{_torch_dist_backends()}"
             )
         else:
             from runtime.train.backends.megatron_paths import find_checkpoint
@@ -440,10 +469,10 @@ def _check_combinations(problems: list[str], cfg: Config) -> None:
             except ValueError as err:
                 problems.append(f"{err} (--ref-ckpt-step {ref_step})")
     if ref_load is not None and not os.path.isfile(os.path.join(ref_load, "config.json")):
-        if cfg.train.train_backend != "megatron":
+        if not _reads_torch_dist(cfg.train.train_backend):
             problems.append(
                 f"--ref-load {ref_load!r}: the {cfg.train.train_backend} backend loads the reference from an HF "
-                "folder (config.json and weights); Megatron torch_dist checkpoints need --train-backend megatron"
+                f"folder (config.json and weights); Megatron torch_dist checkpoints need {_torch_dist_backends()}"
             )
         elif not _is_megatron_checkpoint(ref_load, "--ref-load", problems):
             problems.append(
@@ -579,6 +608,9 @@ PLUGIN_KINDS: dict[str, tuple[Mapping[str, Any], Callable[[str], Any]]] = {
 # The kinds whose flag, unset, is derived when the job starts: the choices the derivation can make for a config. A
 # plug-in's own flag set while its plug-in is none of them would be ignored, so it is refused.
 DERIVED_CHOICES: dict[str, Callable[[Config], tuple[str, ...]]] = {"update_weight_transport": derived_transports}
+# The kinds whose plug-in runs only in some jobs: where none runs, no plug-in of the kind ignores a setting, so none
+# is refused (the chosen one's rules still run). A weight sync runs only where both trainers and engines do.
+RUNS: dict[str, Callable[[Config], bool]] = {"update_weight_transport": syncs_weights}
 
 
 def _check_plugins(problems: list[str], cfg: Config) -> None:
@@ -591,7 +623,8 @@ def _check_plugins(problems: list[str], cfg: Config) -> None:
         if chosen is None and kind not in DERIVED_CHOICES:
             continue
         derived = DERIVED_CHOICES[kind](cfg) if chosen is None else ()
-        for owner in registry:
+        runs = kind not in RUNS or RUNS[kind](cfg)
+        for owner in registry if runs else ():
             if owner == chosen or owner in derived:
                 continue
             # Unset and derived: the refusal says what the job gets instead, and how to have the owner.
@@ -638,11 +671,12 @@ def _check_colocate(problems: list[str], cfg: Config) -> None:
             "--update-weight-transport ipc shares the trainer's memory with engines on its own devices: it needs "
             "--colocate"
         )
+    engine = cfg.rollout.rollout_engine
     for name in ("offload_rollout", "offload_train"):
-        if res.colocate and cfg.rollout.rollout_engine == "sglang" and getattr(s, name) is False:
+        if res.colocate and ROLLOUT_ENGINES[engine].fixed_memory and getattr(s, name) is False:
             problems.append(
-                f"--colocate shares devices between trainers and SGLang servers, which hold a fixed fraction of "
-                f"their GPU: it needs {flag(name)}"
+                f"--colocate shares devices between trainers and --rollout-engine {engine} engines, which hold a "
+                f"fixed fraction of their GPU: it needs {flag(name)}"
             )
     if cfg.rollout.rollout_schedule != "sync" and res.colocate:
         problems.append(

@@ -48,3 +48,6 @@ class HFEngineOptions:
 OPTIONS: dict[str, type] = {"rollout": HFEngineOptions}
 # Every flag this engine alone reads -> what it is (the refusal under another engine names it).
 OWN_FIELDS: dict[str, str] = own_fields(HFEngineOptions)
+# Top-p replay (--rollout-top-p below 1): this engine reports each token's nucleus (``Generation.extra``'s
+# ``top_p_token_ids`` / ``top_p_token_offsets``, slime's layout), the half of the replay an engine owes.
+REPORTS_TOP_P_NUCLEI = True

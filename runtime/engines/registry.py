@@ -1,24 +1,27 @@
 """Rollout engines by ``--rollout-engine`` name: what each needs from the cluster and how to build one.
 
-A new engine is one module with a class implementing :class:`runtime.engines.base.RolloutEngine` plus one entry in
-:data:`ROLLOUT_ENGINES`; an engine with flags of its own adds an options module (its fields, as
-``runtime.engines.sglang_options``) and one entry in :data:`ROLLOUT_ENGINE_OPTIONS`. The engine group
-(``runtime.cluster.engines``) and the weight sync read these entries; they never name an engine class.
+A new engine is its class (implementing :class:`runtime.engines.base.RolloutEngine`) and its options module (its
+flags and what it can do, as ``runtime.engines.sglang_options``), plus one entry in :data:`ROLLOUT_ENGINES` naming
+both. The engine group (``runtime.cluster.engines``), the weight sync and the config read these entries; they never
+name an engine class.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from runtime.option_fields import registry_view
 
 
 @dataclass(frozen=True)
 class EngineKind:
     """How to run one kind of engine.
 
-    ``cls``: the class, as an import path. ``bundles_per_engine``: how many device bundles of the job's placement
+    ``cls``: the class, as an import path. ``options``: its options module (:data:`ROLLOUT_ENGINE_OPTIONS`), as an
+    import path. ``bundles_per_engine``: how many device bundles of the job's placement
     group each engine takes (an embedded engine one; a launched SGLang server ``--rollout-num-gpus-per-engine``; a
     server that already runs none). ``launches``: whether the engine group starts a server per engine
     (``runtime.cluster.engines``) and hands its URL to the constructor as ``base_url``.
@@ -31,12 +34,22 @@ class EngineKind:
     """
 
     cls: str
+    options: str
     bundles_per_engine: Callable[[Any], int]
     launches: Callable[[Any], bool]
     weight_sync: Callable[[Any, bool], str]
     count: Callable[[Any], int]
     kwargs: Callable[[Any, str, int], dict[str, Any]]
     restartable: bool = False
+    # Whether the engine group starts a router in front of the engines (SGLang's, ``runtime.cluster.engines``) and
+    # sends each request through it.
+    router: bool = False
+    # Whether each request carries its own sampling seed (slime's per-sample SGLang seeds from ``--rollout-seed``); an
+    # engine without it draws from seeded streams of its own.
+    sampling_seeds: bool = False
+    # Whether an engine holds a fixed fraction of its GPU's memory (an SGLang server's static pool), so that sharing
+    # devices with the trainers (``--colocate``) needs the offloads.
+    fixed_memory: bool = False
     # Whether the engine receives a weight broadcast while it generates (``stage_weights_from_distributed``) and
     # swaps it in between two rollouts (``commit_staged_weights``): one-step async then syncs without draining.
     stages_weights: bool = False
@@ -61,12 +74,15 @@ def _sglang_engines(cfg: Any) -> int:
 
 def _colocated_sync(cfg: Any) -> str | None:
     """Under ``--colocate``: ``ipc``, or ``disk`` where ipc is not built (an SGLang engine of several GPUs, whose
-    ranks each need their own trainer's handles; several Megatron processes, of which rank 0 alone sends)."""
+    ranks each need their own trainer's handles; several processes of a backend whose rank 0 alone sends, its options'
+    ``WEIGHTS_FROM_RANK0``: the Megatron backend's)."""
     if not cfg.resources.colocate:
         return None
+    from runtime.train.backends import backend_options
+
     several_gpus = cfg.rollout.rollout_engine == "sglang" and cfg.sglang.rollout_num_gpus_per_engine > 1
-    several_megatron = cfg.train.train_backend == "megatron" and cfg.resources.num_trainer_procs > 1
-    return "disk" if several_gpus or several_megatron else "ipc"
+    from_rank0 = getattr(backend_options(cfg.train.train_backend), "WEIGHTS_FROM_RANK0", False)
+    return "disk" if several_gpus or (from_rank0 and cfg.resources.num_trainer_procs > 1) else "ipc"
 
 
 def _split_sync(use_gpu: bool) -> str:
@@ -79,6 +95,7 @@ def _split_sync(use_gpu: bool) -> str:
 ROLLOUT_ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
         cls="runtime.engines.hf_engine:HFEngine",
+        options="runtime.engines.hf_options",
         bundles_per_engine=lambda cfg: 1,
         launches=lambda cfg: False,
         weight_sync=lambda cfg, use_gpu: (
@@ -97,6 +114,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
     ),
     "sglang": EngineKind(
         cls="runtime.engines.sglang_engine:SGLangEngine",
+        options="runtime.engines.sglang_options",
         bundles_per_engine=lambda cfg: 0 if sglang_urls(cfg) else cfg.sglang.rollout_num_gpus_per_engine,
         launches=lambda cfg: not sglang_urls(cfg),
         weight_sync=lambda cfg, use_gpu: cfg.sglang.update_weight_transport or _colocated_sync(cfg) or "nccl",
@@ -107,21 +125,22 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "hf_checkpoint": model_path,
         },
         restartable=True,
+        router=True,
+        sampling_seeds=True,
+        fixed_memory=True,
     ),
 }
 
 
-# Each engine's options module: ``OPTIONS`` (config section -> the dataclass of its fields there), ``OWN_FIELDS`` (the
-# flags only it reads; refused under another engine) and, when it has rules, ``check(problems, cfg)``. Light: the
-# config imports them to build its sections, without the engine's dependencies.
-ROLLOUT_ENGINE_OPTIONS: dict[str, str] = {
-    "hf": "runtime.engines.hf_options",
-    "sglang": "runtime.engines.sglang_options",
-}
+# Each engine's options module (its ``EngineKind.options``, read live from :data:`ROLLOUT_ENGINES`): ``OPTIONS``
+# (config section -> the dataclass of its fields there), ``OWN_FIELDS`` (the flags only it reads; refused under
+# another engine), what it can do (``REPORTS_TOP_P_NUCLEI``) and, when it has rules, ``check(problems, cfg)``. Light:
+# the config imports them to build its sections, without the engine's dependencies.
+ROLLOUT_ENGINE_OPTIONS: Mapping[str, str] = registry_view(ROLLOUT_ENGINES, "options")
 
 
 def engine_options(name: str) -> Any:
-    """The options module of ``--rollout-engine name`` (see :data:`ROLLOUT_ENGINE_OPTIONS`)."""
+    """The options module of ``--rollout-engine name`` (its ``EngineKind.options``)."""
     return importlib.import_module(ROLLOUT_ENGINE_OPTIONS[name])
 
 

@@ -91,6 +91,10 @@ class SGLangRolloutOptions:
 OPTIONS: dict[str, type] = {"sglang": SGLangOptions, "rollout": SGLangRolloutOptions}
 # Every flag this engine alone reads -> what it is (the refusal under another engine names it).
 OWN_FIELDS: dict[str, str] = own_fields(SGLangOptions, SGLangRolloutOptions)
+# Top-p replay (--rollout-top-p below 1) needs each token's nucleus from the engine: SGLang reports it only when
+# patched (the refusal quotes the note).
+REPORTS_TOP_P_NUCLEI = False
+TOP_P_NUCLEI_NOTE = "SGLang reports each token's nucleus only with slime's sglang-top_p.patch, not applied here"
 
 
 def check(problems: list[str], cfg: Any) -> None:

@@ -301,6 +301,16 @@ class MegatronOptions:
 OPTIONS: dict[str, type] = {"train": MegatronOptions}
 # Every flag this backend alone reads -> what it is (the refusal under another backend names it).
 OWN_FIELDS: dict[str, str] = own_fields(MegatronOptions)
+# Top-p replay (--rollout-top-p below 1) needs the backend to take log-probs over each token's nucleus (the refusal
+# quotes the note).
+REPLAYS_TOP_P_NUCLEI = False
+# Reads Megatron torch_dist checkpoints (a save root or a step's folder) for --ref-load and --opd-teacher-load, where
+# a backend without it takes HF folders only.
+READS_TORCH_DIST = True
+# Sends the weights to the engines from its rank 0 alone (the other ranks' shards are gathered there): CUDA IPC, which
+# hands one process's memory to the engine beside it, reaches one engine only when the backend runs one process.
+WEIGHTS_FROM_RANK0 = True
+TOP_P_NUCLEI_NOTE = "its loss takes log-probs over the whole vocabulary (no nucleus replay is built)"
 # Megatron's own flags (the others are slime's flags of its Megatron backend).
 MEGATRON_TRAIN_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what == MegatronOptions.OWN)
 MEGATRON_SLIME_FIELDS = tuple(name for name, what in OWN_FIELDS.items() if what != MegatronOptions.OWN)

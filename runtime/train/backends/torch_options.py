@@ -63,6 +63,9 @@ class TorchOptions(lora_options.LoraOptions):
 OPTIONS: dict[str, type] = {"train": TorchOptions}
 # Every flag this backend alone reads -> what it is (the refusal under another backend names it).
 OWN_FIELDS: dict[str, str] = own_fields(TorchOptions)
+# Top-p replay (--rollout-top-p below 1): this backend takes each token's log-prob over the nucleus the engine
+# reported (``rlcore.kernels.nucleus_log_probs``), the half of the replay a backend owes.
+REPLAYS_TOP_P_NUCLEI = True
 
 
 def check(problems: list[str], cfg: Any) -> None:
