@@ -249,22 +249,22 @@ def _sp_worker(rank, ports, cases, paths, tmp, out):
         torch.save(result, f"{out}.{case}.{rank}")
 
 
-def _spawn(cases, tmp_path) -> dict:
-    import torch.multiprocessing as mp
+def _spawn(cases, tmp_path, ranks) -> dict:
+    """TP=2 runs of ``cases`` on the two gloo ``ranks`` (conftest's ``gloo_ranks``), then TP=1's here."""
     from test_megatron_backend import _free_port
 
     paths = {case: _save(case, tmp_path / case) for case in cases}
     out = str(tmp_path / "sp")
     ports = [_free_port() for _ in cases]
-    mp.spawn(_sp_worker, args=(ports, tuple(cases), paths, tmp_path, out), nprocs=2, join=True)
+    ranks.run(_sp_worker, ports, tuple(cases), paths, tmp_path, out)
     tp1 = {case: _run(case, paths[case], tmp_path) for case in cases}
     tp2 = {case: [torch.load(f"{out}.{case}.{r}", weights_only=False) for r in range(2)] for case in cases}
     return {case: (tp2[case], tp1[case], paths[case]) for case in cases}
 
 
 @pytest.fixture(scope="module")
-def default_cases(tmp_path_factory):
-    return _spawn(DEFAULT_CASES, tmp_path_factory.mktemp("sp"))
+def default_cases(tmp_path_factory, gloo_ranks):
+    return _spawn(DEFAULT_CASES, tmp_path_factory.mktemp("sp"), gloo_ranks)
 
 
 def _check(case: str, ranks: list[dict], one: dict, path: str) -> None:
@@ -320,10 +320,10 @@ def test_sp_at_tp2_trains_as_tp1(case, default_cases):
 
 
 @pytest.mark.slow  # two processes, three more models each, and their TP=1 runs: minutes on two loaded cores
-def test_sp_slow_cases(tmp_path):
+def test_sp_slow_cases(tmp_path, gloo_ranks):
     """As :func:`test_sp_at_tp2_trains_as_tp1` for a dense Qwen3, the DeepSeek-V3 layout (MLA's latent norms see a
     sequence chunk; a shared expert, expert biases, the first layer dense) and a Qwen3-MoE whose experts are split over
     EP=2 on the TP ranks (every gradient but the experts', which the ranks hold by their own local ids)."""
-    results = _spawn(SLOW_CASES, tmp_path)
+    results = _spawn(SLOW_CASES, tmp_path, gloo_ranks)
     for case, (ranks, one, path) in results.items():
         _check(case, ranks, one, path)
