@@ -101,6 +101,10 @@ class Job:
     # Engines that take weights while they generate, one rollout ahead and nothing offloaded: the sync does not
     # wait for the rollout in flight (runtime.cluster.weight_sync.DistributedSync.stage).
     staged_sync: bool
+    # Engines that pause their generation around a weight update (SGLang), weights changed in place, one rollout
+    # ahead and nothing offloaded: the sync pauses the rollout in flight instead of waiting for it, which goes on with
+    # the new weights (runtime.cluster.engines.EngineGroup.generation_paused).
+    paused_sync: bool = False
     # Each step's share of samples whose reward failed (runtime.faults.check_reward_errors).
     reward_error_rates: list[float] = dataclasses.field(default_factory=list)
 
@@ -238,6 +242,12 @@ def build_job(
         staged_sync=(
             getattr(weights, "can_stage", False)
             and hasattr(source, "defer")
+            and getattr(source, "lookahead", 0) == 1
+            and not (offload.train or offload.rollout)
+        ),
+        paused_sync=(
+            getattr(engines.kind, "pauses_generation", False)
+            and getattr(weights, "updates_in_place", False)
             and getattr(source, "lookahead", 0) == 1
             and not (offload.train or offload.rollout)
         ),

@@ -147,6 +147,11 @@ def sync_weights(job: Job, done: int, metrics: dict[str, float]) -> None:
         # One-step async: sent while the next rollout samples, swapped in before the one after.
         job.weights.stage(done)
         job.source.defer(job.weights.commit)
+    elif job.paused_sync:
+        # One-step async on engines that pause (SGLang): the rollout in flight stops where it is, takes the new
+        # weights and goes on with them; the sync does not wait for it.
+        with job.engines.generation_paused():
+            job.weights.push(done)
     else:
         job.source.pause()
         job.engine_memory.resume(["weights"])

@@ -30,6 +30,23 @@ What it reproduces, because the adapter depends on it:
   ``{"type": "abort", "message": "Abort in waiting queue"}``. As in SGLang, ``rid`` must be the exact id of a request
   in flight and then aborts every request whose id starts with it; an empty ``rid`` without ``abort_all`` does
   nothing.
+- ``/pause_generation`` (``PauseGenerationReqInput.mode``: ``abort``, ``retract`` or ``in_place``) and
+  ``/continue_generation``, as SGLang 0.5.23's tokenizer manager and scheduler do them: while paused, new
+  ``/generate`` requests wait (``is_pause``); ``abort`` aborts every request in flight (each answers what it has) and
+  answers once they all have; ``retract`` and ``in_place`` stop the decoding loop where it is (the scheduler runs no
+  batch), ``retract`` dropping each running request's KV cache, recomputed from its prompt and the tokens it has so
+  far with the weights of the moment it runs again, ``in_place`` keeping it (the tokens sampled after a weight update
+  then attend to keys and values of the old weights). ``/health_generate`` cannot generate while paused: it waits for
+  ``/continue_generation`` and answers 503 after SGLang's 20 s.
+- Weight updates as SGLang 0.5.23 orders them: ``/update_weights_from_distributed`` and ``/update_weights_from_tensor``
+  are refused outside a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``). An update (the
+  session's two calls included) while generation is not paused takes the model-update lock as its writer: it waits
+  until every ``/generate`` in flight has answered, and requests that come meanwhile wait behind it; while paused it
+  runs at once. After loading, the cache is flushed (``flush_cache``, on by default), which fails the update call
+  (the weights are loaded all the same) while a request is running: a request paused ``in_place`` is, a retracted
+  one waits and does not count while paused. A new weight version is recorded on every live request that has tokens,
+  and each answer's ``meta_info.weight_versions`` lists the spans of its tokens by the version that sampled them
+  (SGLang's ``compute_weight_version_spans``), ``weight_version`` the last span's.
 - ``/model_info`` and ``/server_info`` (and their deprecated ``/get_*`` aliases) report ``model_path``,
   ``weight_version`` and the launch ``dtype``; there is no ``/get_weight_version`` (0.5.23 has none).
 
@@ -39,6 +56,13 @@ What it reproduces, because the adapter depends on it:
   "loaded_adapters"}`` (HTTP 400 on failure: a name already loaded or unknown, an unreadable folder); ``/generate``'s
   ``lora_path`` (one name for the batch, or one per prompt) generates with that adapter, an unknown name is refused.
 
+A test can hold decoding where it wants it (``hold_at``, ``hold_file``, ``hold_after``; ``FAKE_SGLANG_HOLD_AT``,
+``FAKE_SGLANG_HOLD_FILE`` and ``FAKE_SGLANG_HOLD_AFTER`` for a launched server): every request after the first
+``hold_after`` (counted per prompt) that has sampled ``hold_at`` tokens waits, before its next decoding step, while the
+file ``hold_file`` exists, or without a file until the server's weight version changes. ``/server_info`` reports the
+ids of the requests held (``internal_states[0]["held"]``), so a test knows, without timing, that a generation is in
+flight; a weight sync that waited for held requests to finish would never return.
+
 Not reproduced: text prompts (the fake has no chat template or tokenizer round trip), streaming, multimodal inputs,
 sessions, the OpenAI-compatible routes and the router. Sampling runs prompt by prompt on the CPU.
 """
@@ -47,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -97,6 +122,19 @@ UPDATE_FROM_TENSOR_FIELDS = BASE_REQ_FIELDS | {
     "torch_empty_cache",
 }  # fmt: skip
 DESTROY_GROUP_FIELDS = BASE_REQ_FIELDS | {"group_name"}
+PAUSE_FIELDS = BASE_REQ_FIELDS | {"mode"}
+CONTINUE_FIELDS = BASE_REQ_FIELDS | {"torch_empty_cache"}
+BEGIN_UPDATE_FIELDS = BASE_REQ_FIELDS | {"selector"}
+END_UPDATE_FIELDS = BASE_REQ_FIELDS
+# PauseGenerationReqInput.mode's values (read from SGLang's class where it imports) and its default.
+PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's HEALTH_CHECK_TIMEOUT: /health_generate answers 503 when no token came back within it.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. Retract or "
+    "finish them, then call /flush_cache."
+)
 # Fields of LoadLoRAAdapterReqInput and UnloadLoRAAdapterReqInput.
 LOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_path", "pinned", "lora_id"}
 UNLOAD_LORA_FIELDS = BASE_REQ_FIELDS | {"lora_name", "lora_id"}
@@ -133,6 +171,45 @@ def request_fields(what: str, fallback: set[str]) -> set[str]:
     else:
         names = {f.name for f in dataclasses.fields(cls)}
     return names | ROUTER_ADDED_FIELDS if what == "GenerateReqInput" else names
+
+
+def pause_modes() -> tuple[str, ...]:
+    """The values of ``PauseGenerationReqInput.mode`` (its ``Literal``, where SGLang imports; else :data:`PAUSE_MODES`,
+    which ``tests/test_fake_sglang_strict.py`` checks against it)."""
+    api = sglang_api.load()
+    if api is None:
+        return PAUSE_MODES
+    import typing
+
+    return typing.get_args(typing.get_type_hints(api.io_struct.PauseGenerationReqInput)["mode"])
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, num_tokens: int) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions`` of a request: ``events`` holds ``(old version, tokens it had)`` for each
+    weight update while the request was live; the spans ``{"version", "start", "end"}`` cover its ``num_tokens``
+    output tokens by the version that sampled them (``compute_weight_version_spans`` and
+    ``add_weight_versions_to_meta_info`` of SGLang 0.5.23: an update before the first token leaves no span)."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, num_tokens)]:
+        end = min(end, num_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [span for span in spans if span["start"] < num_tokens or span["start"] == 0]
+
+
+@dataclasses.dataclass
+class _LiveRequest:
+    """What the scheduler keeps of a request that is decoding: its token count, whether a ``retract`` pause dropped
+    its KV cache, and the weight updates it lived through (``(old version, tokens it had)``)."""
+
+    tokens: int = 0
+    retracted: bool = False
+    retractions: int = 0
+    events: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 class BadRequest(ValueError):
@@ -233,7 +310,8 @@ class FakeSGLangServer:
     """An HTTP server on ``host:port`` (port 0: a free one) in a background thread, serving a HF model folder.
 
     ``startup_delay`` seconds of ``503`` from the health routes mimic a server still loading; ``token_delay`` slows
-    each decoding step so that a test can abort a running request. Use as a context manager; ``url`` is the base URL.
+    each decoding step so that a test can abort a running request; ``hold_at``, ``hold_file`` and ``hold_after``
+    hold decoding (see the module docstring). Use as a context manager; ``url`` is the base URL.
     ``requests`` counts requests per path; ``released`` and ``weight_version`` expose the server's state to tests.
     """
 
@@ -248,6 +326,9 @@ class FakeSGLangServer:
         token_delay: float = 0.0,
         enable_lora: bool = False,
         enable_return_routed_experts: bool = False,
+        hold_at: int | None = None,
+        hold_file: str | Path | None = None,
+        hold_after: int = 0,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -283,6 +364,22 @@ class FakeSGLangServer:
         self.sampling_seeds: list[int | None] = []
         self._aborted: set[str] = set()
         self._model_lock = threading.Lock()
+        # /pause_generation's mode while paused (None: not paused). The scheduler runs batches unless a retract or
+        # in_place pause stopped it; the requests decoding now, by id; /generate calls past the pause gate (readers of
+        # the model-update lock) and weight updates waiting for them (its writer); the open weight-update session.
+        self.pause_mode: str | None = None
+        self.pauses: list[str] = []
+        self._scheduling = threading.Event()
+        self._scheduling.set()
+        self._live: dict[str, _LiveRequest] = {}
+        self._state_lock = threading.Lock()
+        self._generating = 0
+        self._updates_waiting = 0
+        self._gate: asyncio.Condition | None = None
+        self.weight_session = False
+        self.hold_at, self.hold_file = hold_at, None if hold_file is None else Path(hold_file)
+        self.hold_after = hold_after
+        self.held: set[str] = set()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -302,6 +399,8 @@ class FakeSGLangServer:
         self.stop()
 
     def start(self) -> FakeSGLangServer:
+        # SGLang's request classes, imported before serving (a first import on the event loop would stall it).
+        sglang_api.load()
         self._thread = threading.Thread(target=self._serve, name="fake-sglang", daemon=True)
         self._thread.start()
         if not self._ready.wait(30):
@@ -317,6 +416,7 @@ class FakeSGLangServer:
     def _serve(self) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
+        self._gate = asyncio.Condition()
         app = web.Application(middlewares=[self._count])
         app.add_routes(
             [
@@ -344,6 +444,10 @@ class FakeSGLangServer:
                 web.post("/unload_lora_adapter", self._unload_lora_adapter),
                 web.get("/get_weights_by_name", self._get_weights_by_name),
                 web.post("/get_weights_by_name", self._get_weights_by_name),
+                web.post("/pause_generation", self._pause_generation),
+                web.post("/continue_generation", self._continue_generation),
+                web.post("/begin_weight_update", self._begin_weight_update),
+                web.post("/end_weight_update", self._end_weight_update),
             ]
         )
         runner = web.AppRunner(app, access_log=None)
@@ -386,6 +490,15 @@ class FakeSGLangServer:
     async def _health(self, request: web.Request) -> web.Response:
         if time.monotonic() - self._started_at < self.startup_delay:
             return web.Response(status=503)
+        if request.path == "/health_generate":
+            # Its one-token request waits at the pause gate like any other; no token within the timeout is a 503.
+            async with self._gate:
+                try:
+                    await asyncio.wait_for(
+                        self._gate.wait_for(lambda: self.pause_mode is None), HEALTH_CHECK_TIMEOUT_S
+                    )
+                except TimeoutError:
+                    return web.Response(status=503)
         return web.Response(status=200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
@@ -429,6 +542,8 @@ class FakeSGLangServer:
                         "received_buckets": list(self.received_buckets),
                         "peak_running_requests": self.peak_running,
                         "sampling_seeds": list(self.sampling_seeds),
+                        "held": sorted(self.held),
+                        "pauses": list(self.pauses),
                     }
                 ],
                 "version": "0.5.23",
@@ -438,7 +553,7 @@ class FakeSGLangServer:
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         # SGLang refuses to flush while requests are running or waiting.
-        if self._running:
+        if not self._flushable():
             return web.Response(text="Flush cache failed.\n", status=400)
         text = (
             "Cache flushed.\nPlease check backend logs for more details. "
@@ -491,6 +606,108 @@ class FakeSGLangServer:
             self._aborted |= {r for r in self._running if r.startswith(rid)}
         return web.Response(status=200)
 
+    async def _pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, PAUSE_FIELDS, "PauseGenerationReqInput")
+            mode = body.get("mode", "abort")
+            if mode not in pause_modes():
+                raise BadRequest(f"mode: Input should be {' or '.join(repr(m) for m in pause_modes())}, got {mode!r}")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        async with self._gate:
+            self.pause_mode = mode
+            self.pauses.append(mode)
+        if mode == "abort":
+            # The tokenizer manager aborts everything in flight and answers once no request holds the lock.
+            self._aborted |= self._running
+            async with self._gate:
+                await self._gate.wait_for(lambda: self._generating == 0)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_scheduling, mode == "retract")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    def _stop_scheduling(self, retract: bool) -> None:
+        """The scheduler stops between two decoding steps (under the model lock, which a step holds); ``retract``
+        frees the KV cache of every running request, which goes back to the waiting queue."""
+        with self._model_lock, self._state_lock:
+            self._scheduling.clear()
+            if retract:
+                for live in self._live.values():
+                    live.retracted = live.tokens > 0  # (one without tokens is waiting for its prefill)
+
+    async def _continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            await self._json_body(request, CONTINUE_FIELDS, "ContinueGenerationReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        async with self._gate:
+            self.pause_mode = None
+            self._scheduling.set()
+            self._gate.notify_all()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def _model_update(self):
+        """SGLang's model-update lock around a weight update: taken as its writer (the update waits until every
+        ``/generate`` in flight has answered, and new ones wait behind it) unless generation is paused, when the
+        update runs at once."""
+        async with self._gate:
+            writer = self.pause_mode is None
+            if writer:
+                self._updates_waiting += 1
+                await self._gate.wait_for(lambda: self._generating == 0)
+        try:
+            yield
+        finally:
+            if writer:
+                async with self._gate:
+                    self._updates_waiting -= 1
+                    self._gate.notify_all()
+
+    def _flushable(self) -> bool:
+        """Whether SGLang's cache flush runs now: nothing running or queued; while paused, queued (and retracted)
+        requests do not count, a request paused in place does."""
+        with self._state_lock:
+            if self.pause_mode is None or self._scheduling.is_set():
+                return not self._running
+            return all(live.retracted or not live.tokens for live in self._live.values())
+
+    def _set_weight_version(self, version: str | None) -> None:
+        """Take ``version`` (None: keep the current one), noting the change on every live request with tokens."""
+        if version is None or version == self.weight_version:
+            return
+        with self._state_lock:
+            for live in self._live.values():
+                if live.tokens:
+                    live.events.append((self.weight_version, live.tokens))
+            self.weight_version = version
+
+    def _flushed_after_update(self, body: dict[str, Any]) -> bool:
+        """The cache flush that ends a successful update (``flush_cache``, True by default)."""
+        return not body.get("flush_cache", True) or self._flushable()
+
+    async def _begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            await self._json_body(request, BEGIN_UPDATE_FIELDS, "BeginWeightUpdateReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        async with self._model_update():
+            if self.weight_session:
+                return _failure("a weight-update session is already open; call end_weight_update() first")
+            self.weight_session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def _end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            await self._json_body(request, END_UPDATE_FIELDS, "EndWeightUpdateReqInput")
+        except BadRequest as e:
+            return _validation_error(str(e))
+        async with self._model_update():
+            if not self.weight_session:
+                return _failure("no weight-update session is open; call begin_weight_update() first")
+            self.weight_session = False
+        return web.json_response({"success": True, "message": "Success"})
+
     async def _init_weights_update_group(self, request: web.Request) -> web.Response:
         try:
             body = await self._json_body(request, INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
@@ -541,25 +758,30 @@ class FakeSGLangServer:
                 raise BadRequest(f"load_format must be None or 'flattened_bucket' here, got {load_format!r}")
         except BadRequest as e:
             return _validation_error(str(e))
-        group = self.weight_groups.get(body.get("group_name", weight_transfer.DEFAULT_GROUP))
-        if group is None:
-            return _failure("Failed to update parameter online: the weight-update group is not initialized.")
-        # The broadcast is received in full before the bucket is checked: every rank must take part in it.
-        # SGLang 0.5.23 receives a "flattened_bucket" as one uint8 buffer of the tensors' bytes back to back
-        # (FlattenedTensorBucket.empty: an empty bucket or an unaligned tensor is refused before the broadcast).
-        try:
-            bucket = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes, load_format=load_format)
-            )
-        except ValueError as e:
-            return _failure(f"Failed to update parameter online: {e}.")
-        try:
-            self._load_state(bucket)
-        except ValueError as e:
-            return _failure(f"Failed to update parameter online: {e}")
-        self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
-        if version is not None:
-            self.weight_version = version
+        async with self._model_update():
+            if not self.weight_session:
+                return _failure(NO_SESSION.format("update_weights_from_distributed"))
+            group = self.weight_groups.get(body.get("group_name", weight_transfer.DEFAULT_GROUP))
+            if group is None:
+                return _failure("Failed to update parameter online: the weight-update group is not initialized.")
+            # The broadcast is received in full before the bucket is checked: every rank must take part in it.
+            # SGLang 0.5.23 receives a "flattened_bucket" as one uint8 buffer of the tensors' bytes back to back
+            # (FlattenedTensorBucket.empty: an empty bucket or an unaligned tensor is refused before the broadcast).
+            try:
+                bucket = await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    lambda: weight_transfer.receive_bucket(group, names, dtypes, shapes, load_format=load_format),
+                )
+            except ValueError as e:
+                return _failure(f"Failed to update parameter online: {e}.")
+            try:
+                self._load_state(bucket)
+            except ValueError as e:
+                return _failure(f"Failed to update parameter online: {e}")
+            self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
+            self._set_weight_version(version)
+            if not self._flushed_after_update(body):
+                return _failure(NOT_FLUSHED)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def _update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -578,15 +800,19 @@ class FakeSGLangServer:
         tp_size = int(self.launch_args.get("tp_size", 1))
         if len(payloads) != tp_size:
             return _failure(f"Failed to update weights: {len(payloads)} payloads for tp_size {tp_size}.")
-        try:
-            # Rank 0's payload (with tp_size 1, the only one): handles to the trainer's memory, copied here.
-            bucket = {name: t.clone() for name, t in weight_transfer.deserialize_named_tensors(payloads[0])}
-            self._load_state(bucket)
-        except ValueError as e:
-            return _failure(f"Failed to update weights: {e}")
-        self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
-        if version is not None:
-            self.weight_version = version
+        async with self._model_update():
+            if not self.weight_session:
+                return _failure(NO_SESSION.format("update_weights_from_tensor"))
+            try:
+                # Rank 0's payload (with tp_size 1, the only one): handles to the trainer's memory, copied here.
+                bucket = {name: t.clone() for name, t in weight_transfer.deserialize_named_tensors(payloads[0])}
+                self._load_state(bucket)
+            except ValueError as e:
+                return _failure(f"Failed to update weights: {e}")
+            self.received_buckets.append([sum(t.nbytes for t in bucket.values()), len(bucket)])
+            self._set_weight_version(version)
+            if not self._flushed_after_update(body):
+                return _failure(NOT_FLUSHED)
         return web.json_response({"success": True, "message": "Succeeded to update model weights."})
 
     async def _destroy_weights_update_group(self, request: web.Request) -> web.Response:
@@ -621,12 +847,15 @@ class FakeSGLangServer:
                 raise BadRequest(f"weight_version must be a string or null, got {version!r}")
         except BadRequest as e:
             return _validation_error(str(e))
-        try:
-            self._load_weights(Path(body["model_path"]))
-        except (OSError, ValueError, RuntimeError) as e:
-            return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
-        if version is not None:
-            self.weight_version = version
+        async with self._model_update():
+            try:
+                self._load_weights(Path(body["model_path"]))
+            except (OSError, ValueError, RuntimeError) as e:
+                return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
+            self._set_weight_version(version)
+            if not self._flushed_after_update(body):
+                answer = {"success": False, "message": NOT_FLUSHED, "num_paused_requests": 0}
+                return web.json_response(answer, status=400)
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
@@ -642,15 +871,26 @@ class FakeSGLangServer:
             return _handler_error("the server's memory is released: call /resume_memory_occupation first")
         loop = asyncio.get_running_loop()
         rids = {job["rid"] for job in jobs}
-        # SGLang queues a batch's requests together: all are in flight (abortable) until the last one answers.
-        self._running |= rids
-        self.peak_running = max(self.peak_running, len(self._running))
-        self.sampling_seeds += [job["sampling"].sampling_seed for job in jobs]
+        async with self._gate:
+            # The tokenizer manager: a request waits while generation is paused, then holds the model-update lock as
+            # a reader until it answers (a weight update waiting for the lock goes first).
+            await self._gate.wait_for(lambda: self.pause_mode is None)
+            await self._gate.wait_for(lambda: self._updates_waiting == 0)
+            self._generating += 1
         try:
-            outputs = [await loop.run_in_executor(None, self._generate_one, job) for job in jobs]
+            # SGLang queues a batch's requests together: all are in flight (abortable) until the last one answers.
+            self._running |= rids
+            self.peak_running = max(self.peak_running, len(self._running))
+            self.sampling_seeds += [job["sampling"].sampling_seed for job in jobs]
+            try:
+                outputs = [await loop.run_in_executor(None, self._generate_one, job) for job in jobs]
+            finally:
+                self._running -= rids
+                self._aborted -= rids
         finally:
-            self._running -= rids
-            self._aborted -= rids
+            async with self._gate:
+                self._generating -= 1
+                self._gate.notify_all()
         return web.json_response(outputs[0] if single else outputs)
 
     # -- LoRA -----------------------------------------------------------------------------------------------------
@@ -753,6 +993,7 @@ class FakeSGLangServer:
                     "logprob_start_len": start_len[i],
                     "text_in_logprobs": body.get("return_text_in_logprobs", False),
                     "rid": rids[i] or f"fake-{self._request_counter}",
+                    "ordinal": self._request_counter,
                     "routes": bool(body.get("return_routed_experts", False)) and self.enable_return_routed_experts,
                     "model": self.model if adapters[i] is None else self.adapters[adapters[i]][1],
                 }
@@ -771,36 +1012,45 @@ class FakeSGLangServer:
         tokens: list[int] = []
         log_probs: list[float] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
-        with self._model_lock, _RouteCapture(job["model"], enabled=job["routes"]) as routes:
-            model = job["model"]
-            out = model(input_ids=torch.tensor([job["prompt"]]), use_cache=True)
-            prompt_log_probs = self._input_token_logprobs(job, out.logits[0])
-            for _ in range(s.max_new_tokens):
-                logits = out.logits[0, -1].float()
-                token, log_prob = self._sample(logits, s, generator)
-                tokens.append(token)
-                log_probs.append(log_prob)
-                # SGLang's Req.update_finish_state: an abort (to_finish) wins over a stop token or the length.
-                if rid in self._aborted:
-                    finish = dict(ABORT_RUNNING)
-                    break
-                if token in stops:
-                    finish = {"type": "stop", "matched": token}
-                    break
-                if len(tokens) == s.max_new_tokens:
-                    break
-                # SGLang's Req._check_str_based_finish: a stop string in the decoded tail of the output ends the
-                # request after the token that completed it (the tokens stay in output_ids).
-                if s.stop_strs:
-                    window = max(len(self.tokenizer.encode(x, add_special_tokens=False)) for x in s.stop_strs) + 1
-                    tail = self.tokenizer.decode(tokens[-window:])
-                    matched = next((x for x in s.stop_strs if x in tail), None)
-                    if matched is not None:
-                        finish = {"type": "stop", "matched": matched}
+        live = _LiveRequest()
+        with self._state_lock:
+            self._live[rid] = live
+        try:
+            with _RouteCapture(job["model"], enabled=job["routes"]) as routes:
+                model = job["model"]
+                out = self._step(model, job["prompt"], live, routes)
+                prompt_log_probs = self._input_token_logprobs(job, out.logits[0])
+                for _ in range(s.max_new_tokens):
+                    logits = out.logits[0, -1].float()
+                    token, log_prob = self._sample(logits, s, generator)
+                    tokens.append(token)
+                    log_probs.append(log_prob)
+                    live.tokens = len(tokens)
+                    # SGLang's Req.update_finish_state: an abort (to_finish) wins over a stop token or the length.
+                    if rid in self._aborted:
+                        finish = dict(ABORT_RUNNING)
                         break
-                if self.token_delay:
-                    time.sleep(self.token_delay)
-                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                    if token in stops:
+                        finish = {"type": "stop", "matched": token}
+                        break
+                    if len(tokens) == s.max_new_tokens:
+                        break
+                    # SGLang's Req._check_str_based_finish: a stop string in the decoded tail of the output ends the
+                    # request after the token that completed it (the tokens stay in output_ids).
+                    if s.stop_strs:
+                        window = max(len(self.tokenizer.encode(x, add_special_tokens=False)) for x in s.stop_strs) + 1
+                        tail = self.tokenizer.decode(tokens[-window:])
+                        matched = next((x for x in s.stop_strs if x in tail), None)
+                        if matched is not None:
+                            finish = {"type": "stop", "matched": matched}
+                            break
+                    if self.token_delay:
+                        time.sleep(self.token_delay)
+                    self._hold(job, len(tokens))
+                    out = self._step(model, job["prompt"] + tokens, live, routes, past=out.past_key_values)
+        finally:
+            with self._state_lock:
+                self._live.pop(rid, None)
         trim = finish["type"] == "stop" and not s.no_stop_trim
         # A matched stop string is trimmed from the text only; a matched stop token from the ids and the text.
         output_ids = tokens[:-1] if trim and not isinstance(finish["matched"], str) else tokens
@@ -808,14 +1058,15 @@ class FakeSGLangServer:
             "id": rid,
             "finish_reason": finish,
             "prompt_tokens": len(job["prompt"]),
-            "weight_version": self.weight_version,
-            "num_retractions": 0,
+            "num_retractions": live.retractions,
             "e2e_latency": time.perf_counter() - start,
             "reasoning_tokens": 0,
             "completion_tokens": len(tokens),
             "cached_tokens": 0,
-            "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(tokens)}],
         }
+        with self._state_lock:
+            spans = weight_version_spans(live.events, self.weight_version, len(tokens))
+        meta.update(weight_versions=spans, weight_version=spans[-1]["version"])
         if job["return_logprob"]:
             texts = [self.tokenizer.decode([t]) if job["text_in_logprobs"] else None for t in tokens]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(log_probs, tokens, texts, strict=True)]
@@ -827,6 +1078,37 @@ class FakeSGLangServer:
         if trim and isinstance(finish["matched"], str) and finish["matched"] in text:
             text = text[: text.index(finish["matched"])]
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def _step(self, model: Any, ids: list[int], live: _LiveRequest, routes: _RouteCapture, *, past: Any = None) -> Any:
+        """One forward pass of a request: the prefill of ``ids`` (``past`` None), or the decoding step of its last
+        token. It waits while a pause stops the scheduler; a request retracted meanwhile is prefilled again, its
+        prompt and every token it has, with the weights of now (its old KV cache is gone)."""
+        while True:
+            self._scheduling.wait()
+            with self._model_lock:
+                if not self._scheduling.is_set():
+                    continue
+                if live.retracted:
+                    live.retracted, live.retractions, past = False, live.retractions + 1, None
+                    routes.restart()
+                if past is None:
+                    return model(input_ids=torch.tensor([ids]), use_cache=True)
+                return model(input_ids=torch.tensor([ids[-1:]]), past_key_values=past, use_cache=True)
+
+    def _hold(self, job: dict[str, Any], tokens: int) -> None:
+        """A test's hold (see the module docstring): after ``hold_at`` tokens, wait while ``hold_file`` exists, or
+        without one until the weight version changes."""
+        if tokens != self.hold_at or job["ordinal"] <= self.hold_after:
+            return
+        version, rid = self.weight_version, job["rid"]
+        with self._state_lock:
+            self.held.add(rid)
+        try:
+            while self.hold_file.exists() if self.hold_file is not None else self.weight_version == version:
+                time.sleep(0.01)
+        finally:
+            with self._state_lock:
+                self.held.discard(rid)
 
     def _input_token_logprobs(self, job: dict[str, Any], logits: torch.Tensor) -> list[list[Any]] | None:
         """SGLang's ``meta_info.input_token_logprobs`` for ``logprob_start_len`` k >= 0: ``[logprob, id, text]`` of
@@ -849,7 +1131,7 @@ class FakeSGLangServer:
             "finish_reason": dict(ABORT_QUEUED),
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - start,
-            "weight_versions": [{"version": self.weight_version, "start": 0, "end": 0}],
+            "weight_versions": weight_version_spans([], self.weight_version, 0),
         }
         if job["return_logprob"]:
             meta["output_token_logprobs"] = []
@@ -926,6 +1208,10 @@ class _RouteCapture:
             ]
         return self
 
+    def restart(self) -> None:
+        """Forget the rows so far: a retracted request is prefilled again, its every token fed once more."""
+        self.rows = []
+
     def _keep(self, layer: int, experts: torch.Tensor) -> None:
         if layer == self.first:
             self.rows.append(torch.zeros(experts.shape[0], self.layers, self.topk, dtype=torch.int32))
@@ -957,6 +1243,10 @@ def main(argv: list[str] | None = None) -> None:
         port=getattr(args, "port", 30000),
         # A test of request concurrency slows decoding so that requests overlap.
         token_delay=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0")),
+        # A test of a weight sync mid-rollout holds decoding (see the module docstring).
+        hold_at=int(os.environ["FAKE_SGLANG_HOLD_AT"]) if "FAKE_SGLANG_HOLD_AT" in os.environ else None,
+        hold_file=os.environ.get("FAKE_SGLANG_HOLD_FILE"),
+        hold_after=int(os.environ.get("FAKE_SGLANG_HOLD_AFTER", "0")),
         enable_lora=bool(getattr(args, "enable_lora", False)),
         enable_return_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
     )

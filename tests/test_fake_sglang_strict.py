@@ -8,15 +8,24 @@ import httpx
 import pytest
 from fake_sglang import (
     ABORT_FIELDS,
+    BEGIN_UPDATE_FIELDS,
+    CONTINUE_FIELDS,
+    END_UPDATE_FIELDS,
     GENERATE_FIELDS,
     LOAD_LORA_FIELDS,
     MEMORY_FIELDS,
+    PAUSE_FIELDS,
+    PAUSE_MODES,
     SAMPLING_FIELDS,
     UNLOAD_LORA_FIELDS,
     UPDATE_FROM_DISK_FIELDS,
     UPDATE_FROM_TENSOR_FIELDS,
     FakeSGLangServer,
+    pause_modes,
+    weight_version_spans,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.demo import task
 from runtime.demo.tiny_model import make_tiny_model
@@ -51,6 +60,10 @@ def _fields(cls):
         (ABORT_FIELDS, "AbortReq"),
         (LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput"),
         (UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput"),
+        (PAUSE_FIELDS, "PauseGenerationReqInput"),
+        (CONTINUE_FIELDS, "ContinueGenerationReqInput"),
+        (BEGIN_UPDATE_FIELDS, "BeginWeightUpdateReqInput"),
+        (END_UPDATE_FIELDS, "EndWeightUpdateReqInput"),
     ],
 )
 def test_the_fakes_fallback_field_lists_hold_only_sglangs_fields(hand, cls):
@@ -66,6 +79,35 @@ def test_the_fakes_sampling_fields_are_those_sglangs_contract_accepts():
         assert "unknown field" not in str(API.generate_contract_error({**base, "sampling_params": {name: value}}))
 
 
+@needs_sglang
+def test_the_pause_modes_are_sglangs():
+    from runtime.engines.sglang_engine import PAUSE_MODE
+    from runtime.engines.sglang_engine import PAUSE_MODES as ENGINE_MODES
+
+    assert pause_modes() == PAUSE_MODES == ENGINE_MODES and PAUSE_MODE in PAUSE_MODES
+
+
+@needs_sglang
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 8)), max_size=4),
+    current=st.sampled_from("abc"),
+    tokens=st.integers(0, 8),
+)
+def test_the_fakes_weight_version_spans_are_sglangs(events, current, tokens):
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
+
+    events = sorted(events, key=lambda e: e[1])  # recorded as the tokens grow
+    meta: dict = {}
+    spans = compute_weight_version_spans([WeightVersionEvent(v, n) for v, n in events], current, tokens)
+    add_weight_versions_to_meta_info(meta, spans, tokens)
+    assert weight_version_spans(events, current, tokens) == meta["weight_versions"]
+
+
 GOOD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True}
 
 
@@ -77,6 +119,8 @@ GOOD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "retur
         ("/update_weights_from_disk", {"model_path": "/x", "weight_versoin": "1"}, "weight_versoin"),
         ("/release_memory_occupation", {"tag": ["weights"]}, "tag"),
         ("/abort_request", {"abort": True}, "abort"),
+        ("/pause_generation", {"mdoe": "retract"}, "mdoe"),
+        ("/begin_weight_update", {"selectr": "all"}, "selectr"),
     ],
 )
 def test_a_field_sglang_does_not_know_fails(server, path, body, what):

@@ -4,8 +4,10 @@ the real SGLang router (the ``sglang-router`` package, its Rust router on the CP
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import httpx
 import pytest
 import ray
 import torch
+from fake_sglang import FakeSGLangServer
 from transformers import AutoTokenizer
 
 from rlcore.advantages import sequence_advantages
@@ -28,6 +31,7 @@ from runtime.logger import METRICS_FILE, read_metrics
 from runtime.loop import run
 from runtime.rollout import generation
 from runtime.rollout.generation import RolloutContext, _running, engine_generate, expand_groups, generate_groups
+from runtime.rollout.replay import load_rollout_data
 from runtime.rollout.sample import Sample
 from runtime.train.algo import advantage_config, loss_config, model_roles
 from runtime.train.batch import build_batch
@@ -93,6 +97,95 @@ def test_the_whole_loop_runs_on_launched_servers_behind_the_router(ray_session, 
     while _launched_by(model_path) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _launched_by(model_path)
+
+
+@pytest.mark.slow  # the job below runs the same pause through the router; this one checks the spans (~30 s)
+def test_an_update_mid_rollout_pauses_the_server_and_the_rollout_goes_on_with_the_new_weights(
+    ray_session, model_path, tmp_path
+):
+    # Every request is held after HOLD_AT tokens until the server's weights change: an update that waited for the
+    # rollout in flight would never return; paused, it returns with every request still held mid-way.
+    n, length, hold_at = 4, 6, 2
+    other = make_tiny_model(tmp_path / "other", alphabet=task.ALPHABET, seed=1)
+    with (
+        FakeSGLangServer(model_path, hold_at=hold_at) as server,
+        one_engine_fleet(tmp_path, model_path, sglang_url=server.url) as (_, engines, url),
+    ):
+        prompts = [[1 + i, 2, 3] for i in range(n)]
+        rollout = engines.generate_async(prompts, SamplingParams(max_new_tokens=length, top_k=1))
+        _until(lambda: len(server_info(url)["internal_states"][0]["held"]) == n)
+        updated = threading.Event()
+
+        def update() -> None:
+            with engines.generation_paused():
+                engines.update_weights_from_disk(str(other), weight_version=1)
+            updated.set()
+
+        threading.Thread(target=update, daemon=True).start()
+        # Held requests finish only once the weights change, so an update that waited for them would never return.
+        assert updated.wait(120), "the update waited for the rollout in flight"
+        assert server_info(url)["internal_states"][0]["pauses"] == ["retract"]
+        generations = [g for out in ray.get(rollout, timeout=120) for g in out]
+        assert [g.extra["versions"] for g in generations] == [[0, 1]] * n
+        assert all(g.finish_reason == "length" and len(g.token_ids) == length for g in generations)
+        assert [s["end"] for g in generations for s in g.extra["weight_versions"]] == [hold_at, length] * n
+        # Each prompt went to the server once: none was sent again or lost.
+        assert server_info(url)["internal_states"][0]["requests"]["/generate"] == n
+        assert engines.health() == [True]  # health checks are back on
+
+
+def _until(condition, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_for_the_rollout(
+    ray_session, model_path, tmp_path
+):
+    # The fake holds every request of the second rollout after HOLD_AT tokens until its weights change: a sync that
+    # waited for that rollout to finish would never come (the job would hang), one that pauses the server, updates
+    # and continues lets it finish. Before the shared fleet below, which holds the CPU slots a job needs.
+    n, length, hold_at = 4, 6, 2
+    saved = str(tmp_path / "rollouts" / "{rollout_id}.pt")
+    server = FakeSGLangServer(model_path, hold_at=hold_at, hold_after=n).start()
+    cfg = fleet_cfg(
+        tmp_path,
+        model_path,
+        rollout_num_gpus=1,
+        sglang_url=server.url,
+        rollout_schedule="one_step",
+        num_rollout=2,
+        rollout_max_response_len=length,
+        # Greedy and no eos: every response runs to its length, so a lost token would show.
+        rollout_top_k=1,
+        global_batch_size=n,
+        micro_batch_size=n,
+        lr=1e-3,
+        use_tensorboard=False,
+        save_debug_rollout_data=saved,
+    )
+    finished: list = []
+    job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
+    job.start()
+    job.join(300)  # (it takes 20-45 s on two busy cores; a sync that waits for the held rollout never ends)
+    server.stop()
+    assert finished, "the job did not finish: the weight sync waited for the held rollout"
+    # Both syncs (after steps 0 and 1) paused the server in retract mode; each prompt was sent once.
+    assert server.pauses == ["retract", "retract"] and server.requests["/generate"] == 2 * n
+    rows = read_metrics(finished[0].output_dir / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    first, second = (load_rollout_data(saved, step) for step in (0, 1))
+    # The first rollout ran before any sync; the second was sampled by version 0 up to the sync mid-way, by version 1
+    # (the weights after step 0) from there on. No sample lost or repeated, none cut short.
+    assert [s.weight_versions for s in first] == [["0"]] * n
+    assert [s.weight_versions for s in second] == [["0", "1"]] * n
+    for samples in (first, second):
+        assert sorted(collections.Counter(s.index for s in samples).values()) == [2, 2]  # 2 prompts x 2 samples
+        assert all(s.response_length == length and s.status == Sample.Status.TRUNCATED for s in samples)
+    assert not {s.index for s in first} & {s.index for s in second}
+    assert rows[1]["rollout/weight_version_lag_max"] == 1
 
 
 @contextlib.contextmanager

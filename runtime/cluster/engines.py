@@ -37,7 +37,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import ray
@@ -620,6 +620,22 @@ class EngineGroup:
     def abort(self) -> None:
         """Cut every running generation short (each returns its partial response, ``finish_reason="abort"``)."""
         self._all("abort")
+
+    @contextlib.contextmanager
+    def generation_paused(self) -> Iterator[None]:
+        """Every engine's generation paused for the block (``pause_generation``, then ``continue_generation``; the
+        engine kind must pause, see ``EngineKind.pauses_generation``): requests in flight stop where they are and new
+        ones wait, nothing is lost, and they go on after it with the engines' weights of then. No health checks run
+        meanwhile (a paused server cannot generate its check's token)."""
+        if self.monitor is not None:
+            self.monitor.pause()
+        self._all("pause_generation")
+        try:
+            yield
+        finally:
+            self._all("continue_generation")
+            if self.monitor is not None and self._released_tags is None:
+                self.monitor.resume()
 
     def get_weights(self, index: int = 0) -> dict[str, Any]:
         """Engine ``index``'s weights (embedded engines only; tests compare them with the trainer's)."""

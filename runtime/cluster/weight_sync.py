@@ -28,6 +28,11 @@ in :data:`WEIGHT_SYNCS`; an engine kind names its default in its registry entry 
   and every server loads it as a LoRA adapter (``/load_lora_adapter``) over its unchanged base weights; requests name
   it (``lora_path``). Only the adapters cross, not merged weights.
 
+Under one-step async, engines that pause their generation (SGLang: ``EngineKind.pauses_generation``) take a push of
+any kind but ``lora_adapter`` without the rollout in flight being waited for: the loop pauses every engine's generation
+around the push (``EngineGroup.generation_paused``; SGLang's ``/pause_generation`` in ``retract`` mode, then
+``/continue_generation``), and the requests in flight go on with the new weights (``updates_in_place``).
+
 An engine that dies during a push is restarted by the engine group and the push runs again (``EngineGroup.on_all``);
 over NCCL/gloo the trainer aborts the broadcast as soon as a receiver fails (``weight_transfer.send_bucket``) rather
 than waiting for the collective's timeout.
@@ -56,6 +61,10 @@ from runtime.hooks import resolve_hook
 
 @runtime_checkable
 class WeightSync(Protocol):
+    # ``updates_in_place`` (a class attribute, False where absent): a push changes the weights the engines sample with,
+    # so a generation paused around it (``EngineGroup.generation_paused``) goes on with the new ones. Not so for
+    # ``lora_adapter``, whose requests each name the adapter they run with.
+
     def push(self, version: int) -> None:
         """Load the trainers' current weights into every engine; afterwards every engine samples with ``version``."""
         ...
@@ -71,6 +80,8 @@ class WeightSync(Protocol):
 
 class ObjectStoreSync:
     """Buckets through Ray's object store (see the module docstring)."""
+
+    updates_in_place = True
 
     def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int):
         self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
@@ -117,6 +128,8 @@ def disk_options(cfg: Any) -> DiskOptions:
 class DiskSync:
     """An HF folder of safetensors per sync written by the trainers, loaded by every engine (see the module
     docstring)."""
+
+    updates_in_place = True
 
     def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int, disk: DiskOptions | None = None):
         self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
@@ -168,6 +181,8 @@ class LoraAdapterSync:
     engines serve the base weights and a restarted one needs nothing.
     """
 
+    updates_in_place = False  # each request names its adapter: one paused around a push keeps the old one
+
     def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int, folder: str | None = None):
         self.trainers, self.engines = trainers, engines
         self._owned = folder is None
@@ -193,6 +208,8 @@ class LoraAdapterSync:
 
 class IpcSync:
     """Buckets as handles to the trainer's memory, for colocated engines (see the module docstring)."""
+
+    updates_in_place = True
 
     def __init__(self, trainers: Any, engines: Any, *, bucket_bytes: int):
         self.trainers, self.engines, self.bucket_bytes = trainers, engines, bucket_bytes
@@ -231,6 +248,8 @@ class NoSync:
 class DistributedSync:
     """Buckets broadcast over a weight-update group (see the module docstring). ``bucket_sizes`` holds the bytes of
     each bucket of the last push."""
+
+    updates_in_place = True
 
     def __init__(
         self, trainers: Any, engines: Any, *, bucket_bytes: int, group_name: str = weight_transfer.DEFAULT_GROUP

@@ -53,6 +53,11 @@ class EngineKind:
     # Whether the engine receives a weight broadcast while it generates (``stage_weights_from_distributed``) and
     # swaps it in between two rollouts (``commit_staged_weights``): one-step async then syncs without draining.
     stages_weights: bool = False
+    # Whether the engine pauses its generation around a weight update and goes on after it with the new weights
+    # (``pause_generation`` / ``continue_generation``, as slime pauses SGLang): one-step async then syncs without
+    # waiting for the rollout in flight, whose responses are sampled by the old weights up to the sync and by the new
+    # ones after it.
+    pauses_generation: bool = False
 
     def load(self) -> type[Any]:
         module, _, attr = self.cls.partition(":")
@@ -125,6 +130,7 @@ ROLLOUT_ENGINES: dict[str, EngineKind] = {
             "hf_checkpoint": model_path,
         },
         restartable=True,
+        pauses_generation=True,
         router=True,
         sampling_seeds=True,
         fixed_memory=True,

@@ -42,6 +42,23 @@ their names. SGLang's third path, ``/update_weights_from_tensor``, serves a colo
 :meth:`SGLangEngine.update_weights_from_tensor` posts a bucket shared as handles to the trainer's memory (CUDA IPC
 on a GPU; ``runtime.engines.weight_transfer.serialize_named_tensors``), base64-coded, one copy per TP rank.
 
+Weight-update sessions: SGLang 0.5.23 loads ``/update_weights_from_distributed`` and ``/update_weights_from_tensor``
+only between ``/begin_weight_update`` and ``/end_weight_update``; the adapter opens a session at the first bucket of an
+update and closes it after the last (the one that carries ``weight_version``), or when a bucket fails. An update, the
+session's two calls included, waits until every request in flight has answered unless generation is paused, and the
+cache flush that ends it fails the update while a request is running.
+
+Pausing generation around a weight update (slime's ``pause_generation`` / ``continue_generation``): ``POST
+/pause_generation`` (``PauseGenerationReqInput.mode``) and ``POST /continue_generation``. While paused, new requests
+wait at the server, and an update runs at once. rlcore pauses in ``retract`` mode (:data:`PAUSE_MODE`): the running
+requests go back to the waiting queue with their tokens and their KV cache freed, so the update's cache flush succeeds,
+and when generation continues each is prefilled again (its prompt and the tokens it has) with the new weights, so
+every token after the update is sampled, and its log-prob reported, by the new weights alone. ``in_place`` would keep
+the old weights' KV cache (the tokens after the update then come from neither policy, and the update's flush fails
+while they run); ``abort`` (slime's, SGLang's default) cuts the requests off and throws their work away unless the
+rollout resumes them. ``meta_info.weight_versions`` then lists each response's spans of tokens by the version that
+sampled them (``Generation.extra["weight_versions"]``; their versions in order in ``extra["versions"]``).
+
 Reproducible sampling: with ``seed`` set, every prompt carries its own ``sampling_seed`` derived from the seed, the
 number of ``generate`` calls so far and its index in the batch; :meth:`SGLangEngine.get_rng_state` /
 :meth:`SGLangEngine.set_rng_state` save and restore that counter, so a resumed job sends the same seeds. SGLang
@@ -80,6 +97,11 @@ from runtime.engines.hf_engine import (
 from runtime.engines.routes import routes_from_base64, routes_shape
 
 FINISH_REASONS = ("stop", "length", "abort")
+# PauseGenerationReqInput.mode's values, and the one rlcore pauses with around a weight update (module docstring).
+PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODE = "retract"
+# The weight version SGLang reports before any update ("default": the weights it was launched with, rlcore's 0).
+LAUNCH_VERSION = "default"
 # The SGLang router's header for the key that its consistent-hashing and manual policies route by.
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -158,7 +180,9 @@ def generation_from_sglang(
     """A :class:`Generation` from one element of ``/generate``'s answer (sent with ``return_logprob``).
 
     Token ids and log-probs come from ``meta_info.output_token_logprobs``; ``output_ids``, when the server sends it,
-    must agree with them. ``weight_version`` is used when the server does not report a numeric one. With
+    must agree with them. ``weight_version`` is used when the server does not report a numeric one.
+    ``extra["versions"]`` holds the version of each span of ``meta_info.weight_versions``, in token order (SGLang's
+    ``"default"``, the weights it was launched with, is 0). With
     ``routes_shape`` (``(num_hidden_layers, topk)``; the request sent ``return_routed_experts``)
     ``meta_info.routed_experts`` becomes ``extra["routed_experts"]``, ``[prompt_length + tokens - 1, layers, topk]``
     int32 (:mod:`runtime.engines.routes`).
@@ -191,6 +215,14 @@ def generation_from_sglang(
     if kind not in FINISH_REASONS:
         raise ValueError(f"meta_info.finish_reason must be a dict with type in {FINISH_REASONS}, got {finish!r}")
     version = parse_weight_version(meta.get("weight_version"))
+    version = weight_version if version is None else version
+    spans = meta.get("weight_versions")
+    versions = [version]
+    if isinstance(spans, list) and spans:
+        # A label that is no rlcore version (a server someone else updated) counts as the response's, as above.
+        labels = [span.get("version") if isinstance(span, dict) else None for span in spans]
+        parsed = [0 if x == LAUNCH_VERSION else parse_weight_version(x) for x in labels]
+        versions = [version if v is None else v for v in parsed]
     routes = {}
     if routes_shape is not None:
         if "routed_experts" not in meta:
@@ -206,13 +238,15 @@ def generation_from_sglang(
         token_ids=token_ids,
         log_probs=log_probs,
         finish_reason=kind,
-        weight_version=weight_version if version is None else version,
+        weight_version=version,
         extra={
             "rid": meta.get("id"),
             "text": output.get("text"),
             "finish": finish,
-            # SGLang 0.5.23's spans [{"version", "start", "end"}] of the versions the tokens were sampled with.
+            # SGLang 0.5.23's spans [{"version", "start", "end"}] of the versions the tokens were sampled with, and
+            # those versions in token order (more than one when a weight update came while the request was live).
             "weight_versions": meta.get("weight_versions"),
+            "versions": versions,
             **routes,
         },
     )
@@ -330,6 +364,9 @@ class SGLangEngine:
         self._last_weights: Path | None = None
         # The LoRA adapter the server holds for this engine (``load_lora_adapter``), named in every /generate.
         self.lora_name: str | None = None
+        # Whether a weight-update session is open on the server (opened here), and whether generation is paused.
+        self._session_open = False
+        self.paused = False
         if wait_healthy:
             self.wait_healthy(startup_timeout)
 
@@ -366,7 +403,8 @@ class SGLangEngine:
         """Whether the server can generate now: ``/health_generate`` answers 200 (one attempt, no retries).
 
         A released or closed engine is not asked: ``/health_generate`` runs a one-token generation, which a server
-        whose memory is released cannot do.
+        whose memory is released cannot do. It waits while generation is paused (the engine group checks no health
+        then).
         """
         if self.released or self.closed:
             return False
@@ -583,7 +621,7 @@ class SGLangEngine:
         if weight_version is not None:
             check_weight_version(weight_version)
             payload["weight_version"] = str(weight_version)
-        self._post("/update_weights_from_distributed", payload)
+        self._in_session("/update_weights_from_distributed", payload, last=weight_version is not None)
         if weight_version is not None:
             self._weight_version = weight_version
 
@@ -596,9 +634,45 @@ class SGLangEngine:
         if weight_version is not None:
             check_weight_version(weight_version)
             body["weight_version"] = str(weight_version)
-        self._post("/update_weights_from_tensor", body)
+        self._in_session("/update_weights_from_tensor", body, last=weight_version is not None)
         if weight_version is not None:
             self._weight_version = weight_version
+
+    def _in_session(self, path: str, payload: dict[str, Any], *, last: bool) -> None:
+        """Post one bucket of an update inside a weight-update session (see the module docstring): opened before the
+        update's first bucket, closed after its ``last`` one or at once when a bucket fails."""
+        if not self._session_open:
+            self._post("/begin_weight_update", {})
+            self._session_open = True
+        try:
+            self._post(path, payload)
+        except BaseException:
+            self._end_session(quietly=True)
+            raise
+        if last:
+            self._end_session()
+
+    def _end_session(self, *, quietly: bool = False) -> None:
+        self._session_open = False
+        try:
+            self._post("/end_weight_update", {})
+        except (SGLangHTTPError, SGLangConnectionError, httpx.HTTPError):
+            if not quietly:  # (after a failed bucket the bucket's error is the one to raise)
+                raise
+
+    def pause_generation(self, mode: str = PAUSE_MODE) -> None:
+        """Pause the server's generation (``/pause_generation``) before a weight update: in ``retract`` mode (the
+        default, see the module docstring) the requests in flight stop where they are and new ones wait; nothing is
+        lost. :meth:`continue_generation` goes on."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post("/pause_generation", {"mode": mode})
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        """Let a paused server generate again (``/continue_generation``): paused requests go on with its weights."""
+        self._post("/continue_generation", {})
+        self.paused = False
 
     def destroy_weights_update_group(self, group_name: str = weight_transfer.DEFAULT_GROUP) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})

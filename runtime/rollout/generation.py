@@ -124,7 +124,10 @@ def apply_generation(
     sample.rollout_log_probs = list(generation.log_probs)
     sample.loss_mask = [1] * len(generation.token_ids)
     sample.status = _STATUS_OF_FINISH.get(generation.finish_reason, Sample.Status.TRUNCATED)
-    sample.weight_versions = [*sample.weight_versions, str(generation.weight_version)]
+    # Every version that sampled some of the tokens, in order: more than one when the weights changed while the
+    # engine generated (an SGLang server paused around a weight update: ``extra["versions"]``).
+    versions = generation.extra.get("versions") or [generation.weight_version]
+    sample.weight_versions = [*sample.weight_versions, *(str(v) for v in versions)]
     if "top_p_token_ids" in generation.extra:
         sample.rollout_top_p_token_ids = list(generation.extra["top_p_token_ids"])
         sample.rollout_top_p_token_offsets = list(generation.extra["top_p_token_offsets"])

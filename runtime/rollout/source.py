@@ -7,7 +7,10 @@ are this one loop with a different source, picked by ``--rollout-schedule`` from
 - ``sync``: step ``s``'s rollout is generated when the loop asks for it; nothing generates while the trainers train.
 - ``one_step`` (slime's ``train_async.py``): as soon as step ``s``'s rollout is handed over, step ``s + 1``'s starts,
   so it is generated while step ``s`` trains, with the weights of before step ``s``. A weight update waits for it to
-  finish (generation is drained at the sync), so its samples are exactly one weight version behind.
+  finish (generation is drained at the sync, :meth:`BatchSource.pause`), so its samples are exactly one weight version
+  behind, unless the loop syncs without waiting: staged into the embedded engines' second buffer and swapped in before
+  the next rollout (:meth:`BatchSource.defer`), or with SGLang servers paused around the sync, when the tokens sampled
+  after it are the new version's (``runtime.loop.sync_weights``).
 - ``fully_async``: a producer keeps admitting groups across steps while the trainers train; each step takes the next
   ``--rollout-batch-size`` groups that pass the filter, in the order they were admitted. Staleness is bounded by
   admission, not by dropping stale groups afterwards (which would bias the data toward short responses): a group is
