@@ -182,10 +182,11 @@ CASES = {
     # (megatron_layers.mla_attention) holds there too.
     "deepseek_v3_dense": (False, {"sequence_parallel": False}),
 }
-# The default suite's case: its attention, QK-norms, norms, router and experts cover what sequence parallelism changes
-# in a Qwen3 (the dense one runs with the slow cases: test_sp_slow_cases).
-DEFAULT_CASES = ("qwen3_moe",)
-SLOW_CASES = ("qwen3", "deepseek_v3", "qwen3_moe_ep2", "deepseek_v3_dense")
+# The default suite's cases: a Qwen3-MoE (attention, QK-norms, norms, router and experts: what sequence parallelism
+# changes in a Qwen3) and the DeepSeek-V3 layout (MLA's latent norms, a shared expert, expert biases); the dense Qwen3,
+# EP=2 and MLA without sequence parallelism run with the slow cases (test_sp_slow_cases).
+DEFAULT_CASES = ("qwen3_moe", "deepseek_v3")
+SLOW_CASES = ("qwen3", "qwen3_moe_ep2", "deepseek_v3_dense")
 TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, actor_num_gpus_per_node=2)
 
 
@@ -319,11 +320,11 @@ def test_sp_at_tp2_trains_as_tp1(case, default_cases):
     _check(case, *default_cases[case])
 
 
-@pytest.mark.slow  # two processes, three more models each, and their TP=1 runs: minutes on two loaded cores
+@pytest.mark.slow  # three more models on the two ranks, and their TP=1 runs: a minute or more on two loaded cores
 def test_sp_slow_cases(tmp_path, gloo_ranks):
-    """As :func:`test_sp_at_tp2_trains_as_tp1` for a dense Qwen3, the DeepSeek-V3 layout (MLA's latent norms see a
-    sequence chunk; a shared expert, expert biases, the first layer dense) and a Qwen3-MoE whose experts are split over
-    EP=2 on the TP ranks (every gradient but the experts', which the ranks hold by their own local ids)."""
+    """As :func:`test_sp_at_tp2_trains_as_tp1` for a dense Qwen3, a Qwen3-MoE whose experts are split over EP=2 on the
+    TP ranks (every gradient but the experts', which the ranks hold by their own local ids) and the DeepSeek-V3 layout
+    at TP=2 without sequence parallelism (its layers dense)."""
     results = _spawn(SLOW_CASES, tmp_path, gloo_ranks)
     for case, (ranks, one, path) in results.items():
         _check(case, ranks, one, path)
