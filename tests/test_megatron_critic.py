@@ -267,12 +267,15 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
     "layout,device",
     [
         (TP2, "cpu"),
+        # The value head's gather of the sequence chunks and its weights' gradients summed over TP (marked
+        # sequence_parallel): a repeat of tp2's mechanism with the sequence cut.
+        pytest.param({**TP2, "sequence_parallel": True}, "cpu", marks=pytest.mark.slow),
         (DP2, "cpu"),
         pytest.param(TP2, "cuda", marks=TWO_GPUS),
         pytest.param(PP2, "cuda", marks=TWO_GPUS),
         pytest.param(DP2, "cuda", marks=TWO_GPUS),
     ],
-    ids=["tp2", "dp2", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
+    ids=["tp2", "tp2-sp", "dp2", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
 )
 def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
     path = save_model("qwen3", tmp_path / "m")

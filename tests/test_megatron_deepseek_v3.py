@@ -295,6 +295,8 @@ def test_the_job_takes_slimes_mla_flags_and_names_each_disagreement(tmp_path):
     problems = _problems([*job, "--q-lora-rank", "1536", "--rotary-scaling-factor", "40", "--mscale-all-dim", "1"])
     assert sorted(p.split()[0] for p in problems) == ["--q-lora-rank", "--rotary-scaling-factor"], problems
     assert _problems([*job, "--rotary-scaling-factor", "4"]) == []
-    # MoE layers at TP > 1 need sequence parallelism, which megatron-core's norms refuse without Transformer Engine.
+    # MoE layers at TP > 1 need sequence parallelism (megatron-core's own requirement).
     (problem,) = _problems([*job, "--tensor-model-parallel-size", "2"])
-    assert problem.startswith("--tensor-model-parallel-size 2 with the MoE layers of") and "sequence" in problem
+    assert problem.startswith("--tensor-model-parallel-size 2 with the MoE layers of")
+    assert "needs --sequence-parallel" in problem
+    assert _problems([*job, "--tensor-model-parallel-size", "2", "--sequence-parallel"]) == []

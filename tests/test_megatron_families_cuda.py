@@ -1,5 +1,6 @@
 """GLM-4 dense, GLM-4.5 and the DeepSeek-V3 layout (MLA; Moonlight too) under --train-backend megatron on a GPU
-(skipped without one): bf16 logits against transformers' on the same weights.
+(skipped without one): bf16 logits against transformers' on the same weights, and the DeepSeek-V3 layout at TP=2
+with sequence parallelism over NCCL in float32.
 
 Run: ``python -m pytest -q tests/test_megatron_families_cuda.py``. Written without a GPU to run it on: the CPU tests
 (``tests/test_megatron_glm4.py``, ``tests/test_megatron_glm4_moe.py``, ``tests/test_megatron_deepseek_v3.py``) check
@@ -71,3 +72,56 @@ def test_bf16_logits_are_near_transformers(name, tmp_path):
     mean, largest, baseline = bf16_gaps(name, tmp_path, device="cuda")
     print(f"{name}: megatron-hf bf16 mean {mean:.3e} max {largest:.3e}; hf bf16-fp32 mean {baseline:.3e}")
     assert mean <= 1.5 * baseline + 1e-3 and largest < 5e-2
+
+
+def _mla_tp2_worker(rank, port, path, tmp, out):
+    from test_megatron_backend import job, make_batch, trainer
+
+    from runtime.train.roles import ACTOR
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = job(
+        tmp,
+        train_backend="megatron",
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        actor_num_gpus_per_node=2,
+        bf16="false",
+    )
+    mega = trainer(
+        "megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device=f"cuda:{rank}"
+    )
+    try:
+        with mega._shims(), torch.no_grad():
+            logits = mega._logits(mega.model, make_batch(203)[:4]).float().cpu()
+        torch.save(logits, f"{out}.{rank}")  # this rank's half of the padded vocabulary
+        mega.get_weights()
+    finally:
+        mega.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("name", ["deepseek_v3", "moonlight"])
+def test_mla_with_experts_at_tp2_over_nccl_equals_transformers_in_float32(name, tmp_path):
+    """The DeepSeek-V3 layout, its MoE layer included, over two tensor-parallel GPUs with --sequence-parallel, float32
+    with TF32 off: logits equal transformers' to the CPU tests' tolerance (``tests/test_megatron_sequence_parallel.py``
+    runs the same layout at TP=2 over gloo through a train step)."""
+    import torch.multiprocessing as mp
+    from test_megatron_backend import _free_port, make_batch
+    from test_megatron_deepseek_v3 import LOGIT_TOL
+    from transformers import AutoModelForCausalLM
+
+    from runtime.train.batch import TOKENS
+
+    path = tmp_path / name
+    MODELS[name]().save_pretrained(path)
+    out = str(tmp_path / "tp2")
+    mp.spawn(_mla_tp2_worker, args=(_free_port(), str(path), tmp_path, out), nprocs=2, join=True)
+    got = torch.cat([torch.load(f"{out}.{rank}") for rank in range(2)], dim=-1)[..., :203]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    tokens = make_batch(203)[TOKENS][:4, : got.shape[1]].cuda()
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits.cpu()
+    torch.testing.assert_close(got, want, **LOGIT_TOL)

@@ -305,8 +305,8 @@ def test_expert_parallel_two_ranks_equal_transformers(tmp_path, gloo_ranks):
 
 
 def test_the_decoder_spec_lists_each_stages_own_layers():
-    """Dense first layers make a block spec of the stage's layers in order (equal pipeline stages); a uniform stack
-    stays one layer spec."""
+    """Dense first layers make a block spec of the stage's layers in order (equal pipeline stages); a uniform stack is
+    a block spec too, of one layer spec repeated (its final norm is the backend's, megatron_layers)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from runtime.train.backends.megatron_layers import decoder_spec
@@ -319,4 +319,5 @@ def test_the_decoder_spec_lists_each_stages_own_layers():
         kinds.append([getattr(s.submodules.mlp.submodules, "experts", None) is not None for s in spec.layer_specs])
     assert kinds == [[False, True], [True, True]]
     uniform = mc.shape_from_hf(glm4_moe_config(first_k_dense_replace=0).to_dict())
-    assert not isinstance(decoder_spec(uniform, attention_backend="auto"), TransformerBlockSubmodules)
+    block = decoder_spec(uniform, attention_backend="auto", pp_rank=1, pp_size=2)
+    assert len(block.layer_specs) == uniform.num_layers // 2 and len({id(s) for s in block.layer_specs}) == 1

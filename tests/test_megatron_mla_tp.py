@@ -35,7 +35,7 @@ def test_each_rank_holds_its_cut_and_the_cuts_join_back_exactly(variant):
 
 
 def test_tensor_parallel_sizes_that_do_not_divide_the_latent_or_the_heads_are_named():
-    # Every layer dense: MoE layers at TP > 1 are refused on their own (sequence parallelism).
+    # Every layer dense: MoE layers at TP > 1 without --sequence-parallel are refused on their own.
     dense = dict(first_k_dense_replace=2)
     shape = mc.shape_from_hf(deepseek_config(**dense).to_dict())  # 4 heads, q_lora_rank 24, kv_lora_rank 32 + rope 8
     assert mc.parallel_problems(shape, tp_size=2, pp_size=1) == []
@@ -48,8 +48,10 @@ def test_tensor_parallel_sizes_that_do_not_divide_the_latent_or_the_heads_are_na
     assert mla.tp_problems(shape.mla, heads=4, tp_size=1) == []
     moonlight = mc.shape_from_hf(deepseek_config(**MOONLIGHT, **dense).to_dict())
     assert mc.parallel_problems(moonlight, tp_size=2, pp_size=1) == []
-    (moe,) = mc.parallel_problems(mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict()), tp_size=2, pp_size=1)
-    assert "megatron-core trains MoE layers over tensor-parallel ranks only with sequence parallelism" in moe
+    moonlight_moe = mc.shape_from_hf(deepseek_config(**MOONLIGHT).to_dict())
+    (moe,) = mc.parallel_problems(moonlight_moe, tp_size=2, pp_size=1)
+    assert "needs --sequence-parallel (megatron-core trains MoE layers over tensor-parallel ranks only" in moe
+    assert mc.parallel_problems(moonlight_moe, tp_size=2, pp_size=1, sequence_parallel=True) == []
 
 
 pytest.importorskip("megatron.core")
@@ -58,6 +60,7 @@ pytest.importorskip("megatron.core")
 def _tp_worker(rank, port, path, tmp, out):
     from test_megatron_backend import job, make_batch, train_once, trainer
     from test_megatron_moe import routed_logits
+    from test_megatron_sequence_parallel import tensor_grads
     from transformers import AutoModelForCausalLM
 
     cfg = job(tmp, tensor_model_parallel_size=2, train_backend="megatron", actor_num_gpus_per_node=2)
@@ -67,9 +70,12 @@ def _tp_worker(rank, port, path, tmp, out):
         logits, want, got_routes, want_routes = routed_logits(mega, hf, make_batch(203)[:5])
         weights = mega.get_weights()
         metrics = train_once(mega, cfg, make_batch(203))
+        grads = tensor_grads(mega)
         # Each rank's logits are its half of the (padded) vocabulary.
         result = dict(logits=logits, want=want, got_routes=got_routes, want_routes=want_routes)
-        torch.save({**result, "weights": weights, "metrics": metrics, "dp": mega.dp_info()}, f"{out}.{rank}")
+        torch.save(
+            {**result, "weights": weights, "metrics": metrics, "grads": grads, "dp": mega.dp_info()}, f"{out}.{rank}"
+        )
     finally:
         mega.shutdown()
 
@@ -77,8 +83,9 @@ def _tp_worker(rank, port, path, tmp, out):
 def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path, gloo_ranks):
     """TP=2 over gloo: logits equal transformers' (the sharded projections gathered as megatron-core's local spec
     does), the exported weights are the checkpoint's, and a train step's loss and gradient norm are TP=1's. Both layers
-    dense: the CPU builds no experts at TP > 1 (tests/test_megatron_families_cuda.py runs the MoE layers at TP=2)."""
+    dense, without --sequence-parallel (MoE layers at TP=2 with it: tests/test_megatron_sequence_parallel.py)."""
     from test_megatron_backend import _free_port, job, make_batch, train_once, trainer
+    from test_megatron_sequence_parallel import assert_hf_grads_equal, tensor_grads
 
     hf = deepseek_model(first_k_dense_replace=2)
     path = tmp_path / "deepseek-v3"
@@ -103,5 +110,10 @@ def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path, gloo_ranks
         # partial sums), a few ulps apart.
         assert tp2["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
         assert tp2["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        # Every gradient, which the norm above hides (the key's rotary part summed over the ranks:
+        # megatron_layers.mla_attention; the latent norms' whole on every rank, not summed).
+        assert_hf_grads_equal(
+            [r["grads"] for r in ranks], tensor_grads(one), mc.shape_from_hf(hf.config.to_dict()), what="MLA"
+        )
     finally:
         one.shutdown()

@@ -254,12 +254,9 @@ def test_transformer_config_carries_the_megatron_flags(job, bf16):
     assert (tc.num_layers, tc.hidden_size, tc.num_query_groups) == (2, 64, 2)
 
 
-def test_sequence_parallel_is_taken_and_trains_as_tensor_parallelism_without_it(job):
-    """Off at TP 1 as Megatron-LM turns it off; at TP 2 too, since megatron-core's norms without Transformer Engine
-    or Apex refuse it (which this test checks: it fails once they take it, and the backend should then build it)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+def test_sequence_parallel_is_off_at_tp1_and_built_at_tp2(job):
+    """Off at TP 1 as Megatron-LM turns it off there (slime's scripts pass it anyway); built at TP 2 (the norms that
+    take it: tests/test_megatron_sequence_parallel.py)."""
     from runtime.train.backends.megatron_backend import transformer_config
 
     shape = mc.shape_from_hf(QWEN3)
@@ -269,14 +266,9 @@ def test_sequence_parallel_is_taken_and_trains_as_tensor_parallelism_without_it(
     at_tp2 = parse_args(
         [*job, *MEGATRON, "--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     )
-    assert at_tp2.train.sequence_parallel
-    assert not transformer_config(shape, at_tp2.train, bf16=False, cpu=True).sequence_parallel
-    sp = TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2, sequence_parallel=True,
-        normalization="RMSNorm",
-    )  # fmt: skip
-    with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
-        WrappedTorchNorm(sp, 8)
+    assert transformer_config(shape, at_tp2.train, bf16=False, cpu=True).sequence_parallel
+    plain_tp2 = parse_args([*job, *MEGATRON, "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
+    assert not transformer_config(shape, plain_tp2.train, bf16=False, cpu=True).sequence_parallel
 
 
 def test_optimizer_config_carries_the_cpu_offload_flags(job):

@@ -1,7 +1,8 @@
-"""Routing replay under --train-backend megatron on two GPUs (skipped without them): the path the CPU cannot run,
-R3 through PP=2's 1F1B schedule (each stage's MoE layers take their slice; the backward's recompute pops each
-micro-batch's own routes), against one GPU's replay, in float32 with TF32 off. (MoE layers at TP > 1 are refused:
-megatron-core trains them only with sequence parallelism, which its norms without Transformer Engine refuse.)
+"""Routing replay under --train-backend megatron on two GPUs (skipped without them): R3 through PP=2's 1F1B schedule
+(each stage's MoE layers take their slice; the backward's recompute pops each micro-batch's own routes) and through
+TP=2 with ``--sequence-parallel`` (each rank its chunk of the sequence; the same runs on the CPU over gloo:
+tests/test_megatron_sequence_parallel.py), and R2's recording at TP=2, each against one GPU's replay, in float32 with
+TF32 off.
 
 Run: ``python -m pytest -q tests/test_megatron_replay_cuda.py``. The CPU tests (``tests/test_megatron_replay.py``)
 check the replay itself: own routes bitwise, a perturbed router restored, padding, the reference model, recompute.
@@ -19,13 +20,14 @@ from test_megatron_moe import save_qwen3_moe  # noqa: E402
 from test_megatron_replay import VOCAB, _foreign_routes, _job, _trainer, _with_advantages  # noqa: E402
 
 from rlcore import keys  # noqa: E402
-from runtime.train.batch import ROUTED_EXPERTS  # noqa: E402
+from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS  # noqa: E402
 from runtime.train.roles import ACTOR  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 LAYOUTS = {
     "pp2": dict(pipeline_model_parallel_size=2),
+    "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     # Full recompute under PP=2: the backward's recompute of a micro-batch runs after later forwards.
     "pp2-recompute": dict(
         pipeline_model_parallel_size=2,
@@ -86,4 +88,19 @@ def test_rollout_routes_replay_over_two_gpus_as_on_one(layout, tmp_path):
     """R3 with foreign routes (not the model's own choices, so a route given to the wrong token, layer or chunk
     changes the outputs): two GPUs under ``layout`` equal one GPU's log-probs, loss, gradient norm and weights."""
     got, want = _two_against_one(tmp_path, "rollout", LAYOUTS[layout])
+    _assert_same_step(got, want)
+
+
+def test_recorded_routes_at_tp2_equal_one_gpus(tmp_path):
+    """R2 at TP=2: the routes recorded in the old-log-prob pass come back whole, equal to one GPU's recording, and the
+    replayed update equals one GPU's."""
+    got, want = _two_against_one(tmp_path, "trainer", LAYOUTS["tp2-sp"])
+    assert got["recorded"] is not None and got["recorded"].shape == want["recorded"].shape
+    # Positions of real tokens but the last (whose prediction no loss reads): padding positions hold whatever each
+    # layout pads with.
+    real = torch.zeros(want["recorded"].shape[:2], dtype=torch.bool)
+    td = make_batch(VOCAB)
+    for i, n in enumerate((td[PROMPT_LENGTHS] + td[RESPONSE_LENGTHS]).tolist()):
+        real[i, : n - 1] = True
+    assert torch.equal(got["recorded"][real], want["recorded"][real])
     _assert_same_step(got, want)

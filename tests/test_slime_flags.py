@@ -314,7 +314,8 @@ def test_slime_script_without_the_named_flags_passes_dry_run(script, tmp_path, c
 MEGATRON_REFUSALS = {
     "--context-parallel-size": "needs Transformer Engine's attention",
     "--sglang-cuda-graph-bs": "not a flag of SGLang",
-    "--tensor-model-parallel-size": "trains MoE layers over tensor-parallel ranks only with sequence parallelism",
+    # (No script refuses it now: each MoE script passes --sequence-parallel, which MoE layers at TP > 1 need.)
+    "--tensor-model-parallel-size": "with the MoE layers of config.json needs --sequence-parallel",
     # Stages of equal depth (slime's DeepSeek-R1 script gives the last stage 13 of 61 layers instead).
     "--pipeline-model-parallel-size": "must divide num_hidden_layers",
     **VALUE_REFUSALS,

@@ -144,7 +144,13 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
                     )
         self.tp, self.pp = train_cfg.tensor_model_parallel_size, train_cfg.pipeline_model_parallel_size
         self.ep = train_cfg.expert_model_parallel_size
-        problems = mc.parallel_problems(self.shape, tp_size=self.tp, pp_size=self.pp, ep_size=self.ep)
+        problems = mc.parallel_problems(
+            self.shape,
+            tp_size=self.tp,
+            pp_size=self.pp,
+            ep_size=self.ep,
+            sequence_parallel=sequence_parallel(train_cfg),
+        )
         if world_size % (self.tp * self.pp):
             problems.append(f"{world_size} ranks are not a multiple of TP {self.tp} x PP {self.pp}")
         elif (world_size // self.pp) % max(self.ep, 1):
@@ -154,8 +160,6 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
             )
         if self.cpu and self.pp > 1:
             problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
-        if self.cpu and sequence_parallel(train_cfg):
-            problems.append("--sequence-parallel runs on GPUs only (its collectives are not gloo's)")
         if self.cpu and train_cfg.optimizer_cpu_offload:
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
         if train_cfg.context_parallel_size != 1:

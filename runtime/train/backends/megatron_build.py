@@ -45,19 +45,11 @@ class ProviderContext:
 _PROVIDER_CONTEXT: contextvars.ContextVar[ProviderContext] = contextvars.ContextVar("megatron_provider_context")
 
 
-# Sequence parallelism needs norms that take it. megatron-core's own, without Transformer Engine or Apex
-# (WrappedTorchNorm), refuse it when the layers are built ("sequence parallel not supported by torch LayerNorm", seen
-# on two H200s at dc7f936). Until this backend builds norms that do, --sequence-parallel at TP > 1 trains as tensor
-# parallelism without it: the same arithmetic, with each rank's activations whole instead of cut along the sequence.
-# megatron-core trains MoE layers at TP > 1 only with it (MoELayer raises otherwise), so those are refused
-# (megatron_config.parallel_problems).
-SEQUENCE_PARALLEL_NORMS = False
-
-
 def sequence_parallel(cfg: Any) -> bool:
-    """Whether the model of ``cfg`` (the train section) is built sequence-parallel: never at TP 1 (Megatron-LM turns it
-    off there; slime's scripts pass it anyway), nor without norms that take it (:data:`SEQUENCE_PARALLEL_NORMS`)."""
-    return bool(cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1 and SEQUENCE_PARALLEL_NORMS)
+    """Whether the model of ``cfg`` (the train section) is built sequence-parallel: as ``--sequence-parallel`` says at
+    TP > 1, never at TP 1 (Megatron-LM turns it off there; slime's scripts pass it anyway). Every norm the backend
+    builds takes it (:mod:`runtime.train.backends.megatron_layers`)."""
+    return bool(cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1)
 
 
 def provider_context() -> ProviderContext:

@@ -462,10 +462,16 @@ def weight_mapping(model_name: str, shape: ModelShape, *, flag: str = "--model-n
 
 
 def parallel_problems(
-    shape: ModelShape, *, tp_size: int, pp_size: int, ep_size: int = 1, source: str = "config.json"
+    shape: ModelShape,
+    *,
+    tp_size: int,
+    pp_size: int,
+    ep_size: int = 1,
+    sequence_parallel: bool = False,
+    source: str = "config.json",
 ) -> list[str]:
-    """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways with ``ep_size`` expert-parallel ranks, naming the
-    flag and the HF field."""
+    """Why ``shape`` cannot be split ``tp_size`` x ``pp_size`` ways with ``ep_size`` expert-parallel ranks (with
+    ``--sequence-parallel`` or without), naming the flag and the HF field."""
     problems = []
     if shape.moe is None and ep_size != 1:
         problems.append(
@@ -479,12 +485,10 @@ def parallel_problems(
             problems.append(f"{err} ({source})")
     if shape.mla is not None:
         problems += mla_tp_problems(shape.mla, heads=shape.num_attention_heads, tp_size=tp_size, source=source)
-    if shape.moe is not None and any(shape.moe.layer_pattern) and tp_size > 1:
+    if shape.moe is not None and any(shape.moe.layer_pattern) and tp_size > 1 and not sequence_parallel:
         problems.append(
-            f"--tensor-model-parallel-size {tp_size} with the MoE layers of {source}: megatron-core trains MoE layers "
-            "over tensor-parallel ranks only with sequence parallelism, which its norms without Transformer Engine or "
-            "Apex refuse (megatron_build.SEQUENCE_PARALLEL_NORMS); split the experts with "
-            "--expert-model-parallel-size at TP 1"
+            f"--tensor-model-parallel-size {tp_size} with the MoE layers of {source} needs --sequence-parallel "
+            "(megatron-core trains MoE layers over tensor-parallel ranks only with sequence parallelism)"
         )
     if shape.num_query_groups % tp_size:
         problems.append(

@@ -9,16 +9,20 @@ a family's layers add (:data:`runtime.train.backends.megatron_config.FAMILIES`).
 - GLM-4's norms after attention and after the MLP: :class:`PostNormTransformerLayer`.
 - Multi-latent attention (DeepSeek-V3): megatron-core's ``MLASelfAttention`` and ``MLATransformerConfig``
   (:func:`config_class`; :mod:`runtime.train.backends.megatron_mla`).
+- Every norm is :class:`SequenceParallelNorm` or :class:`WholeSequenceNorm` (torch's RMSNorm or LayerNorm, as
+  megatron-core's ``WrappedTorchNorm`` builds them, which refuses ``--sequence-parallel``): which one follows from
+  what the norm sees under sequence parallelism (:data:`NORM_SEES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -67,13 +71,154 @@ class PostNormTransformerLayer(TransformerLayer):
         self.mlp_bda = _normed(self.mlp_bda, self.post_mlp_layernorm)
 
 
+class _SumLastColumnsGrad(torch.autograd.Function):
+    """The identity forward; backward, the gradient of the last ``width`` columns summed over ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
+        ctx.width, ctx.group = width, group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        part = grad[..., -ctx.width :].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., -ctx.width :] = part
+        return grad, None, None
+
+
+def _whole_kv_latent(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[Any, Any]:
+    """A forward hook on MLA's column-parallel ``linear_kv_down_proj``: its output gathered whole along the columns
+    (and under sequence parallelism cut back to this rank's sequence chunk), so that ``MLASelfAttention`` takes its
+    path for a whole latent, where the gradient of the key's rotary part (``k_pos_emb``, shared by every head) is
+    summed over the tensor-parallel ranks: under sequence parallelism by its own gather of ``k_pos_emb`` (whose
+    backward reduce-scatters), else by :class:`_SumLastColumnsGrad`. On megatron-core 0.16.1's path for a column-cut
+    output, the gather's backward keeps each rank's own heads' share of that gradient: the rotary rows of
+    ``linear_kv_down_proj`` and everything before them train on part of their gradient (seen at TP=2 over gloo, with
+    and without sequence parallelism: tests/test_megatron_sequence_parallel.py)."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    out, bias = output
+    group = module.tp_group
+    if group is None or group.size() == 1:
+        return output
+    out = gather_from_tensor_model_parallel_region(out, group=group)
+    if module.config.sequence_parallel:
+        return scatter_to_sequence_parallel_region(out, group=group), bias
+    return _SumLastColumnsGrad.apply(out, module.config.qk_pos_emb_head_dim, group), bias
+
+
+@functools.cache
+def mla_attention() -> type:
+    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj`` (one class,
+    made once: megatron-core is imported when a model is built)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class WholeLatentMLASelfAttention(MLASelfAttention):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent)
+
+    return WholeLatentMLASelfAttention
+
+
+# torch's norm of each megatron-core ``normalization`` the backend builds (megatron-core's WrappedTorchNorm's choice).
+TORCH_NORMS: dict[str, type[torch.nn.Module]] = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+# What a norm that WrappedTorchNorm builds takes but this backend's do not (WrappedTorchNorm refuses them too).
+_REFUSED = {
+    "layernorm_zero_centered_gamma": "zero-centred gamma",
+    "persist_layer_norm": "the persistent (apex) layer norm",
+    "memory_efficient_layer_norm": "the memory-efficient (apex) layer norm",
+}
+
+
+def torch_norm(config: Any, hidden_size: int, *, eps: float, sequence_chunk: bool) -> torch.nn.Module:
+    """torch's ``config.normalization`` norm over ``hidden_size`` features at ``eps``: the arithmetic of
+    megatron-core's ``WrappedTorchNorm``. With ``sequence_chunk`` (the norm sees this tensor-parallel rank's chunk of
+    the sequence under ``config.sequence_parallel``) its weight and bias carry megatron-core's ``sequence_parallel``
+    attribute, which ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) and the backend's CPU
+    gradient path (:func:`runtime.train.backends.megatron_step.sums_over_tensor_parallel`) read to add the ranks'
+    gradients: each rank's is its own tokens' only."""
+    if config.normalization not in TORCH_NORMS:
+        raise ValueError(f"normalization {config.normalization!r}: the backend builds {sorted(TORCH_NORMS)}")
+    refused = [what for field, what in _REFUSED.items() if getattr(config, field, False)]
+    if refused:
+        raise ValueError(f"the torch norms take no {', '.join(refused)} (those need Transformer Engine or Apex)")
+    norm = TORCH_NORMS[config.normalization](hidden_size, eps=eps)
+    if sequence_chunk and config.sequence_parallel:
+        for param in norm.parameters():
+            param.sequence_parallel = True
+    return norm
+
+
+class SequenceParallelNorm:
+    """A norm of the hidden states between the sublayers (:func:`torch_norm` with ``sequence_chunk``): under sequence
+    parallelism it sees this rank's chunk of the sequence, so its gradient is summed over the tensor-parallel ranks.
+    Built as megatron-core builds a layer spec's norm: ``(config, hidden_size, eps, ...)``."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+        return torch_norm(config, hidden_size, eps=eps, sequence_chunk=True)
+
+
+class WholeSequenceNorm:
+    """A norm that sees the whole sequence under sequence parallelism (:func:`torch_norm` without ``sequence_chunk``):
+    the per-head QK-norms, which run after the QKV projection has gathered the sequence. Its gradient is not marked;
+    on each rank it is the rank's own heads' share, which megatron-core's gradient finalisation sums by name
+    (``q_layernorm``/``k_layernorm`` under ``qk_layernorm``) with or without sequence parallelism."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+        return torch_norm(config, hidden_size, eps=eps, sequence_chunk=False)
+
+
 class LatentNorm:
-    """The local spec's norm (``LNImpl``, built as megatron-core builds it) at transformers' epsilon for MLA's latent
-    norms (``q_a_layernorm``, ``kv_a_layernorm``: :data:`megatron_mla.HF_LATENT_NORM_EPS`, whatever
-    ``rms_norm_eps`` says), where megatron-core would pass the model's."""
+    """MLA's latent norms (``q_a_layernorm``, ``kv_a_layernorm``), :class:`SequenceParallelNorm` at transformers'
+    epsilon (:data:`megatron_mla.HF_LATENT_NORM_EPS`, whatever ``rms_norm_eps`` says) where megatron-core would pass
+    the model's. megatron-core's ``MLASelfAttention`` gathers the down projections' column shards and, under sequence
+    parallelism, scatters the sequence again before these norms (the up projections gather it after): they see this
+    rank's chunk of the sequence."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = HF_LATENT_NORM_EPS, **kwargs: Any) -> Any:
-        return LNImpl(config, hidden_size, eps=HF_LATENT_NORM_EPS, **kwargs)
+        return torch_norm(config, hidden_size, eps=HF_LATENT_NORM_EPS, sequence_chunk=True)
+
+
+# Every norm of a decoder layer's spec (its path of submodules) -> the module built there, from what it sees under
+# sequence parallelism (megatron-core 0.16.1's local spec: the layer's input is this rank's chunk of the sequence;
+# column-parallel linears gather it, row-parallel ones reduce-scatter it back):
+# - input_layernorm, pre_mlp_layernorm: the layer's input and the attention's residual sum, a chunk;
+# - GLM-4's post_self_attn_layernorm and post_mlp_layernorm (PostNormTransformerLayer builds them from the
+#   input_layernorm's spec): the row-parallel output projection's and the MLP's (or the MoE layer's) outputs, a chunk;
+# - q_layernorm, k_layernorm: per head after linear_qkv, which gathers the sequence, so whole;
+# - MLA's q_layernorm and kv_layernorm: LatentNorm (a chunk, as its docstring says).
+# The final norm (decoder_spec's layer_norm) normalises the last layer's output, a chunk. A spec entry that is
+# IdentityOp (no QK-norm) stays one.
+NORM_SEES: dict[tuple[str, ...], type] = {
+    ("input_layernorm",): SequenceParallelNorm,
+    ("pre_mlp_layernorm",): SequenceParallelNorm,
+    ("self_attention", "q_layernorm"): WholeSequenceNorm,
+    ("self_attention", "k_layernorm"): WholeSequenceNorm,
+}
+MLA_NORMS: dict[tuple[str, ...], type] = {
+    ("self_attention", "q_layernorm"): LatentNorm,
+    ("self_attention", "kv_layernorm"): LatentNorm,
+}
+
+
+def _with_module(spec: Any, path: tuple[str, ...], module: type) -> Any:
+    """``spec`` (a ``ModuleSpec``) with the submodule at ``path`` replaced by ``module``, unless it is absent or
+    ``IdentityOp``."""
+    head, *rest = path
+    inner = getattr(spec.submodules, head, None)
+    if inner is None or inner is IdentityOp:
+        return spec
+    inner = _with_module(inner, tuple(rest), module) if rest else module
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **{head: inner}))
 
 
 def config_class(shape: ModelShape) -> type:
@@ -97,28 +242,41 @@ def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_
     if shape.post_norms:
         spec = dataclasses.replace(spec, module=PostNormTransformerLayer)
     if shape.mla is not None:
-        attention = spec.submodules.self_attention
-        norms = dataclasses.replace(attention.submodules, q_layernorm=LatentNorm, kv_layernorm=LatentNorm)
-        attention = dataclasses.replace(attention, submodules=norms)
+        attention = dataclasses.replace(spec.submodules.self_attention, module=mla_attention())
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+    norms = {**NORM_SEES, **(MLA_NORMS if shape.mla is not None else {})}
+    for path, module in norms.items():
+        spec = _with_module(spec, path, module)
     return spec
 
 
 def decoder_spec(
     shape: ModelShape, *, attention_backend: str, grouped_gemm: bool = False, pp_rank: int = 0, pp_size: int = 1
-) -> ModuleSpec | TransformerBlockSubmodules:
+) -> TransformerBlockSubmodules:
     """What ``GPTModel``'s ``transformer_layer_spec`` takes for pipeline stage ``pp_rank`` of ``pp_size`` (equal
-    stages, :func:`megatron_config.stage_layers`): one layer spec when every layer is alike, else the stage's layers
-    in order (each dense or MoE as ``shape.moe.layer_pattern`` says) and the final norm."""
+    stages, :func:`megatron_config.stage_layers`): the stage's layers in order (each dense or MoE as
+    ``shape.moe.layer_pattern`` says) and the final norm, :class:`SequenceParallelNorm` (given a single layer spec,
+    megatron-core would build its own final norm, which refuses sequence parallelism)."""
     pattern = shape.moe.layer_pattern if shape.moe is not None else (0,) * shape.num_layers
     specs = {
         kind: layer_spec(shape, moe=bool(kind), attention_backend=attention_backend, grouped_gemm=grouped_gemm)
         for kind in sorted(set(pattern))
     }
-    if len(specs) == 1:
-        return specs[pattern[0]]
     layers = stage_layers(shape, pp_rank=pp_rank, pp_size=pp_size)
-    return TransformerBlockSubmodules(layer_specs=[specs[pattern[i]] for i in layers], layer_norm=LNImpl)
+    return TransformerBlockSubmodules(layer_specs=[specs[pattern[i]] for i in layers], layer_norm=SequenceParallelNorm)
 
 
-__all__ = ["LatentNorm", "PostNormTransformerLayer", "config_class", "decoder_spec", "layer_spec"]
+__all__ = [
+    "LatentNorm",
+    "MLA_NORMS",
+    "NORM_SEES",
+    "PostNormTransformerLayer",
+    "SequenceParallelNorm",
+    "TORCH_NORMS",
+    "WholeSequenceNorm",
+    "config_class",
+    "decoder_spec",
+    "layer_spec",
+    "mla_attention",
+    "torch_norm",
+]

@@ -36,8 +36,8 @@ class MegatronOptions:
         metadata=described(
             own="a Megatron flag",
             text=(
-                "Megatron: sequence parallelism within TP; taken, and trains as TP without it (megatron-core's norms "
-                "without Transformer Engine or Apex refuse it): the same arithmetic, more activation memory"
+                "Megatron: sequence parallelism within TP (off at TP 1, as Megatron-LM turns it off there); MoE "
+                "layers at TP > 1 need it"
             ),
         ),
     )
@@ -451,6 +451,10 @@ def check(problems: list[str], cfg: Any) -> None:
     if shape is not None:
         problems.extend(
             megatron_config.parallel_problems(
-                shape, tp_size=max(tp, 1), pp_size=max(pp, 1), ep_size=max(t.expert_model_parallel_size, 1)
+                shape,
+                tp_size=max(tp, 1),
+                pp_size=max(pp, 1),
+                ep_size=max(t.expert_model_parallel_size, 1),
+                sequence_parallel=t.sequence_parallel,
             )
         )

@@ -16,6 +16,16 @@ from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.metrics import add_step, sums_and_maxima
 
 
+def sums_over_tensor_parallel(name: str, param: torch.nn.Parameter, *, config: Any) -> bool:
+    """Whether the gradient of the TP-replicated parameter ``name`` is a share to be summed over the tensor-parallel
+    ranks, as megatron-core 0.16.1's ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) decides
+    on GPUs: under ``config.sequence_parallel`` a parameter marked ``sequence_parallel`` (it saw this rank's chunk of
+    the sequence: the norms between sublayers, the routers, row-parallel biases), and under ``config.qk_layernorm``
+    the per-head QK-norms (each rank normalises its own heads with the shared weight)."""
+    chunk = bool(config.sequence_parallel and getattr(param, "sequence_parallel", False))
+    return chunk or bool(config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+
+
 class MegatronSteps:
     """The training steps of :class:`~runtime.train.backends.megatron_backend.MegatronTrainer` (methods of the
     trainer)."""
@@ -159,16 +169,16 @@ class MegatronSteps:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         group = self.dp_group()
+        config = self._module(model).config
         # An expert's gradient holds every rank's tokens routed to it (the dispatcher's backward sends them home):
-        # its replicas are the expert-data-parallel group's, fewer than DP by EP (Megatron's DDP sums there and
-        # scales by 1 / DP alike).
-        expert_group = self.ps.get_expert_data_parallel_group() if self.ep > 1 else group
+        # its replicas are the expert-data-parallel group's, the ranks that hold the same experts (fewer than DP by
+        # EP; the TP ranks too, whose sequence chunks reach whole experts under sequence parallelism). Megatron's
+        # DDP sums there and scales by 1 / DP alike.
+        expert_group = self.ps.get_expert_data_parallel_group()
         for name, p in named:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-                # Each TP rank normalises its own heads with the shared QK-norm weight: its gradient is the sum over
-                # ranks (Megatron's finalize_model_grads does the same).
+            if self.tp > 1 and sums_over_tensor_parallel(name, p, config=config):
                 dist.all_reduce(p.grad, group=self.tp_group)
             replicas = expert_group if mmoe.is_expert(name) else group
             if replicas is not None and dist.get_world_size(replicas) > 1:
@@ -227,3 +237,6 @@ class MegatronSteps:
             return loss, {"loss": loss.detach()}
 
         return loss_fn
+
+
+__all__ = ["MegatronSteps", "sums_over_tensor_parallel"]
