@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import platform
 import statistics
 import subprocess
@@ -102,14 +103,19 @@ def measure(schedule: str, mode: str, model: Path, out: Path, args: argparse.Nam
         "syncs paused": pauses,
         "weight-sync wait s": median("perf/weight_sync_time"),
         "step s": median("perf/step_time"),
+        # (fully_async has no rollout of its own per step: its groups are generated across steps)
         "rollout s": median("perf/rollout_time") if "perf/rollout_time" in rows[0] else float("nan"),
         "train s": median("perf/train_time"),
-        "holds ended by update / timeout": f"{releases.get('version', 0)} / {releases.get('timeout', 0)}",
+        "holds ended by update / timeout": (
+            f"{releases.get('version', 0)} / {releases.get('timeout', 0)}" if args.hold_timeout else "no hold"
+        ),
     }
 
 
 def _cell(value: object) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:.3f}"
+    return str(value)
 
 
 def _commit() -> str:
