@@ -224,9 +224,8 @@ def test_an_external_server_that_dies_is_readded_when_it_answers_or_the_job_stop
 
     def bring_back():
         # Back 3 s after the kill: the health monitor (a check every second) or a failed request meets the death
-        # first. A server that came back before anything met its death would not be noticed at all (it answers, with
-        # the base weights): the runtime does not compare a server's weight version in its health check, so that path
-        # is not a legal outcome this test could accept; the 3 s margin is what keeps it away.
+        # first, which is the path this test is about. A server back before anything met its death is caught by the
+        # health check's weight-version comparison instead (test_sglang_fleet's restarted-between-steps test).
         while kill.at is None:
             time.sleep(0.1)
         time.sleep(3)
