@@ -20,8 +20,8 @@ device and for dropout RNG states, and there is no dropout here; a pipeline's ti
 and its schedules allocate on ``"cuda"``: ``megatron_compat.cpu_pipeline_shims``), gradients are averaged over DP by
 this module (as Megatron's DDP averages them; a tied embedding's two copies over pipeline stages summed as Megatron's
 ``finalize_model_grads`` sums them), and the optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and
-clipping over the model-parallel group. Pipeline parallelism over gloo is CPU-verified (tests/test_megatron_pipeline.py)
-with Megatron's own 1F1B schedule and point-to-point sends.
+clipping over the model-parallel group. Pipeline parallelism over gloo, with Megatron's own 1F1B schedule and
+point-to-point sends, is CPU-verified (tests/test_megatron_pipeline.py).
 
 ``--use-dynamic-batch-size`` groups rows into micro-batches of at most ``--max-tokens-per-gpu`` real tokens, as slime
 does, each right-padded to its own longest row: packing them into one THD sequence (``packed_seq_params``) needs
