@@ -84,6 +84,24 @@ def test_stage_layers_follow_the_stage_depths_and_the_messages_name_the_flags():
         mc.pipeline_stage_sizes(4, pp_size=2, last=0)
 
 
+def test_the_transformer_config_and_layer_specs_take_the_stage_depths(tmp_path):
+    """megatron-core numbers a stage's layers (routing replay's slots, checkpoint keys) from its config's stage depths,
+    and builds as many layers as the stage's spec lists: both must follow the flags."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from test_megatron_backend import job
+
+    from runtime.train.backends.megatron_build import transformer_config
+    from runtime.train.backends.megatron_layers import decoder_spec
+
+    flags = dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=2)
+    cfg = job(tmp_path, train_backend="megatron", pipeline_model_parallel_size=3, actor_num_gpus_per_node=3, **flags)
+    shape = dataclasses.replace(_shape(num_hidden_layers=6), first_stage_layers=1, last_stage_layers=2)
+    config = transformer_config(shape, cfg.train, bf16=False, cpu=True)
+    assert [get_transformer_layer_offset(config, pp_rank=r) for r in range(3)] == [0, 1, 4]
+    specs = [decoder_spec(shape, attention_backend="auto", pp_rank=r, pp_size=3).layer_specs for r in range(3)]
+    assert [len(s) for s in specs] == [1, 3, 2]
+
+
 def _shape(**overrides) -> mc.ModelShape:
     from test_megatron_mapping import hf_config
 
