@@ -171,9 +171,9 @@ def _job(tmp, case: str, *, pp2: bool):
     return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, use_routing_replay=replay))
 
 
-def _run(case: str, path: str, tmp, **kw) -> dict:
+def _run(case: str, path: str, tmp, *, save: str | None = None, **kw) -> dict:
     """Log-probs, one train step's metrics, every tensor's gradient after it (this stage's, Megatron names) and the
-    exported weights."""
+    exported weights; with ``save``, the trainer's checkpoint (weights only) written there after the step."""
     from test_megatron_backend import make_batch, train_once, trainer
     from test_megatron_sequence_parallel import tensor_grads
 
@@ -186,6 +186,8 @@ def _run(case: str, path: str, tmp, **kw) -> dict:
         td = make_batch(VOCAB)
         log_probs = backend.compute_log_probs(td)
         metrics = train_once(backend, cfg, td)
+        if save is not None:
+            backend.save(save, with_optimizer=False)
         return dict(
             log_probs=log_probs,
             metrics=metrics,
@@ -200,7 +202,24 @@ def _run(case: str, path: str, tmp, **kw) -> dict:
 
 def _pp_worker(rank, ports, cases, paths, tmp, out):
     for case, port in zip(cases, ports, strict=True):  # a rendezvous of its own for each trainer
-        torch.save(_run(case, paths[case], tmp, rank=rank, world_size=2, master_port=port), f"{out}.{case}.{rank}")
+        result = _run(case, paths[case], tmp, save=f"{out}.{case}.ckpt", rank=rank, world_size=2, master_port=port)
+        torch.save(result, f"{out}.{case}.{rank}")
+
+
+def _loaded_at_pp1(case: str, path: str, tmp, folder: str) -> dict[str, torch.Tensor]:
+    """The exported weights of a PP=1 trainer that loads the PP=2 trainer's checkpoint ``folder``."""
+    from test_megatron_backend import trainer
+
+    from runtime.train.hooks import train_hooks
+    from runtime.train.roles import ACTOR
+
+    cfg = _job(tmp, case, pp2=False)
+    backend = trainer("megatron", path, cfg, roles=(ACTOR,), hooks=train_hooks(cfg))
+    try:
+        backend.load(folder)
+        return backend.get_weights()
+    finally:
+        backend.shutdown()
 
 
 def _spawn(cases, tmp_path, ranks) -> dict:
@@ -212,10 +231,11 @@ def _spawn(cases, tmp_path, ranks) -> dict:
     ranks.run(_pp_worker, [_free_port() for _ in cases], tuple(cases), paths, tmp_path, out)
     pp1 = {case: _run(case, paths[case], tmp_path) for case in cases}
     pp2 = {case: [torch.load(f"{out}.{case}.{r}", weights_only=False) for r in range(2)] for case in cases}
-    return {case: (pp2[case], pp1[case]) for case in cases}
+    loaded = {case: _loaded_at_pp1(case, paths[case], tmp_path, f"{out}.{case}.ckpt") for case in cases}
+    return {case: (pp2[case], pp1[case], loaded[case]) for case in cases}
 
 
-def _check(case: str, stages: list[dict], one: dict) -> None:
+def _check(case: str, stages: list[dict], one: dict, loaded: dict[str, torch.Tensor]) -> None:
     from test_megatron_backend import make_batch
 
     from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS
@@ -265,6 +285,10 @@ def _check(case: str, stages: list[dict], one: dict) -> None:
         # One Adam step of lr 1e-3 from equal weights and gradients equal to float32 rounding.
         got = stages[0]["weights"][name]
         torch.testing.assert_close(got, value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # The checkpoint saved over the stages (each layer under its global number) loads at PP=1: the same float32 values.
+    assert set(loaded) == set(stages[0]["weights"])
+    for name, value in loaded.items():
+        assert torch.equal(value, stages[0]["weights"][name]), name
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +299,7 @@ def default_cases(tmp_path_factory, gloo_ranks):
 @pytest.mark.parametrize("case", DEFAULT_CASES)
 def test_pp2_trains_as_pp1(case, default_cases):
     """A 3-layer Qwen3 with tied embeddings over two uneven stages (1 and 2 layers) against PP=1: log-probs, loss,
-    gradient norm, every gradient and the weights after one step."""
+    gradient norm, every gradient and the weights after one step; its checkpoint then loads at PP=1."""
     _check(case, *default_cases[case])
 
 
@@ -283,5 +307,5 @@ def test_pp2_trains_as_pp1(case, default_cases):
 def test_pp2_slow_cases(tmp_path, gloo_ranks):
     """As :func:`test_pp2_trains_as_pp1` for equal stages (a 4-layer Qwen3, 2 and 2) and a 3-layer Qwen3-MoE with
     R2 routing replay over stages of 1 and 2 layers (each stage records and replays its own layers' routes)."""
-    for case, (stages, one) in _spawn(SLOW_CASES, tmp_path, gloo_ranks).items():
-        _check(case, stages, one)
+    for case, results in _spawn(SLOW_CASES, tmp_path, gloo_ranks).items():
+        _check(case, *results)
