@@ -309,3 +309,14 @@ def test_pp2_slow_cases(tmp_path, gloo_ranks):
     R2 routing replay over stages of 1 and 2 layers (each stage records and replays its own layers' routes)."""
     for case, results in _spawn(SLOW_CASES, tmp_path, gloo_ranks).items():
         _check(case, *results)
+
+
+def test_the_converter_takes_the_stage_flags_as_layout(tmp_path):
+    """slime's MODEL_ARGS carry the stage flags into its converter call: a torch_dist checkpoint is layout-free (each
+    layer under its global number), so they are taken and neither noted as ignored nor refused."""
+    from tools import convert_hf_to_megatron
+
+    flags = ["--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "13"]
+    argv = ["--hf-checkpoint", str(tmp_path / "hf"), "--save", str(tmp_path / "out"), *flags]
+    _, _, shape_flags, _, notes = convert_hf_to_megatron.parse(argv)
+    assert notes == [] and shape_flags == {}
