@@ -90,9 +90,36 @@ def dry_run_report(cfg: Config, *, argv: Sequence[str] = ()) -> str:
         f"  bundles                {plan.n_bundles} (one device each; on a CPU, one process slot)",
         f"  trainer bundles        {plan.trainer_bundles} ({cfg.train.train_backend} backend)",
         f"  engine bundles         {plan.engine_bundles} ({cfg.rollout.rollout_engine} engine, share {plan.share})",
+        *([f"  pipeline stages        {stages}"] if (stages := _pipeline_stages(cfg)) else []),
         "rlcore-run: dry run, nothing started",
     ]
     return "\n".join(lines)
+
+
+def _pipeline_stages(cfg: Config) -> str | None:
+    """The Megatron backend's pipeline stages and the decoder layers of each (None without pipeline parallelism)."""
+    t = cfg.train
+    if t.train_backend != "megatron" or t.pipeline_model_parallel_size == 1:
+        return None
+    from runtime.config.checks import read_config_json
+    from runtime.train.backends import megatron_config as mc
+
+    first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+    hf = read_config_json(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
+    if hf is None:
+        given = [f"the {side} {count} layers" for side, count in (("first", first), ("last", last)) if count]
+        return (
+            f"{t.pipeline_model_parallel_size} stages: {', '.join([*given, 'the others equal shares'])} (no "
+            "--hf-checkpoint to count the layers)"
+        )
+    sizes = mc.pipeline_stage_sizes(
+        mc.shape_from_hf(hf).num_layers, pp_size=t.pipeline_model_parallel_size, first=first, last=last
+    )
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return "; ".join(
+        f"stage {r}: layers {start}-{start + size - 1} ({size})"
+        for r, (start, size) in enumerate(zip(starts, sizes, strict=True))
+    )
 
 
 def _train_backend(cfg: Config, argv: Sequence[str]) -> str:

@@ -332,7 +332,7 @@ UNFUSED = (
     "switch changes nothing"
 )
 FP8 = "FP8 training needs Transformer Engine, which is not installed (the local layer spec trains in bf16)"
-STAGES = "the backend splits the layers into equal pipeline stages, without virtual stages"
+STAGES = "the backend builds one model chunk per pipeline stage (no virtual stages)"
 FRESH = (
     "rlcore's --load resumes a job whole; a torch_dist --load (or --ref-load) already starts the optimizer, RNG "
     "and step afresh, as slime does"
@@ -371,14 +371,7 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         False, "DeepEP's flex dispatcher is not installed; the backend dispatches tokens with alltoall"
     ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
-    **{
-        name: MegatronFlag(False, STAGES)
-        for name in (
-            "--decoder-first-pipeline-num-layers",
-            "--decoder-last-pipeline-num-layers",
-            "--num-layers-per-virtual-pipeline-stage",
-        )
-    },
+    "--num-layers-per-virtual-pipeline-stage": MegatronFlag(False, STAGES),
     **{name: MegatronFlag(False, FRESH) for name in ("--no-load-optim", "--no-load-rng", "--finetune")},
     "--spec": MegatronFlag(
         False,

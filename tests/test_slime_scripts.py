@@ -104,22 +104,19 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
             "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--moe-enable-deepep",
             "--moe-token-dispatcher-type",
         },
-        # The released FP8 checkpoint (quantized weights are refused, as for DeepSeek-R1 below), uneven pipeline
-        # stages (94 layers over PP=4 with a shorter last stage: --decoder-last-pipeline-num-layers; the backend builds
-        # equal stages, so PP=4 must divide 94), and an engine over 32 GPUs of several nodes.
+        # The released FP8 checkpoint (quantized weights are refused, as for DeepSeek-R1 below) and an engine over 32
+        # GPUs of several nodes. (Its uneven stages, 94 layers over PP=4 with a last stage of 22, are taken.)
         "run-qwen3-235B-A22B": {
-            "--hf-checkpoint", "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers",
-            "--sglang-cuda-graph-bs", "--context-parallel-size", "--pipeline-model-parallel-size",
+            "--hf-checkpoint", "--use-precision-aware-optimizer", "--sglang-cuda-graph-bs", "--context-parallel-size",
             "--rollout-num-gpus-per-engine",
         },
         "run-qwen3-235B-A22B-sft": {"--use-precision-aware-optimizer"},
         # DeepSeek-R1 (the DeepSeek-V3 layout; its --hf-checkpoint the bf16 copy the script names in a comment, see
-        # below): also an uneven last pipeline stage (13 of 61 layers) and so PP 4 over 61 layers. It trains no MTP
-        # layer (no --mtp-num-layers, which is refused); its SGLang speculative decoding (EAGLE) is SGLang's own.
+        # below). It trains no MTP layer (no --mtp-num-layers, which is refused); its SGLang speculative decoding
+        # (EAGLE) is SGLang's own. (Its uneven last pipeline stage, 13 of 61 layers at PP=4, is taken.)
         "run-deepseek-r1": {
-            "--use-precision-aware-optimizer", "--decoder-last-pipeline-num-layers", "--moe-enable-deepep",
-            "--context-parallel-size", "--moe-token-dispatcher-type", "--pipeline-model-parallel-size",
-            "--rollout-num-gpus-per-engine",
+            "--use-precision-aware-optimizer", "--moe-enable-deepep", "--context-parallel-size",
+            "--moe-token-dispatcher-type", "--rollout-num-gpus-per-engine",
         },
     }  # fmt: skip
     # The scripts the issue names are all among those covered.
@@ -132,6 +129,27 @@ def test_the_scripts_refusals_are_the_ones_named_in_the_notes():
         "retool_qwen3_4b_sft",
     ):
         assert name in DRY_RUN_SCRIPTS and not refused[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "stages"),
+    [
+        ("run-deepseek-r1", "stage 0: layers 0-15 (16); stage 1: layers 16-31 (16); stage 2: layers 32-47 (16); "
+         "stage 3: layers 48-60 (13)"),
+        # (Its --hf-checkpoint, the released FP8 weights, is refused: the dry run runs without it.)
+        ("run-qwen3-235B-A22B", "4 stages: the last 22 layers, the others equal shares (no --hf-checkpoint to count "
+         "the layers)"),
+    ],
+)  # fmt: skip
+@pytest.mark.usefixtures("ray_job_submit")
+def test_the_dry_run_prints_the_uneven_pipeline_stages(name, stages, tmp_path, capsys):
+    """slime's --decoder-last-pipeline-num-layers: the last stage takes that many layers, the other stages split the
+    rest equally (61 = 3 x 16 + 13), and --dry-run prints each stage's layers."""
+    fixture, argv = _script(name, tmp_path)
+    rc, out, err = _dry_run(_strip(argv, _refused(fixture)), tmp_path, capsys)
+    assert rc == 0, err
+    (line,) = [line for line in out.splitlines() if line.startswith("  pipeline stages")]
+    assert line.split(None, 2)[2] == stages
 
 
 @pytest.mark.usefixtures("ray_job_submit")

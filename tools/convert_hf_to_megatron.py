@@ -48,7 +48,13 @@ def parse(argv: Sequence[str] | None) -> tuple[str, str, dict, bool, list[str]]:
         if given.get(name) is None:
             problems.append(f"--{name.replace('_', '-')} is required")
     used = {"hf_checkpoint", "save", "force", *MODEL_SHAPE_FIELDS, *CONVERTER_TRAIN_FIELDS}
-    layout = {"tensor_model_parallel_size", "pipeline_model_parallel_size"}  # torch_dist is layout-free
+    # torch_dist is layout-free: a checkpoint converted once loads at any TP and any (even or uneven) pipeline stages.
+    layout = {
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+    }
     # Megatron's training flags that slime's MODEL_ARGS carry (--moe-grouped-gemm, --moe-router-bias-update-rate):
     # noted and ignored, as its other Megatron flags are.
     training = sorted(set(given) & set(MEGATRON_TRAIN_FIELDS) - used - layout)

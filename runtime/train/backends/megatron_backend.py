@@ -15,10 +15,13 @@ gradient.
 On GPUs the model is wrapped in Megatron's ``DistributedDataParallel`` and trained by Megatron's optimizer (the
 distributed optimizer unless ``--no-use-distributed-optimizer``; mixed precision with float32 master weights under
 ``--bf16``), with its LR schedule (``OptimizerParamScheduler``); pipelines run Megatron's 1F1B schedule. On the CPU
-(tests, gloo) megatron-core needs two shims (``megatron_build._cpu_shims``: it asks ``torch.cuda`` for the current
-device and for dropout RNG states, and there is no dropout here), gradients are averaged over DP by this module (as
-Megatron's DDP averages them), the optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and clipping
-over the model-parallel group, and pipeline parallelism is refused (Megatron's schedules allocate on ``"cuda"``).
+(tests, gloo) megatron-core needs shims (``megatron_build._cpu_shims``: it asks ``torch.cuda`` for the current
+device and for dropout RNG states, and there is no dropout here; a pipeline's tied output layer calls ``.cuda()``,
+and its schedules allocate on ``"cuda"``: ``megatron_compat.cpu_pipeline_shims``), gradients are averaged over DP by
+this module (as Megatron's DDP averages them; a tied embedding's two copies over pipeline stages summed as Megatron's
+``finalize_model_grads`` sums them), and the optimizer is ``torch.optim.AdamW`` with Megatron's parameter groups and
+clipping over the model-parallel group. Pipeline parallelism over gloo, with Megatron's own 1F1B schedule and
+point-to-point sends, is CPU-verified (tests/test_megatron_pipeline.py).
 
 ``--use-dynamic-batch-size`` groups rows into micro-batches of at most ``--max-tokens-per-gpu`` real tokens, as slime
 does, each right-padded to its own longest row: packing them into one THD sequence (``packed_seq_params``) needs
@@ -158,8 +161,6 @@ class MegatronTrainer(MegatronBuild, MegatronForward, MegatronSteps, MegatronExp
                 f"--expert-model-parallel-size {self.ep} must divide the {world_size // self.pp} ranks of a pipeline "
                 "stage"
             )
-        if self.cpu and self.pp > 1:
-            problems.append("--pipeline-model-parallel-size > 1 runs on GPUs only (Megatron's schedules)")
         if self.cpu and train_cfg.optimizer_cpu_offload:
             problems.append("--optimizer-cpu-offload runs on GPUs only (the CPU trains with torch's AdamW already)")
         if train_cfg.context_parallel_size != 1:

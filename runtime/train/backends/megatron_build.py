@@ -25,7 +25,7 @@ from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_critic as mcritic
 from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.backends import megatron_weights as mw
-from runtime.train.backends.megatron_compat import cpu_dispatcher_shims
+from runtime.train.backends.megatron_compat import cpu_dispatcher_shims, cpu_pipeline_shims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,20 +124,25 @@ def _cpu_shims() -> Iterator[None]:
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
         mrandom._get_cuda_rng_state,
         mrandom._set_cuda_rng_state,
+        torch.Tensor.cuda,
     )
     torch.cuda.current_device = lambda: "cpu"
+    # A pipeline's tied output layer starts as the first stage's embedding, all-reduced after a ``.cuda()``.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.synchronize = lambda device=None: None  # dist_checkpointing's writer waits for the device
     mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRNG()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
-        with cpu_dispatcher_shims():  # the MoE alltoall dispatcher's CUDA stream and split sizes (megatron_compat)
+        # The MoE alltoall dispatcher's CUDA stream and split sizes, the pipeline schedules' "cuda" (megatron_compat).
+        with cpu_dispatcher_shims(), cpu_pipeline_shims():
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved[0], saved[1]
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved[2], saved[3]
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved[4], saved[5]
+        torch.Tensor.cuda = saved[6]
 
 
 class LazyHFState(Mapping[str, torch.Tensor]):
@@ -211,6 +216,9 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         },
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        # The layer numbers (routing replay's slots, checkpoint keys) follow the stages' depths (mc.stage_layers).
+        num_layers_in_first_pipeline_stage=shape.first_stage_layers,
+        num_layers_in_last_pipeline_stage=shape.last_stage_layers,
         sequence_parallel=sequence_parallel(cfg),
         params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -278,7 +286,14 @@ class MegatronBuild:
         return self.shape if hf is None else self._with_padding(mc.shape_from_hf(hf, source=f"{folder}/common.pt"))
 
     def _with_padding(self, shape: mc.ModelShape) -> mc.ModelShape:
-        """``shape`` with ``--padded-vocab-size`` (checked against its vocabulary and TP) when given."""
+        """``shape`` with the first and last pipeline stages' depths (``--decoder-first-pipeline-num-layers``,
+        ``--decoder-last-pipeline-num-layers``: checked with the other parallel problems) and ``--padded-vocab-size``
+        (checked against its vocabulary and TP) when given."""
+        shape = dataclasses.replace(
+            shape,
+            first_stage_layers=self.cfg.decoder_first_pipeline_num_layers,
+            last_stage_layers=self.cfg.decoder_last_pipeline_num_layers,
+        )
         if self.cfg.padded_vocab_size is None:
             return shape
         shape = dataclasses.replace(shape, padded_vocab_size=self.cfg.padded_vocab_size)

@@ -79,6 +79,8 @@ def model_args(shape: ModelShape, *, tp_size: int, pp_size: int, padded_vocab_si
         num_experts=None,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        decoder_first_pipeline_num_layers=shape.first_stage_layers,
+        decoder_last_pipeline_num_layers=shape.last_stage_layers,
         ckpt_format="torch_dist",
     )
 

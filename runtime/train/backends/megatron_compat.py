@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -206,4 +207,43 @@ def cpu_dispatcher_shims() -> Iterator[None]:
         Dispatcher.cuda_dtoh_stream, torch.cuda.current_stream, torch.cuda.stream, dist.all_to_all_single = saved
 
 
-__all__ = ["WORKAROUNDS", "Workaround", "apply_no_te_workarounds", "cpu_dispatcher_shims", "original_expert_bias"]
+class _HostTorch(types.ModuleType):
+    """``torch`` as the pipeline schedules see it on the CPU: ``zeros(..., device="cuda")`` (their token count,
+    megatron-core 0.16.1 ``pipeline_parallel/schedules.py``) is made on the CPU; everything else is torch's."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: object, device: object = None, **kwargs: object) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+
+@contextlib.contextmanager
+def cpu_pipeline_shims() -> Iterator[None]:
+    """For the duration of the block, Megatron's pipeline schedules run on the CPU: the token count they allocate on
+    ``"cuda"`` by name is made on the CPU (their point-to-point sends allocate on ``torch.cuda.current_device()`` and
+    wait with ``torch.cuda.synchronize()``, which the backend's CPU shims answer)."""
+    schedules = importlib.import_module(SCHEDULES)
+    saved = schedules.torch
+    schedules.torch = _HostTorch()
+    try:
+        yield
+    finally:
+        schedules.torch = saved
+
+
+__all__ = [
+    "WORKAROUNDS",
+    "Workaround",
+    "apply_no_te_workarounds",
+    "cpu_dispatcher_shims",
+    "cpu_pipeline_shims",
+    "original_expert_bias",
+]

@@ -98,6 +98,10 @@ class ModelShape:
     position_embedding_type: str = "rope"
     # --padded-vocab-size: rows of the embedding and output layer; None pads as Megatron does (vocab_rows).
     padded_vocab_size: int | None = None
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the decoder layers of the first and
+    # last pipeline stages (the job's, as padded_vocab_size); None splits as the middle stages (pipeline_stage_sizes).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     # The experts and router of a mixture-of-experts family; None: dense.
     moe: MoEShape | None = None
     # GLM-4's layer (Family): norms after attention and the MLP, interleaved rotary pairs, HF's fused gate_up_proj.
@@ -503,18 +507,60 @@ def parallel_problems(
         problems.append(
             f"--tensor-model-parallel-size {tp_size} must divide intermediate_size {shape.ffn_hidden_size}"
         )
-    if shape.num_layers % pp_size:
-        problems.append(
-            f"--pipeline-model-parallel-size {pp_size} must divide num_hidden_layers {shape.num_layers} of {source} "
-            "(stages of equal depth)"
+    try:
+        pipeline_stage_sizes(
+            shape.num_layers, pp_size=pp_size, first=shape.first_stage_layers, last=shape.last_stage_layers
         )
+    except ValueError as err:
+        problems.append(f"{err} (num_hidden_layers {shape.num_layers} of {source})")
     return problems
 
 
+def pipeline_stage_sizes(
+    num_layers: int, *, pp_size: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """The decoder layers of each of ``pp_size`` pipeline stages, in order, as Megatron splits them: ``first`` on the
+    first stage and ``last`` on the last (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``; megatron-core's ``num_layers_in_first_pipeline_stage`` and
+    ``num_layers_in_last_pipeline_stage``) when given, the rest split equally over the other (middle) stages.
+    ``ValueError`` naming the flags when the layers do not split so."""
+    named = {"--decoder-first-pipeline-num-layers": first, "--decoder-last-pipeline-num-layers": last}
+    given = {name: count for name, count in named.items() if count is not None}
+    for name, count in given.items():
+        if count <= 0:
+            raise ValueError(f"{name} must be > 0, got {count}")
+    middle_stages, middle_layers = pp_size - len(given), num_layers - sum(given.values())
+    if middle_stages < 0:
+        raise ValueError(
+            f"{' and '.join(given)} are two stages' depths: --pipeline-model-parallel-size {pp_size} has one stage"
+        )
+    if middle_layers < 0 or bool(middle_stages) != bool(middle_layers):
+        shown = " and ".join(f"{name} {count}" for name, count in given.items())
+        raise ValueError(
+            f"{shown} leave {middle_layers} layers for the {middle_stages} other stages of "
+            f"--pipeline-model-parallel-size {pp_size}: each stage needs layers, and every layer a stage"
+        )
+    if middle_stages and middle_layers % middle_stages:
+        stages = "its stages" if not given else f"the {middle_stages} stages besides {' and '.join(given)}"
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp_size} must split the {middle_layers} decoder layers equally over "
+            f"{stages} (or set --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
+        )
+    each = middle_layers // middle_stages if middle_stages else 0
+    return tuple(
+        first if stage == 0 and first is not None else last if stage == pp_size - 1 and last is not None else each
+        for stage in range(pp_size)
+    )
+
+
 def stage_layers(shape: ModelShape, *, pp_rank: int, pp_size: int) -> range:
-    """The global decoder-layer indices of pipeline stage ``pp_rank`` (equal stages, in order)."""
-    per_stage = shape.num_layers // pp_size
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    """The global decoder-layer indices of pipeline stage ``pp_rank``, in order (:func:`pipeline_stage_sizes` with
+    the shape's first and last stage depths)."""
+    sizes = pipeline_stage_sizes(
+        shape.num_layers, pp_size=pp_size, first=shape.first_stage_layers, last=shape.last_stage_layers
+    )
+    start = sum(sizes[:pp_rank])
+    return range(start, start + sizes[pp_rank])
 
 
 def transformer_config_kwargs(shape: ModelShape) -> dict[str, Any]:
@@ -569,6 +615,7 @@ __all__ = [
     "mapping_of_name",
     "padded_vocab_size",
     "parallel_problems",
+    "pipeline_stage_sizes",
     "shape_flag_problems",
     "shape_from_hf",
     "stage_layers",

@@ -253,8 +253,8 @@ def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_
 def decoder_spec(
     shape: ModelShape, *, attention_backend: str, grouped_gemm: bool = False, pp_rank: int = 0, pp_size: int = 1
 ) -> TransformerBlockSubmodules:
-    """What ``GPTModel``'s ``transformer_layer_spec`` takes for pipeline stage ``pp_rank`` of ``pp_size`` (equal
-    stages, :func:`megatron_config.stage_layers`): the stage's layers in order (each dense or MoE as
+    """What ``GPTModel``'s ``transformer_layer_spec`` takes for pipeline stage ``pp_rank`` of ``pp_size`` (equal or
+    uneven stages, :func:`megatron_config.stage_layers`): the stage's layers in order (each dense or MoE as
     ``shape.moe.layer_pattern`` says) and the final norm, :class:`SequenceParallelNorm` (given a single layer spec,
     megatron-core would build its own final norm, which refuses sequence parallelism)."""
     pattern = shape.moe.layer_pattern if shape.moe is not None else (0,) * shape.num_layers

@@ -28,6 +28,22 @@ class MegatronOptions:
     pipeline_model_parallel_size: int = field(
         default=1, metadata=described(own="a Megatron flag", text="Megatron: pipeline stages")
     )
+    decoder_first_pipeline_num_layers: int | None = field(
+        default=None,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: decoder layers of the first pipeline stage (unset: as the middle stages, which split the "
+            "rest equally)",
+        ),
+    )
+    decoder_last_pipeline_num_layers: int | None = field(
+        default=None,
+        metadata=described(
+            own="a Megatron flag",
+            text="Megatron: decoder layers of the last pipeline stage (unset: as the middle stages, which split the "
+            "rest equally)",
+        ),
+    )
     context_parallel_size: int = field(
         default=1, metadata=described(own="a Megatron flag", text="Megatron: context-parallel ranks (needs TE)")
     )
@@ -449,9 +465,13 @@ def check(problems: list[str], cfg: Any) -> None:
     if t.overlap_cpu_optimizer_d2h_h2d and not t.optimizer_cpu_offload:
         problems.append("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload: give both")
     if shape is not None:
+        stages = dict(
+            first_stage_layers=t.decoder_first_pipeline_num_layers,
+            last_stage_layers=t.decoder_last_pipeline_num_layers,
+        )
         problems.extend(
             megatron_config.parallel_problems(
-                shape,
+                dataclasses.replace(shape, **stages),
                 tp_size=max(tp, 1),
                 pp_size=max(pp, 1),
                 ep_size=max(t.expert_model_parallel_size, 1),

@@ -178,6 +178,10 @@ class MegatronSteps:
         for name, p in named:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if getattr(p, "shared_embedding", False) and self.pp > 1:
+                # Tied embeddings over stages: the first stage's embedding and the last stage's copy of it as the
+                # output layer take the sum of both gradients (finalize_model_grads' word-embedding all-reduce).
+                dist.all_reduce(p.grad, group=self.ps.get_embedding_group())
             if self.tp > 1 and sums_over_tensor_parallel(name, p, config=config):
                 dist.all_reduce(p.grad, group=self.tp_group)
             replicas = expert_group if mmoe.is_expert(name) else group
@@ -211,7 +215,8 @@ class MegatronSteps:
         for p in params:
             if id(p) in experts:
                 expert_square += p.grad.double().pow(2).sum()
-            elif param_is_not_tensor_parallel_duplicate(p):
+            elif param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                # (A tied output layer's copy on the last stage is counted once, on the first: Megatron's norm.)
                 square += p.grad.double().pow(2).sum()
         if self.world_size > 1:
             dist.all_reduce(square, group=self.ps.get_model_parallel_group())
