@@ -140,7 +140,10 @@ def test_unknown_sglang_flags_fail_before_anything_starts(capsys, tmp_path):
         (["--router-worker-urls", "http://a:1"], "--router-worker-urls is set by rlcore"),
         (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "must be a multiple of"),
         (["--sglang-router-ip", "10.0.0.1"], "--sglang-router-ip and --sglang-router-port go together"),
-        (["--colocate", "--no-offload-rollout"], "--colocate shares devices between trainers and SGLang servers"),
+        (
+            ["--colocate", "--no-offload-rollout"],
+            "sglang engines, which hold a fixed fraction of their GPU: it needs --offload-rollout",
+        ),
         (["--offload-train", "--async"], "--offload-train takes turns between rollout and training"),
         (
             ["--sglang-url", "http://a:1", "--rollout-external-engine-addrs", "a:1"],
