@@ -318,6 +318,6 @@ def test_the_decoder_spec_lists_each_stages_own_layers():
         assert isinstance(spec, TransformerBlockSubmodules)
         kinds.append([getattr(s.submodules.mlp.submodules, "experts", None) is not None for s in spec.layer_specs])
     assert kinds == [[False, True], [True, True]]
-    uniform = mc.shape_from_hf(glm4_moe_config(first_k_dense_replace=0).to_dict())
+    uniform = mc.shape_from_hf(glm4_moe_config(num_hidden_layers=4, first_k_dense_replace=0).to_dict())
     block = decoder_spec(uniform, attention_backend="auto", pp_rank=1, pp_size=2)
     assert len(block.layer_specs) == uniform.num_layers // 2 and len({id(s) for s in block.layer_specs}) == 1
