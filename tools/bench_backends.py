@@ -189,6 +189,12 @@ def measure(
     from runtime.train.roles import ACTOR
 
     cfg = _config(path, args, world, path_name)
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:  # rank 0's phases, as they end: a run cut off still shows where it was
+        if rank == 0 and args.progress:
+            print(f"  [{path_name}] {time.perf_counter() - started:7.1f} s: {what}", flush=True)
+
     backend = "megatron" if path_name == "megatron" else "torch"
     trainer = backend_class(backend)(
         path,
@@ -203,6 +209,7 @@ def measure(
     )
     if path_name == "unfused":
         trainer._fused_head = lambda model: False  # the full-logits path
+    progress("trainer built (weights loaded)")
     config = AutoConfig.from_pretrained(path)
     td = _batch(config.vocab_size, args, pad=0)
     dp_rank, dp_size = trainer.dp_info()
@@ -221,6 +228,7 @@ def measure(
         trainer.train(compute(td, advantage_config(cfg)), per_step_rows=rows)
         _sync(device)
         end = time.perf_counter()
+        progress(f"step {i}: log-probs {mid - start:.3f} s, train {end - mid:.3f} s")
         if i >= args.warmup:
             logprob_s.append(mid - start)
             train_s.append(end - mid)
@@ -362,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"
     )
+    parser.add_argument("--progress", action="store_true", help="print rank 0's phases as they end")
     parser.add_argument("--profile", action="store_true", help="profile one more train step per path (rank 0)")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed by --profile")
     parser.add_argument(
@@ -389,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_dir or f"{tmp}/m"
         if not os.path.exists(os.path.join(path, "config.json")):
+            start = time.perf_counter()
             path = build_model(args, path)
+            if args.progress:
+                print(f"  model built in {time.perf_counter() - start:.1f} s", flush=True)
         elif args.preset != "tiny":
             _check_reused(path, args, parser)
         for name in names:
