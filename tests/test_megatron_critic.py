@@ -3,9 +3,8 @@
 Same HF weights, seed and batch: the values, the value loss, its clip fraction, the gradient norm and the values after
 one optimizer step of the Megatron critic (a ``GPTModel`` whose output layer is slime's value head) equal the torch
 backend's (a transformers model with a value head), on a Llama and a tied-embedding Qwen3. TP=2, DP=2 and PP=2 over
-uneven stages (every gradient too) equal one
-rank; a resumed critic (model, optimizer, LR schedule) trains on exactly as an uninterrupted one; what is not built
-is refused naming the flag.
+uneven stages (every gradient too) equal one rank; a resumed critic (model, optimizer, LR schedule) trains on exactly
+as an uninterrupted one; what is not built is refused naming the flag.
 """
 
 from __future__ import annotations
