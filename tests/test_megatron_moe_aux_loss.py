@@ -395,3 +395,103 @@ def test_expert_parallel_ranks_with_one_shard_each_equal_one_rank(tmp_path, mode
         for name, grad in grads.items():
             # float32 both sides; the experts' outputs come back through the alltoall in another order of sums.
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------ DP=2 over gloo against DP=1
+
+# Each rank's rows: two micro-batches of two rows of unequal lengths (padding in every micro-batch).
+DP_SHARDS = ([5, 9, 7, 4], [8, 6, 9, 5])
+
+
+def _dp_batch(rank: int | None):
+    """Rank ``rank``'s shard of the global batch, or (``None``) the global batch for one rank with the ranks' k-th
+    micro-batches next to each other: rows ``[r0 mb0, r1 mb0, r0 mb1, r1 mb1]``, so that one rank's micro-batches of
+    four rows are the union of the ranks' k-th micro-batches (what global_aux_loss counts together) and its
+    micro-batches of two rows the ranks' own (what aux_loss and seq_aux_loss average)."""
+    td = _batch([n for shard in DP_SHARDS for n in shard], seed=7)
+    if rank is not None:
+        return td[4 * rank : 4 * rank + 4]
+    return td[torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])]
+
+
+def _dp_worker(rank, port, kind, path, tmp, out):
+    cfg = job(
+        tmp,
+        train_backend="megatron",
+        moe_aux_loss_coeff=COEFF,
+        moe_router_load_balancing_type=kind,
+        micro_batch_size=2,
+        clip_grad=0.0,
+        use_kl_loss=False,
+        actor_num_gpus_per_node=2,
+    )
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,))
+    try:
+        metrics, _, grads, parts = _run_step(mega, _dp_batch(rank), [])
+        assert len(parts) == 2
+        torch.save({"metric": metrics["moe_aux_loss"], "grads": grads}, f"{out}.{rank}")
+        if kind == "global_aux_loss":
+            # Its counts are all-reduced over the DP ranks in every router forward: ranks with other micro-batch
+            # counts are refused before any forward, on every rank (not left waiting in the collective).
+            refusal = "global_aux_loss: the data-parallel ranks' shards split into 1 to 2"
+            with mega._shims(), pytest.raises(ValueError, match=refusal):
+                mega._run(mega.model, parts[: 1 + rank], forward_only=False, loss_fn=_token_loss(1))
+    finally:
+        mega.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "global_aux_loss",
+        "seq_aux_loss",
+        # Each rank's own loss, its gradient averaged over the ranks as megatron-core's, as seq_aux_loss's (EP=2's
+        # test, -m slow too, holds aux_loss at DP=2).
+        pytest.param("aux_loss", marks=pytest.mark.slow),
+    ],
+)
+def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(kind, tmp_path, model_path, gloo_ranks):
+    """DP=2 over gloo, each rank its own shard, against one rank over the whole global batch (micro-batches of four
+    rows for global_aux_loss, the union of the ranks' k-th micro-batches; of two rows for aux_loss and seq_aux_loss,
+    the ranks' own): the same ``moe_aux_loss`` on both ranks and the same DP-averaged router gradients (one rank is
+    held to a float64 formula by the tests above). Catches: global_aux_loss's gradient left at megatron-core
+    0.16.1's 1 / DP of the global batch's (Megatron-LM#3672; this fails too once a version fixes that, and
+    megatron_moe.megatron_aux_loss_coeff's scaling is then dropped), its metric averaged over the ranks rather than
+    summed (each rank holds a share), aux_loss's metric summed (x2), and the counts not reduced over DP."""
+    from test_megatron_backend import _free_port
+
+    out = str(tmp_path / "dp2.pt")
+    gloo_ranks.run(_dp_worker, _free_port(), kind, model_path, tmp_path, out)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    size = 4 if kind == "global_aux_loss" else 2
+    mega = _trainer(tmp_path, model_path, coeff=COEFF, micro_batch_size=size, balancing=kind)
+    try:
+        calls = []
+        metrics, before, grads, parts = _run_step(mega, _dp_batch(None), calls)
+    finally:
+        mega.shutdown()
+    assert len(parts) == 8 // size
+    if kind == "global_aux_loss":
+        # The balancing loss's part of the last router's gradient is far above the tolerance below: a DP scale
+        # missing from it (x1/2) shows.
+        _, want_grads = _global_reference(calls, parts, before)
+        (last,) = [n for n in grads if f"layers.{len(calls) // len(parts) - 1}." in n]
+        assert want_grads[last].abs().max() > 1e-4
+    for got in ranks:
+        assert got["metric"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
+        for name, grad in grads.items():
+            # float32 both sides, the same sums over the ranks' tokens in another order (the DP all-reduce).
+            torch.testing.assert_close(
+                got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+def test_only_global_aux_loss_scales_its_coefficient_by_the_data_parallel_size():
+    """megatron-core is handed ``coeff x DP`` for global_aux_loss only (each rank's loss a share of the global
+    batch's, whose gradient its DP average would divide by DP), the flag's coefficient for the others."""
+    for dp in (1, 2, 8):
+        assert moe.megatron_aux_loss_coeff("global_aux_loss", 0.01, dp_size=dp) == pytest.approx(0.01 * dp)
+        for kind in ("aux_loss", "seq_aux_loss", "none"):
+            assert moe.megatron_aux_loss_coeff(kind, 0.01, dp_size=dp) == 0.01
+    with pytest.raises(ValueError, match="dp_size must be >= 1, got 0"):
+        moe.megatron_aux_loss_coeff("global_aux_loss", 0.01, dp_size=0)
