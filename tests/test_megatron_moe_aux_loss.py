@@ -55,7 +55,7 @@ def _token_loss(total_tokens: int):
     """A loss over the real tokens only, each micro-batch its share of the batch's (so micro-batches add up)."""
 
     def loss_fn(logits, mb):
-        real = _real(mb)
+        real = _real(mb).to(logits.device)
         return logits[..., :VOCAB].float().logsumexp(-1)[real].sum() / total_tokens, {}
 
     return loss_fn
@@ -92,7 +92,7 @@ def _run_step(mega, td, calls: list):
     model = mega._module(mega.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
     parts = mega._micro_batches(td)
-    total = torch.tensor(int(sum(_real(mb).sum() for mb in parts)))
+    total = torch.tensor(int(sum(_real(mb).sum() for mb in parts)), device=mega.device)
     if mega.dp_group() is not None:  # the loss is each rank's share of the global batch's
         torch.distributed.all_reduce(total, group=mega.dp_group())
     total = int(total)
@@ -103,7 +103,12 @@ def _run_step(mega, td, calls: list):
     finally:
         for hook in hooks:
             hook.remove()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+    # (On GPUs Megatron's DDP keeps the gradients in its buffers, not in .grad: none are returned.)
+    grads = {
+        n: p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if n.endswith("router.weight") and p.grad is not None
+    }
     return metrics, before, grads, parts
 
 
@@ -125,7 +130,9 @@ def _reference(calls, parts, weights, *, per_row: bool = False):
     return loss.detach(), dict(zip(ws, grads, strict=True))
 
 
-def _trainer(tmp_path, path, *, coeff: float, micro_batch_size: int, balancing: str = "aux_loss"):
+def _trainer(
+    tmp_path, path, *, coeff: float, micro_batch_size: int, balancing: str = "aux_loss", device="cpu", **flags
+):
     cfg = job(
         tmp_path,
         train_backend="megatron",
@@ -134,8 +141,9 @@ def _trainer(tmp_path, path, *, coeff: float, micro_batch_size: int, balancing: 
         micro_batch_size=micro_batch_size,
         clip_grad=0.0,
         use_kl_loss=False,
+        **flags,
     )
-    return trainer("megatron", path, cfg, roles=(ACTOR,))
+    return trainer("megatron", path, cfg, roles=(ACTOR,), device=device)
 
 
 @pytest.fixture(scope="module")
@@ -414,22 +422,27 @@ def _dp_batch(rank: int | None):
     return td[torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])]
 
 
-def _dp_worker(rank, port, kind, path, tmp, out):
+def _dp_worker(rank, port, kind, coeff, device, path, tmp, out):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        device = f"cuda:{rank}"
     cfg = job(
         tmp,
         train_backend="megatron",
-        moe_aux_loss_coeff=COEFF,
+        moe_aux_loss_coeff=coeff,
         moe_router_load_balancing_type=kind,
         micro_batch_size=2,
         clip_grad=0.0,
         use_kl_loss=False,
+        bf16="false",
         actor_num_gpus_per_node=2,
     )
-    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,))
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device=device)
     try:
         metrics, _, grads, parts = _run_step(mega, _dp_batch(rank), [])
         assert len(parts) == 2
-        torch.save({"metric": metrics["moe_aux_loss"], "grads": grads}, f"{out}.{rank}")
+        torch.save({"metrics": metrics, "grads": grads}, f"{out}.{rank}")
         if kind == "global_aux_loss":
             # Its counts are all-reduced over the DP ranks in every router forward: ranks with other micro-batch
             # counts are refused before any forward, on every rank (not left waiting in the collective).
@@ -440,47 +453,62 @@ def _dp_worker(rank, port, kind, path, tmp, out):
         mega.shutdown()
 
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
 @pytest.mark.parametrize(
-    "kind",
+    ("kind", "device", "coeff"),
     [
-        "global_aux_loss",
-        "seq_aux_loss",
+        ("global_aux_loss", "cpu", COEFF),
+        ("seq_aux_loss", "cpu", COEFF),
         # Each rank's own loss, its gradient averaged over the ranks as megatron-core's, as seq_aux_loss's (EP=2's
         # test, -m slow too, holds aux_loss at DP=2).
-        pytest.param("aux_loss", marks=pytest.mark.slow),
+        pytest.param("aux_loss", "cpu", COEFF, marks=pytest.mark.slow),
+        # Megatron's DDP and finalize_model_grads over NCCL (which reset the running counts themselves): the metric
+        # and the gradient norm, which a coefficient of 1 makes mostly the balancing loss's (25.5 on the CPU against
+        # 12.8 with half its gradient and 0.26 without it), so that a DP scale missing from it shows.
+        pytest.param("global_aux_loss", "cuda", 1.0, marks=TWO_GPUS),
     ],
+    ids=["global_aux_loss", "seq_aux_loss", "aux_loss", "global_aux_loss-cuda"],
 )
-def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(kind, tmp_path, model_path, gloo_ranks):
+def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(
+    kind, device, coeff, tmp_path, model_path, gloo_ranks, no_tf32
+):
     """DP=2 over gloo, each rank its own shard, against one rank over the whole global batch (micro-batches of four
     rows for global_aux_loss, the union of the ranks' k-th micro-batches; of two rows for aux_loss and seq_aux_loss,
-    the ranks' own): the same ``moe_aux_loss`` on both ranks and the same DP-averaged router gradients (one rank is
-    held to a float64 formula by the tests above). Catches: global_aux_loss's gradient left at megatron-core
-    0.16.1's 1 / DP of the global batch's (Megatron-LM#3672; this fails too once a version fixes that, and
-    megatron_moe.megatron_aux_loss_coeff's scaling is then dropped), its metric averaged over the ranks rather than
-    summed (each rank holds a share), aux_loss's metric summed (x2), and the counts not reduced over DP."""
+    the ranks' own): the same ``moe_aux_loss`` and gradient norm on both ranks and the same DP-averaged router
+    gradients (one rank is held to a float64 formula by the tests above). Catches: global_aux_loss's gradient left
+    at megatron-core 0.16.1's 1 / DP of the global batch's (Megatron-LM#3672; this fails too once a version fixes
+    that, and megatron_moe.megatron_aux_loss_coeff's scaling is then dropped), its metric averaged over the ranks
+    rather than summed (each rank holds a share), aux_loss's metric summed (x2), and the counts not reduced over
+    DP."""
     from test_megatron_backend import _free_port
 
     out = str(tmp_path / "dp2.pt")
-    gloo_ranks.run(_dp_worker, _free_port(), kind, model_path, tmp_path, out)
+    gloo_ranks.run(_dp_worker, _free_port(), kind, coeff, device, model_path, tmp_path, out)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     size = 4 if kind == "global_aux_loss" else 2
-    mega = _trainer(tmp_path, model_path, coeff=COEFF, micro_batch_size=size, balancing=kind)
+    on = "cuda:0" if device == "cuda" else "cpu"
+    mega = _trainer(tmp_path, model_path, coeff=coeff, micro_batch_size=size, balancing=kind, device=on, bf16="false")
     try:
         calls = []
         metrics, before, grads, parts = _run_step(mega, _dp_batch(None), calls)
     finally:
         mega.shutdown()
     assert len(parts) == 8 // size
-    if kind == "global_aux_loss":
+    if device == "cpu" and kind == "global_aux_loss":
         # The balancing loss's part of the last router's gradient is far above the tolerance below: a DP scale
         # missing from it (x1/2) shows.
         _, want_grads = _global_reference(calls, parts, before)
         (last,) = [n for n in grads if f"layers.{len(calls) // len(parts) - 1}." in n]
         assert want_grads[last].abs().max() > 1e-4
+    assert (device == "cpu") == bool(grads)
     for got in ranks:
-        assert got["metric"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
+        assert got["metrics"]["moe_aux_loss"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
+        # float32 both sides: the DP all-reduce sums the ranks' tokens in another order.
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        assert set(got["grads"]) == set(grads)
         for name, grad in grads.items():
-            # float32 both sides, the same sums over the ranks' tokens in another order (the DP all-reduce).
             torch.testing.assert_close(
                 got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
             )
