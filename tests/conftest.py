@@ -137,3 +137,26 @@ def pytest_sessionfinish(session, exitstatus):
     """Ranks handed on to a module that a selection then left out are stopped with the session."""
     while _RANKS:
         _RANKS.pop().close()
+
+
+# ---------------------------------------------------------------- two tiny checkpoints (the SGLang fake's tests)
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """Two tiny Llama checkpoints on the task's digits-and-signs alphabet, ``(A, B)``: the same shape, weights drawn
+    with seeds 0 and 1. Made once per module that asks."""
+    from runtime.demo.tiny_model import TinyModelSpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    return tuple(
+        make_tiny_model(root / name, alphabet="0123456789+=", spec=spec, seed=seed) for seed, name in enumerate("ab")
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_models_float64(tiny_checkpoints):
+    """:func:`tiny_checkpoints` loaded in float64: the reference a server's float32 outputs are compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval() for d in tiny_checkpoints]

@@ -1,7 +1,8 @@
 """megatron-core 0.16.1 without Transformer Engine: each bug of ``runtime.train.backends.megatron_compat`` shown in the
 unpatched library (so that a version that fixes it fails here and its workaround is dropped), and the workaround
-shown to fix it: the MoE router's forward, MLA's construction, MLA's core attention with a narrower value head, and
-the alltoall token dispatcher on the CPU (an MoE layer against transformers' Qwen3-MoE block on the same weights).
+shown to fix it: the MoE router's forward, MLA's construction, MLA's core attention with a narrower value head, the
+alltoall token dispatcher on the CPU (an MoE layer against transformers' Qwen3-MoE block on the same weights), and
+MLA's gradients at tensor parallelism 2 (against TP=1's).
 """
 
 from __future__ import annotations
@@ -288,3 +289,106 @@ def test_expert_parallel_over_gloo_needs_int_split_sizes(gloo_ranks):
         assert "all_to_all_single(): incompatible function arguments" in refused
         # As the one-process test: float64, but transformers' router softmax in float32.
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def mla_tp_config(**overrides):
+    """:func:`mla_config` in float64. At TP=2 its latent (16 + 4 rotary columns) is cut into 10 columns a rank: rank 1
+    holds the rotary part, rank 0 none of it."""
+    return dataclasses.replace(mla_config(), params_dtype=torch.float64, **overrides)
+
+
+MLA_TOKENS, MLA_BATCH = 6, 2
+
+
+def mla_grads(module, x: torch.Tensor, probe: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient and the input's (``"input"``) of ``(module(x) * probe).sum()``."""
+    x = x.clone().requires_grad_()
+    out, _ = module(x, attention_mask=None)
+    (out * probe).sum().backward()
+    return {**{name: p.grad.detach().clone() for name, p in module.named_parameters()}, "input": x.grad.detach()}
+
+
+def _mla_tensor_parallel_rank(rank: int, port: int, weights: dict, x: torch.Tensor, probe: torch.Tensor, out) -> None:
+    """One of two gloo ranks at TP=2: megatron-core's ``MLASelfAttention`` and the backend's
+    (:func:`megatron_compat.whole_latent_mla_attention`), each holding this rank's cut of ``weights`` (the TP=1
+    module's), record their gradients of the same loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.spec_utils import build_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(2, 1, create_gloo_process_groups=False)
+    megatron_compat.apply_no_te_workarounds()
+    try:
+        with _cpu_shims():
+            classes = {
+                "megatron-core": mla.MLASelfAttention,
+                "workaround": megatron_compat.whole_latent_mla_attention(),
+            }
+            for what, cls in classes.items():
+                module = build_module(
+                    dataclasses.replace(mla_spec(), module=cls),
+                    config=mla_tp_config(tensor_model_parallel_size=2),
+                    layer_number=1,
+                )
+                with torch.no_grad():
+                    for name, p in module.named_parameters():
+                        p.copy_(rank_cut(weights[name], p, rank))
+                out[(rank, what)] = mla_grads(module, x, probe)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def rank_cut(whole: torch.Tensor, param: torch.Tensor, rank: int, tp_size: int = 2) -> torch.Tensor:
+    """``rank``'s cut of a TP=1 tensor as megatron-core shards ``param`` (whole where it is not sharded)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return whole
+    return whole.chunk(tp_size, dim=param.partition_dim)[rank]
+
+
+def test_mla_at_tp2_keeps_one_ranks_share_of_the_keys_rotary_gradient_until_the_latent_is_handed_whole(
+    model_parallel, gloo_ranks
+):
+    """megatron-core 0.16.1's MLA at TP=2 (the local spec's column-parallel ``linear_kv_down_proj``) against the same
+    weights at TP=1, in float64: the rotary rows of ``linear_kv_down_proj``'s gradient (and the input's, which they
+    feed) hold only the rank-1 heads' share, every other gradient is right; the backend's attention gets them all
+    right. Fails once megatron-core sums that gradient itself: the workaround
+    (``megatron_compat.whole_latent_mla_attention``) is then dropped."""
+    import torch.multiprocessing as mp
+    from megatron.core.transformer.spec_utils import build_module
+
+    torch.manual_seed(0)
+    whole = build_module(
+        dataclasses.replace(mla_spec(), module=mla.MLASelfAttention), config=mla_tp_config(), layer_number=1
+    )
+    weights = {name: p.detach().clone() for name, p in whole.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(MLA_TOKENS, MLA_BATCH, 32, generator=g, dtype=torch.float64)
+    probe = torch.randn(MLA_TOKENS, MLA_BATCH, 32, generator=g, dtype=torch.float64)
+    want = mla_grads(whole, x, probe)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    gloo_ranks.run(_mla_tensor_parallel_rank, port, weights, x, probe, out)
+    params = dict(whole.named_parameters())
+    down, rotary = "linear_kv_down_proj.weight", whole.config.qk_pos_emb_head_dim
+    # float64 throughout; at TP=2 the heads' partial products are added in another order (a few ulps of 1e-16).
+    close = dict(rtol=1e-10, atol=1e-12)
+    for rank in (0, 1):
+        for name, grad in want.items():
+            cut = grad if name == "input" else rank_cut(grad, params[name], rank)
+            torch.testing.assert_close(out[(rank, "workaround")][name], cut, **close, msg=f"rank {rank} {name}")
+            if (rank, name) not in ((1, down), (0, "input"), (1, "input")):
+                torch.testing.assert_close(out[(rank, "megatron-core")][name], cut, **close, msg=f"{rank} {name}")
+    # The bug: rank 1's rotary rows of the down projection (its latent rows are right) hold only its own heads'
+    # share of the gradient, and so does the input's gradient on both ranks, which those rows feed.
+    rows, plain = rank_cut(want[down], params[down], 1), out[(1, "megatron-core")][down]
+    torch.testing.assert_close(plain[:-rotary], rows[:-rotary], **close)
+    off = ((plain[-rotary:] - rows[-rotary:]).abs().max() / rows[-rotary:].abs().max()).item()
+    assert off > 1e-3, (
+        f"megatron-core sums the key's rotary gradient over TP now (off by {off:.1e}): drop the workaround"
+    )
+    for rank in (0, 1):
+        assert not torch.allclose(out[(rank, "megatron-core")]["input"], want["input"], **close)

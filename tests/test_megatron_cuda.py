@@ -197,16 +197,29 @@ def _assert_equals_one_gpu(run, path, tmp_path):
 OVERLAP = dict(overlap_grad_reduce=True, ddp_bucket_size=20_000)
 
 
+# Uneven stages (--decoder-first-pipeline-num-layers) over three layers: one on the first stage, two on the last.
+UNEVEN = dict(decoder_first_pipeline_num_layers=1)
+
+
 @two_gpus
 @pytest.mark.parametrize(
-    "tp,pp,knobs",
-    [(2, 1, None), (1, 2, None), (1, 1, None), (1, 2, OVERLAP), (1, 1, OVERLAP)],
-    ids=["tp2", "pp2", "dp2", "pp2-overlap", "dp2-overlap"],
+    "tp,pp,knobs,layers",
+    [
+        (2, 1, None, None),
+        (2, 1, dict(sequence_parallel=True), None),
+        (1, 2, None, None),
+        (1, 2, UNEVEN, 3),
+        (1, 1, None, None),
+        (1, 2, OVERLAP, None),
+        (1, 1, OVERLAP, None),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "pp2-uneven", "dp2", "pp2-overlap", "dp2-overlap"],
 )
-def test_two_gpus_equal_one(tp, pp, knobs, tmp_path):
+def test_two_gpus_equal_one(tp, pp, knobs, layers, tmp_path):
     import torch.multiprocessing as mp
 
-    path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False)
+    shape = {} if layers is None else {"num_hidden_layers": layers}
+    path = save_model("qwen3", tmp_path / "m", tie_word_embeddings=False, **shape)
     out = str(tmp_path / "two.pt")
     # tp=pp=1 on two GPUs is data parallelism: each rank trains its half of the batch.
     world = 2

@@ -111,7 +111,7 @@ def test_mla_at_tp2_equals_transformers_and_trains_like_tp1(tmp_path, gloo_ranks
         assert tp2["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
         assert tp2["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
         # Every gradient, which the norm above hides (the key's rotary part summed over the ranks:
-        # megatron_layers.mla_attention; the latent norms' whole on every rank, not summed).
+        # megatron_compat.whole_latent_mla_attention; the latent norms' whole on every rank, not summed).
         assert_hf_grads_equal(
             [r["grads"] for r in ranks], tensor_grads(one), mc.shape_from_hf(hf.config.to_dict()), what="MLA"
         )

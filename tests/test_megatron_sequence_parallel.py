@@ -179,7 +179,7 @@ CASES = {
     "deepseek_v3": (True, {}),
     "qwen3_moe_ep2": (True, {"expert_model_parallel_size": 2}),
     # MLA at TP=2 without sequence parallelism (its layers dense): the key's rotary gradient summed over the ranks
-    # (megatron_layers.mla_attention) holds there too.
+    # (megatron_compat.whole_latent_mla_attention) holds there too.
     "deepseek_v3_dense": (False, {"sequence_parallel": False}),
 }
 # The default suite's cases: a Qwen3-MoE (attention, QK-norms, norms, router and experts: what sequence parallelism

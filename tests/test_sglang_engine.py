@@ -10,7 +10,6 @@ import torch
 from fake_sglang import FakeSGLangServer
 from transformers import AutoModelForCausalLM
 
-from runtime.demo.tiny_model import TinyModelSpec, make_tiny_model
 from runtime.engines import RolloutEngine, SamplingParams
 from runtime.engines.sglang_engine import (
     WEIGHTS_FILE,
@@ -25,41 +24,24 @@ from runtime.engines.sglang_engine import (
     sglang_weight_dtype,
 )
 
-ALPHABET = "0123456789+="
-SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 PROMPTS = [[1, 5, 6, 7], [1, 4], [1, 13, 14, 5, 9]]
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang")
-    return (
-        make_tiny_model(root / "a", alphabet=ALPHABET, spec=SPEC, seed=0),
-        make_tiny_model(root / "b", alphabet=ALPHABET, spec=SPEC, seed=1),
-    )
-
-
-@pytest.fixture(scope="module")
-def models(model_dirs):
-    """The two checkpoints in float64: the reference the server's float32 outputs are compared with."""
-    return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval() for d in model_dirs]
-
-
-@pytest.fixture(scope="module")
-def server(model_dirs):
-    with FakeSGLangServer(model_dirs[0], seed=0) as srv:
+def server(tiny_checkpoints):
+    with FakeSGLangServer(tiny_checkpoints[0], seed=0) as srv:
         yield srv
 
 
 @pytest.fixture
-def engine(server, model_dirs):
+def engine(server, tiny_checkpoints):
     eng = SGLangEngine(server.url, timeout=30, max_retries=2, retry_backoff=0.01, startup_timeout=10)
     yield eng
     # Put the server back as the other tests expect it: model A, memory resumed.
     if server.released:
         eng.resume_memory()
     if eng.weight_version() != 0:
-        eng.update_weights_from_disk(str(model_dirs[0]), weight_version=0)
+        eng.update_weights_from_disk(str(tiny_checkpoints[0]), weight_version=0)
     eng.close()
 
 
@@ -89,7 +71,9 @@ def test_engine_satisfies_rollout_protocol(engine):
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
-def test_generate_log_probs_are_the_models_at_the_sampling_temperature(engine, server, models, temperature):
+def test_generate_log_probs_are_the_models_at_the_sampling_temperature(
+    engine, server, tiny_models_float64, temperature
+):
     eos = server.tokenizer.eos_token_id
     before = server.requests.get("/generate", 0)
     gens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=temperature))
@@ -97,7 +81,7 @@ def test_generate_log_probs_are_the_models_at_the_sampling_temperature(engine, s
     assert len(gens) == len(PROMPTS)
     for prompt, g in zip(PROMPTS, gens, strict=True):
         assert 1 <= len(g.token_ids) == len(g.log_probs) <= 6
-        ref = reference_log_probs(models[0], prompt, g.token_ids, temperature)
+        ref = reference_log_probs(tiny_models_float64[0], prompt, g.token_ids, temperature)
         torch.testing.assert_close(torch.tensor(g.log_probs, dtype=torch.float64), ref, atol=1e-5, rtol=1e-5)
         assert eos not in g.token_ids[:-1]
         if g.finish_reason == "stop":
@@ -107,16 +91,16 @@ def test_generate_log_probs_are_the_models_at_the_sampling_temperature(engine, s
         assert g.weight_version == 0 and g.extra["rid"]
 
 
-def test_length_and_stop_finish_reasons_on_the_greedy_path(engine, models):
+def test_length_and_stop_finish_reasons_on_the_greedy_path(engine, tiny_models_float64):
     prompt, temperature = PROMPTS[2], 0.8
-    path = greedy_path(models[0], prompt, 5)
+    path = greedy_path(tiny_models_float64[0], prompt, 5)
     assert 2 not in path  # eos would end the response before max_new_tokens
     # top_k=1 samples the argmax; the log-probs stay those of the full tempered distribution.
     g = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=temperature, top_k=1))[0]
     assert g.finish_reason == "length" and g.token_ids == path
     torch.testing.assert_close(
         torch.tensor(g.log_probs, dtype=torch.float64),
-        reference_log_probs(models[0], prompt, path, temperature),
+        reference_log_probs(tiny_models_float64[0], prompt, path, temperature),
         atol=1e-5,
         rtol=1e-5,
     )
@@ -136,10 +120,12 @@ def test_batched_generation_equals_one_prompt_at_a_time(engine):
         torch.testing.assert_close(alone.log_probs, g.log_probs)
 
 
-def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, server, models, model_dirs):
+def test_weight_update_from_disk_switches_the_server_to_the_new_weights(
+    engine, server, tiny_models_float64, tiny_checkpoints
+):
     prompt, temperature = PROMPTS[0], 1.0
     params = SamplingParams(max_new_tokens=5, temperature=temperature)
-    new_state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    new_state = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
 
     engine.load_weights(new_state, weight_version=7)
     assert server.weight_version == "7" and engine.server_weight_version() == "7" and engine.weight_version() == 7
@@ -147,17 +133,17 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     assert g.weight_version == 7
     got = torch.tensor(g.log_probs, dtype=torch.float64)
     torch.testing.assert_close(
-        got, reference_log_probs(models[1], prompt, g.token_ids, temperature), atol=1e-5, rtol=0
+        got, reference_log_probs(tiny_models_float64[1], prompt, g.token_ids, temperature), atol=1e-5, rtol=0
     )
     # The check can fail: the old weights give other log-probs for the same tokens.
-    assert (got - reference_log_probs(models[0], prompt, g.token_ids, temperature)).abs().max() > 1e-2
+    assert (got - reference_log_probs(tiny_models_float64[0], prompt, g.token_ids, temperature)).abs().max() > 1e-2
 
     first = sorted(p for p in engine.weights_dir.iterdir())
-    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), weight_version=8)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[0]).state_dict(), weight_version=8)
     g = engine.generate([prompt], params)[0]
     torch.testing.assert_close(
         torch.tensor(g.log_probs, dtype=torch.float64),
-        reference_log_probs(models[0], prompt, g.token_ids, temperature),
+        reference_log_probs(tiny_models_float64[0], prompt, g.token_ids, temperature),
         atol=1e-5,
         rtol=0,
     )
@@ -166,11 +152,13 @@ def test_weight_update_from_disk_switches_the_server_to_the_new_weights(engine, 
     assert current not in first and (current / WEIGHTS_FILE).is_file() and (current / "config.json").is_file()
 
 
-def test_weight_update_from_tensor_handles_switches_the_server_to_the_new_weights(engine, server, models, model_dirs):
+def test_weight_update_from_tensor_handles_switches_the_server_to_the_new_weights(
+    engine, server, tiny_models_float64, tiny_checkpoints
+):
     from runtime.engines import weight_transfer
 
     prompt, temperature = PROMPTS[1], 1.0
-    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    state = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
     # Tied weights once, under the name SGLang reads; two buckets, the version with the last.
     names = [n for n in state if n != "lm_head.weight"]
     half = len(names) // 2
@@ -184,12 +172,12 @@ def test_weight_update_from_tensor_handles_switches_the_server_to_the_new_weight
     g = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=temperature))[0]
     torch.testing.assert_close(
         torch.tensor(g.log_probs, dtype=torch.float64),
-        reference_log_probs(models[1], prompt, g.token_ids, temperature),
+        reference_log_probs(tiny_models_float64[1], prompt, g.token_ids, temperature),
         atol=1e-5,
         rtol=0,
     )
     # Back to the first weights, so that the tests after this one see the model they expect.
-    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dirs[0]).state_dict(), weight_version=12)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[0]).state_dict(), weight_version=12)
 
 
 def test_weight_update_refused_by_the_server_raises_with_its_message(engine, server, tmp_path):
@@ -201,8 +189,8 @@ def test_weight_update_refused_by_the_server_raises_with_its_message(engine, ser
     assert engine.weight_version() == 0 and server.weight_version == server_version
 
 
-def test_buckets_that_do_not_fit_the_checkpoint_are_refused_before_anything_is_sent(engine, server, model_dirs):
-    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+def test_buckets_that_do_not_fit_the_checkpoint_are_refused_before_anything_is_sent(engine, server, tiny_checkpoints):
+    state = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
     before = server.requests.get("/update_weights_from_disk", 0)
     with pytest.raises(ValueError, match=r"model.norm.weight has shape \[3\]"):
         engine.load_weights({"model.norm.weight": torch.ones(3)})
@@ -215,9 +203,9 @@ def test_buckets_that_do_not_fit_the_checkpoint_are_refused_before_anything_is_s
     assert engine.weight_version() == 0 and not any(engine.weights_dir.iterdir())
 
 
-def test_tied_weights_sent_as_lm_head_reach_the_embeddings_sglang_reads(engine, server, model_dirs):
+def test_tied_weights_sent_as_lm_head_reach_the_embeddings_sglang_reads(engine, server, tiny_checkpoints):
     # SGLang skips lm_head.weight when embeddings are tied (as the fake does): the adapter writes both names.
-    new = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    new = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
     engine.load_weights({k: v for k, v in new.items() if k != "model.embed_tokens.weight"}, weight_version=3)
     (folder,) = engine.weights_dir.iterdir()
     from safetensors import safe_open
@@ -228,10 +216,10 @@ def test_tied_weights_sent_as_lm_head_reach_the_embeddings_sglang_reads(engine, 
         torch.testing.assert_close(value, new[name], rtol=0, atol=0)
 
 
-def test_a_folder_with_tied_weights_under_the_skipped_name_only_is_refused(engine, model_dirs, tmp_path):
-    new = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+def test_a_folder_with_tied_weights_under_the_skipped_name_only_is_refused(engine, tiny_checkpoints, tmp_path):
+    new = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
     head_only = {k: v for k, v in new.items() if k != "model.embed_tokens.weight"}
-    folder = save_hf_weights(head_only, tmp_path / "w", config_source=model_dirs[0])
+    folder = save_hf_weights(head_only, tmp_path / "w", config_source=tiny_checkpoints[0])
     with pytest.raises(ValueError, match="SGLang reads model.embed_tokens.weight"):
         engine.update_weights_from_disk(str(folder), weight_version=4)
     assert engine.weight_version() == 0
@@ -285,9 +273,9 @@ def test_http_errors_name_status_and_server_message_and_are_not_retried(engine, 
     assert err.value.status_code == 404
 
 
-def test_connection_errors_are_retried_until_the_server_is_up(model_dirs):
+def test_connection_errors_are_retried_until_the_server_is_up(tiny_checkpoints):
     port = free_port()
-    srv = FakeSGLangServer(model_dirs[0], port=port)
+    srv = FakeSGLangServer(tiny_checkpoints[0], port=port)
     eng = SGLangEngine(f"http://127.0.0.1:{port}", wait_healthy=False, max_retries=10, retry_backoff=0.05)
     starter = threading.Timer(0.3, srv.start)
     starter.start()
@@ -309,8 +297,8 @@ def test_connection_errors_raise_after_the_last_retry():
     eng.close()
 
 
-def test_start_waits_for_health_and_times_out_with_the_last_status(model_dirs):
-    with FakeSGLangServer(model_dirs[0], startup_delay=0.5) as srv:
+def test_start_waits_for_health_and_times_out_with_the_last_status(tiny_checkpoints):
+    with FakeSGLangServer(tiny_checkpoints[0], startup_delay=0.5) as srv:
         with pytest.raises(TimeoutError, match="HTTP 503"):
             SGLangEngine(srv.url, startup_timeout=0.1)
         eng = SGLangEngine(srv.url, startup_timeout=10)
@@ -330,11 +318,11 @@ def _generate_in_background(eng, prompts, params, srv):
     return worker, result
 
 
-def test_abort_all_cuts_the_running_request_and_empties_the_queued_ones(model_dirs, models):
+def test_abort_all_cuts_the_running_request_and_empties_the_queued_ones(tiny_checkpoints, tiny_models_float64):
     prompts = [PROMPTS[1], PROMPTS[0]]
-    path = greedy_path(models[0], prompts[0], 40)
+    path = greedy_path(tiny_models_float64[0], prompts[0], 40)
     assert 2 not in path
-    with FakeSGLangServer(model_dirs[0], token_delay=0.02) as srv:
+    with FakeSGLangServer(tiny_checkpoints[0], token_delay=0.02) as srv:
         eng = SGLangEngine(srv.url)
         worker, result = _generate_in_background(eng, prompts, SamplingParams(max_new_tokens=40, top_k=1), srv)
         eng.abort()
@@ -346,7 +334,7 @@ def test_abort_all_cuts_the_running_request_and_empties_the_queued_ones(model_di
     assert running.token_ids == path[: len(running.token_ids)] and len(running.log_probs) == len(running.token_ids)
     torch.testing.assert_close(
         torch.tensor(running.log_probs, dtype=torch.float64),
-        reference_log_probs(models[0], prompts[0], running.token_ids, 1.0),
+        reference_log_probs(tiny_models_float64[0], prompts[0], running.token_ids, 1.0),
         atol=1e-5,
         rtol=0,
     )
@@ -355,8 +343,8 @@ def test_abort_all_cuts_the_running_request_and_empties_the_queued_ones(model_di
     assert queued.extra["finish"] == {"type": "abort", "message": "Abort in waiting queue"}
 
 
-def test_abort_by_rid_ends_that_request_only(model_dirs):
-    with FakeSGLangServer(model_dirs[0], token_delay=0.02) as srv:
+def test_abort_by_rid_ends_that_request_only(tiny_checkpoints):
+    with FakeSGLangServer(tiny_checkpoints[0], token_delay=0.02) as srv:
         eng = SGLangEngine(srv.url)
         eng.abort(rid="nobody-runs-this")  # unknown ids (and aborts with nothing in flight) do nothing
         worker, result = _generate_in_background(eng, PROMPTS[:2], SamplingParams(max_new_tokens=20, top_k=1), srv)
@@ -389,10 +377,10 @@ def test_sampling_params_use_sglang_names():
         sampling_params_to_sglang({"max_new_tokens": 1})
 
 
-def test_a_trimmed_stop_token_is_caught(engine, models):
+def test_a_trimmed_stop_token_is_caught(engine, tiny_models_float64):
     # What the adapter would get if it left SGLang's default no_stop_trim=False: output_ids without the stop token.
     prompt = PROMPTS[0]
-    stop = greedy_path(models[0], prompt, 1)[0]
+    stop = greedy_path(tiny_models_float64[0], prompt, 1)[0]
     payload = {
         "input_ids": [prompt],
         "sampling_params": {"max_new_tokens": 3, "top_k": 1, "stop_token_ids": [stop]},
@@ -423,17 +411,17 @@ def test_generation_from_sglang_checks_the_answer():
         generation_from_sglang({"meta_info": {**meta, "output_token_logprobs": [[-0.5]]}}, weight_version=0)
 
 
-def test_saved_weights_are_an_hf_folder_transformers_loads(tmp_path, model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[1])
+def test_saved_weights_are_an_hf_folder_transformers_loads(tmp_path, tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1])
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied: shared storage
-    folder = save_hf_weights(state, tmp_path / "w", config_source=model_dirs[0])
+    folder = save_hf_weights(state, tmp_path / "w", config_source=tiny_checkpoints[0])
     loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert loaded.keys() == state.keys()
     for k, v in state.items():
         torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
     with pytest.raises(TypeError, match="lm_head.weight"):
-        save_hf_weights({**state, "lm_head.weight": [1.0]}, tmp_path / "x", config_source=model_dirs[0])
+        save_hf_weights({**state, "lm_head.weight": [1.0]}, tmp_path / "x", config_source=tiny_checkpoints[0])
     with pytest.raises(ValueError, match="config.json"):
         save_hf_weights(state, tmp_path / "y", config_source=tmp_path)
 
@@ -493,18 +481,18 @@ def test_an_http_error_survives_pickling_as_ray_sends_it():
     assert str(err) == "SGLang POST http://h:1/generate failed with HTTP 503: No available workers"
 
 
-def test_a_server_restarted_in_place_after_an_update_fails_the_health_check_naming_both_versions(model_dirs):
+def test_a_server_restarted_in_place_after_an_update_fails_the_health_check_naming_both_versions(tiny_checkpoints):
     # An external server that restarts comes back on its port with its launch weights and answers every check of
     # liveness; only its weight version (/model_info) tells that it no longer holds what was loaded into it.
     port = free_port()
-    with FakeSGLangServer(model_dirs[0], port=port) as srv:
+    with FakeSGLangServer(tiny_checkpoints[0], port=port) as srv:
         eng = SGLangEngine(srv.url, timeout=30, startup_timeout=10)
         assert eng.health()  # (before any update: the label it reports now, "default", is the one to keep)
-    with FakeSGLangServer(model_dirs[0], port=port):
+    with FakeSGLangServer(tiny_checkpoints[0], port=port):
         assert eng.health()  # restarted before any update: it holds the weights it held
-        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=3)
+        eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=3)
         assert eng.health()
-    with FakeSGLangServer(model_dirs[0], port=port) as srv:
+    with FakeSGLangServer(tiny_checkpoints[0], port=port) as srv:
         assert srv.weight_version == "default"
         with pytest.raises(SGLangWeightsLost) as err:
             eng.health()
@@ -513,15 +501,15 @@ def test_a_server_restarted_in_place_after_an_update_fails_the_health_check_nami
             "last): it restarted with its launch weights, or another client updated it"
         )
         # Loading the weights again (what the engine group's restart does) makes it healthy.
-        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=3)
+        eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=3)
         assert eng.health()
     eng.close()
 
 
-def test_a_health_check_while_an_update_moves_the_label_is_not_a_death(model_dirs, monkeypatch):
+def test_a_health_check_while_an_update_moves_the_label_is_not_a_death(tiny_checkpoints, monkeypatch):
     # The health check runs beside the engine's other calls: one that lands after the server took the new version but
     # before the engine recorded it sees the labels differ, and must not call that a restart.
-    with FakeSGLangServer(model_dirs[0]) as srv:
+    with FakeSGLangServer(tiny_checkpoints[0]) as srv:
         eng = SGLangEngine(srv.url, timeout=30, startup_timeout=10)
         assert eng.health()
         post, seen = eng._post, []
@@ -533,7 +521,7 @@ def test_a_health_check_while_an_update_moves_the_label_is_not_a_death(model_dir
             return answer
 
         monkeypatch.setattr(eng, "_post", post_then_check)
-        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=4)
+        eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=4)
         assert seen == [("4", 0, True)]  # the server moved, the engine not yet: no death
         assert eng.health() and eng.weight_version() == 4
         eng.close()

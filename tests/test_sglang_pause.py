@@ -18,38 +18,21 @@ import torch
 from fake_sglang import NOT_FLUSHED, FakeSGLangServer, weight_version_spans
 from transformers import AutoModelForCausalLM
 
-from runtime.demo.tiny_model import TinyModelSpec, make_tiny_model
 from runtime.engines import SamplingParams
 from runtime.engines.sglang_engine import PAUSE_MODE, SGLangEngine, SGLangHTTPError
 
-ALPHABET = "0123456789+="
-SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 PROMPT = [1, 5, 6, 7]
 HOLD_AT, LENGTH = 3, 8
 # Greedy (top_k=1) so that the path is the models'; the log-probs stay those of the tempered distribution.
 GREEDY = SamplingParams(max_new_tokens=LENGTH, top_k=1)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pause")
-    return (
-        make_tiny_model(root / "a", alphabet=ALPHABET, spec=SPEC, seed=0),
-        make_tiny_model(root / "b", alphabet=ALPHABET, spec=SPEC, seed=1),
-    )
-
-
-@pytest.fixture(scope="module")
-def models(model_dirs):
-    return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval() for d in model_dirs]
-
-
 @pytest.fixture
-def held(model_dirs, tmp_path):
+def held(tiny_checkpoints, tmp_path):
     """A fake server on model A that holds decoding after HOLD_AT tokens while ``hold`` exists, and an engine."""
     hold = tmp_path / "hold"
     hold.touch()
-    with FakeSGLangServer(model_dirs[0], hold_at=HOLD_AT, hold_file=hold) as srv:
+    with FakeSGLangServer(tiny_checkpoints[0], hold_at=HOLD_AT, hold_file=hold) as srv:
         eng = SGLangEngine(srv.url, timeout=60)
         yield srv, eng, hold
         hold.unlink(missing_ok=True)
@@ -98,22 +81,22 @@ def _close(got, want):
 
 
 def test_a_retract_pause_lets_the_update_in_at_once_and_the_request_goes_on_with_the_new_weights(
-    held, models, model_dirs
+    held, tiny_models_float64, tiny_checkpoints
 ):
     srv, eng, hold = held
     worker, result = _start(eng, srv)
     assert PAUSE_MODE == "retract"
     eng.pause_generation()
     # The update runs while the request is still decoding (held mid-way): the pause let it past the lock.
-    eng.update_weights_from_disk(str(model_dirs[1]), weight_version=1)
+    eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=1)
     assert srv.weight_version == "1" and srv.held and srv._running
     eng.continue_generation()
     hold.unlink()
     worker.join(60)
     (g,) = result
-    first, first_lps = greedy(models[0], PROMPT, HOLD_AT)
+    first, first_lps = greedy(tiny_models_float64[0], PROMPT, HOLD_AT)
     # Retracted: the rest is model B's, prefilled again over the prompt and the tokens so far (no old KV left).
-    rest, rest_lps = greedy(models[1], PROMPT + first, LENGTH - HOLD_AT)
+    rest, rest_lps = greedy(tiny_models_float64[1], PROMPT + first, LENGTH - HOLD_AT)
     assert g.token_ids == first + rest and g.finish_reason == "length"
     _close(g.log_probs, first_lps + rest_lps)
     assert g.extra["weight_versions"] == [
@@ -124,34 +107,36 @@ def test_a_retract_pause_lets_the_update_in_at_once_and_the_request_goes_on_with
     assert srv.pauses == ["retract"]
 
 
-def test_an_in_place_pause_keeps_the_old_kv_cache_and_fails_the_updates_flush(held, models, model_dirs):
+def test_an_in_place_pause_keeps_the_old_kv_cache_and_fails_the_updates_flush(
+    held, tiny_models_float64, tiny_checkpoints
+):
     srv, eng, hold = held
     worker, result = _start(eng, srv)
     eng.pause_generation("in_place")
     # SGLang flushes the cache after an update, which a request paused in place (still running) makes fail.
     with pytest.raises(SGLangHTTPError, match="cache was not flushed") as err:
-        eng.update_weights_from_disk(str(model_dirs[1]), weight_version=1)
+        eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=1)
     assert err.value.message == NOT_FLUSHED and srv.weight_version == "1"  # (the weights are loaded all the same)
     eng.continue_generation()
     hold.unlink()
     worker.join(60)
     (g,) = result
-    first, first_lps = greedy(models[0], PROMPT, HOLD_AT)
+    first, first_lps = greedy(tiny_models_float64[0], PROMPT, HOLD_AT)
     # The cache of model A over the prompt and the tokens fed so far (the last sampled one is fed next, by B).
     fed = PROMPT + first[:-1]
     with torch.no_grad():
-        past = models[0](torch.tensor([fed]), use_cache=True).past_key_values
-    rest, rest_lps = greedy(models[1], PROMPT + first, LENGTH - HOLD_AT, past=past, fed=fed)
+        past = tiny_models_float64[0](torch.tensor([fed]), use_cache=True).past_key_values
+    rest, rest_lps = greedy(tiny_models_float64[1], PROMPT + first, LENGTH - HOLD_AT, past=past, fed=fed)
     assert g.token_ids == first + rest
     _close(g.log_probs, first_lps + rest_lps)
     # Mixed: not model B's log-probs of those tokens (B over the whole sequence, as a retract would give).
     with torch.no_grad():
-        logits = models[1](torch.tensor([PROMPT + first + rest])).logits[0, len(PROMPT + first) - 1 : -1]
+        logits = tiny_models_float64[1](torch.tensor([PROMPT + first + rest])).logits[0, len(PROMPT + first) - 1 : -1]
     fresh = torch.log_softmax(logits, -1).gather(-1, torch.tensor(rest)[:, None]).squeeze(-1)
     assert (fresh - torch.tensor(rest_lps)).abs().max() > 1e-3
 
 
-def test_an_abort_pause_cuts_the_request_off_and_holds_new_ones_until_generation_continues(held, models):
+def test_an_abort_pause_cuts_the_request_off_and_holds_new_ones_until_generation_continues(held, tiny_models_float64):
     srv, eng, hold = held
     worker, result = _start(eng, srv)
     hold.unlink()  # (the abort ends it at its next step)
@@ -167,13 +152,13 @@ def test_an_abort_pause_cuts_the_request_off_and_holds_new_ones_until_generation
     assert waiting.is_alive() and not srv._running  # it waits at the pause, not in the scheduler
     eng.continue_generation()
     waiting.join(60)
-    assert later[0].token_ids == greedy(models[0], PROMPT, LENGTH)[0]
+    assert later[0].token_ids == greedy(tiny_models_float64[0], PROMPT, LENGTH)[0]
 
 
-def test_an_update_without_a_pause_waits_for_the_requests_in_flight(held, model_dirs):
+def test_an_update_without_a_pause_waits_for_the_requests_in_flight(held, tiny_checkpoints):
     srv, eng, hold = held
     worker, result = _start(eng, srv)
-    update = threading.Thread(target=lambda: eng.update_weights_from_disk(str(model_dirs[1]), weight_version=1))
+    update = threading.Thread(target=lambda: eng.update_weights_from_disk(str(tiny_checkpoints[1]), weight_version=1))
     update.start()
     _until(lambda: srv._updates_waiting == 1, "the update to wait for the lock")
     assert srv.weight_version == "default"  # held back behind the request, which still decodes
@@ -204,11 +189,11 @@ def test_updates_from_a_group_or_handles_need_a_weight_update_session(held):
         eng.pause_generation("sleep")
 
 
-def test_the_engine_opens_a_session_per_update_and_closes_it_when_a_bucket_fails(held, model_dirs):
+def test_the_engine_opens_a_session_per_update_and_closes_it_when_a_bucket_fails(held, tiny_checkpoints):
     from runtime.engines import weight_transfer
 
     srv, eng, _ = held
-    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    state = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[1]).state_dict()
     names = [n for n in state if n != "lm_head.weight"]
     begun = srv.requests.get("/begin_weight_update", 0)
     for part, version in ((names[:3], None), (names[3:], 4)):

@@ -5,28 +5,34 @@ peak memory, and the measured bf16 matmul rate beside the peak MFU is counted ag
     python3 tools/bench_backends.py --samples 8 --seq-len 16384 --micro-batch-size 1        # prime-rl's 16k anchor
     python3 tools/bench_backends.py --preset qwen3-4b --seq-len 2048 --nproc 2 --paths megatron,fused
     python3 tools/bench_backends.py --preset tiny --samples 8 --seq-len 64 --peak-tflops 1    # a smoke run on the CPU
+    python3 tools/bench_backends.py --preset qwen3-30b-a3b --num-layers 8 --seq-len 2048 --nproc 4 --paths megatron \
+        --expert-model-parallel-size 4 --moe-grouped-gemm              # MoE: EP=4 over four GPUs, grouped experts
 
 Every sample is ``--seq-len`` tokens (``--prompt-len`` of prompt, the rest response), random tokens, one optimizer
 step over all of them in micro-batches of ``--micro-batch-size``; loss PPO clip with GRPO advantages, no KL.
 Paths: ``fused`` (torch backend through ``rlcore.kernels.linear_rl_loss``, the LM head never applied to all
 positions), ``unfused`` (torch backend, full logits), ``megatron`` (megatron-core ``GPTModel``, local spec, bf16 with
 float32 main weights and Megatron's distributed optimizer on GPUs; ``--tensor-model-parallel-size``,
-``--recompute-granularity`` and ``--attention-backend`` are its). With ``--nproc N`` each path runs on N processes
-(one device each, data parallel for the torch backend's FSDP2 and for Megatron beyond its TP x PP); tokens/s count
-the global batch.
+``--sequence-parallel``, ``--expert-model-parallel-size``, ``--moe-grouped-gemm``, ``--recompute-granularity`` and
+``--attention-backend`` are its). With ``--nproc N`` each path runs on N processes (one device each, data parallel
+for the torch backend's FSDP2 and for Megatron beyond its TP x PP); tokens/s count the global batch. The MoE presets
+(``qwen3-30b-a3b``, ``moonlight-16b-a3b``) are real layer shapes, ``--num-layers`` of them.
 
-MFU is model FLOPs over ``N x --peak-tflops``, two ways: ``6 x params x tokens`` for a train step (``2 x`` for the
-forward), and with causal attention added: per token and layer ``2 x seq x heads x head_dim`` FLOPs forward (QK^T and
-AV over half the positions on average), three times that for a train step. ``params`` are the HF model's, tied
-embeddings once. The measured bf16 matmul rate (an 8192^3 GEMM on the device; float32 512^3 on the CPU) is printed
-beside the peak used. ``--profile`` adds, per path, the kernels of one more train step on rank 0 that took the most
-device time, and the fraction of the step's wall time the device was busy.
+MFU is model FLOPs over ``N x --peak-tflops``, two ways: ``6 x active params x tokens`` for a train step (``2 x``
+for the forward), and with causal attention added: per token and layer ``seq x heads x (qk_dim + v_dim)`` FLOPs
+forward (QK^T and AV over half the positions on average), three times that for a train step. Active params are the
+weights a token is multiplied by: the HF model's, a MoE layer's routed experts at top-k of them, and the input
+embedding only where tied (it is then the LM head; an untied one is a lookup). The measured bf16 matmul rate (an
+8192^3 GEMM on the device; float32 512^3 on the CPU) is printed beside the peak used. ``--profile`` adds, per path,
+the kernels of one more train step on rank 0 that took the most device time, and the fraction of the step's wall
+time the device was busy.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -35,18 +41,29 @@ import time
 import torch
 
 PATHS = ("fused", "unfused", "megatron")
-# Qwen3-4B's shape over the qwen3-0.6b preset (hidden 2560, MLP 9728, 36 layers, 32 query and 8 key/value heads of
-# 128, tied embeddings, vocabulary 151936: Qwen/Qwen3-4B's config.json).
+# --preset -> (the runtime.demo.tiny_model preset it starts from, the config fields it replaces). Qwen3-4B's shape over
+# the qwen3-0.6b preset (hidden 2560, MLP 9728, 36 layers, 32 query and 8 key/value heads of 128, tied embeddings,
+# vocabulary 151936: Qwen/Qwen3-4B's config.json). The MoE shapes are their real layers (Qwen3-30B-A3B: 128 experts of
+# 768, top 8; Moonlight-16B-A3B: MLA, a dense first layer, 64 experts of 1408, top 6, 2 shared), as many as
+# --num-layers asks for (the whole models do not fit four GPUs with an optimizer).
 SHAPES = {
-    "qwen3-0.6b": {},
-    "qwen3-4b": {
-        "hidden_size": 2560,
-        "intermediate_size": 9728,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-    },
+    "qwen3-0.6b": ("qwen3-0.6b", {}),
+    "qwen3-4b": (
+        "qwen3-0.6b",
+        {
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+        },
+    ),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b-2layers", {}),
+    "moonlight-16b-a3b": ("moonlight-16b-a3b-2layers", {}),
+    "tiny-qwen3-moe": ("tiny-qwen3-moe", {}),  # for a smoke run on the CPU
 }
+# A routed expert's weights in the HF names (model.layers.{i}.mlp.experts.{e}.*): a token meets top-k of them.
+_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def _batch(vocab: int, args: argparse.Namespace, pad: int):
@@ -77,15 +94,32 @@ def _sync(device: torch.device) -> None:
 
 
 def model_flops_per_token(config, *, seq_len: int) -> dict[str, float]:
-    """Train-step FLOPs per token: ``dense`` (6 x params) and ``attn`` (causal attention's matmuls), from an HF
-    config; the forward is a third of each."""
+    """Train-step FLOPs per token: ``dense`` (6 x the active parameters) and ``attn`` (causal attention's matmuls),
+    from an HF config; the forward is a third of each.
+
+    Active parameters are the weights a token is multiplied by: every tensor of the HF model, a MoE layer's routed
+    experts at top-k of them (``router_topk / num_experts`` of their sum), and the input embedding only where it is
+    the LM head too (tied): an untied embedding is a lookup, no FLOPs. Attention per token and layer, forward: QK^T and
+    AV over half the positions on average, ``seq x heads x (qk_dim + v_dim)`` (MLA's query/key heads are wider than
+    its value heads)."""
     from runtime.train.backends import megatron_config as mc
     from runtime.train.backends import megatron_weights as mw
 
     shape = mc.shape_from_hf(config.to_dict())
-    params = sum(torch.Size(size).numel() for size, _ in mw.hf_shapes(shape).values())
-    attn = 6 * shape.num_layers * seq_len * shape.num_attention_heads * shape.kv_channels
-    return {"params": params, "dense": 6 * params, "attn": attn}
+    sizes = {name: torch.Size(size).numel() for name, (size, _) in mw.hf_shapes(shape).items()}
+    routed = sum(n for name, n in sizes.items() if _ROUTED_EXPERT.search(name))
+    params = sum(sizes.values())
+    active = params - routed
+    if shape.moe is not None:
+        active += routed * shape.moe.router_topk // shape.moe.num_experts
+    if not shape.tie_embeddings:
+        active -= sizes[mw.EMBED]
+    if shape.mla is not None:
+        qk, v = shape.mla.qk_head_dim + shape.mla.qk_pos_emb_head_dim, shape.mla.v_head_dim
+    else:
+        qk = v = shape.kv_channels
+    attn = 3 * shape.num_layers * seq_len * shape.num_attention_heads * (qk + v)
+    return {"params": params, "active": active, "dense": 6 * active, "attn": attn}
 
 
 def matmul_tflops(device: torch.device) -> tuple[float, str]:
@@ -118,6 +152,9 @@ def _config(path: str, args: argparse.Namespace, world: int, path_name: str):
             "recompute_granularity": args.recompute_granularity,
             "attention_backend": args.attention_backend,
             "overlap_grad_reduce": args.overlap_grad_reduce,
+            "sequence_parallel": args.sequence_parallel,
+            "expert_model_parallel_size": args.expert_model_parallel_size,
+            "moe_grouped_gemm": args.moe_grouped_gemm,
         }
         if args.recompute_granularity == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
@@ -152,6 +189,12 @@ def measure(
     from runtime.train.roles import ACTOR
 
     cfg = _config(path, args, world, path_name)
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:  # rank 0's phases, as they end: a run cut off still shows where it was
+        if rank == 0 and args.progress:
+            print(f"  [{path_name}] {time.perf_counter() - started:7.1f} s: {what}", flush=True)
+
     backend = "megatron" if path_name == "megatron" else "torch"
     trainer = backend_class(backend)(
         path,
@@ -166,6 +209,7 @@ def measure(
     )
     if path_name == "unfused":
         trainer._fused_head = lambda model: False  # the full-logits path
+    progress("trainer built (weights loaded)")
     config = AutoConfig.from_pretrained(path)
     td = _batch(config.vocab_size, args, pad=0)
     dp_rank, dp_size = trainer.dp_info()
@@ -184,6 +228,7 @@ def measure(
         trainer.train(compute(td, advantage_config(cfg)), per_step_rows=rows)
         _sync(device)
         end = time.perf_counter()
+        progress(f"step {i}: log-probs {mid - start:.3f} s, train {end - mid:.3f} s")
         if i >= args.warmup:
             logprob_s.append(mid - start)
             train_s.append(end - mid)
@@ -197,6 +242,7 @@ def measure(
     peak_flops = args.peak_tflops * 1e12 * world
     return {
         "params": flops["params"],
+        "active": flops["active"],
         "logprob_s": lp,
         "logprob_tok_s": tokens / lp,
         "logprob_mfu": flops["dense"] / 3 * tokens / lp / peak_flops,
@@ -267,7 +313,29 @@ def build_model(args: argparse.Namespace, folder: str) -> str:
 
     if args.preset == "tiny":
         return str(make_tiny_model(folder, alphabet=task.ALPHABET, seed=0))
-    return str(make_preset_model("qwen3-0.6b", folder, alphabet=task.ALPHABET, seed=0, **SHAPES[args.preset]))
+    preset, fields = SHAPES[args.preset]
+    if args.num_layers is not None:
+        fields = {**fields, "num_hidden_layers": args.num_layers}
+    return str(make_preset_model(preset, folder, alphabet=task.ALPHABET, seed=0, **fields))
+
+
+def _check_reused(path: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``parser.error`` unless the model in ``--model-dir`` has the shape this run's flags ask for."""
+    import json
+
+    from runtime.demo import task
+    from runtime.demo.tiny_model import preset_config
+
+    preset, fields = SHAPES[args.preset]
+    if args.num_layers is not None:
+        fields = {**fields, "num_hidden_layers": args.num_layers}
+    want = preset_config(preset, alphabet=task.ALPHABET, **fields)[0].to_dict()
+    with open(os.path.join(path, "config.json")) as f:
+        have = json.load(f)
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    diff = [f"{k} {have.get(k)} (wanted {want.get(k)})" for k in keys if have.get(k) != want.get(k)]
+    if diff:
+        parser.error(f"--model-dir {path} holds another model: {', '.join(diff)}; give an empty folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +343,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3-0.6b", choices=[*SHAPES, "tiny"])
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="decoder layers of the preset's shape (default: the preset's)"
+    )
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="where the random-init model is built, and reused from by a later run if it is there (default: a "
+        "temporary folder); a model there must be this run's --preset and --num-layers",
+    )
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -285,9 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--nproc", type=int, default=1, help="processes (devices) per path")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="megatron's TP")
+    parser.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (TP > 1)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1, help="megatron's EP (MoE presets)")
+    parser.add_argument(
+        "--moe-grouped-gemm", action="store_true", help="megatron's experts through torch._grouped_mm (MoE presets)"
+    )
     parser.add_argument(
         "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"
     )
+    parser.add_argument("--progress", action="store_true", help="print rank 0's phases as they end")
     parser.add_argument("--profile", action="store_true", help="profile one more train step per path (rank 0)")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed by --profile")
     parser.add_argument(
@@ -313,7 +396,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(args, f"{tmp}/m")
+        path = args.model_dir or f"{tmp}/m"
+        if not os.path.exists(os.path.join(path, "config.json")):
+            start = time.perf_counter()
+            path = build_model(args, path)
+            if args.progress:
+                print(f"  model built in {time.perf_counter() - start:.1f} s", flush=True)
+        elif args.preset != "tiny":
+            _check_reused(path, args, parser)
         for name in names:
             rows.append((name, run_path(path, args, name, tmp)))
             print(name, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
@@ -321,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     rate, what = matmul_tflops(device)
     tokens = args.samples * args.seq_len
     print(
-        f"\n{args.preset} ({rows[0][1]['params']:,} params), {args.samples} x {args.seq_len} tokens ({tokens}), "
+        f"\n{args.preset}{'' if args.num_layers is None else f' ({args.num_layers} layers)'} "
+        f"({rows[0][1]['params']:,} params, {rows[0][1]['active']:,} active), {args.samples} x {args.seq_len} "
+        f"tokens ({tokens}), "
         f"micro-batch {args.micro_batch_size}, {args.nproc} process(es); MFU against {args.peak_tflops:g} TFLOP/s "
         f"per device; measured {what} matmul: {rate:.1f} TFLOP/s"
     )

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from runtime.engines.decode_attention import DECODE_ATTENTION, PAGE_SIZE, STORE_DECODE_KV, default_kernel
-from runtime.engines.routes import RouteRecorder
+from runtime.engines.routes import RouteRecorder, install_route_hooks
 from runtime.engines.sampling import plain_sample_triton
 
 ATTENTION = "rlcore_static"
@@ -914,9 +914,13 @@ def _take_nuclei(keeps: list[torch.Tensor], slot_nuclei: list[list[list[int]]]) 
 
 
 def _compiled(model: torch.nn.Module):
-    """``torch.compile(model)``, made once per model and kept on it."""
+    """``torch.compile(model)``, made once per model and kept on it. A MoE model's route hooks go in first: the
+    compiled step runs the hooks the model had when it was compiled
+    (:func:`runtime.engines.routes.install_route_hooks`), so a step compiled by a call without ``record_routes``
+    would record nothing for the later calls that ask."""
     compiled = getattr(model, "_rlcore_compiled", None)
     if compiled is None:
+        install_route_hooks(model)
         compiled = torch.compile(model, dynamic=False)
         model._rlcore_compiled = compiled
     return compiled

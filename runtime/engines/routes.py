@@ -10,7 +10,8 @@ The embedded engine records them with a forward hook on each MoE router (transfo
 ``(logits, weights, indices)``): :class:`RouteRecorder` copies the indices into fixed device buffers, the prompt's
 rows at its prefill (once per prompt, shared by its samples) and one column per decoding step, so the copies are part
 of the decode step's CUDA graph and cost no host sync; rows are read back with the tokens when a sample ends. The
-hooks are installed on a model the first time routes are asked for and do nothing while no recorder is attached.
+hooks are installed on a model the first time routes are asked for, or before the decode step is compiled
+(:func:`install_route_hooks`), and do nothing while no recorder is attached.
 """
 
 from __future__ import annotations
@@ -73,13 +74,27 @@ def moe_routers(model: torch.nn.Module) -> Iterator[tuple[int, torch.nn.Module]]
             yield int(found.group(1)), module
 
 
+def install_route_hooks(model: torch.nn.Module) -> bool:
+    """Put the recording hook on each MoE router of ``model``, once (it does nothing while no
+    :class:`RouteRecorder` is attached). Returns whether ``model`` has routers.
+
+    A model is compiled (``torch.compile``) with the hooks it has then: dynamo does not guard on module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so hooks added later never run in the compiled step and
+    its routes would stay zeros. The embedded engine installs them before it compiles (``decode._compiled``)."""
+    routers = list(moe_routers(model))
+    if routers and not getattr(model, "_rlcore_route_hooks", False):
+        for layer, router in routers:
+            router.register_forward_hook(lambda module, args, out, layer=layer: _record(model, layer, out[2]))
+        model._rlcore_route_hooks = True
+    return bool(routers)
+
+
 class RouteRecorder:
     """Fixed device buffers of the routes of one decode call: the prompt of each group row (``[group_rows, width,
     layers, topk]``) and each slot's response columns (``[slots, columns, layers, topk]``), int32."""
 
     def __init__(self, model: torch.nn.Module, *, group_rows: int, slots: int, width: int, columns: int):
-        routers = list(moe_routers(model))
-        if not routers:
+        if not install_route_hooks(model):
             raise ValueError(
                 f"routing replay needs a MoE model; {type(model).__name__} has no router of {ROUTER_CLASSES}"
             )
@@ -92,10 +107,6 @@ class RouteRecorder:
         self._prefill: torch.Tensor | None = None
         self._prefill_rows: torch.Tensor | None = None
         self._column: torch.Tensor | None = None
-        if not getattr(model, "_rlcore_route_hooks", False):
-            for layer, router in routers:
-                router.register_forward_hook(lambda module, args, out, layer=layer: _record(model, layer, out[2]))
-            model._rlcore_route_hooks = True
         setattr(model, _RECORDER, self)
 
     @staticmethod

@@ -1,11 +1,11 @@
 """megatron-core 0.16.1's MoE and MLA paths without Transformer Engine (TE): the library's bugs there, worked around.
 
 The GPU hosts and this machine have no TE, so the Megatron backend builds megatron-core's local (plain torch) spec.
-Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``), and its router on a
-fourth; each is one entry of :data:`WORKAROUNDS`, applied by :func:`apply_no_te_workarounds` before any model is built,
-and each has a test (``tests/test_megatron_compat.py``; the router's in ``tests/test_megatron_moe_aux_loss.py``) that
-shows the bug in the unpatched library, so that a version that fixes it is
-noticed and the workaround dropped:
+Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``), its router on a
+fourth, and MLA at tensor parallelism > 1 on a fifth. Each patch is one entry of :data:`WORKAROUNDS`, applied by
+:func:`apply_no_te_workarounds` before any model is built; each workaround, patch or not, has a test
+(``tests/test_megatron_compat.py``; the router's in ``tests/test_megatron_moe_aux_loss.py``) that shows the bug in the
+unpatched library, so that a version that fixes it is noticed and the workaround dropped:
 
 - ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` and the ``fused_*`` helpers inside ``try: import
   transformer_engine``; without TE the names are never bound and the router's ``RouterGatingLinearFunction`` raises
@@ -23,6 +23,17 @@ noticed and the workaround dropped:
   given, as the backend gives one to keep padding out of the balancing loss. Not a TE bug, but on the same path. The
   workaround aligns the mask to the tokens and hands the masked map to megatron-core's own count.
 
+- ``transformer/multi_latent_attention.py``'s ``get_query_key_value_tensors`` at tensor parallelism > 1, where the
+  local spec's ``linear_kv_down_proj`` is column-parallel (TE's is a duplicated ``TELinear``, whose output is whole):
+  it gathers the latent's column shards, and the gather's backward keeps each rank's own columns of the gradient. The
+  key's rotary part (``k_pos_emb``, the last ``qk_pos_emb_head_dim`` columns, shared by every head) gets gradient
+  from every rank's heads, but only the share of the heads of the rank that holds those columns survives: the rotary
+  rows of ``linear_kv_down_proj`` and everything before them train on part of their gradient (up to 1% off at TP=2,
+  with or without sequence parallelism). Not a patch: the backend's MLA layers are
+  :func:`whole_latent_mla_attention`, whose forward hook hands megatron-core the latent whole, so that it takes its
+  path for a whole latent, where the rotary part's gradient is summed over the tensor-parallel ranks (by
+  megatron-core's own gather of ``k_pos_emb`` under sequence parallelism, else by the hook).
+
 On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
 its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
 ``all_to_all_single`` its split sizes as tensors, which gloo refuses ("incompatible function arguments": it takes
@@ -32,11 +43,13 @@ sequences of ints).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -152,6 +165,63 @@ def apply_no_te_workarounds() -> list[str]:
     return applied
 
 
+class _SumLastColumnsGrad(torch.autograd.Function):
+    """The identity forward; backward, the gradient of the last ``width`` columns summed over ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
+        ctx.width, ctx.group = width, group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        part = grad[..., -ctx.width :].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., -ctx.width :] = part
+        return grad, None, None
+
+
+def _whole_kv_latent(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[Any, Any]:
+    """A forward hook on MLA's column-parallel ``linear_kv_down_proj``: its output gathered whole along the columns
+    (and under sequence parallelism cut back to this rank's sequence chunk), so that ``MLASelfAttention`` takes its
+    path for a whole latent, where the gradient of the key's rotary part (``k_pos_emb``, shared by every head) is
+    summed over the tensor-parallel ranks: under sequence parallelism by its own gather of ``k_pos_emb`` (whose
+    backward reduce-scatters), else by :class:`_SumLastColumnsGrad`. On megatron-core 0.16.1's path for a column-cut
+    output, the gather's backward keeps each rank's own heads' share of that gradient: the rotary rows of
+    ``linear_kv_down_proj`` and everything before them train on part of their gradient (shown at TP=2 over gloo by
+    tests/test_megatron_compat.py)."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    out, bias = output
+    group = module.tp_group
+    if group is None or group.size() == 1:
+        return output
+    out = gather_from_tensor_model_parallel_region(out, group=group)
+    if module.config.sequence_parallel:
+        return scatter_to_sequence_parallel_region(out, group=group), bias
+    return _SumLastColumnsGrad.apply(out, module.config.qk_pos_emb_head_dim, group), bias
+
+
+@functools.cache
+def whole_latent_mla_attention() -> type:
+    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj`` (one class,
+    made once: megatron-core is imported when a model is built)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class WholeLatentMLASelfAttention(MLASelfAttention):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent)
+
+    return WholeLatentMLASelfAttention
+
+
 class _HostStream:
     """Stands in for the dispatcher's CUDA side stream on the CPU: copies are synchronous, so waits do nothing."""
 
@@ -246,4 +316,5 @@ __all__ = [
     "cpu_dispatcher_shims",
     "cpu_pipeline_shims",
     "original_expert_bias",
+    "whole_latent_mla_attention",
 ]

@@ -8,7 +8,8 @@ a family's layers add (:data:`runtime.train.backends.megatron_config.FAMILIES`).
   backend's core attention and experts).
 - GLM-4's norms after attention and after the MLP: :class:`PostNormTransformerLayer`.
 - Multi-latent attention (DeepSeek-V3): megatron-core's ``MLASelfAttention`` and ``MLATransformerConfig``
-  (:func:`config_class`; :mod:`runtime.train.backends.megatron_mla`).
+  (:func:`config_class`; :mod:`runtime.train.backends.megatron_mla`), the attention with the workaround for its
+  key's rotary gradient at TP > 1 (:func:`runtime.train.backends.megatron_compat.whole_latent_mla_attention`).
 - Every norm is :class:`SequenceParallelNorm` or :class:`WholeSequenceNorm` (torch's RMSNorm or LayerNorm, as
   megatron-core's ``WrappedTorchNorm`` builds them, which refuses ``--sequence-parallel``): which one follows from
   what the norm sees under sequence parallelism (:data:`NORM_SEES`).
@@ -17,7 +18,6 @@ a family's layers add (:data:`runtime.train.backends.megatron_config.FAMILIES`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from runtime.train.backends.megatron_attention import local_layer_spec
+from runtime.train.backends.megatron_compat import whole_latent_mla_attention
 from runtime.train.backends.megatron_config import ModelShape, stage_layers
 from runtime.train.backends.megatron_mla import HF_LATENT_NORM_EPS
 
@@ -69,63 +70,6 @@ class PostNormTransformerLayer(TransformerLayer):
         self.post_mlp_layernorm = build_module(submodules.input_layernorm, **norm)
         self.self_attn_bda = _normed(self.self_attn_bda, self.post_self_attn_layernorm)
         self.mlp_bda = _normed(self.mlp_bda, self.post_mlp_layernorm)
-
-
-class _SumLastColumnsGrad(torch.autograd.Function):
-    """The identity forward; backward, the gradient of the last ``width`` columns summed over ``group``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
-        ctx.width, ctx.group = width, group
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed as dist
-
-        grad = grad.clone()
-        part = grad[..., -ctx.width :].contiguous()
-        dist.all_reduce(part, group=ctx.group)
-        grad[..., -ctx.width :] = part
-        return grad, None, None
-
-
-def _whole_kv_latent(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[Any, Any]:
-    """A forward hook on MLA's column-parallel ``linear_kv_down_proj``: its output gathered whole along the columns
-    (and under sequence parallelism cut back to this rank's sequence chunk), so that ``MLASelfAttention`` takes its
-    path for a whole latent, where the gradient of the key's rotary part (``k_pos_emb``, shared by every head) is
-    summed over the tensor-parallel ranks: under sequence parallelism by its own gather of ``k_pos_emb`` (whose
-    backward reduce-scatters), else by :class:`_SumLastColumnsGrad`. On megatron-core 0.16.1's path for a column-cut
-    output, the gather's backward keeps each rank's own heads' share of that gradient: the rotary rows of
-    ``linear_kv_down_proj`` and everything before them train on part of their gradient (seen at TP=2 over gloo, with
-    and without sequence parallelism: tests/test_megatron_sequence_parallel.py)."""
-    from megatron.core.tensor_parallel.mappings import (
-        gather_from_tensor_model_parallel_region,
-        scatter_to_sequence_parallel_region,
-    )
-
-    out, bias = output
-    group = module.tp_group
-    if group is None or group.size() == 1:
-        return output
-    out = gather_from_tensor_model_parallel_region(out, group=group)
-    if module.config.sequence_parallel:
-        return scatter_to_sequence_parallel_region(out, group=group), bias
-    return _SumLastColumnsGrad.apply(out, module.config.qk_pos_emb_head_dim, group), bias
-
-
-@functools.cache
-def mla_attention() -> type:
-    """megatron-core's ``MLASelfAttention`` with :func:`_whole_kv_latent` on its ``linear_kv_down_proj`` (one class,
-    made once: megatron-core is imported when a model is built)."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    class WholeLatentMLASelfAttention(MLASelfAttention):
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent)
-
-    return WholeLatentMLASelfAttention
 
 
 # torch's norm of each megatron-core ``normalization`` the backend builds (megatron-core's WrappedTorchNorm's choice).
@@ -242,7 +186,7 @@ def layer_spec(shape: ModelShape, *, moe: bool, attention_backend: str, grouped_
     if shape.post_norms:
         spec = dataclasses.replace(spec, module=PostNormTransformerLayer)
     if shape.mla is not None:
-        attention = dataclasses.replace(spec.submodules.self_attention, module=mla_attention())
+        attention = dataclasses.replace(spec.submodules.self_attention, module=whole_latent_mla_attention())
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
     norms = {**NORM_SEES, **(MLA_NORMS if shape.mla is not None else {})}
     for path, module in norms.items():
@@ -277,6 +221,5 @@ __all__ = [
     "config_class",
     "decoder_spec",
     "layer_spec",
-    "mla_attention",
     "torch_norm",
 ]
