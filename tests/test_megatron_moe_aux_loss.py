@@ -514,6 +514,32 @@ def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(
             )
 
 
+def test_megatron_cores_process_wide_state_is_renewed_for_each_model():
+    """megatron-core keeps the balancing loss's gradient scale and its per-layer record once per process: the
+    backend's step renews both, so that a model trained after another one in the same process (the test suite; a
+    job's critic after its actor) neither breaks the pipeline schedules' copy of their scale (a ``[1]`` tensor into
+    a 0-d one) nor writes a layer past the record of a shallower model. Catches a 0-d scale and a record zeroed
+    rather than dropped."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+        save_to_aux_losses_tracker,
+    )
+
+    moe.set_aux_loss_scale(0.5, device=torch.device("cpu"))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / 3)  # as megatron-core's schedules set it, over stages
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [pytest.approx(1 / 3)]
+    moe.set_aux_loss_scale(0.25, device=torch.device("cpu"))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.25]
+    name = moe.AUX_LOSS_TRACKED["aux_loss"]
+    save_to_aux_losses_tracker(name, torch.tensor(1.0), layer_number=2, num_layers=2)
+    moe.clear_aux_loss()
+    save_to_aux_losses_tracker(name, torch.tensor(2.0), layer_number=3, num_layers=3)
+    assert get_moe_layer_wise_logging_tracker()[name]["values"].tolist() == [0.0, 0.0, 2.0]
+    moe.clear_aux_loss()
+    assert name not in get_moe_layer_wise_logging_tracker()
+
+
 def test_only_global_aux_loss_scales_its_coefficient_by_the_data_parallel_size():
     """megatron-core is handed ``coeff x DP`` for global_aux_loss only (each rank's loss a share of the global
     batch's, whose gradient its DP average would divide by DP), the flag's coefficient for the others."""

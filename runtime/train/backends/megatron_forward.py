@@ -143,10 +143,11 @@ class MegatronForward:
                     "needs one count (give every rank as many rows, or --use-dynamic-batch-size, which agrees on the "
                     "count)"
                 )
+        if not forward_only and self.shape.moe is not None:
+            # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so, into
+            # this tensor, over stages).
+            mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
         if self.pp == 1:
-            if not forward_only and self.shape.moe is not None:
-                # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so).
-                mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
             for i, mb in enumerate(parts):

@@ -496,18 +496,27 @@ def padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
 def set_aux_loss_scale(scale: float, *, device: torch.device) -> None:
     """The factor on the balancing loss's gradient (megatron-core's ``MoEAuxLossAutoScaler``): ``1 / micro-batch
     count`` for a step over that many micro-batches, as megatron-core's pipeline schedules set it, so that the loss
-    added is the mean of the micro-batches' (the data-parallel mean follows from the gradients' average)."""
+    added is the mean of the micro-batches' (the data-parallel mean follows from the gradients' average).
+
+    A new ``[1]`` tensor on ``device`` each time, as the schedules make theirs: megatron-core keeps one tensor per
+    process and copies later scales into the first, so a scale left there by another model (a 0-d one, or one on
+    another device) would break the schedules' copy or the backward's product."""
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # set_loss_scale then takes the new tensor as it is
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, dtype=torch.float32, device=device))
 
 
 def clear_aux_loss() -> None:
-    """Zero megatron-core's per-layer record of the balancing losses (before a step's forwards)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    """Drop megatron-core's per-layer record of the balancing losses (before a step's forwards). The record is one
+    per process, sized by the first model that writes it; dropped rather than zeroed (megatron-core's
+    ``clear_aux_losses_tracker``), the next forward sizes it by its own model's layer count."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    clear_aux_losses_tracker()
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in AUX_LOSS_TRACKED.values():
+        tracker.pop(name, None)
 
 
 def recorded_aux_loss(coeff: float, *, micro_batches: int, groups: Sequence[Any]) -> torch.Tensor | None:
