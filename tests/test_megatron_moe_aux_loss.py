@@ -4,7 +4,8 @@ against an independent float64 computation of the Switch-style loss over the rea
 The reference: for each MoE layer and micro-batch, the router's input ``h`` (captured by a hook) and weight ``W``
 give scores ``softmax(h W^T)`` over the real tokens only; ``f_e`` is the fraction of the ``T x k`` top-k choices of
 those scores that went to expert ``e`` (a constant), ``P_e`` the mean score of expert ``e``, and the loss
-``coeff x E x sum_e f_e P_e``; the step's loss is the sum over layers of the mean over micro-batches.
+``coeff x E x sum_e f_e P_e``; the step's loss is the sum over layers of the mean over micro-batches. Data-parallel
+ranks (DP=2 over gloo) are held to one rank over the same global batch.
 
 Tolerances: the model runs in float32 and the reference in float64 on the same captured inputs, so they differ by
 float32 rounding of a softmax and a sum over a few dozen tokens (relative ~1e-6); 1e-5 relative leaves margin and is
