@@ -418,6 +418,7 @@ class MegatronBuild:
                     if not (value_head and name in mcritic.HEAD_NAMES):
                         param.copy_(shard[name])
         model.to(self.device)
+        mmoe.mark_expert_grads(model)
         if self.bf16:
             from megatron.core.transformer.module import Float16Module
 

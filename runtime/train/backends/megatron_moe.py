@@ -211,6 +211,24 @@ def is_expert(name: str) -> bool:
     return _EXPERT.search(name) is not None
 
 
+def mark_expert_grads(model: Any) -> int:
+    """Mark every expert weight of ``model`` for the expert-data-parallel gradient reduction (megatron-core's
+    ``allreduce = False``, which its DDP and optimizer read); return how many were marked.
+
+    megatron-core marks experts so only under expert parallelism (EP > 1), and otherwise reduces them over the
+    data-parallel group like dense weights. With experts whole on each tensor-parallel rank (EP = 1,
+    ``--expert-tensor-parallel-size 1`` below ``--tensor-model-parallel-size``) under sequence parallelism, each TP
+    rank routes its own chunk of the sequence to its copy of every expert, so an expert's gradient is the sum over the
+    TP ranks too: the expert-data-parallel group's (which holds them), not the data-parallel one's. Marked, they are
+    reduced there at any EP, as the CPU path (``MegatronSteps._optimizer_step``) reduces them."""
+    marked = 0
+    for name, param in model.named_parameters():
+        if is_expert(name):
+            param.allreduce = False
+            marked += 1
+    return marked
+
+
 def local_experts(moe: MoEShape, *, ep_size: int) -> int:
     """Experts per expert-parallel rank; ``ValueError`` unless ``ep_size`` divides the experts."""
     if ep_size < 1 or moe.num_experts % ep_size:
@@ -574,6 +592,7 @@ __all__ = [
     "expert_to_hf",
     "grouped_gemm_experts",
     "grouped_mm",
+    "mark_expert_grads",
     "grouped_mm_takes",
     "hf_moe_shapes",
     "is_expert",
