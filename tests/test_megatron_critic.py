@@ -2,9 +2,9 @@
 
 Same HF weights, seed and batch: the values, the value loss, its clip fraction, the gradient norm and the values after
 one optimizer step of the Megatron critic (a ``GPTModel`` whose output layer is slime's value head) equal the torch
-backend's (a transformers model with a value head), on a Llama and a tied-embedding Qwen3. TP=2 and DP=2 equal one
-rank; a resumed critic (model, optimizer, LR schedule) trains on exactly as an uninterrupted one; what is not built
-is refused naming the flag.
+backend's (a transformers model with a value head), on a Llama and a tied-embedding Qwen3. TP=2, DP=2 and PP=2 over
+uneven stages (every gradient too) equal one rank; a resumed critic (model, optimizer, LR schedule) trains on exactly
+as an uninterrupted one; what is not built is refused naming the flag.
 """
 
 from __future__ import annotations
@@ -254,12 +254,31 @@ def _parallel_worker(rank, world, port, path, tmp, out, overrides, device):
     values = mega.compute_log_probs(td[rows])[keys.VALUES]
     whole = mega.compute_log_probs(td)[keys.VALUES]
     metrics = mega.train_critic(critic_batch(td, whole, cfg)[rows], per_step_rows=8 // dp_size)
+    grads = critic_grads(mega)
     stepped = mega.compute_log_probs(td)[keys.VALUES]
-    torch.save({"values": values, "metrics": metrics, "stepped": stepped}, out.format(rank=rank))
+    torch.save({"values": values, "metrics": metrics, "grads": grads, "stepped": stepped}, out.format(rank=rank))
     mega.shutdown()
 
 
+def critic_grads(mega) -> dict[str, torch.Tensor]:
+    """The critic's gradients of its last step (clipped as the step applied them), by Megatron name with each decoder
+    layer under its global number (a pipeline stage numbers its own layers from 0)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    model = mega._module(mega.critic.model)
+    offset = get_transformer_layer_offset(model.config, pp_rank=mega.pp_rank)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            _, _, number, rest = name.split(".", 3)
+            name = f"decoder.layers.{int(number) + offset}.{rest}"
+        out[name] = p.grad.detach().clone()
+    return out
+
+
 TP2, PP2, DP2 = {"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}, {}
+# Uneven stages of the 4-layer model (1 and 3 layers): the value head on the last, deeper stage.
+PP2_UNEVEN = {**PP2, "decoder_first_pipeline_num_layers": 1}
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
@@ -271,11 +290,12 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
         # sequence_parallel): a repeat of tp2's mechanism with the sequence cut.
         pytest.param({**TP2, "sequence_parallel": True}, "cpu", marks=pytest.mark.slow),
         (DP2, "cpu"),
+        (PP2_UNEVEN, "cpu"),
         pytest.param(TP2, "cuda", marks=TWO_GPUS),
         pytest.param(PP2, "cuda", marks=TWO_GPUS),
         pytest.param(DP2, "cuda", marks=TWO_GPUS),
     ],
-    ids=["tp2", "tp2-sp", "dp2", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
+    ids=["tp2", "tp2-sp", "dp2", "pp2-uneven", "tp2-cuda", "pp2-cuda", "dp2-cuda"],
 )
 def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
     path = save_model("qwen3", tmp_path / "m")
@@ -289,6 +309,7 @@ def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
     try:
         values = one.compute_log_probs(td)[keys.VALUES]
         metrics = one.train_critic(critic_batch(td, values, cfg), per_step_rows=8)
+        grads = critic_grads(one)
         stepped = one.compute_log_probs(td)[keys.VALUES]
     finally:
         one.shutdown()
@@ -298,6 +319,19 @@ def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
         for name in ("critic/value_loss", "critic/value_clipfrac", "critic/values_mean", "critic/grad_norm"):
             assert r["metrics"][name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), name
         torch.testing.assert_close(r["stepped"][mask], stepped[mask], **STEPPED_TOL)
+    if "pipeline_model_parallel_size" in layout:
+        # Every gradient once, on the stage that holds it (the value head and the final norm on the last): float32,
+        # the same sums in another order, relative to each tensor's largest entry.
+        got = {**ranks[0]["grads"], **ranks[1]["grads"]}
+        assert not set(ranks[0]["grads"]) & set(ranks[1]["grads"]) and set(got) == set(grads)
+        assert set(mcritic.HEAD_NAMES) <= set(ranks[1]["grads"])
+        stage_layers = [{int(n.split(".")[2]) for n in r["grads"] if n.startswith("decoder.layers.")} for r in ranks]
+        assert stage_layers == [{0}, {1, 2, 3}]  # the stages' depths follow --decoder-first-pipeline-num-layers
+        for name, value in grads.items():
+            scale = float(value.abs().max()) or 1.0
+            torch.testing.assert_close(
+                got[name], value, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def test_the_critic_trains_without_the_reference_and_with_it(tmp_path):

@@ -4,7 +4,8 @@ against an independent float64 computation of the Switch-style loss over the rea
 The reference: for each MoE layer and micro-batch, the router's input ``h`` (captured by a hook) and weight ``W``
 give scores ``softmax(h W^T)`` over the real tokens only; ``f_e`` is the fraction of the ``T x k`` top-k choices of
 those scores that went to expert ``e`` (a constant), ``P_e`` the mean score of expert ``e``, and the loss
-``coeff x E x sum_e f_e P_e``; the step's loss is the sum over layers of the mean over micro-batches.
+``coeff x E x sum_e f_e P_e``; the step's loss is the sum over layers of the mean over micro-batches. Data-parallel
+ranks (DP=2 over gloo) are held to one rank over the same global batch.
 
 Tolerances: the model runs in float32 and the reference in float64 on the same captured inputs, so they differ by
 float32 rounding of a softmax and a sum over a few dozen tokens (relative ~1e-6); 1e-5 relative leaves margin and is
@@ -55,7 +56,7 @@ def _token_loss(total_tokens: int):
     """A loss over the real tokens only, each micro-batch its share of the batch's (so micro-batches add up)."""
 
     def loss_fn(logits, mb):
-        real = _real(mb)
+        real = _real(mb).to(logits.device)
         return logits[..., :VOCAB].float().logsumexp(-1)[real].sum() / total_tokens, {}
 
     return loss_fn
@@ -92,7 +93,7 @@ def _run_step(mega, td, calls: list):
     model = mega._module(mega.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
     parts = mega._micro_batches(td)
-    total = torch.tensor(int(sum(_real(mb).sum() for mb in parts)))
+    total = torch.tensor(int(sum(_real(mb).sum() for mb in parts)), device=mega.device)
     if mega.dp_group() is not None:  # the loss is each rank's share of the global batch's
         torch.distributed.all_reduce(total, group=mega.dp_group())
     total = int(total)
@@ -103,7 +104,12 @@ def _run_step(mega, td, calls: list):
     finally:
         for hook in hooks:
             hook.remove()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+    # (On GPUs Megatron's DDP keeps the gradients in its buffers, not in .grad.)
+    grads = {
+        n: p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if n.endswith("router.weight") and p.grad is not None
+    }
     return metrics, before, grads, parts
 
 
@@ -125,17 +131,20 @@ def _reference(calls, parts, weights, *, per_row: bool = False):
     return loss.detach(), dict(zip(ws, grads, strict=True))
 
 
-def _trainer(tmp_path, path, *, coeff: float, micro_batch_size: int, balancing: str = "aux_loss"):
+def _trainer(
+    tmp_path, path, *, coeff: float, micro_batch_size: int, balancing: str = "aux_loss", device="cpu", **flags
+):
+    settings = dict(clip_grad=0.0, use_kl_loss=False)
+    settings.update(flags)
     cfg = job(
         tmp_path,
         train_backend="megatron",
         moe_aux_loss_coeff=coeff,
         moe_router_load_balancing_type=balancing,
         micro_batch_size=micro_batch_size,
-        clip_grad=0.0,
-        use_kl_loss=False,
+        **settings,
     )
-    return trainer("megatron", path, cfg, roles=(ACTOR,))
+    return trainer("megatron", path, cfg, roles=(ACTOR,), device=device)
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +404,164 @@ def test_expert_parallel_ranks_with_one_shard_each_equal_one_rank(tmp_path, mode
         for name, grad in grads.items():
             # float32 both sides; the experts' outputs come back through the alltoall in another order of sums.
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------ DP=2 over gloo against DP=1
+
+# Each rank's rows: two micro-batches of two rows of unequal lengths (padding in every micro-batch).
+DP_SHARDS = ([5, 9, 7, 4], [8, 6, 9, 5])
+# A clipping bound no step reaches: the gradient norm is computed (Megatron's optimizers on GPUs skip it at 0) and
+# never applied.
+NO_CLIP = 1e6
+
+
+def _dp_batch(rank: int | None):
+    """Rank ``rank``'s shard of the global batch, or (``None``) the global batch for one rank with the ranks' k-th
+    micro-batches next to each other: rows ``[r0 mb0, r1 mb0, r0 mb1, r1 mb1]``, so that one rank's micro-batches of
+    four rows are the union of the ranks' k-th micro-batches (what global_aux_loss counts together) and its
+    micro-batches of two rows the ranks' own (what aux_loss and seq_aux_loss average)."""
+    td = _batch([n for shard in DP_SHARDS for n in shard], seed=7)
+    if rank is not None:
+        return td[4 * rank : 4 * rank + 4]
+    return td[torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])]
+
+
+def _dp_worker(rank, port, kind, coeff, device, path, tmp, out):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        device = f"cuda:{rank}"
+    cfg = job(
+        tmp,
+        train_backend="megatron",
+        moe_aux_loss_coeff=coeff,
+        moe_router_load_balancing_type=kind,
+        micro_batch_size=2,
+        clip_grad=NO_CLIP,
+        use_kl_loss=False,
+        bf16="false",
+        actor_num_gpus_per_node=2,
+    )
+    mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device=device)
+    try:
+        metrics, _, grads, parts = _run_step(mega, _dp_batch(rank), [])
+        assert len(parts) == 2
+        torch.save({"metrics": metrics, "grads": grads}, f"{out}.{rank}")
+        if kind == "global_aux_loss":
+            # Its counts are all-reduced over the DP ranks in every router forward: ranks with other micro-batch
+            # counts are refused before any forward, on every rank (not left waiting in the collective).
+            refusal = "global_aux_loss: the data-parallel ranks' shards split into 1 to 2"
+            with mega._shims(), pytest.raises(ValueError, match=refusal):
+                mega._run(mega.model, parts[: 1 + rank], forward_only=False, loss_fn=_token_loss(1))
+    finally:
+        mega.shutdown()
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.parametrize(
+    ("kind", "device", "coeff"),
+    [
+        ("global_aux_loss", "cpu", COEFF),
+        ("seq_aux_loss", "cpu", COEFF),
+        # Each rank's own loss, its gradient averaged over the ranks as megatron-core's, as seq_aux_loss's (EP=2's
+        # test, -m slow too, holds aux_loss at DP=2).
+        pytest.param("aux_loss", "cpu", COEFF, marks=pytest.mark.slow),
+        # Megatron's DDP and finalize_model_grads over NCCL (which reset the running counts themselves): the metric
+        # and the gradient norm, which a coefficient of 1 makes mostly the balancing loss's (25.5 on the CPU against
+        # 12.8 with half its gradient and 0.26 without it), so that a DP scale missing from it shows.
+        pytest.param("global_aux_loss", "cuda", 1.0, marks=TWO_GPUS),
+    ],
+    ids=["global_aux_loss", "seq_aux_loss", "aux_loss", "global_aux_loss-cuda"],
+)
+def test_data_parallel_ranks_equal_one_rank_over_the_global_batch(
+    kind, device, coeff, tmp_path, model_path, gloo_ranks, no_tf32
+):
+    """DP=2 over gloo, each rank its own shard, against one rank over the whole global batch (micro-batches of four
+    rows for global_aux_loss, the union of the ranks' k-th micro-batches; of two rows for aux_loss and seq_aux_loss,
+    the ranks' own): the same ``moe_aux_loss`` and gradient norm on both ranks and the same DP-averaged router
+    gradients (one rank is held to a float64 formula by the tests above). Catches: global_aux_loss's gradient left
+    at megatron-core 0.16.1's 1 / DP of the global batch's (Megatron-LM#3672; this fails too once a version fixes
+    that, and megatron_moe.megatron_aux_loss_coeff's scaling is then dropped), its metric averaged over the ranks
+    rather than summed (each rank holds a share), aux_loss's metric summed (x2), and the counts not reduced over
+    DP."""
+    from test_megatron_backend import _free_port
+
+    out = str(tmp_path / "dp2.pt")
+    gloo_ranks.run(_dp_worker, _free_port(), kind, coeff, device, model_path, tmp_path, out)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    size = 4 if kind == "global_aux_loss" else 2
+    on = "cuda:0" if device == "cuda" else "cpu"
+    mega = _trainer(
+        tmp_path,
+        model_path,
+        coeff=coeff,
+        micro_batch_size=size,
+        balancing=kind,
+        device=on,
+        bf16="false",
+        clip_grad=NO_CLIP,
+    )
+    try:
+        calls = []
+        metrics, before, grads, parts = _run_step(mega, _dp_batch(None), calls)
+    finally:
+        mega.shutdown()
+    assert len(parts) == 8 // size
+    if device == "cpu" and kind == "global_aux_loss":
+        # The balancing loss's part of the last router's gradient is far above the tolerance below: a DP scale
+        # missing from it (x1/2) shows.
+        _, want_grads = _global_reference(calls, parts, before)
+        (last,) = [n for n in grads if f"layers.{len(calls) // len(parts) - 1}." in n]
+        assert want_grads[last].abs().max() > 1e-4
+    if device == "cpu":
+        assert grads  # (on GPUs the gradients stay in Megatron's DDP buffers: the norm stands for them)
+    for got in ranks:
+        assert got["metrics"]["moe_aux_loss"] == pytest.approx(metrics["moe_aux_loss"], rel=1e-5)
+        # float32 both sides: the DP all-reduce sums the ranks' tokens in another order.
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        if device != "cpu":
+            continue
+        assert set(got["grads"]) == set(grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(
+                got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+def test_megatron_cores_process_wide_state_is_renewed_for_each_model():
+    """megatron-core keeps the balancing loss's gradient scale and its per-layer record once per process: the
+    backend's step renews both, so that a model trained after another one in the same process (the test suite; a
+    job's critic after its actor) neither breaks the pipeline schedules' copy of their scale (a ``[1]`` tensor into
+    a 0-d one) nor writes a layer past the record of a shallower model. Catches a 0-d scale and a record zeroed
+    rather than dropped."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+        save_to_aux_losses_tracker,
+    )
+
+    moe.set_aux_loss_scale(0.5, device=torch.device("cpu"))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / 3)  # as megatron-core's schedules set it, over stages
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [pytest.approx(1 / 3)]
+    moe.set_aux_loss_scale(0.25, device=torch.device("cpu"))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.25]
+    name = moe.AUX_LOSS_TRACKED["aux_loss"]
+    save_to_aux_losses_tracker(name, torch.tensor(1.0), layer_number=2, num_layers=2)
+    moe.clear_aux_loss()
+    save_to_aux_losses_tracker(name, torch.tensor(2.0), layer_number=3, num_layers=3)
+    assert get_moe_layer_wise_logging_tracker()[name]["values"].tolist() == [0.0, 0.0, 2.0]
+    moe.clear_aux_loss()
+    assert name not in get_moe_layer_wise_logging_tracker()
+
+
+def test_only_global_aux_loss_scales_its_coefficient_by_the_data_parallel_size():
+    """megatron-core is handed ``coeff x DP`` for global_aux_loss only (each rank's loss a share of the global
+    batch's, whose gradient its DP average would divide by DP), the flag's coefficient for the others."""
+    for dp in (1, 2, 8):
+        assert moe.megatron_aux_loss_coeff("global_aux_loss", 0.01, dp_size=dp) == pytest.approx(0.01 * dp)
+        for kind in ("aux_loss", "seq_aux_loss", "none"):
+            assert moe.megatron_aux_loss_coeff(kind, 0.01, dp_size=dp) == 0.01
+    with pytest.raises(ValueError, match="dp_size must be >= 1, got 0"):
+        moe.megatron_aux_loss_coeff("global_aux_loss", 0.01, dp_size=0)

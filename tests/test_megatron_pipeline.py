@@ -1,7 +1,8 @@
 """Pipeline parallelism under --train-backend megatron, on the CPU over gloo: how the decoder layers split into stages
 (equal, or uneven with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, Megatron's meanings),
 against megatron-core's own stage arithmetic; the HF <-> Megatron mapping over uneven stages; and PP=2 (Megatron's
-1F1B schedule and point-to-point sends over gloo, two processes) against PP=1 through a train step."""
+1F1B schedule and point-to-point sends over gloo, two processes) against PP=1 through a train step, a MoE model's
+balancing loss (global_aux_loss) and its metric included."""
 
 from __future__ import annotations
 
@@ -136,19 +137,31 @@ def test_uneven_stages_map_every_hf_tensor_once_and_back(layers, first, last):
 # ------------------------------------------------------------------ PP=2 over gloo against PP=1
 
 VOCAB = 203
-# case -> (the model: (family, num_hidden_layers), the PP=2 run's stage flags, whether R2 (--use-routing-replay) runs)
+# case -> (the model: (family, num_hidden_layers), the PP=2 run's stage flags, whether R2 (--use-routing-replay) runs,
+# the flags of both runs)
 CASES = {
     # Tied embeddings (Qwen3's tiny config): the two copies' gradients summed over the stages.
     "qwen3_uneven": (
         ("qwen3", 3),
         dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=2),
         False,
+        {},
     ),
-    "qwen3_even": (("qwen3", 4), {}, False),
+    "qwen3_even": (("qwen3", 4), {}, False, {}),
     # Routing replay's slots by global layer number: each stage records and replays its own layers' routes.
-    "qwen3_moe_uneven": (("qwen3_moe", 3), dict(decoder_last_pipeline_num_layers=2), True),
+    "qwen3_moe_uneven": (("qwen3_moe", 3), dict(decoder_last_pipeline_num_layers=2), True, {}),
+    # The balancing loss (global_aux_loss: each micro-batch against the step's running counts) rides on each stage's
+    # own routers' outputs through megatron-core's MoEAuxLossAutoScaler, scaled by the 1F1B schedule; each stage
+    # records its own layers' losses, summed over the stages into the metric. A coefficient of 1 makes it the larger
+    # part of the routers' gradients, so a wrong scale shows through the tolerance.
+    "qwen3_moe_global_aux": (
+        ("qwen3_moe", 3),
+        dict(decoder_first_pipeline_num_layers=1),
+        False,
+        dict(moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="global_aux_loss"),
+    ),
 }
-DEFAULT_CASES = ("qwen3_uneven",)
+DEFAULT_CASES = ("qwen3_uneven", "qwen3_moe_global_aux")
 SLOW_CASES = ("qwen3_even", "qwen3_moe_uneven")
 
 
@@ -156,7 +169,7 @@ def _save(case: str, folder) -> str:
     from test_megatron_backend import save_model
     from test_megatron_moe import save_qwen3_moe
 
-    (family, layers), _, _ = CASES[case]
+    (family, layers), *_ = CASES[case]
     if family == "qwen3_moe":
         return save_qwen3_moe(folder, num_hidden_layers=layers)
     return save_model("qwen3", folder, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers)
@@ -165,9 +178,9 @@ def _save(case: str, folder) -> str:
 def _job(tmp, case: str, *, pp2: bool):
     from test_megatron_backend import job
 
-    _, flags, replay = CASES[case]
+    _, flags, replay, both = CASES[case]
     pp = dict(pipeline_model_parallel_size=2, actor_num_gpus_per_node=2, **flags) if pp2 else {}
-    cfg = job(tmp, train_backend="megatron", use_kl_loss=False, **pp)
+    cfg = job(tmp, train_backend="megatron", use_kl_loss=False, **both, **pp)
     return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, use_routing_replay=replay))
 
 
@@ -240,7 +253,7 @@ def _check(case: str, stages: list[dict], one: dict, loaded: dict[str, torch.Ten
 
     from runtime.train.batch import PROMPT_LENGTHS, RESPONSE_LENGTHS, ROUTED_EXPERTS
 
-    (_, layers), flags, _ = CASES[case]
+    (_, layers), flags, _, both = CASES[case]
     assert [s["stage"] for s in stages] == [(0, 2), (1, 2)]
     shape = stages[0]["shape"]
     sizes = [len(mc.stage_layers(shape, pp_rank=r, pp_size=2)) for r in range(2)]
@@ -264,7 +277,8 @@ def _check(case: str, stages: list[dict], one: dict, loaded: dict[str, torch.Ten
                 # hold dummy experts: each stage replays its own).
                 got = s["log_probs"][ROUTED_EXPERTS][row, :length, own]
                 assert torch.equal(got, one["log_probs"][ROUTED_EXPERTS][row, :length, own]), (case, r, row)
-    for name in ("loss", "pg_loss", "grad_norm"):
+    names = ("loss", "pg_loss", "grad_norm", *(("moe_aux_loss",) if both.get("moe_aux_loss_coeff") else ()))
+    for name in names:
         for s in stages:
             assert s["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-4, abs=1e-6), (case, name)
     # Every gradient, the stages' joined by the export's mapping (a tied embedding's from the first stage, after the
@@ -298,8 +312,9 @@ def default_cases(tmp_path_factory, gloo_ranks):
 
 @pytest.mark.parametrize("case", DEFAULT_CASES)
 def test_pp2_trains_as_pp1(case, default_cases):
-    """A 3-layer Qwen3 with tied embeddings over two uneven stages (1 and 2 layers) against PP=1: log-probs, loss,
-    gradient norm, every gradient and the weights after one step; its checkpoint then loads at PP=1."""
+    """A 3-layer Qwen3 with tied embeddings, and a 3-layer Qwen3-MoE with --moe-aux-loss-coeff 1 (global_aux_loss),
+    each over two uneven stages (1 and 2 layers) against PP=1: log-probs, loss, gradient norm, ``moe_aux_loss``, every
+    gradient and the weights after one step; the checkpoint then loads at PP=1."""
     _check(case, *default_cases[case])
 
 

@@ -192,10 +192,10 @@ def _uses_bf16(setting: str, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool) -> Any:
+def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cpu: bool, dp_size: int = 1) -> Any:
     """megatron-core's ``TransformerConfig`` of ``shape`` trained as ``cfg`` (its Megatron flags: parallelism,
-    recompute, dropout, deterministic mode) in bf16 or float32, with CPU initialisation (``MLATransformerConfig``
-    under multi-latent attention)."""
+    recompute, dropout, deterministic mode) over ``dp_size`` data-parallel ranks in bf16 or float32, with CPU
+    initialisation (``MLATransformerConfig`` under multi-latent attention)."""
     from runtime.train.backends.megatron_layers import config_class
 
     recompute = {}
@@ -205,7 +205,7 @@ def transformer_config(shape: mc.ModelShape, cfg: TrainConfig, *, bf16: bool, cp
         recompute["recompute_method"] = cfg.recompute_method
         recompute["recompute_num_layers"] = cfg.recompute_num_layers
     # A MoE model's experts, router and expert parallelism (megatron_moe); a dense model has none.
-    moe = {} if shape.moe is None else mmoe.transformer_config_kwargs(shape.moe, cfg)
+    moe = {} if shape.moe is None else mmoe.transformer_config_kwargs(shape.moe, cfg, dp_size=dp_size)
     return config_class(shape)(
         **{
             **mc.transformer_config_kwargs(shape),
@@ -344,7 +344,7 @@ class MegatronBuild:
             model_parallel_cuda_manual_seed(self.seed)
 
     def _transformer_config(self) -> Any:
-        return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu)
+        return transformer_config(self.shape, self.cfg, bf16=self.bf16, cpu=self.cpu, dp_size=self.dp_size)
 
     def _build(self, path: str, *, trainable: bool, value_head: bool = False, replay: bool = False) -> torch.nn.Module:
         """A ``GPTModel`` stage with the HF weights of ``path`` (checked tensor by tensor), wrapped for training; with

@@ -12,7 +12,7 @@ are the value head's outputs at the positions that predict each response token, 
 :func:`rlcore.losses.critic_loss` (``--value-clip``, the job's aggregation over the whole global batch), and its
 checkpoint a ``torch_dist`` folder of its own (model, optimizer, LR schedule) inside the actor's, :data:`CRITIC_DIR`.
 
-Over pipeline stages (not yet tested over gloo) the value head is on the last stage, the micro-batches run
+Over pipeline stages (even or uneven, tested over gloo) the value head is on the last stage, the micro-batches run
 Megatron's 1F1B schedule as the actor's, and the values are broadcast from the last stage. Not built: a critic started
 from a Megatron checkpoint (it starts from the HF model, as the torch backend's does).
 """

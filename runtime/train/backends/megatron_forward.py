@@ -133,20 +133,21 @@ class MegatronForward:
     ) -> list[dict[str, torch.Tensor]]:
         """Forward (and backward unless ``forward_only``) over micro-batches ``parts``; each micro-batch's outputs
         (``log_probs`` when ``loss_fn`` is None, else ``loss_fn``'s metrics) on every rank of the pipeline."""
-        if self.ep > 1:
-            # Each MoE layer's forward and backward exchange tokens over the expert-parallel ranks: every rank must
-            # run as many micro-batches, or the alltoall of the one with more waits forever.
+        lockstep = self._lockstep(forward_only=forward_only)
+        if lockstep is not None:
             most, least = self._dp_max(len(parts)), -self._dp_max(-len(parts))
             if most != least:
+                flag, what = lockstep
                 raise ValueError(
-                    f"--expert-model-parallel-size {self.ep}: the data-parallel ranks' shards split into "
-                    f"{least} to {most} micro-batches; expert parallelism needs one count (give every rank "
-                    "as many rows, or --use-dynamic-batch-size, which agrees on the count)"
+                    f"{flag}: the data-parallel ranks' shards split into {least} to {most} micro-batches; {what} "
+                    "needs one count (give every rank as many rows, or --use-dynamic-batch-size, which agrees on the "
+                    "count)"
                 )
+        if not forward_only and self.shape.moe is not None:
+            # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so, into
+            # this tensor, over stages).
+            mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
         if self.pp == 1:
-            if not forward_only and self.shape.moe is not None:
-                # The balancing loss's gradient: the micro-batches' mean (Megatron's pipeline schedules set it so).
-                mmoe.set_aux_loss_scale(1.0 / len(parts), device=self.device)
             results = []
             no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # Megatron's DDP (GPUs, a trained model)
             for i, mb in enumerate(parts):
@@ -155,6 +156,20 @@ class MegatronForward:
                     results.append(self._finish(logits, mb, forward_only=forward_only, loss_fn=loss_fn))
             return results
         return self._run_pipeline(model, parts, forward_only=forward_only, loss_fn=loss_fn)
+
+    def _lockstep(self, *, forward_only: bool) -> tuple[str, str] | None:
+        """``(the flag, what it runs)`` where every data-parallel rank must run as many micro-batches, each MoE
+        layer's forward (and backward) holding a collective over them, which a rank with more would wait in forever:
+        expert parallelism's token alltoall; global_aux_loss's token counts, all-reduced in each router's training
+        forward. None where the ranks may differ."""
+        if self.ep > 1:
+            return f"--expert-model-parallel-size {self.ep}", "expert parallelism"
+        balancing = self.cfg.moe_router_load_balancing_type
+        spec = mmoe.AUX_LOSS_KINDS.get(balancing)
+        counts_over_dp = spec is not None and spec.shares_over_dp and self.cfg.moe_aux_loss_coeff > 0
+        if counts_over_dp and self.shape.moe is not None and self.dp_size > 1 and not forward_only:
+            return f"--moe-router-load-balancing-type {balancing}", "its token count over the ranks"
+        return None
 
     def _finish(
         self, logits: torch.Tensor, mb: TensorDict, *, forward_only: bool, loss_fn: Any

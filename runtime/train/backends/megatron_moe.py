@@ -333,9 +333,11 @@ def split_whole_experts(rest: str, value: torch.Tensor) -> dict[str, torch.Tenso
 LOAD_BALANCING_BUILT = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
-def transformer_config_kwargs(moe: MoEShape, train: Any) -> dict[str, Any]:
+def transformer_config_kwargs(moe: MoEShape, train: Any, *, dp_size: int = 1) -> dict[str, Any]:
     """The ``moe_*`` fields of megatron-core's ``TransformerConfig`` for ``moe`` trained as ``train`` (a
-    ``TrainConfig``: expert parallelism and slime's MoE training flags)."""
+    ``TrainConfig``: expert parallelism and slime's MoE training flags) over ``dp_size`` data-parallel ranks (the
+    balancing loss's coefficient may depend on it: :func:`megatron_aux_loss_coeff`)."""
+    kind, coeff = train.moe_router_load_balancing_type, train.moe_aux_loss_coeff
     return {
         "moe_shared_expert_intermediate_size": moe.shared_ffn_hidden_size,
         "moe_router_enable_expert_bias": moe.expert_bias,
@@ -350,7 +352,7 @@ def transformer_config_kwargs(moe: MoEShape, train: Any) -> dict[str, Any]:
         "moe_router_score_function": moe.score_function,
         "moe_layer_freq": list(moe.layer_pattern),
         "moe_router_load_balancing_type": train.moe_router_load_balancing_type,
-        "moe_aux_loss_coeff": train.moe_aux_loss_coeff,
+        "moe_aux_loss_coeff": megatron_aux_loss_coeff(kind, coeff, dp_size=dp_size),
         "moe_router_dtype": train.moe_router_dtype,
         "moe_token_drop_policy": train.moe_token_drop_policy,
         "moe_token_dispatcher_type": train.moe_token_dispatcher_type,
@@ -457,7 +459,9 @@ AUX_LOSS_KINDS = {
     "seq_aux_loss": AuxLossKind("seq_load_balancing_loss"),
     # Each micro-batch's Switch loss against the tokens per expert averaged over the step's micro-batches so far
     # (summed over the data-parallel ranks), a running count megatron-core's finalize_model_grads resets after each
-    # step; the CPU's own gradient path resets it too (reset_step_counts).
+    # step; the CPU's own gradient path resets it too (reset_step_counts). Its coefficient is scaled by the DP size
+    # (megatron_aux_loss_coeff), and every DP rank must run as many micro-batches (its counts are all-reduced over
+    # the ranks in each router's forward).
     "global_aux_loss": AuxLossKind("global_load_balancing_loss", shares_over_dp=True),
 }
 AUX_LOSS_TRACKED = {kind: spec.tracked for kind, spec in AUX_LOSS_KINDS.items()}
@@ -472,6 +476,21 @@ def aux_loss_problems(train: Any) -> list[str]:
         built = ", ".join(AUX_LOSS_KINDS)
         return [f"--moe-router-load-balancing-type {kind} with --moe-aux-loss-coeff {coeff}: takes {built} or none"]
     return []
+
+
+def megatron_aux_loss_coeff(kind: str, coeff: float, *, dp_size: int) -> float:
+    """The coefficient megatron-core's routers are given for ``--moe-router-load-balancing-type kind`` and
+    ``--moe-aux-loss-coeff coeff`` over ``dp_size`` data-parallel ranks: ``coeff``, times ``dp_size`` where a rank's
+    loss is its share of one loss over the global batch (``global_aux_loss``). megatron-core 0.16.1 averages every
+    gradient over the DP ranks, which is right for a loss of each rank's own (``aux_loss``: the mean of the ranks'
+    losses) but leaves the global batch's loss, the sum of the shares, at ``1 / dp_size`` of its gradient
+    (Megatron-LM#3672, open): scaled so, DP ranks train as one rank over the global batch. The routers record their
+    losses without the coefficient, so the reported ``moe_aux_loss`` (:func:`recorded_aux_loss`, the flag's
+    coefficient) is unchanged."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    spec = AUX_LOSS_KINDS.get(kind)
+    return coeff * dp_size if spec is not None and spec.shares_over_dp else coeff
 
 
 def aux_loss_metric_share(kind: str, value: float, *, dp_size: int) -> float:
@@ -495,18 +514,27 @@ def padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
 def set_aux_loss_scale(scale: float, *, device: torch.device) -> None:
     """The factor on the balancing loss's gradient (megatron-core's ``MoEAuxLossAutoScaler``): ``1 / micro-batch
     count`` for a step over that many micro-batches, as megatron-core's pipeline schedules set it, so that the loss
-    added is the mean of the micro-batches' (the data-parallel mean follows from the gradients' average)."""
+    added is the mean of the micro-batches' (the data-parallel mean follows from the gradients' average).
+
+    A new ``[1]`` tensor on ``device`` each time, as the schedules make theirs: megatron-core keeps one tensor per
+    process and copies later scales into the first, so a scale left there by another model (a 0-d one, or one on
+    another device) would break the schedules' copy or the backward's product."""
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # set_loss_scale then takes the new tensor as it is
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, dtype=torch.float32, device=device))
 
 
 def clear_aux_loss() -> None:
-    """Zero megatron-core's per-layer record of the balancing losses (before a step's forwards)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    """Drop megatron-core's per-layer record of the balancing losses (before a step's forwards). The record is one
+    per process, sized by the first model that writes it; dropped rather than zeroed (megatron-core's
+    ``clear_aux_losses_tracker``), the next forward sizes it by its own model's layer count."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    clear_aux_losses_tracker()
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in AUX_LOSS_TRACKED.values():
+        tracker.pop(name, None)
 
 
 def recorded_aux_loss(coeff: float, *, micro_batches: int, groups: Sequence[Any]) -> torch.Tensor | None:
@@ -570,6 +598,7 @@ __all__ = [
     "is_expert",
     "layer_pattern",
     "local_experts",
+    "megatron_aux_loss_coeff",
     "model_tensors",
     "moe_from_hf",
     "moe_to_megatron",
