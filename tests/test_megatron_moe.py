@@ -394,6 +394,13 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
     torch_backend = trainer("torch", path, cfg)
     mega = trainer("megatron", path, cfg)
     try:
+        # Every expert weight, and no other, carries megatron-core's mark for the expert-data-parallel gradient
+        # reduction, also at EP = 1 (its DDP reads it on GPUs: tests/test_megatron_replay_cuda.py[tp2-sp] failed
+        # without it).
+        from runtime.train.backends import megatron_moe as mmoe
+
+        unmarked = {n for n, p in mega.model.named_parameters() if not getattr(p, "allreduce", True)}
+        assert unmarked == {n for n, _ in mega.model.named_parameters() if mmoe.is_expert(n)} != set()
         ref_lp, got_lp = torch_backend.compute_log_probs(td), mega.compute_log_probs(td)
         mask = td[keys.MASK]
         for key in (keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS):
