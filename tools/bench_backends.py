@@ -273,8 +273,14 @@ def _profile_step(trainer, td, rows: int, args: argparse.Namespace, label: str, 
         wall = time.perf_counter() - start
     events = prof.key_averages()
     if cuda:
-        # The kernels alone: an operator's own device time is its kernels', which would count them twice.
-        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        # The kernels alone: an operator's own device time is its kernels', which would count them twice, and so
+        # would a GPU-side annotation such as NCCL's ``nccl:all_to_all`` over its own kernels (torch's table total
+        # leaves those out the same way).
+        events = [
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = sum(getattr(e, key) for e in events) / 1e6
     print(
