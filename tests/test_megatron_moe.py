@@ -399,8 +399,8 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
         # without it).
         from runtime.train.backends import megatron_moe as mmoe
 
-        unmarked = {n for n, p in mega.model.named_parameters() if not getattr(p, "allreduce", True)}
-        assert unmarked == {n for n, _ in mega.model.named_parameters() if mmoe.is_expert(n)} != set()
+        marked = {n for n, p in mega.model.named_parameters() if not getattr(p, "allreduce", True)}
+        assert marked == {n for n, _ in mega.model.named_parameters() if mmoe.is_expert(n)} != set()
         ref_lp, got_lp = torch_backend.compute_log_probs(td), mega.compute_log_probs(td)
         mask = td[keys.MASK]
         for key in (keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS):

@@ -85,6 +85,23 @@ def test_stage_layers_follow_the_stage_depths_and_the_messages_name_the_flags():
         mc.pipeline_stage_sizes(4, pp_size=2, last=0)
 
 
+def test_a_stage_without_moe_layers_is_refused_naming_the_stage_flags():
+    """GLM-4.5's first layer is dense: a first stage of that layer alone would leave megatron-core's optimizer without
+    an expert part there, which the other stages' expert gradient norm waits on (a hang on GPUs; the CPU path, which
+    did the same, hung a gloo rank for its 10-minute timeout before the fix beside this refusal)."""
+    from test_megatron_glm4_moe import glm4_moe_config
+
+    shape = mc.shape_from_hf(glm4_moe_config(num_hidden_layers=3).to_dict())
+    assert shape.moe.layer_pattern == (0, 1, 1)
+    (problem,) = mc.parallel_problems(dataclasses.replace(shape, first_stage_layers=1), tp_size=1, pp_size=2)
+    assert problem.startswith("pipeline stage 0 holds decoder layers 0-0 of config.json, none of them MoE")
+    assert "--decoder-first-pipeline-num-layers" in problem
+    # Stages of 2 and 1 layers, or 1 MoE-holding stage each way on 4 layers: accepted.
+    assert mc.parallel_problems(dataclasses.replace(shape, first_stage_layers=2), tp_size=1, pp_size=2) == []
+    four = mc.shape_from_hf(glm4_moe_config(num_hidden_layers=4).to_dict())
+    assert mc.parallel_problems(four, tp_size=1, pp_size=2) == []
+
+
 def test_the_transformer_config_and_layer_specs_take_the_stage_depths(tmp_path):
     """megatron-core numbers a stage's layers (routing replay's slots, checkpoint keys) from its config's stage depths,
     and builds as many layers as the stage's spec lists: both must follow the flags."""

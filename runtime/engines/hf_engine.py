@@ -49,6 +49,7 @@ from runtime.engines.base import (
 from runtime.engines.checkpoint_layout import CheckpointLayout
 from runtime.engines.decode import ATTENTION, decode, register_attention
 from runtime.engines.fused import fuse_model
+from runtime.engines.routes import moe_routers
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -251,11 +252,12 @@ class HFEngine:
         self.model.set_attn_implementation(ATTENTION)
         self.cuda_graph = self.device.type == "cuda" and cuda_graph
         self.compile = self.device.type == "cuda" and compile
-        if self.cuda_graph and self.model.dtype != torch.bfloat16 and self.model._can_set_experts_implementation():
+        if self.cuda_graph and self.model.dtype != torch.bfloat16 and any(True for _ in moe_routers(self.model)):
             # torch's grouped_mm computes bf16 on the GPU; in other dtypes transformers' grouped experts copy the
             # group offsets to the host, which a CUDA graph cannot capture (2026-11-27, a float32 MoE preset on an
-            # H200). Batched matmuls over each token's own experts capture, at the cost of gathering their weights.
-            self.model.set_experts_implementation("batched_mm")
+            # H200): such a model decodes without graphs. (transformers' batched-matmul experts would capture, but
+            # gather each token's experts' weights: gigabytes a layer for a real model's prefill.)
+            self.cuda_graph = False
         # A group's samples (equal runs of one prompt) share its prefill and cached keys; the decode attention is
         # runtime.engines.decode_attention's default for the device; checks lag one block on the GPU (decode's
         # lagged_checks). Benchmarks turn these.

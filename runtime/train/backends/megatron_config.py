@@ -508,11 +508,32 @@ def parallel_problems(
             f"--tensor-model-parallel-size {tp_size} must divide intermediate_size {shape.ffn_hidden_size}"
         )
     try:
-        pipeline_stage_sizes(
+        sizes = pipeline_stage_sizes(
             shape.num_layers, pp_size=pp_size, first=shape.first_stage_layers, last=shape.last_stage_layers
         )
     except ValueError as err:
         problems.append(f"{err} (num_hidden_layers {shape.num_layers} of {source})")
+    else:
+        problems += _dense_stage_problems(shape, sizes, source=source)
+    return problems
+
+
+def _dense_stage_problems(shape: ModelShape, sizes: tuple[int, ...], *, source: str) -> list[str]:
+    """A pipeline stage of a MoE model with no MoE layer (DeepSeek-V3's and GLM-4.5's first layers are dense):
+    megatron-core's optimizer gives its ranks no expert part, while the other stages' expert part takes its gradient
+    norm over every stage, so they would wait on those ranks until the collective timed out."""
+    if shape.moe is None or len(sizes) < 2:
+        return []
+    problems, start = [], 0
+    for stage, size in enumerate(sizes):
+        if not any(shape.moe.layer_pattern[start : start + size]):
+            problems.append(
+                f"pipeline stage {stage} holds decoder layers {start}-{start + size - 1} of {source}, none of them "
+                "MoE: megatron-core's optimizer leaves such a stage out of the experts' gradient norm, which the "
+                "other stages wait on; give every stage a MoE layer (--decoder-first-pipeline-num-layers, "
+                "--decoder-last-pipeline-num-layers)"
+            )
+        start += size
     return problems
 
 

@@ -211,7 +211,7 @@ def is_expert(name: str) -> bool:
     return _EXPERT.search(name) is not None
 
 
-def mark_expert_grads(model: Any) -> int:
+def mark_expert_grads(model: Any) -> None:
     """Mark every expert weight of ``model`` for the expert-data-parallel gradient reduction (megatron-core's
     ``allreduce = False``, which its DDP and optimizer read); return how many were marked.
 
@@ -221,12 +221,9 @@ def mark_expert_grads(model: Any) -> int:
     rank routes its own chunk of the sequence to its copy of every expert, so an expert's gradient is the sum over the
     TP ranks too: the expert-data-parallel group's (which holds them), not the data-parallel one's. Marked, they are
     reduced there at any EP, as the CPU path (``MegatronSteps._optimizer_step``) reduces them."""
-    marked = 0
     for name, param in model.named_parameters():
         if is_expert(name):
             param.allreduce = False
-            marked += 1
-    return marked
 
 
 def local_experts(moe: MoEShape, *, ep_size: int) -> int:
@@ -537,21 +534,23 @@ def clear_aux_loss() -> None:
         tracker.pop(name, None)
 
 
-def recorded_aux_loss(coeff: float, *, micro_batches: int, groups: Sequence[Any]) -> torch.Tensor | None:
+def recorded_aux_loss(
+    coeff: float, *, micro_batches: int, groups: Sequence[Any], device: torch.device
+) -> torch.Tensor:
     """The balancing loss the step's forwards added: ``coeff`` x the sum over MoE layers of the micro-batches' mean
     of each layer's loss, from megatron-core's per-layer record (:func:`clear_aux_loss` before the step); summed over
     ``groups`` (the tensor/context- and pipeline-parallel groups: each rank records its share of the tokens' sums
-    and its own layers). None where nothing was recorded (no MoE layer, a coefficient of 0, no gradient)."""
+    and its own layers). A rank that recorded nothing (a pipeline stage of dense layers only, such as DeepSeek-V3's
+    first) takes part in the sums with 0, on ``device``: every rank of a group must call each all-reduce."""
+    import torch
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
     values = [tracker[name]["values"] for name in AUX_LOSS_TRACKED.values() if name in tracker]
-    if not values:
-        return None
-    import torch
-
-    total = torch.stack([v.sum() for v in values]).sum().double()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if values:
+        total = torch.stack([v.sum() for v in values]).sum().double().to(device)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -592,12 +591,12 @@ __all__ = [
     "expert_to_hf",
     "grouped_gemm_experts",
     "grouped_mm",
-    "mark_expert_grads",
     "grouped_mm_takes",
     "hf_moe_shapes",
     "is_expert",
     "layer_pattern",
     "local_experts",
+    "mark_expert_grads",
     "megatron_aux_loss_coeff",
     "model_tensors",
     "moe_from_hf",

@@ -126,9 +126,9 @@ class MegatronSteps:
         the micro-batches' mean) over the data-parallel size, so that the sum over DP ranks is their mean
         (``global_aux_loss``: as it is, each rank's value a share of the global batch's loss)."""
         groups = [self.ps.get_tensor_and_context_parallel_group(), self.ps.get_pipeline_model_parallel_group()]
-        value = mmoe.recorded_aux_loss(self.cfg.moe_aux_loss_coeff, micro_batches=micro_batches, groups=groups)
-        if value is None:
-            return 0.0
+        value = mmoe.recorded_aux_loss(
+            self.cfg.moe_aux_loss_coeff, micro_batches=micro_batches, groups=groups, device=self.device
+        )
         kind = self.cfg.moe_router_load_balancing_type
         return mmoe.aux_loss_metric_share(kind, float(value), dp_size=self.dp_size)
 
@@ -220,7 +220,9 @@ class MegatronSteps:
                 square += p.grad.double().pow(2).sum()
         if self.world_size > 1:
             dist.all_reduce(square, group=self.ps.get_model_parallel_group())
-            if experts:
+            if self.shape.moe is not None:
+                # Every rank of a MoE model, also a pipeline stage of dense layers only (no experts of its own, 0),
+                # which would otherwise leave the stages with experts waiting in this all-reduce.
                 dist.all_reduce(expert_square, group=self.ps.get_expert_tensor_model_pipeline_parallel_group())
         return float((square + expert_square).sqrt())
 
