@@ -238,7 +238,7 @@ if triton is not None:
         # ``scale`` as float32 whatever type it arrives as: inductor passes a Python float to a kernel it compiles as
         # a float64 scalar, which made the running max float64 inside the loop's branch (a Triton compile error under
         # --engine-compile in float32, 2026-11-27 on an H200); Triton's own launch passes it as float32 already.
-        s = _dot(q, tl.trans(k), IEEE) * scale.to(tl.float32)
+        s = _dot(q, tl.trans(k), IEEE) * tl.cast(scale, tl.float32)
         s = tl.where(row_on[:, None] & col_real[None, :], s, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(s, 1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
