@@ -257,7 +257,7 @@ def _expert_parallel_rank(rank: int, port: int, out: dict) -> None:
                 layer(x)
             got, _ = layer(x)
             expected = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)
-            out[rank] = (str(refused.value)[:200], got.detach(), expected.detach())
+            torch.save((str(refused.value)[:200], got.detach(), expected.detach()), f"{out}.{rank}")
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -275,16 +275,16 @@ def _unshimmed_all_to_all():
         dist.all_to_all_single = shimmed
 
 
-def test_expert_parallel_over_gloo_needs_int_split_sizes(gloo_ranks):
-    import torch.multiprocessing as mp
-
+def test_expert_parallel_over_gloo_needs_int_split_sizes(gloo_ranks, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = mp.Manager().dict()
+    # Each rank saves its results to a file (a multiprocessing manager's dict of tensors crashed its server process
+    # now and then, handing storages over by file descriptor).
+    out = str(tmp_path / "ep")
     gloo_ranks.run(_expert_parallel_rank, port, out)
     for rank in (0, 1):
-        refused, got, expected = out[rank]
+        refused, got, expected = torch.load(f"{out}.{rank}", weights_only=False)
         # megatron-core hands the split sizes over as tensors, which gloo's all_to_all_single does not take.
         assert "all_to_all_single(): incompatible function arguments" in refused
         # As the one-process test: float64, but transformers' router softmax in float32.
@@ -308,10 +308,12 @@ def mla_grads(module, x: torch.Tensor, probe: torch.Tensor) -> dict[str, torch.T
     return {**{name: p.grad.detach().clone() for name, p in module.named_parameters()}, "input": x.grad.detach()}
 
 
-def _mla_tensor_parallel_rank(rank: int, port: int, weights: dict, x: torch.Tensor, probe: torch.Tensor, out) -> None:
+def _mla_tensor_parallel_rank(
+    rank: int, port: int, weights: dict, x: torch.Tensor, probe: torch.Tensor, out: str
+) -> None:
     """One of two gloo ranks at TP=2: megatron-core's ``MLASelfAttention`` and the backend's
     (:func:`megatron_compat.whole_latent_mla_attention`), each holding this rank's cut of ``weights`` (the TP=1
-    module's), record their gradients of the same loss."""
+    module's), record their gradients of the same loss (saved to ``out.<rank>``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.spec_utils import build_module
@@ -319,6 +321,7 @@ def _mla_tensor_parallel_rank(rank: int, port: int, weights: dict, x: torch.Tens
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ps.initialize_model_parallel(2, 1, create_gloo_process_groups=False)
     megatron_compat.apply_no_te_workarounds()
+    grads = {}
     try:
         with _cpu_shims():
             classes = {
@@ -334,7 +337,8 @@ def _mla_tensor_parallel_rank(rank: int, port: int, weights: dict, x: torch.Tens
                 with torch.no_grad():
                     for name, p in module.named_parameters():
                         p.copy_(rank_cut(weights[name], p, rank))
-                out[(rank, what)] = mla_grads(module, x, probe)
+                grads[what] = mla_grads(module, x, probe)
+        torch.save(grads, f"{out}.{rank}")
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -348,14 +352,13 @@ def rank_cut(whole: torch.Tensor, param: torch.Tensor, rank: int, tp_size: int =
 
 
 def test_mla_at_tp2_keeps_one_ranks_share_of_the_keys_rotary_gradient_until_the_latent_is_handed_whole(
-    model_parallel, gloo_ranks
+    model_parallel, gloo_ranks, tmp_path
 ):
     """megatron-core 0.16.1's MLA at TP=2 (the local spec's column-parallel ``linear_kv_down_proj``) against the same
     weights at TP=1, in float64: the rotary rows of ``linear_kv_down_proj``'s gradient (and the input's, which they
     feed) hold only the rank-1 heads' share, every other gradient is right; the backend's attention gets them all
     right. Fails once megatron-core sums that gradient itself: the workaround
     (``megatron_compat.whole_latent_mla_attention``) is then dropped."""
-    import torch.multiprocessing as mp
     from megatron.core.transformer.spec_utils import build_module
 
     torch.manual_seed(0)
@@ -370,8 +373,11 @@ def test_mla_at_tp2_keeps_one_ranks_share_of_the_keys_rotary_gradient_until_the_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    gloo_ranks.run(_mla_tensor_parallel_rank, port, weights, x, probe, out)
+    path = str(
+        tmp_path / "mla"
+    )  # files, not a manager's dict: see test_expert_parallel_over_gloo_needs_int_split_sizes
+    gloo_ranks.run(_mla_tensor_parallel_rank, port, weights, x, probe, path)
+    out = {(r, what): g for r in (0, 1) for what, g in torch.load(f"{path}.{r}", weights_only=False).items()}
     params = dict(whole.named_parameters())
     down, rotary = "linear_kv_down_proj.weight", whole.config.qk_pos_emb_head_dim
     # float64 throughout; at TP=2 the heads' partial products are added in another order (a few ulps of 1e-16).
