@@ -141,6 +141,17 @@ def _until(condition, timeout=120.0):
         time.sleep(0.05)
 
 
+def _run_within(cfg, server, seconds: float) -> list:
+    """Run the job ``cfg`` on a thread for at most ``seconds``, then stop ``server``: ``[its result]``, or ``[]`` if it
+    did not finish (a job stuck waiting on the fake's held requests is left on its daemon thread)."""
+    finished: list = []
+    job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
+    job.start()
+    job.join(seconds)
+    server.stop()
+    return finished
+
+
 def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_for_the_rollout(
     ray_session, model_path, tmp_path
 ):
@@ -166,11 +177,9 @@ def test_one_step_async_syncs_mid_rollout_by_pausing_the_servers_not_by_waiting_
         use_tensorboard=False,
         save_debug_rollout_data=saved,
     )
-    finished: list = []
-    job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
-    job.start()
-    job.join(300)  # (it takes 20-45 s on two busy cores; a sync that waits for the held rollout never ends)
-    server.stop()
+    finished = _run_within(
+        cfg, server, 300
+    )  # (20-45 s on two busy cores; a sync that waits for the held rollout never ends)
     assert finished, "the job did not finish: the weight sync waited for the held rollout"
     # Both syncs (after steps 0 and 1) paused the server in retract mode; each prompt was sent once.
     assert server.pauses == ["retract", "retract"] and server.requests["/generate"] == 2 * n
@@ -215,11 +224,9 @@ def test_fully_async_syncs_by_pausing_the_servers_neither_draining_nor_cutting_o
         use_tensorboard=False,
         save_debug_rollout_data=saved,
     )
-    finished: list = []
-    job = threading.Thread(target=lambda: finished.append(run(cfg, progress=False)), daemon=True)
-    job.start()
-    job.join(300)  # (about 30 s on two busy cores; a sync that waits for the held requests never ends)
-    server.stop()
+    finished = _run_within(
+        cfg, server, 300
+    )  # (about 30 s on two busy cores; a sync that waits for held ones never ends)
     assert finished, "the job did not finish: the weight sync waited for the held requests"
     # Every sync (after steps 0, 1 and 2) paused the server in retract mode; nothing was aborted.
     assert server.pauses == ["retract"] * 3 and server.requests.get("/abort_request", 0) == 0

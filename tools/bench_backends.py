@@ -313,15 +313,21 @@ def run_path(path: str, args: argparse.Namespace, name: str, tmp: str) -> dict[s
     return {**ranks[0], "peak_gib": max(r["peak_gib"] for r in ranks)}
 
 
+def _preset_fields(args: argparse.Namespace) -> tuple[str, dict]:
+    """The tiny_model preset ``--preset`` starts from and the config fields it replaces, ``--num-layers`` included."""
+    preset, fields = SHAPES[args.preset]
+    if args.num_layers is not None:
+        fields = {**fields, "num_hidden_layers": args.num_layers}
+    return preset, fields
+
+
 def build_model(args: argparse.Namespace, folder: str) -> str:
     from runtime.demo import task
     from runtime.demo.tiny_model import make_preset_model, make_tiny_model
 
     if args.preset == "tiny":
         return str(make_tiny_model(folder, alphabet=task.ALPHABET, seed=0))
-    preset, fields = SHAPES[args.preset]
-    if args.num_layers is not None:
-        fields = {**fields, "num_hidden_layers": args.num_layers}
+    preset, fields = _preset_fields(args)
     return str(make_preset_model(preset, folder, alphabet=task.ALPHABET, seed=0, **fields))
 
 
@@ -332,9 +338,7 @@ def _check_reused(path: str, args: argparse.Namespace, parser: argparse.Argument
     from runtime.demo import task
     from runtime.demo.tiny_model import preset_config
 
-    preset, fields = SHAPES[args.preset]
-    if args.num_layers is not None:
-        fields = {**fields, "num_hidden_layers": args.num_layers}
+    preset, fields = _preset_fields(args)
     want = preset_config(preset, alphabet=task.ALPHABET, **fields)[0].to_dict()
     with open(os.path.join(path, "config.json")) as f:
         have = json.load(f)

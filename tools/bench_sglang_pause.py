@@ -19,15 +19,17 @@ import argparse
 import contextlib
 import dataclasses
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.gpu_suite import commit_of, cpu_model  # noqa: E402
+
 SCHEDULES = ("one_step", "fully_async")
 MODES = ("paused", "drained")
 COLUMNS = [
@@ -118,23 +120,6 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -175,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nfake SGLang server behind the real router, the built-in tiny model; {args.rollout_batch_size} prompts x "
         f"{args.n_samples_per_prompt} samples x {args.response_len} tokens a step, {args.token_delay:g} s a token"
-        f"{hold}; {args.num_rollout} steps, medians of steps 1-{args.num_rollout - 2}; {_cpu()}, commit {_commit()}\n"
+        f"{hold}; {args.num_rollout} steps, medians of steps 1-{args.num_rollout - 2}; "
+        f"{cpu_model() or 'unknown CPU'}, commit {commit_of(ROOT, unknown='unknown')}\n"
     )
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + " --- |" * len(COLUMNS))

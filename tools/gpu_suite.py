@@ -151,16 +151,19 @@ def machine() -> str:
         gpus = "; ".join(re.sub(r" \(UUID: .*?\)", "", g) for g in gpus.splitlines()) or "no GPU"
     except (OSError, subprocess.TimeoutExpired):
         gpus = "no nvidia-smi"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines() if "model name" in ln), "")
     versions = []
     for module in ("torch", "transformers", "megatron.core", "triton"):
         try:
             versions.append(f"{module} {__import__(module, fromlist=['_']).__version__}")
         except Exception:  # noqa: BLE001 (a missing or broken library is reported, not fatal)
             versions.append(f"{module} absent")
-    return f"{gpus}; {os.cpu_count()} x {cpu or platform.processor()}; Python {platform.python_version()}; " + (
-        ", ".join(versions)
-    )
+    return f"{gpus}; {os.cpu_count()} x {cpu_model()}; Python {platform.python_version()}; " + (", ".join(versions))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()`` (may be empty)."""
+    lines = _read("/proc/cpuinfo").splitlines()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln), "") or platform.processor()
 
 
 def _read(path: str) -> str:
@@ -170,13 +173,14 @@ def _read(path: str) -> str:
         return ""
 
 
-def commit_of(root: Path = ROOT) -> str:
+def commit_of(root: Path = ROOT, *, unknown: str = "unknown (no git checkout; pass --commit)") -> str:
+    """The short hash of ``root``'s HEAD, or ``unknown`` outside a git checkout."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout; pass --commit)"
+        return unknown
 
 
 EARLIER = "## Earlier figures"
