@@ -254,7 +254,8 @@ def _parallel_worker(rank, world, port, path, tmp, out, overrides, device):
     values = mega.compute_log_probs(td[rows])[keys.VALUES]
     whole = mega.compute_log_probs(td)[keys.VALUES]
     metrics = mega.train_critic(critic_batch(td, whole, cfg)[rows], per_step_rows=8 // dp_size)
-    grads = critic_grads(mega)
+    # On GPUs Megatron's DDP keeps gradients in its own buffers (no .grad): the gradients are compared on the CPU.
+    grads = critic_grads(mega) if device == "cpu" else {}
     stepped = mega.compute_log_probs(td)[keys.VALUES]
     torch.save({"values": values, "metrics": metrics, "grads": grads, "stepped": stepped}, out.format(rank=rank))
     mega.shutdown()
@@ -309,7 +310,7 @@ def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
     try:
         values = one.compute_log_probs(td)[keys.VALUES]
         metrics = one.train_critic(critic_batch(td, values, cfg), per_step_rows=8)
-        grads = critic_grads(one)
+        grads = critic_grads(one) if device == "cpu" else {}
         stepped = one.compute_log_probs(td)[keys.VALUES]
     finally:
         one.shutdown()
@@ -319,7 +320,7 @@ def test_two_ranks_equal_one(layout, device, tmp_path, gloo_ranks):
         for name in ("critic/value_loss", "critic/value_clipfrac", "critic/values_mean", "critic/grad_norm"):
             assert r["metrics"][name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), name
         torch.testing.assert_close(r["stepped"][mask], stepped[mask], **STEPPED_TOL)
-    if "pipeline_model_parallel_size" in layout:
+    if "pipeline_model_parallel_size" in layout and device == "cpu":
         # Every gradient once, on the stage that holds it (the value head and the final norm on the last): float32,
         # the same sums in another order, relative to each tensor's largest entry.
         got = {**ranks[0]["grads"], **ranks[1]["grads"]}

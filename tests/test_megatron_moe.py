@@ -381,9 +381,12 @@ def test_logits_and_expert_choices_equal_transformers(norm_topk_prob, grouped_ge
         mega.shutdown()
 
 
-def test_rl_step_matches_the_torch_backend(tmp_path):
+@pytest.mark.parametrize("grouped_gemm", [False, True], ids=["sequential", "grouped"])
+def test_rl_step_matches_the_torch_backend(grouped_gemm, tmp_path):
     """The log-probs, loss, gradient norm and the weights after one RL step of the Megatron backend equal the torch
-    backend's (transformers' Qwen3-MoE with its grouped experts) on the same weights and batch."""
+    backend's (transformers' Qwen3-MoE with its grouped experts) on the same weights and batch; with megatron-core's
+    per-expert loop and with ``--moe-grouped-gemm``'s stacked experts (one parameter for each layer's local
+    experts' first and one for their second linears)."""
     from test_megatron_backend import LOGP_TOL, job, make_batch, train_once, trainer
 
     from rlcore import keys
@@ -392,7 +395,7 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
     cfg = job(tmp_path)
     td = make_batch(203)
     torch_backend = trainer("torch", path, cfg)
-    mega = trainer("megatron", path, cfg)
+    mega = trainer("megatron", path, job(tmp_path, moe_grouped_gemm=grouped_gemm))
     try:
         # Every expert weight, and no other, carries megatron-core's mark for the expert-data-parallel gradient
         # reduction, also at EP = 1 (its DDP reads it on GPUs: tests/test_megatron_replay_cuda.py[tp2-sp] failed
@@ -401,6 +404,8 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
 
         marked = {n for n, p in mega.model.named_parameters() if not getattr(p, "allreduce", True)}
         assert marked == {n for n, _ in mega.model.named_parameters() if mmoe.is_expert(n)} != set()
+        # Two layers of 8 experts: one tensor per expert and linear, or one per layer and linear.
+        assert len(marked) == (2 * 2 if grouped_gemm else 2 * 8 * 2)
         ref_lp, got_lp = torch_backend.compute_log_probs(td), mega.compute_log_probs(td)
         mask = td[keys.MASK]
         for key in (keys.OLD_LOG_PROBS, keys.REF_LOG_PROBS):
@@ -420,17 +425,24 @@ def test_rl_step_matches_the_torch_backend(tmp_path):
         torch_backend.shutdown()
 
 
-def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(tmp_path):
+@pytest.mark.parametrize(
+    "saved_grouped,loaded_grouped",
+    [(False, False), (True, False), (False, True)],
+    ids=["sequential", "grouped-to-sequential", "sequential-to-grouped"],
+)
+def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(saved_grouped, loaded_grouped, tmp_path):
     """The actor exported as an HF folder (``save_pretrained``'s per-expert names) and saved as ``torch_dist``
     (megatron-core stores each layer's experts as one tensor, global expert index first): both equal the trainer's
-    exported weights, and a trainer started from the ``torch_dist`` folder holds the same weights."""
+    exported weights, and a trainer started from the ``torch_dist`` folder holds the same weights; a checkpoint of
+    ``--moe-grouped-gemm``'s stacked experts and one of megatron-core's per-expert ``SequentialMLP`` load into each
+    other."""
     from test_megatron_backend import job, trainer
 
     from runtime.train.backends import megatron_checkpoint as mck
     from runtime.train.roles import ACTOR
 
     path = save_qwen3_moe(tmp_path / "m")
-    cfg = job(tmp_path)
+    cfg = job(tmp_path, moe_grouped_gemm=saved_grouped)
     mega = trainer("megatron", path, cfg, roles=(ACTOR,))
     try:
         weights = mega.get_weights()
@@ -445,12 +457,46 @@ def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(tmp_path):
     shape = mc.shape_from_hf(qwen3_moe_config().to_dict())
     converted = mck.hf_state_from_checkpoint(tmp_path / "ckpt", shape)
     assert set(converted) == set(weights) and all(torch.equal(converted[k], weights[k]) for k in weights)
+    cfg = job(tmp_path, moe_grouped_gemm=loaded_grouped)
     loaded = trainer("megatron", path, cfg, roles=(ACTOR,), role_paths={ACTOR.name: str(tmp_path / "ckpt")})
     try:
         again = loaded.get_weights()
         assert all(torch.equal(again[k], weights[k]) for k in weights)
     finally:
         loaded.shutdown()
+
+
+def test_grouped_experts_resume_exactly(tmp_path):
+    """``--moe-grouped-gemm``'s stacked experts with their AdamW moments through a ``torch_dist`` save and load: the
+    step after the resume is the step of the trainer that saved and went on, bitwise (the same kernels on the same
+    numbers); the moments live on the stacked parameters."""
+    from test_megatron_backend import job, make_batch, train_once, trainer
+
+    from runtime.train.roles import ACTOR
+
+    path = save_qwen3_moe(tmp_path / "m")
+    cfg = job(tmp_path, moe_grouped_gemm=True, use_kl_loss=False)
+    td = make_batch(203)
+    folder = str(tmp_path / "ckpt")
+    runs = []
+    for resume in (False, True):
+        mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+        try:
+            if resume:
+                mega.load(folder)
+            else:
+                train_once(mega, cfg, td)
+                mega.save(folder)
+            metrics = train_once(mega, cfg, td)
+            stacked = {n: p for n, p in mega.model.named_parameters() if n.endswith("mlp.experts.weight1")}
+            moments = {n: mega.optimizer.state[p]["exp_avg_sq"].clone() for n, p in stacked.items()}
+            runs.append((metrics, mega.get_weights(), moments))
+        finally:
+            mega.shutdown()
+    (want, want_weights, want_moments), (got, got_weights, got_moments) = runs
+    assert len(want_moments) == 2 and all(torch.equal(got_moments[n], m) for n, m in want_moments.items())
+    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    assert all(torch.equal(got_weights[n], w) for n, w in want_weights.items())
 
 
 # ------------------------------------------------------------------ expert parallelism over gloo

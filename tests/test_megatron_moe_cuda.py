@@ -165,3 +165,71 @@ def test_bf16_logits_are_near_transformers(tmp_path):
         print(f"grouped={grouped}: megatron-hf bf16 mean {gap.mean():.3e} max {gap.max():.3e}", end="; ")
         print(f"hf bf16-fp32 mean {baseline:.3e}")
         assert gap.mean() <= 1.5 * baseline + 1e-3 and gap.max() < 5e-2
+
+
+def _grouped_resume_worker(rank, port, path, tmp, folder, out, resume):
+    """One EP=2 rank with ``--moe-grouped-gemm`` (stacked experts) under Megatron's DDP and distributed optimizer,
+    float32: either a step, a save into ``folder`` and one more step, or a load of ``folder`` and that step; the
+    last step's metrics and the exported weights (rank 0)."""
+    from test_megatron_backend import make_batch, trainer
+
+    from rlcore import keys
+    from rlcore.advantages import compute
+    from runtime.train.algo import advantage_config
+    from runtime.train.roles import ACTOR
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _job(
+        tmp,
+        expert_model_parallel_size=2,
+        actor_num_gpus_per_node=2,
+        bf16="false",
+        moe_grouped_gemm=True,
+        use_kl_loss=False,
+    )
+    mega = trainer(
+        "megatron", path, cfg, rank=rank, world_size=2, master_port=port, roles=(ACTOR,), device=f"cuda:{rank}"
+    )
+
+    def step():
+        part = make_batch(203)[4 * rank : 4 * rank + 4]
+        part.update(mega.compute_log_probs(part))
+        part.set(keys.OLD_LOG_PROBS, part[keys.OLD_LOG_PROBS] + 0.05)  # a ratio other than one
+        return mega.train(compute(part, advantage_config(cfg)), per_step_rows=4)
+
+    try:
+        if resume:
+            mega.load(folder)
+        else:
+            step()
+            mega.save(folder)
+        metrics = step()
+        weights = mega.get_weights()
+        if rank == 0:
+            torch.save({"metrics": metrics, "weights": weights}, out)
+    finally:
+        mega.shutdown()
+
+
+def test_grouped_experts_resume_at_ep2_as_the_run_that_saved(tmp_path):
+    """``--moe-grouped-gemm``'s stacked experts through a ``torch_dist`` save and load at EP=2 over NCCL (Megatron's
+    DDP and distributed optimizer, their state per stacked parameter): the step after the resume equals the step of
+    the run that saved and went on. A lost Adam state moves the weights by about lr (1e-3) per element; the bound is
+    float32 rounding of a step (the dispatcher's scatter-adds on the GPU are not ordered)."""
+    import torch.multiprocessing as mp
+    from test_megatron_backend import _free_port
+
+    path = save_qwen3_moe(tmp_path / "m")
+    folder = str(tmp_path / "ckpt")
+    runs = {}
+    for resume in (False, True):
+        out = str(tmp_path / f"run{int(resume)}.pt")
+        mp.spawn(_grouped_resume_worker, args=(_free_port(), path, tmp_path, folder, out, resume), nprocs=2)
+        runs[resume] = torch.load(out, weights_only=False)
+    want, got = runs[False], runs[True]
+    for name in ("loss", "pg_loss", "grad_norm"):
+        assert got["metrics"][name] == pytest.approx(want["metrics"][name], rel=1e-5, abs=1e-7), name
+    assert set(got["weights"]) == set(want["weights"])
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")

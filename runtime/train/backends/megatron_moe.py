@@ -196,6 +196,8 @@ def layer_pattern(freq: int | str, *, num_layers: int) -> tuple[int, ...]:
 # ------------------------------------------------------------------ weights
 
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+# GroupedGemmExperts' stacked parameters (every local expert of a layer in one).
+_STACKED_EXPERT = re.compile(r"mlp\.experts\.weight[12]$")
 ROUTER = "mlp.router.weight"
 # The router's expert bias: a float32 buffer of megatron-core's router, not a parameter (updated by the token counts
 # at --moe-router-bias-update-rate, never by the optimizer).
@@ -207,8 +209,9 @@ SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
 
 
 def is_expert(name: str) -> bool:
-    """Whether a Megatron tensor name (with or without its ``decoder.layers.i.`` prefix) is an expert's weight."""
-    return _EXPERT.search(name) is not None
+    """Whether a Megatron tensor name (with or without its ``decoder.layers.i.`` prefix) is an expert's weight, or
+    :class:`GroupedGemmExperts`' stack of a layer's local experts' weights."""
+    return _EXPERT.search(name) is not None or _STACKED_EXPERT.search(name) is not None
 
 
 def mark_expert_grads(model: Any) -> None:
@@ -361,32 +364,106 @@ def transformer_config_kwargs(moe: MoEShape, train: Any, *, dp_size: int = 1) ->
     }
 
 
+# The stacked expert weights of GroupedGemmExperts by parameter name, and the per-expert linear each stacks: the
+# checkpoint, the weight mapping and the expert mark see ``local_experts.j.<linear>.weight`` as SequentialMLP has it.
+STACKED_EXPERTS = {"weight1": "linear_fc1", "weight2": "linear_fc2"}
+
+
 @functools.cache
 def grouped_gemm_experts() -> type:
     """:class:`GroupedGemmExperts`, megatron-core imported here."""
     import torch
-    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.transformer.module import MegatronModule
 
-    class GroupedGemmExperts(SequentialMLP):
-        """megatron-core's ``SequentialMLP`` (same parameters, names and checkpoint state: one ``MLP`` per local
-        expert) computed by ``torch._grouped_mm``: one matrix product over all local experts for each of the two
-        layers, with the tokens of each expert as one group (``offs``: the cumulative token counts), instead of a
-        Python loop after a host sync. The SwiGLU and the gate weights (``probs``, on the activation as the
-        ``MLP``'s ``per_token_scale``) are applied as ``SequentialMLP``'s experts apply them."""
+    class GroupedGemmExperts(MegatronModule):
+        """A layer's local experts (SwiGLU MLPs without biases) as two stacked parameters, ``weight1 [E, 2F, H]``
+        (each expert's ``linear_fc1.weight``, ``[gate; up]``) and ``weight2 [E, H, F]`` (``linear_fc2.weight``),
+        computed by ``torch._grouped_mm``: one matrix product over all local experts for each of the two layers,
+        the tokens of each expert one group (``offs``: the cumulative token counts). No copy of the weights per
+        micro-batch and one gradient per layer, where megatron-core's ``SequentialMLP`` loops over experts after a
+        host sync. Its checkpoint is ``SequentialMLP``'s (the same ``torch_dist`` keys and global tensors, global
+        expert index first), so either module loads the other's; :func:`model_tensors` names each expert's slice
+        as ``SequentialMLP`` names its weight. The gate weights (``probs``) scale the activation, as
+        ``SequentialMLP``'s experts apply them."""
+
+        def __init__(self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None):
+            super().__init__(config=config)
+            if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
+                raise ValueError("--moe-grouped-gemm: the experts must be SwiGLU MLPs (gated SiLU)")
+            if config.add_bias_linear or pg_collection.expt_tp.size() != 1:
+                raise ValueError("--moe-grouped-gemm: experts without biases, whole on each rank (ETP 1)")
+            self.num_local_experts = num_local_experts
+            self.ep_group, self.dp_group = pg_collection.ep, pg_collection.expt_dp
+            ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            kw = {"dtype": config.params_dtype, "device": device}
+            self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, **kw))
+            self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn, **kw))
+            if config.perform_initialization:
+                with torch.no_grad():
+                    for e in range(num_local_experts):
+                        config.init_method(self.weight1[e])
+                        config.output_layer_init_method(self.weight2[e])
+            # As SequentialMLP's column- and row-parallel linears mark theirs at ETP 1 (a one-rank split), and for
+            # the expert-data-parallel gradient reduction (mark_expert_grads marks them at any EP).
+            set_tensor_model_parallel_attributes(self.weight1, is_parallel=True, dim=1, stride=1)
+            set_tensor_model_parallel_attributes(self.weight2, is_parallel=True, dim=2, stride=1)
+            self.register_load_state_dict_post_hook(_drop_sequential_extra_state)
 
         def forward(
             self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Any
         ) -> tuple[torch.Tensor, None]:
             x = permuted_local_hidden_states
-            fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
-            fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-            gate, up = grouped_mm(x, fc1, offs=offs).chunk(2, dim=-1)
+            gate, up = grouped_mm(x, self.weight1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate) * up
             act = (act * permuted_probs.unsqueeze(-1)).to(x.dtype)
-            return grouped_mm(act, fc2, offs=offs), None
+            return grouped_mm(act, self.weight2.transpose(1, 2), offs=offs), None
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+            """``SequentialMLP``'s checkpoint entries: per stacked weight one ``ShardedTensor`` of this rank's experts
+            at their global index, under ``SequentialMLP``'s key; its linears' empty extra states alike."""
+            ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
+            replica = (0, 0, self.dp_group.rank())  # replicas along expert-data-parallel ranks, as SequentialMLP's
+            axis = len(sharded_offsets)  # the global expert index follows any prepended axes (layers)
+            outer_shape = tuple(size for _, _, size in sharded_offsets)
+            outer_at = tuple(at for _, at, _ in sharded_offsets)
+            experts = self.num_local_experts * ep_size
+            out: dict[str, Any] = {}
+            for name, linear in STACKED_EXPERTS.items():
+                key = f"{prefix}experts.{linear}"
+                out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                    f"{key}.weight",
+                    getattr(self, name),
+                    *sharded_offsets,
+                    (axis, ep_rank, ep_size),
+                    replica_id=replica,
+                    prepend_axis_num=axis,
+                )
+                for j in range(self.num_local_experts):
+                    at = (*outer_at, ep_rank * self.num_local_experts + j)
+                    out[f"{prefix}local_experts.{j}.{linear}._extra_state"] = ShardedObject(
+                        f"{key}._extra_state", None, (*outer_shape, experts), at, replica
+                    )
+            return out
+
+        def expert_views(self) -> dict[str, torch.Tensor]:
+            """Each local expert's weights as ``SequentialMLP`` names them (views: writes reach the stack)."""
+            return {
+                f"local_experts.{j}.{linear}.weight": getattr(self, name)[j]
+                for name, linear in STACKED_EXPERTS.items()
+                for j in range(self.num_local_experts)
+            }
 
     return GroupedGemmExperts
+
+
+def _drop_sequential_extra_state(module: Any, incompatible: Any) -> None:
+    # The per-expert linears' extra states (None) of a SequentialMLP checkpoint have no tensor here.
+    unexpected = incompatible.unexpected_keys
+    unexpected[:] = [k for k in unexpected if not k.endswith("._extra_state")]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
@@ -434,6 +511,11 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     names."""
     out: dict[str, torch.Tensor] = dict(model.named_parameters())
     out.update((name, b) for name, b in model.named_buffers() if name.endswith(EXPERT_BIAS))
+    for prefix, module in model.named_modules():
+        if hasattr(module, "expert_views"):  # GroupedGemmExperts: each expert's slice of the stacks
+            for name in STACKED_EXPERTS:
+                del out[f"{prefix}.{name}"]
+            out.update((f"{prefix}.{name}", view) for name, view in module.expert_views().items())
     return out
 
 
@@ -586,6 +668,7 @@ __all__ = [
     "AuxLossKind",
     "EXPERT_BIAS",
     "LOAD_BALANCING_BUILT",
+    "STACKED_EXPERTS",
     "MOE_READERS",
     "MoEShape",
     "expert_to_hf",
