@@ -1,5 +1,5 @@
 """Qwen3-MoE under --train-backend megatron on two GPUs (skipped without two): expert parallelism over NCCL through
-rlcore-run, and the bf16 logits against transformers'.
+rlcore-run, the bf16 logits against transformers', and a torch_dist resume at EP=2 (an open bug: see _RESUME_BUG).
 
 Run: ``python -m pytest -q tests/test_megatron_moe_cuda.py``. Written without a GPU to run it on (the CPU tests,
 ``tests/test_megatron_moe.py``, check the same paths over gloo: EP=2 equals EP=1 in float32); the bounds below come
@@ -167,7 +167,7 @@ def test_bf16_logits_are_near_transformers(tmp_path):
         assert gap.mean() <= 1.5 * baseline + 1e-3 and gap.max() < 5e-2
 
 
-def _grouped_resume_worker(rank, port, path, tmp, folder, out, resume):
+def _grouped_resume_worker(rank, port, path, tmp, folder, out, resume, grouped):
     """One EP=2 rank with ``--moe-grouped-gemm`` (stacked experts) under Megatron's DDP and distributed optimizer,
     float32: either a step, a save into ``folder`` and one more step, or a load of ``folder`` and that step; the
     last step's metrics and the exported weights (rank 0)."""
@@ -212,11 +212,24 @@ def _grouped_resume_worker(rank, port, path, tmp, folder, out, resume):
         mega.shutdown()
 
 
-def test_grouped_experts_resume_at_ep2_as_the_run_that_saved(tmp_path):
-    """``--moe-grouped-gemm``'s stacked experts through a ``torch_dist`` save and load at EP=2 over NCCL (Megatron's
-    DDP and distributed optimizer, their state per stacked parameter): the step after the resume equals the step of
-    the run that saved and went on. A lost Adam state moves the weights by about lr (1e-3) per element; the bound is
-    float32 rounding of a step (the dispatcher's scatter-adds on the GPU are not ordered)."""
+# Found on four H200s at 52ba707 (2026-11-27), with the per-expert loop and the grouped experts alike: after the
+# resume the loss and gradient norm equal the run that saved (rel 1e-5), but the weights the step moves differ by up
+# to 1.7e-3 (about lr), every dense tensor listed first (embedding, norms, attention): the Adam state of Megatron's
+# distributed optimizer at DP=2 (or of its expert part) does not come back as saved. GPU resumes were only tested at
+# DP=1 before (tests/test_megatron_cuda.py). Strict: passing fails it, so the mark goes once the bug is fixed.
+_RESUME_BUG = pytest.mark.xfail(
+    strict=True, reason="open: the step after a resume at EP=2 (DP=2) on GPUs differs by about lr (2026-11-27)"
+)
+
+
+@_RESUME_BUG
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_experts_resume_at_ep2_as_the_run_that_saved(grouped, tmp_path):
+    """A torch_dist save and load at EP=2 over NCCL (Megatron's DDP and distributed optimizer, DP=2 for the dense
+    weights, the experts split), with megatron-core's per-expert loop and with ``--moe-grouped-gemm``'s stacked
+    experts (their optimizer state per stacked parameter): the step after the resume equals the step of the run that
+    saved and went on. A lost Adam state moves the weights by about lr (1e-3) per element; the bound is float32
+    rounding of a step (the dispatcher's scatter-adds on the GPU are not ordered)."""
     import torch.multiprocessing as mp
     from test_megatron_backend import _free_port
 
@@ -225,11 +238,17 @@ def test_grouped_experts_resume_at_ep2_as_the_run_that_saved(tmp_path):
     runs = {}
     for resume in (False, True):
         out = str(tmp_path / f"run{int(resume)}.pt")
-        mp.spawn(_grouped_resume_worker, args=(_free_port(), path, tmp_path, folder, out, resume), nprocs=2)
+        mp.spawn(_grouped_resume_worker, args=(_free_port(), path, tmp_path, folder, out, resume, grouped), nprocs=2)
         runs[resume] = torch.load(out, weights_only=False)
     want, got = runs[False], runs[True]
     for name in ("loss", "pg_loss", "grad_norm"):
         assert got["metrics"][name] == pytest.approx(want["metrics"][name], rel=1e-5, abs=1e-7), name
     assert set(got["weights"]) == set(want["weights"])
-    for name, value in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    off = {n: float((got["weights"][n] - w).abs().max()) for n, w in want["weights"].items()}
+    bad = {n: d for n, d in off.items() if d > 2e-5}
+    experts = {n for n in bad if ".mlp.experts." in n}
+    assert not bad, (
+        f"{len(bad)} of {len(off)} tensors moved otherwise: experts {len(experts)} (largest "
+        f"{max((bad[n] for n in experts), default=0):.1e}), others {len(bad) - len(experts)} (largest "
+        f"{max((d for n, d in bad.items() if n not in experts), default=0):.1e}): {sorted(bad)[:6]}"
+    )
