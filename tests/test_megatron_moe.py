@@ -536,10 +536,10 @@ def _run(backend, cfg, td, rows: slice) -> dict:
     return {"logits": logits, "log_probs": log_probs, "metrics": metrics, "weights": backend.get_weights()}
 
 
-def _ep_worker(rank, port, path, tmp, out):
+def _ep_worker(rank, port, path, tmp, out, grouped):
     from test_megatron_backend import make_batch, trainer
 
-    cfg = _job(tmp, expert_model_parallel_size=2, actor_num_gpus_per_node=2)
+    cfg = _job(tmp, expert_model_parallel_size=2, actor_num_gpus_per_node=2, moe_grouped_gemm=grouped)
     mega = trainer("megatron", path, cfg, rank=rank, world_size=2, master_port=port)
     try:
         assert mega.dp_info() == (rank, 2)  # EP splits the experts of the two data-parallel replicas
@@ -551,18 +551,19 @@ def _ep_worker(rank, port, path, tmp, out):
 
 
 @pytest.mark.slow
-def test_expert_parallel_two_ranks_equal_one(tmp_path, gloo_ranks):
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_expert_parallel_two_ranks_equal_one(grouped, tmp_path, gloo_ranks):
     """EP=2 over gloo (two processes, each a data-parallel rank with half the experts and half the rows) against EP=1
     (one process, all rows): the same logits and log-probs, the same losses and gradient norms over three steps,
-    the same exported weights."""
+    the same exported weights; with megatron-core's per-expert loop and with the stacked grouped experts."""
     from test_megatron_backend import _free_port, make_batch, trainer
 
     path = save_qwen3_moe(tmp_path / "m")
     out = str(tmp_path / "ep2.pt")
-    gloo_ranks.run(_ep_worker, _free_port(), path, tmp_path, out)
+    gloo_ranks.run(_ep_worker, _free_port(), path, tmp_path, out, grouped)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
-    # Each rank holds 4 of the 8 experts of each of the 2 layers (2 tensors each).
-    assert len(ranks[0]["experts"]) == 2 * 4 * 2
+    # Each rank holds 4 of the 8 experts of each of the 2 layers (2 tensors each, or 2 stacks of the 4).
+    assert len(ranks[0]["experts"]) == (2 * 2 if grouped else 2 * 4 * 2)
     cfg = _job(tmp_path)
     one = trainer("megatron", path, cfg)
     try:

@@ -234,6 +234,9 @@ def measure(
             train_s.append(end - mid)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     if args.profile:
+        # After a log-prob pass, as each timed step: on four H200s a profiled step straight after a train step took
+        # 1.45 s against the timed steps' 1.83 s (docs/gpu-results.md M2), not yet explained.
+        td.update(trainer.compute_log_probs(td))
         _profile_step(trainer, compute(td, advantage_config(cfg)), rows, args, f"{path_name}, rank {rank}", rank == 0)
     trainer.shutdown()
     lp, tr = statistics.median(logprob_s), statistics.median(train_s)

@@ -189,8 +189,13 @@ def local_layer_spec(
         raise ValueError(
             f"--attention-backend {attention_backend!r}: the Megatron backend runs {sorted(ATTENTION_IMPLEMENTATIONS)}"
         )
-    # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first.
+    # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first, and its
+    # MoE dispatchers permute tokens by gathers (runtime/train/backends/megatron_permute.py).
     apply_no_te_workarounds()
+    if num_experts is not None:
+        from runtime.train.backends import megatron_permute
+
+        megatron_permute.install()
     spec = get_gpt_layer_local_spec(
         qk_layernorm=qk_layernorm,
         normalization=normalization,
