@@ -312,3 +312,19 @@ def test_ref_ckpt_step_picks_a_step_of_the_ref_load_root(tmp_path):
         _parse(*mega, "--ref-ckpt-step", "5")
     with pytest.raises(ConfigError, match="--ref-ckpt-step picks a step of a Megatron --ref-load"):
         _parse("--ref-ckpt-step", "4")
+
+
+def test_a_chained_optimizers_state_is_optimizer_state(tmp_path):
+    """On GPUs a MoE model's optimizer is megatron-core's ChainedOptimizer (dense and expert parts), whose keys carry
+    ``chained_<i>.``: a resume must see them as the optimizer's (it restored the model alone and restarted Adam
+    before, found by tests/test_megatron_moe_cuda.py's resume at EP=2), and the converter must leave them out."""
+    import torch.distributed.checkpoint as dcp
+
+    model_key = "decoder.layers.0.mlp.experts.experts.linear_fc1.weight"
+    keys = [f"chained_{i}.optimizer.state.exp_avg.{model_key}" for i in (0, 1)] + ["optimizer.state.exp_avg.x"]
+    assert all(mck.is_optimizer_key(k) for k in keys)
+    assert not any(mck.is_optimizer_key(k) for k in (model_key, "embedding.word_embeddings.weight"))
+    state = {model_key: torch.arange(6.0).view(2, 3), **{k: torch.zeros(2, 3) for k in keys}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    tensors = mck.read_model_tensors(tmp_path)
+    assert set(tensors) == {model_key} and torch.equal(tensors[model_key], state[model_key])

@@ -55,7 +55,8 @@ def test_permute_equals_megatrons_with_its_gradient(case):
 def test_unpermute_equals_megatrons_with_its_gradient(case):
     tokens, routing_map, _, k = case
     rows, hidden = tokens.shape
-    permuted, _, sorted_indices = MEGATRON_PERMUTE(tokens, routing_map, num_out_tokens=rows * k)
+    permuted, _, sorted_indices = mp.permute(tokens, routing_map, num_out_tokens=rows * k)
+    assert hasattr(sorted_indices, mp._GATHERED)  # unpermute takes the gathers for these indices
     rows_out = torch.randn(rows * k, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(rows))
     upstream = torch.randn(rows, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(hidden))
     got, grad = _grads(
@@ -77,7 +78,7 @@ def test_bf16_sums_round_once():
     rows, experts, k, hidden = 64, 16, 8, 32
     scores = torch.rand(rows, experts, generator=gen)
     routing_map = torch.zeros(rows, experts, dtype=torch.bool).scatter(1, scores.topk(k, dim=1).indices, True)
-    _, _, sorted_indices = MEGATRON_PERMUTE(torch.zeros(rows, 1), routing_map, num_out_tokens=rows * k)
+    _, _, sorted_indices = mp.permute(torch.zeros(rows, 1), routing_map, num_out_tokens=rows * k)
     rows_out = torch.randn(rows * k, hidden, generator=gen).bfloat16()
     got = mp.unpermute(rows_out, sorted_indices, torch.Size((rows, hidden)))
     exact = torch.zeros(rows, hidden, dtype=torch.float64).index_add_(0, sorted_indices, rows_out.double())
@@ -87,23 +88,32 @@ def test_bf16_sums_round_once():
 
 
 def test_a_token_with_another_expert_count_is_refused():
-    routing_map = torch.tensor([[True, True, False], [True, False, False]])  # k = 2, the second token has 1
+    routing_map = torch.tensor([[True, True, True], [True, False, False]])  # 4 copies of 2 tokens, as 3 and 1
     with pytest.raises(RuntimeError, match="other than --moe-router-topk"):
         mp.permute(torch.randn(2, 4), routing_map, num_out_tokens=4)
 
 
 def test_what_it_does_not_compute_is_megatrons():
-    """Probabilities merged in ``unpermute`` (the allgather dispatcher's) and drop-and-pad go to megatron-core's."""
+    """Probabilities merged in ``unpermute``, drop-and-pad, and the allgather dispatcher's uneven copies (its count
+    a tensor: a token may have none of this rank's experts) go to megatron-core's."""
     gen = torch.Generator().manual_seed(1)
     tokens, probs = torch.randn(6, 3, generator=gen), torch.rand(6, 4, generator=gen)
     routing_map = torch.zeros(6, 4, dtype=torch.bool).scatter(1, probs.topk(2, dim=1).indices, True)
-    permuted, _, sorted_indices = MEGATRON_PERMUTE(tokens, routing_map, num_out_tokens=12)
+    permuted, _, sorted_indices = mp.permute(tokens, routing_map, num_out_tokens=12)
     merged = mp.unpermute(permuted, sorted_indices, tokens.shape, probs=probs, routing_map=routing_map)
     want = MEGATRON_UNPERMUTE(permuted, sorted_indices, tokens.shape, probs=probs, routing_map=routing_map)
     assert torch.equal(merged, want)
     capacity_map = torch.ones(6, 4, dtype=torch.bool)
     got = mp.permute(tokens, capacity_map, num_out_tokens=8, drop_and_pad=True)
     assert torch.equal(got[0], MEGATRON_PERMUTE(tokens, capacity_map, num_out_tokens=8, drop_and_pad=True)[0])
+    # This rank's 2 experts of 4 (top 2 each): tokens with 2, 1 or 0 of them, 6 copies of 6 tokens in all.
+    local = torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1], [0, 1], [0, 0]], dtype=torch.bool)
+    count = local.sum()
+    uneven, _, indices = mp.permute(tokens, local, num_out_tokens=count)
+    assert not hasattr(indices, mp._GATHERED)
+    assert torch.equal(uneven, MEGATRON_PERMUTE(tokens, local, num_out_tokens=count)[0])
+    back = mp.unpermute(uneven, indices, tokens.shape)
+    assert torch.equal(back, MEGATRON_UNPERMUTE(uneven, indices, tokens.shape))
 
 
 def test_a_moe_layer_spec_installs_them_into_the_dispatchers():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,17 @@ _TE_LAYER_NAMES = {
 }
 
 
+# An optimizer entry of a torch_dist checkpoint: ``optimizer.state.<moment>.<tensor>``, or under a chained optimizer's
+# part (megatron-core's ChainedOptimizer prefixes each part's keys, ``chained_<i>.``: on GPUs a MoE model's optimizer
+# is two parts, dense and experts).
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether ``key`` of a ``torch_dist`` checkpoint is optimizer state (a chained part's too)."""
+    return _OPTIMIZER_KEY.match(key) is not None
+
+
 def read_model_tensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every model tensor of the ``torch_dist`` folder, whole, by its checkpoint name (optimizer state and
     non-tensor entries left out), in one process: no process group, no megatron-core."""
@@ -178,7 +190,7 @@ def read_model_tensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor
     state = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.items()
-        if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")
+        if isinstance(entry, TensorStorageMetadata) and not is_optimizer_key(key)
     }
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state
@@ -237,6 +249,7 @@ __all__ = [
     "local_state_from_whole",
     "model_args",
     "read_common",
+    "is_optimizer_key",
     "read_model_tensors",
     "save_sharded",
     "vocab_shard_rows",

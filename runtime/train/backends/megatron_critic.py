@@ -241,7 +241,7 @@ class MegatronCritic:
                 f"{os.path.dirname(path)} holds no critic (saved by a job without --advantage-estimator ppo)"
             )
         saved = dist_checkpointing.load_tensors_metadata(path)
-        with_optimizer = any(key.startswith("optimizer.") for key in saved)
+        with_optimizer = any(mck.is_optimizer_key(key) for key in saved)
         state = mck.load_sharded(
             self._sharded_state(with_optimizer=with_optimizer, is_loading=True), path, vocab_size=t.shape.vocab_size
         )

@@ -460,10 +460,15 @@ def grouped_gemm_experts() -> type:
     return GroupedGemmExperts
 
 
+# The per-expert linears' extra states (None) that a SequentialMLP checkpoint holds and GroupedGemmExperts has no
+# tensor for.
+_SEQUENTIAL_EXTRA_STATE = re.compile(r"(^|\.)local_experts\.\d+\.linear_fc[12]\._extra_state$")
+
+
 def _drop_sequential_extra_state(module: Any, incompatible: Any) -> None:
-    # The per-expert linears' extra states (None) of a SequentialMLP checkpoint have no tensor here.
+    # torch hands every post-hook the whole load's list: drop only the experts' own entries.
     unexpected = incompatible.unexpected_keys
-    unexpected[:] = [k for k in unexpected if not k.endswith("._extra_state")]
+    unexpected[:] = [k for k in unexpected if not _SEQUENTIAL_EXTRA_STATE.search(k)]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:

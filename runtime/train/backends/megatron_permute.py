@@ -8,13 +8,16 @@ micro-batch 4, the two took 0.14 s of a 1.45 s step: ``docs/gpu-results.md`` M2)
 from run to run, and each add rounds to bf16. With Transformer Engine megatron-core runs fused kernels instead
 (``--moe-permute-fusion``), which these hosts do not have.
 
-Here every token has the same number of copies (``copies``: dropless top-k routing gives each token exactly
-``--moe-router-topk`` experts; a routing map that does not is refused by a device-side check), so the sum of a
-token's copies is a gather of its copies into ``[tokens, copies, hidden]`` (the inverse of the permutation, by a
-stable ``argsort``) and a sum over ``copies``, accumulated in float32 and rounded once; and the copies' gradient
-is a gather too. Both are deterministic. :func:`permute` and :func:`unpermute` keep megatron-core's signatures and
-outputs (``sorted_indices`` as it computes them) and hand everything else (fused, drop-and-pad, probabilities
-merged in ``unpermute``) to megatron-core's own; :func:`install` puts them into the dispatchers' module.
+Where every token has the same number of copies (``copies``: the alltoall dispatcher's dropless top-k routing gives
+each token exactly ``--moe-router-topk`` experts; a routing map that does not is refused by a device-side check, no
+host sync), the sum of a token's copies is a gather of its copies into ``[tokens, copies, hidden]`` (the inverse of
+the permutation, by a stable ``argsort``, computed once in :func:`permute`) and a sum over ``copies``, accumulated in
+float32 and rounded once; and the copies' gradient is a gather too. Both are deterministic; the gathered
+``[tokens x copies, hidden]`` copy is transient memory that atomic adds do not need (0.5 GB a layer at 16k tokens,
+top 8, hidden 2048, bf16). :func:`permute` and :func:`unpermute` keep megatron-core's signatures and outputs
+(``sorted_indices`` as it computes them) and hand everything else (fused, drop-and-pad, the allgather dispatcher's
+uneven copies, probabilities merged in ``unpermute``) to megatron-core's own; :func:`install` puts them into the
+dispatchers' module.
 """
 
 from __future__ import annotations
@@ -68,11 +71,19 @@ def _sum_copies(x: torch.Tensor, inverse: torch.Tensor, *, rows: int, copies: in
 def _inverse(index: torch.Tensor, *, rows: int, copies: int) -> torch.Tensor:
     """The positions in ``index`` of row 0's copies, then row 1's, ...; a device-side check (no host sync on GPUs)
     that every row of ``rows`` has exactly ``copies`` of them."""
-    counts = torch.bincount(index, minlength=rows)
+    inverse = torch.argsort(index, stable=True)
+    expected = torch.arange(rows, device=index.device).repeat_interleave(copies)
     torch._assert_async(
-        (counts == copies).all(), "MoE permutation: a token routed to other than --moe-router-topk experts"
+        (index[inverse] == expected).all(),
+        "MoE permutation: a token routed to other than --moe-router-topk experts",
     )
-    return torch.argsort(index, stable=True)
+    return inverse
+
+
+# The attribute of a permutation's ``sorted_indices`` that :func:`permute` computed by gathers: ``(inverse,
+# copies)``, which :func:`unpermute` reuses. megatron-core's dispatchers hand ``permute``'s ``sorted_indices`` to
+# ``unpermute`` as they got them; indices without it (another caller's) go to megatron-core's ``unpermute``.
+_GATHERED = "_rlcore_gathered"
 
 
 @functools.cache
@@ -95,7 +106,9 @@ def permute(
     copies of expert 0's tokens first; ``(permuted [N, H], permuted probs [N] or None, sorted_indices [N])`` with
     ``N = num_out_tokens``; the backward sums each token's ``N / T`` copies by gathers."""
     rows = tokens.shape[0]
-    if fused or drop_and_pad or num_out_tokens is None or rows == 0 or num_out_tokens % rows:
+    # Gathers only where every token has the same number of copies: the alltoall dispatcher's dropless top-k, whose
+    # count is a Python int (tokens x top-k); the allgather dispatcher's and token dropping's are tensors.
+    if fused or drop_and_pad or type(num_out_tokens) is not int or rows == 0 or num_out_tokens % rows:
         return _megatron()[0](tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad)
     by_expert = routing_map.bool().T.contiguous()  # [E, T]: expert-major, as megatron-core orders the copies
     token_ids = torch.arange(rows, device=routing_map.device).unsqueeze(0).expand_as(by_expert)
@@ -103,6 +116,7 @@ def permute(
     permuted_probs = probs.T.contiguous().masked_select(by_expert) if probs is not None else None
     copies = num_out_tokens // rows
     inverse = _inverse(sorted_indices, rows=rows, copies=copies)
+    setattr(sorted_indices, _GATHERED, (inverse, copies))
     return _CopyRows.apply(tokens, sorted_indices, inverse, copies), permuted_probs, sorted_indices
 
 
@@ -117,13 +131,12 @@ def unpermute(
 ) -> torch.Tensor:
     """megatron-core's ``unpermute``: the rows of ``permuted_tokens [N, H]`` summed back to ``restore_shape``'s
     ``[T, H]`` token order (``sorted_indices``: :func:`permute`'s), in ``permuted_tokens``' dtype, by gathers;
-    with ``probs`` (weights to merge by) megatron-core's own."""
-    rows, total = restore_shape[0], sorted_indices.numel()
-    if fused or drop_and_pad or probs is not None or rows == 0 or total % rows:
+    with ``probs`` (weights to merge by), or indices that :func:`permute` did not gather, megatron-core's own."""
+    gathered = getattr(sorted_indices, _GATHERED, None)
+    if fused or drop_and_pad or probs is not None or gathered is None:
         return _megatron()[1](permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused, drop_and_pad)
-    copies = total // rows
-    inverse = _inverse(sorted_indices, rows=rows, copies=copies)
-    return _SumCopies.apply(permuted_tokens, sorted_indices, inverse, rows, copies)
+    inverse, copies = gathered
+    return _SumCopies.apply(permuted_tokens, sorted_indices, inverse, restore_shape[0], copies)
 
 
 def install() -> None:

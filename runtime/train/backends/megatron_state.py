@@ -128,7 +128,7 @@ class MegatronState:
         if folder is None:
             raise ValueError(f"{path} is no Megatron torch_dist checkpoint (no metadata.json, no {mck.TRACKER})")
         saved = dist_checkpointing.load_tensors_metadata(str(folder))
-        with_optimizer = any(key.startswith("optimizer.") for key in saved)
+        with_optimizer = any(mck.is_optimizer_key(key) for key in saved)
         with self._shims():
             state = mck.load_sharded(
                 self._sharded_state(with_optimizer=with_optimizer, is_loading=True),
