@@ -195,9 +195,13 @@ def layer_pattern(freq: int | str, *, num_layers: int) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------ weights
 
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+# The stacked expert weights of GroupedGemmExperts by parameter name, and the per-expert linear each stacks: the
+# checkpoint, the weight mapping and the expert mark see ``local_experts.j.<linear>.weight`` as SequentialMLP has it.
+STACKED_EXPERTS = {"weight1": "linear_fc1", "weight2": "linear_fc2"}
+_LINEARS = "|".join(STACKED_EXPERTS.values())
+_EXPERT = re.compile(rf"mlp\.experts\.local_experts\.(\d+)\.({_LINEARS})\.weight")
 # GroupedGemmExperts' stacked parameters (every local expert of a layer in one).
-_STACKED_EXPERT = re.compile(r"mlp\.experts\.weight[12]$")
+_STACKED_EXPERT = re.compile(rf"mlp\.experts\.({'|'.join(STACKED_EXPERTS)})$")
 ROUTER = "mlp.router.weight"
 # The router's expert bias: a float32 buffer of megatron-core's router, not a parameter (updated by the token counts
 # at --moe-router-bias-update-rate, never by the optimizer).
@@ -216,7 +220,7 @@ def is_expert(name: str) -> bool:
 
 def mark_expert_grads(model: Any) -> None:
     """Mark every expert weight of ``model`` for the expert-data-parallel gradient reduction (megatron-core's
-    ``allreduce = False``, which its DDP and optimizer read); return how many were marked.
+    ``allreduce = False``, which its DDP and optimizer read).
 
     megatron-core marks experts so only under expert parallelism (EP > 1), and otherwise reduces them over the
     data-parallel group like dense weights. With experts whole on each tensor-parallel rank (EP = 1,
@@ -364,11 +368,6 @@ def transformer_config_kwargs(moe: MoEShape, train: Any, *, dp_size: int = 1) ->
     }
 
 
-# The stacked expert weights of GroupedGemmExperts by parameter name, and the per-expert linear each stacks: the
-# checkpoint, the weight mapping and the expert mark see ``local_experts.j.<linear>.weight`` as SequentialMLP has it.
-STACKED_EXPERTS = {"weight1": "linear_fc1", "weight2": "linear_fc2"}
-
-
 @functools.cache
 def grouped_gemm_experts() -> type:
     """:class:`GroupedGemmExperts`, megatron-core imported here."""
@@ -462,7 +461,7 @@ def grouped_gemm_experts() -> type:
 
 # The per-expert linears' extra states (None) that a SequentialMLP checkpoint holds and GroupedGemmExperts has no
 # tensor for.
-_SEQUENTIAL_EXTRA_STATE = re.compile(r"(^|\.)local_experts\.\d+\.linear_fc[12]\._extra_state$")
+_SEQUENTIAL_EXTRA_STATE = re.compile(rf"(^|\.)local_experts\.\d+\.({_LINEARS})\._extra_state$")
 
 
 def _drop_sequential_extra_state(module: Any, incompatible: Any) -> None:
@@ -673,9 +672,9 @@ __all__ = [
     "AuxLossKind",
     "EXPERT_BIAS",
     "LOAD_BALANCING_BUILT",
-    "STACKED_EXPERTS",
     "MOE_READERS",
     "MoEShape",
+    "STACKED_EXPERTS",
     "expert_to_hf",
     "grouped_gemm_experts",
     "grouped_mm",
