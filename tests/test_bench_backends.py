@@ -79,13 +79,14 @@ def test_mla_attention_flops_count_its_wider_query_key_heads():
 
 @pytest.mark.slow  # two gloo ranks importing megatron-core: about 25 s on two shared cores
 @pytest.mark.filterwarnings("ignore")
-def test_the_moe_smoke_run_at_ep2_prints_its_active_parameters(capsys):
+def test_the_moe_smoke_run_at_ep2_prints_its_active_parameters_with_either_dispatcher(capsys):
     pytest.importorskip("megatron.core")
     argv = ["--preset", "tiny-qwen3-moe", "--samples", "8", "--seq-len", "32", "--prompt-len", "8", "--paths"]
     extra = ["megatron", "--nproc", "2", "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--warmup", "0"]
+    extra += ["--moe-dispatcher", "once_per_rank,megatron"]  # rlcore's dispatcher and megatron-core's, one row each
     assert bench_train.main(argv + extra + ["--repeats", "1", "--micro-batch-size", "4", "--peak-tflops", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| megatron | " in out
+    assert "| megatron (once_per_rank) | " in out and "| megatron (megatron) | " in out
     from runtime.demo import task
     from runtime.demo.tiny_model import preset_config
 

@@ -196,6 +196,10 @@ def measure(
             print(f"  [{path_name}] {time.perf_counter() - started:7.1f} s: {what}", flush=True)
 
     backend = "megatron" if path_name == "megatron" else "torch"
+    if backend == "megatron":
+        from runtime.train.backends import megatron_dispatch
+
+        megatron_dispatch.DISPATCHER = args.moe_dispatcher  # read as the MoE layers are built
     trainer = backend_class(backend)(
         path,
         train_cfg=cfg.train,
@@ -381,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-grouped-gemm", action="store_true", help="megatron's experts through torch._grouped_mm (MoE presets)"
     )
     parser.add_argument(
+        "--moe-dispatcher",
+        default="once_per_rank",
+        help="megatron's MoE token dispatcher, comma-separated to compare: once_per_rank (rlcore's) or megatron "
+        "(megatron-core's alltoall); runtime/train/backends/megatron_dispatch.py",
+    )
+    parser.add_argument(
         "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"
     )
     parser.add_argument("--progress", action="store_true", help="print rank 0's phases as they end")
@@ -401,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.paths.split(",")
     unknown = sorted(set(names) - set(PATHS))
+    from runtime.train.backends.megatron_dispatch import DISPATCHERS
+
+    if set(args.moe_dispatcher.split(",")) - set(DISPATCHERS):
+        parser.error(f"--moe-dispatcher: comma-separated, of {', '.join(DISPATCHERS)}")
     if unknown or args.samples % 8 or args.nproc < 1 or not 0 < args.prompt_len < args.seq_len:
         parser.error(f"--paths of {PATHS} (got {unknown}), --samples a multiple of 8, --prompt-len < --seq-len")
     args.device_count = torch.cuda.device_count()
@@ -418,8 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.preset != "tiny":
             _check_reused(path, args, parser)
         for name in names:
-            rows.append((name, run_path(path, args, name, tmp)))
-            print(name, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
+            # The Megatron path once per --moe-dispatcher (MoE presets), labelled by it where several are given.
+            dispatchers = args.moe_dispatcher.split(",") if name == "megatron" else [None]
+            for dispatcher in dispatchers:
+                label = name if len(dispatchers) == 1 else f"{name} ({dispatcher})"
+                run_args = argparse.Namespace(**{**vars(args), "moe_dispatcher": dispatcher})
+                rows.append((label, run_path(path, run_args, name, tmp)))
+                print(label, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
     device = torch.device("cuda", 0) if args.device_count else torch.device("cpu")
     rate, what = matmul_tflops(device)
     tokens = args.samples * args.seq_len

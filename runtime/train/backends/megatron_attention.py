@@ -202,12 +202,15 @@ def local_layer_spec(
         num_experts=num_experts,
         multi_latent_attention=multi_latent_attention,
     )
-    if num_experts is not None and grouped_gemm:
-        from runtime.train.backends.megatron_moe import grouped_gemm_experts
+    if num_experts is not None:
+        from runtime.train.backends.megatron_dispatch import moe_layer
 
-        mlp = spec.submodules.mlp
-        experts = dataclasses.replace(mlp.submodules.experts, module=grouped_gemm_experts())
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+        mlp = dataclasses.replace(spec.submodules.mlp, module=moe_layer())
+        if grouped_gemm:
+            from runtime.train.backends.megatron_moe import grouped_gemm_experts
+
+            experts = dataclasses.replace(mlp.submodules.experts, module=grouped_gemm_experts())
+            mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if ATTENTION_IMPLEMENTATIONS[attention_backend] == UNFUSED:
         return spec

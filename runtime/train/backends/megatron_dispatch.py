@@ -1,0 +1,364 @@
+"""The MoE token dispatcher of the Megatron backend: all-to-all, each token sent once to each expert-parallel rank
+that holds any of its experts, its copies for that rank's experts made there.
+
+megatron-core 0.16.1's alltoall dispatcher (``MoEAlltoAllTokenDispatcher``) copies each token once per chosen expert
+before the all-to-all, so a token routed to ``k`` experts crosses the network ``k`` times even when several of them
+live on one rank (Qwen3-30B-A3B, top 8 of 128 experts on four ranks: 8 copies sent where about 3.6 ranks receive
+one); and it sorts what it receives by local expert with a split and a cat of ``ranks x local experts`` chunks. On
+four H200s the all-to-all was the largest kernel of a step (``docs/gpu-results.md`` M2). With DeepEP megatron-core's
+``flex`` dispatcher sends each token once per rank; this is that dispatch over ``torch.distributed``'s
+``all_to_all_single`` (no DeepEP needed), on GPUs over NCCL and on the CPU over gloo:
+
+1. ``dispatch_preprocess``: each rank tells each other rank, in one small all-to-all, how many of its tokens each of
+   that rank's experts gets and how many tokens it sends with 1, 2, ... copies for it; one host sync reads those
+   counts (megatron-core's dispatcher syncs once too, for its split sizes). Each token is copied once per rank it
+   goes to (rank-major, tokens in order).
+2. ``token_dispatch``: the rows, their gate weights for the receiving rank's experts and which of them chose the row
+   (a ``[rows, local experts]`` mask) cross in three all-to-alls.
+3. ``dispatch_postprocess``: each received row is copied once per local expert that chose it, expert-major (expert
+   0's rows from rank 0, then from rank 1, ..., then expert 1's): the order, and so the rows, the experts see from
+   megatron-core's dispatcher (its sort by local expert gives the same order).
+4. ``combine_preprocess``: each received row's expert outputs summed (its copies), ``token_combine``: the sums back
+   by the reverse all-to-all, ``combine_postprocess``: each token's sums from its ranks summed.
+
+Every sum is a gather of a row's copies and one sum in float32, rounded once to the rows' dtype (:class:`Copies`):
+deterministic, with no atomic add, its backward a gather. A token's expert outputs are so summed in two stages (per
+rank, then over ranks), each rounded once; megatron-core's unfused combine adds the ``k`` outputs one by one in bf16
+(``scatter_add``), its fused one (Transformer Engine) once in float32.
+
+:func:`moe_layer` gives megatron-core's ``MoELayer`` with this dispatcher where it selected its alltoall one (the
+Megatron backend's only dispatcher); :data:`DISPATCHER` selects megatron-core's own instead (the benchmark's
+baseline, ``tools/bench_backends.py --moe-dispatcher megatron``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+# The dispatcher moe_layer() builds for --moe-token-dispatcher-type alltoall: "once_per_rank" (this module's) or
+# "megatron" (megatron-core's MoEAlltoAllTokenDispatcher; the benchmark's baseline). Read when a layer is built.
+DISPATCHERS = ("once_per_rank", "megatron")
+DISPATCHER = "once_per_rank"
+
+
+# ------------------------------------------------------------------ copies of rows and their sums
+
+
+@dataclasses.dataclass(frozen=True)
+class Copies:
+    """Where the copies of ``rows`` rows lie among ``n`` copies: ``source [n]``, the row each copy copies; and
+    ``groups``, one ``(rows_c [n_c], copies_c [n_c, c])`` per copy count ``c`` that some rows have: which rows have
+    ``c`` copies, and where those copies lie (ascending). ``whole``: one group that holds every row in order
+    (``rows_c`` is then ``arange(rows)``, and the sum needs no scatter)."""
+
+    source: torch.Tensor
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    rows: int
+    whole: bool = False
+
+    @classmethod
+    def of_slots(cls, mask: torch.Tensor, position: torch.Tensor, source: torch.Tensor, sizes: list[int]) -> Copies:
+        """The copies of ``mask``'s rows: ``mask [rows, slots]`` (bool) marks a row's copies, ``position [rows,
+        slots]`` where each lies (``n`` where none), ``source [n]`` the row each copy copies, and ``sizes[c - 1]``
+        (host ints) how many rows have ``c`` copies; rows without copies get zeros from :meth:`sum`."""
+        rows = mask.shape[0]
+        # Each row's copy positions first, ascending; the empty slots (n) last.
+        firsts = position.sort(dim=1).values
+        if sum(sizes) == rows and sum(1 for s in sizes if s) == 1:
+            c = next(i for i, s in enumerate(sizes, 1) if s)
+            return cls(source, ((torch.arange(rows, device=mask.device), firsts[:, :c]),), rows, whole=True)
+        by_count = torch.argsort(mask.sum(1), stable=True)
+        start, groups = rows - sum(sizes), []
+        for c, size in enumerate(sizes, 1):
+            if size:
+                members = by_count[start : start + size]
+                groups.append((members, firsts.index_select(0, members)[:, :c]))
+                start += size
+        return cls(source, tuple(groups), rows)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, ...]``: each row's copies in ``x [n, ...]`` summed in float32 (or ``x``'s wider dtype) and
+        rounded once to ``x``'s dtype; zeros for a row without copies."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+
+        def group_sum(copies: torch.Tensor) -> torch.Tensor:
+            if copies.shape[1] == 1:
+                return x.index_select(0, copies[:, 0])
+            gathered = x.index_select(0, copies.reshape(-1)).view(*copies.shape, *x.shape[1:])
+            return gathered.sum(1, dtype=acc).to(x.dtype)
+
+        if self.whole:
+            return group_sum(self.groups[0][1])
+        out = x.new_zeros(self.rows, *x.shape[1:])
+        for members, copies in self.groups:
+            out.index_copy_(0, members, group_sum(copies))
+        return out
+
+
+class _Expand(torch.autograd.Function):
+    """``x [rows, ...]`` -> its copies ``[n, ...]`` (``copies.source``); the backward sums each row's copies."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, copies: Copies) -> torch.Tensor:
+        ctx.copies = copies
+        return x.index_select(0, copies.source)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.copies.sum(grad), None
+
+
+class _Combine(torch.autograd.Function):
+    """The copies ``y [n, ...]`` -> each row's sum ``[rows, ...]``; the backward hands each copy its row's
+    gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, copies: Copies) -> torch.Tensor:
+        ctx.copies = copies
+        return copies.sum(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.index_select(0, ctx.copies.source), None
+
+
+def expand(x: torch.Tensor, copies: Copies) -> torch.Tensor:
+    """Each row of ``x [rows, ...]`` copied as ``copies`` says: ``[n, ...]``; differentiable (:class:`_Expand`)."""
+    return _Expand.apply(x, copies)
+
+
+def combine(y: torch.Tensor, copies: Copies) -> torch.Tensor:
+    """The sum of each row's copies in ``y [n, ...]``: ``[rows, ...]``, float32 accumulation rounded once;
+    differentiable (:class:`_Combine`)."""
+    return _Combine.apply(y, copies)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``torch.distributed.all_to_all_single`` of ``x``'s rows over ``group``: ``sent[r]`` rows to rank ``r``,
+    ``received[r]`` from it (host ints), on ``x``'s device (megatron-core's ``all_to_all`` allocates on the current
+    CUDA device); the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sent: list[int], received: list[int]) -> torch.Tensor:
+        ctx.group, ctx.sent, ctx.received = group, sent, received
+        return _all_to_all(x, group, sent, received)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.group, ctx.received, ctx.sent), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: Any, sent: list[int], received: list[int]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty(sum(received), *x.shape[1:])
+    dist.all_to_all_single(out, x, output_split_sizes=received, input_split_sizes=sent, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, group: Any, *, sent: list[int], received: list[int]) -> torch.Tensor:
+    """``x``'s rows exchanged over ``group`` (``sent[r]`` of them to rank ``r``, ``received[r]`` from it);
+    differentiable (:class:`_AllToAll`)."""
+    return _AllToAll.apply(x, group, sent, received)
+
+
+def compact(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [count], position)`` of the ``count`` True entries of the flat bool ``mask [m]`` (``count`` known on
+    the host, so no sync): their indices in order, and for each entry its place among them (``count`` where
+    False)."""
+    flat = mask.reshape(-1)
+    position = torch.where(flat, torch.cumsum(flat, 0) - 1, count)
+    # Every False entry writes the one spare slot (which of them lands there does not matter: it is cut off).
+    index = torch.empty(count + 1, dtype=torch.long, device=flat.device)
+    index.scatter_(0, position, torch.arange(flat.numel(), device=flat.device))
+    return index[:count], position
+
+
+# ------------------------------------------------------------------ the dispatcher
+
+
+def _sizes(histogram: torch.Tensor) -> list[int]:
+    return [int(v) for v in histogram.tolist()]
+
+
+@functools.cache
+def once_per_rank_dispatcher() -> type:
+    """:class:`OncePerRankDispatcher`, megatron-core imported here."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    class OncePerRankDispatcher(MoETokenDispatcher):
+        """megatron-core's token dispatcher protocol (``dispatch_preprocess``, ``token_dispatch``,
+        ``dispatch_postprocess``, ``combine_preprocess``, ``token_combine``, ``combine_postprocess``), each token
+        sent once per expert-parallel rank (this module's docstring). Dropless top-k routing over ranks whose experts
+        are whole on each (expert tensor parallelism 1); :func:`eligible` says where it applies."""
+
+        def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: Any, pg_collection: Any):
+            super().__init__(config=config, pg_collection=pg_collection)
+            self.num_local_experts = num_local_experts
+            self.local_expert_indices = local_expert_indices
+            self.num_experts = config.num_moe_experts
+            if self.num_experts != num_local_experts * self.ep_size or self.tp_size != 1:
+                raise ValueError(
+                    f"OncePerRankDispatcher: {num_local_experts} local experts on each of {self.ep_size} ranks must "
+                    f"make --num-experts {self.num_experts}, with expert tensor parallelism 1 (got {self.tp_size})"
+                )
+
+        def set_shared_experts(self, shared_experts: Any) -> None:
+            raise ValueError("--moe-shared-expert-overlap: the once-per-rank dispatcher computes shared experts apart")
+
+        # ---------------------------------------------------------- dispatch
+
+        def dispatch_preprocess(
+            self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """Counts exchanged (one host sync), each token copied once per rank it goes to: ``(rows [N1, H],
+            their gate weights for that rank's experts [N1, L])``."""
+            self.hidden_shape = hidden_states.shape
+            hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
+            tokens, ranks, local = hidden.shape[0], self.ep_size, self.num_local_experts
+            by_rank = routing_map.reshape(tokens, ranks, local)
+            to_rank = by_rank.any(-1)  # [T, R]
+            copies_at = by_rank.sum(-1)  # [T, R]: the token's copies at each rank
+            # What this rank tells each rank r: how many of its tokens each of r's experts gets, and how many tokens
+            # it sends r with 1..L copies for it. Plus, for itself alone, how many tokens go to 1..R ranks.
+            per_expert = by_rank.sum(0)  # [R, L]
+            histogram = torch.zeros(ranks, local + 1, dtype=torch.long, device=hidden.device)
+            histogram.scatter_add_(1, copies_at.T.long(), torch.ones_like(copies_at.T, dtype=torch.long))
+            sent = torch.cat([per_expert.long(), histogram[:, 1:]], dim=1)  # [R, 2L]
+            received = torch.empty_like(sent)
+            if ranks > 1:
+                dist.all_to_all_single(received, sent, group=self.ep_group)
+            else:
+                received.copy_(sent)
+            rank_counts = torch.zeros(ranks + 1, dtype=torch.long, device=hidden.device)
+            rank_counts.scatter_add_(0, to_rank.sum(1), torch.ones(tokens, dtype=torch.long, device=hidden.device))
+            host = torch.cat([sent.reshape(-1), received.reshape(-1), rank_counts[1:]]).tolist()  # the one host sync
+            sent_h = torch.tensor(host[: ranks * 2 * local]).view(ranks, 2 * local)
+            received_h = torch.tensor(host[ranks * 2 * local : ranks * 4 * local]).view(ranks, 2 * local)
+            self.sent_mask = by_rank.transpose(0, 1).reshape(ranks * tokens, local)
+            self.input_splits = sent_h[:, local:].sum(1).tolist()  # rows sent to each rank
+            self.output_splits = received_h[:, local:].sum(1).tolist()  # rows received from each rank
+            self.tokens_per_expert = received_h[:, :local].sum(0)  # [L], on the host
+            self.received_sizes = _sizes(received_h[:, local:].sum(0))  # received rows by copy count
+            if ranks == 1:  # every token stays, once
+                self.to_ranks = None
+                return hidden, probs
+            # Rank-major: the rows for rank 0 (tokens in order), then those for rank 1, ...
+            index, position = compact(to_rank.T, sum(self.input_splits))
+            self.to_ranks = Copies.of_slots(
+                to_rank,
+                position.view(ranks, tokens).T,
+                index % tokens,
+                _sizes(torch.tensor(host[ranks * 4 * local :])),
+            )
+            self.sent_mask = self.sent_mask.index_select(0, index).to(torch.uint8)
+            sent_probs = probs.reshape(tokens, ranks, local).transpose(0, 1).reshape(ranks * tokens, local)
+            return expand(hidden, self.to_ranks), sent_probs.index_select(0, index)
+
+        def token_dispatch(
+            self, hidden_states: torch.Tensor, probs: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """The rows, their gate weights and their expert masks to the ranks of their experts."""
+            if self.ep_size == 1:
+                self.received_mask, self.sent_mask = self.sent_mask, None
+                return hidden_states, probs
+            splits = {"sent": self.input_splits, "received": self.output_splits}
+            self.received_mask = _all_to_all(self.sent_mask, self.ep_group, **splits).bool()
+            self.sent_mask = None
+            return all_to_all(hidden_states, self.ep_group, **splits), all_to_all(probs, self.ep_group, **splits)
+
+        def dispatch_postprocess(
+            self, hidden_states: torch.Tensor, probs: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Each received row copied once per local expert that chose it, expert-major: ``(rows [M2, H], tokens
+            per local expert [L] on the host, their gate weights [M2])``."""
+            mask, rows = self.received_mask, hidden_states.shape[0]
+            count = int(self.tokens_per_expert.sum())
+            index, position = compact(mask.T, count)  # expert-major: expert 0's rows in order, then expert 1's
+            local = self.num_local_experts
+            self.to_experts = Copies.of_slots(mask, position.view(local, rows).T, index % rows, self.received_sizes)
+            permuted_probs = probs.T.reshape(-1).index_select(0, index)
+            self.received_mask = None
+            return expand(hidden_states, self.to_experts), self.tokens_per_expert, permuted_probs
+
+        # ---------------------------------------------------------- combine
+
+        def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """Each received row's expert outputs summed: ``[M1, H]``."""
+            out = combine(hidden_states, self.to_experts)
+            self.to_experts = None
+            return out
+
+        def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """The sums back to the ranks that sent the rows."""
+            if self.ep_size == 1:
+                return hidden_states
+            return all_to_all(hidden_states, self.ep_group, sent=self.output_splits, received=self.input_splits)
+
+        def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """Each token's sums from its ranks summed, in the layer's input shape."""
+            out = hidden_states if self.to_ranks is None else combine(hidden_states, self.to_ranks)
+            self.to_ranks = None
+            return out.view(self.hidden_shape)
+
+    return OncePerRankDispatcher
+
+
+def eligible(config: Any) -> bool:
+    """Whether :class:`OncePerRankDispatcher` computes what megatron-core's alltoall dispatcher does for
+    ``config``: dropless routing (no capacity padding, no quantization padding of the routes), no shared experts
+    overlapped with the dispatch, no fused permutation, experts whole on each rank."""
+    return (
+        config.moe_token_dispatcher_type == "alltoall"
+        and not config.moe_pad_expert_input_to_capacity
+        and not config.moe_router_padding_for_quantization
+        and not config.moe_shared_expert_overlap
+        and not config.moe_permute_fusion
+        and (config.expert_tensor_parallel_size or 1) == 1
+    )
+
+
+@functools.cache
+def moe_layer() -> type:
+    """megatron-core's ``MoELayer`` whose alltoall dispatcher is :class:`OncePerRankDispatcher` (where
+    :func:`eligible`, and :data:`DISPATCHER` selects it when the layer is built)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+
+    class OncePerRankMoELayer(MoELayer):
+        """``MoELayer`` with the once-per-rank token dispatcher."""
+
+        def __init__(self, config: Any, submodules: Any = None, layer_number: Any = None, pg_collection: Any = None):
+            pg_collection = pg_collection if pg_collection is not None else get_default_pg_collection()
+            super().__init__(
+                config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection
+            )
+            if DISPATCHER not in DISPATCHERS:
+                raise ValueError(f"megatron_dispatch.DISPATCHER {DISPATCHER!r}: one of {DISPATCHERS}")
+            if DISPATCHER == "once_per_rank" and eligible(config):
+                self.token_dispatcher = once_per_rank_dispatcher()(
+                    self.num_local_experts,
+                    self.local_expert_indices,
+                    config=config,
+                    pg_collection=pg_collection,
+                )
+
+    return OncePerRankMoELayer
+
+
+__all__ = [
+    "DISPATCHER",
+    "DISPATCHERS",
+    "Copies",
+    "all_to_all",
+    "combine",
+    "compact",
+    "eligible",
+    "expand",
+    "moe_layer",
+]
