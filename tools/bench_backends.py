@@ -237,6 +237,8 @@ def measure(
             logprob_s.append(mid - start)
             train_s.append(end - mid)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    if args.trace:
+        _trace_iteration(trainer, td, cfg, rows, args, rank)
     if args.profile:
         # After a log-prob pass, as each timed step: on four H200s a profiled step straight after a train step took
         # 1.45 s against the timed steps' 1.83 s (docs/gpu-results.md M2), not yet explained.
@@ -260,6 +262,48 @@ def measure(
         "train_mfu_attn": (flops["dense"] + flops["attn"]) * tokens / tr / peak_flops,
         "peak_gib": peak,
     }
+
+
+def _trace_iteration(trainer, td, cfg, rows: int, args: argparse.Namespace, rank: int) -> None:
+    """One more timed iteration (log-probs, advantages, train step: every rank takes it), rank 0's under
+    ``torch.profiler``, its Chrome trace written to ``--trace`` (gzipped) with its phases' wall times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlcore.advantages import compute
+    from runtime.train.algo import advantage_config
+
+    def iteration() -> list[float]:
+        marks = [time.perf_counter()]
+        td.update(trainer.compute_log_probs(td))
+        _sync(trainer.device)
+        marks.append(time.perf_counter())
+        batch = compute(td, advantage_config(cfg))
+        marks.append(time.perf_counter())
+        trainer.train(batch, per_step_rows=rows)
+        _sync(trainer.device)
+        marks.append(time.perf_counter())
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+    if rank != 0:
+        iteration()
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        phases = iteration()
+    os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
+    raw = args.trace.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    import gzip
+    import shutil
+
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    print(
+        f"\ntraced iteration (rank 0): log-probs {phases[0]:.3f} s, advantages {phases[1]:.3f} s, train "
+        f"{phases[2]:.3f} s -> {raw}.gz",
+        flush=True,
+    )
 
 
 def _profile_step(trainer, td, rows: int, args: argparse.Namespace, label: str, show: bool) -> None:
@@ -396,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true", help="print rank 0's phases as they end")
     parser.add_argument("--profile", action="store_true", help="profile one more train step per path (rank 0)")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed by --profile")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="write a gzipped Chrome trace of one more timed iteration (log-probs, advantages, train; rank 0) here",
+    )
     parser.add_argument(
         "--attention-backend",
         choices=MEGATRON_ATTENTION_BACKENDS,
