@@ -364,11 +364,13 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     ),
     "--moe-permute-fusion": MegatronFlag(
         True,
-        "megatron-core's unfused permutation is what the local layer spec runs (the fused one is Transformer "
-        "Engine's): the same tokens in the same order",
+        "the backend's once-per-rank dispatcher permutes tokens by gathers (the fused permutation is Transformer "
+        "Engine's): the same tokens in the same order to each expert",
     ),
     "--moe-enable-deepep": MegatronFlag(
-        False, "DeepEP's flex dispatcher is not installed; the backend dispatches tokens with alltoall"
+        False,
+        "DeepEP's flex dispatcher is not installed; the backend's alltoall dispatcher sends each token once per "
+        "expert-parallel rank, as DeepEP does",
     ),
     **{name: MegatronFlag(False, FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather")},
     "--num-layers-per-virtual-pipeline-stage": MegatronFlag(False, STAGES),

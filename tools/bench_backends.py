@@ -228,20 +228,22 @@ def measure(
         start = time.perf_counter()
         td.update(trainer.compute_log_probs(td))
         _sync(device)
+        lp_end = time.perf_counter()
+        # The advantages are the loop's, not the trainer's step: computed outside its time.
+        batch = compute(td, advantage_config(cfg))
         mid = time.perf_counter()
-        trainer.train(compute(td, advantage_config(cfg)), per_step_rows=rows)
+        trainer.train(batch, per_step_rows=rows)
         _sync(device)
         end = time.perf_counter()
-        progress(f"step {i}: log-probs {mid - start:.3f} s, train {end - mid:.3f} s")
+        progress(f"step {i}: log-probs {lp_end - start:.3f} s, train {end - mid:.3f} s")
         if i >= args.warmup:
-            logprob_s.append(mid - start)
+            logprob_s.append(lp_end - start)
             train_s.append(end - mid)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     if args.trace:
         _trace_iteration(trainer, td, cfg, rows, args, rank)
     if args.profile:
-        # After a log-prob pass, as each timed step: on four H200s a profiled step straight after a train step took
-        # 1.45 s against the timed steps' 1.83 s (docs/gpu-results.md M2), not yet explained.
+        # After a log-prob pass, as each timed step.
         td.update(trainer.compute_log_probs(td))
         _profile_step(trainer, compute(td, advantage_config(cfg)), rows, args, f"{path_name}, rank {rank}", rank == 0)
     trainer.shutdown()
@@ -347,6 +349,9 @@ def _profile_step(trainer, td, rows: int, args: argparse.Namespace, label: str, 
 def _worker(rank: int, world: int, port: int, path: str, args: argparse.Namespace, name: str, out: str) -> None:
     if args.device_count:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # before CUDA starts in this process: one device per rank
+    # Each rank its share of the cores, as rlcore-run gives its trainer actors (runtime/cluster/placement.py): on
+    # four H200s, four ranks of 64 OpenMP threads each took 0.42 s for the advantages' CPU ops of 16 x 4096 tokens.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.save(measure(path, args, name, rank=rank, world=world, port=port), f"{out}.{rank}")
 
 
@@ -359,6 +364,7 @@ def run_path(path: str, args: argparse.Namespace, name: str, tmp: str) -> dict[s
     from runtime.cluster.placement import free_port
 
     out = os.path.join(tmp, f"{name}.pt")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (read as the ranks start)
     mp.spawn(_worker, args=(args.nproc, free_port(), path, args, name, out), nprocs=args.nproc, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(args.nproc)]
     return {**ranks[0], "peak_gib": max(r["peak_gib"] for r in ranks)}

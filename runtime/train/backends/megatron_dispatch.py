@@ -39,6 +39,13 @@ from typing import Any
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - CUDA builds of torch carry Triton; the CPU path needs none
+    triton = None
+
 # The dispatcher moe_layer() builds for --moe-token-dispatcher-type alltoall: "once_per_rank" (this module's) or
 # "megatron" (megatron-core's MoEAlltoAllTokenDispatcher; the benchmark's baseline). Read when a layer is built.
 DISPATCHERS = ("once_per_rank", "megatron")
@@ -47,56 +54,81 @@ DISPATCHER = "once_per_rank"
 
 # ------------------------------------------------------------------ copies of rows and their sums
 
+if triton is not None:
+
+    @triton.jit
+    def _sum_copies_kernel(
+        x_ptr, order_ptr, offsets_ptr, out_ptr, width, MOST: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    ):
+        """``out[row, cols] = sum(x[order[j], cols] for j in offsets[row]..offsets[row + 1])``, from zero in float32
+        (float64 where ``WIDE``), in order, rounded once to ``out``'s dtype; a row has at most ``MOST`` copies."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        start = tl.load(offsets_ptr + row)
+        count = tl.load(offsets_ptr + row + 1) - start
+        acc = tl.zeros([BLOCK], dtype=tl.float64 if WIDE else tl.float32)
+        for i in tl.static_range(MOST):  # a row's copies past its count add nothing (+0.0 leaves any sum as it is)
+            take = i < count
+            src = tl.load(order_ptr + start + i, mask=take, other=0).to(tl.int64)
+            acc += tl.load(x_ptr + src * width + cols, mask=inside & take, other=0.0).to(acc.dtype)
+        tl.store(out_ptr + row.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+    # TRITON_INTERPRET: CPU tensors take the kernel only when it was built for the interpreter (as rlcore.kernels).
+    INTERPRETED = not isinstance(_sum_copies_kernel, JITFunction)
+else:  # pragma: no cover
+    INTERPRETED = False
+
 
 @dataclasses.dataclass(frozen=True)
 class Copies:
-    """Where the copies of ``rows`` rows lie among ``n`` copies: ``source [n]``, the row each copy copies; and
-    ``groups``, one ``(rows_c [n_c], copies_c [n_c, c])`` per copy count ``c`` that some rows have: which rows have
-    ``c`` copies, and where those copies lie (ascending). ``whole``: one group that holds every row in order
-    (``rows_c`` is then ``arange(rows)``, and the sum needs no scatter)."""
+    """Where the copies of ``rows`` rows lie among ``n`` copies: ``source [n]``, the row each copy copies; and the
+    copies grouped by row, ``order [n]`` (row 0's copies in ascending place, then row 1's, ...) with ``offsets
+    [rows + 1]`` (row ``r``'s are ``order[offsets[r]:offsets[r + 1]]``); a row has at most ``most`` copies."""
 
     source: torch.Tensor
-    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    rows: int
-    whole: bool = False
+    order: torch.Tensor
+    offsets: torch.Tensor
+    most: int
+
+    @property
+    def rows(self) -> int:
+        return self.offsets.shape[0] - 1
 
     @classmethod
-    def of_slots(cls, mask: torch.Tensor, position: torch.Tensor, source: torch.Tensor, sizes: list[int]) -> Copies:
+    def of_slots(
+        cls, mask: torch.Tensor, position: torch.Tensor, source: torch.Tensor, *, most: int | None = None
+    ) -> Copies:
         """The copies of ``mask``'s rows: ``mask [rows, slots]`` (bool) marks a row's copies, ``position [rows,
-        slots]`` where each lies (``n`` where none), ``source [n]`` the row each copy copies, and ``sizes[c - 1]``
-        (host ints) how many rows have ``c`` copies; rows without copies get zeros from :meth:`sum`."""
-        rows = mask.shape[0]
-        # Each row's copy positions first, ascending; the empty slots (n) last.
-        firsts = position.sort(dim=1).values
-        if sum(sizes) == rows and sum(1 for s in sizes if s) == 1:
-            c = next(i for i, s in enumerate(sizes, 1) if s)
-            return cls(source, ((torch.arange(rows, device=mask.device), firsts[:, :c]),), rows, whole=True)
-        by_count = torch.argsort(mask.sum(1), stable=True)
-        start, groups = rows - sum(sizes), []
-        for c, size in enumerate(sizes, 1):
-            if size:
-                members = by_count[start : start + size]
-                groups.append((members, firsts.index_select(0, members)[:, :c]))
-                start += size
-        return cls(source, tuple(groups), rows)
+        slots]`` where each lies, ascending along a row's slots, ``source [n]`` the row each copy copies, and
+        ``most`` the most copies a row has (at most ``slots``, the default)."""
+        n = source.shape[0]
+        by_row, _ = compact(mask, n)  # a row's copies in slot order, which is their places' order
+        offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.long, device=mask.device)
+        torch.cumsum(mask.sum(1), 0, out=offsets[1:])
+        most = mask.shape[1] if most is None else min(most, mask.shape[1])
+        if most < mask.shape[1]:  # the kernel adds a row's first `most` copies: checked on the device, no sync
+            torch._assert_async((offsets.diff() <= most).all(), "MoE dispatch: a token with more than top-k copies")
+        return cls(source, position.reshape(-1).index_select(0, by_row), offsets, most)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``[rows, ...]``: each row's copies in ``x [n, ...]`` summed in float32 (or ``x``'s wider dtype) and
-        rounded once to ``x``'s dtype; zeros for a row without copies."""
+        """``[rows, ...]``: each row's copies in ``x [n, ...]`` added in their order from zero in float32 (or
+        ``x``'s wider dtype) and rounded once to ``x``'s dtype; zeros for a row without copies. The same adds in the
+        same order on either path, so the same bits: one Triton program per row and column block on GPUs (and
+        under ``TRITON_INTERPRET=1``), ``index_add_`` (sequential over the copies) on the CPU."""
         acc = torch.promote_types(x.dtype, torch.float32)
-
-        def group_sum(copies: torch.Tensor) -> torch.Tensor:
-            if copies.shape[1] == 1:
-                return x.index_select(0, copies[:, 0])
-            gathered = x.index_select(0, copies.reshape(-1)).view(*copies.shape, *x.shape[1:])
-            return gathered.sum(1, dtype=acc).to(x.dtype)
-
-        if self.whole:
-            return group_sum(self.groups[0][1])
-        out = x.new_zeros(self.rows, *x.shape[1:])
-        for members, copies in self.groups:
-            out.index_copy_(0, members, group_sum(copies))
-        return out
+        if (x.is_cuda or INTERPRETED) and x[:1].numel() and x.shape[0] and self.rows:
+            flat = x.reshape(x.shape[0], -1)
+            out = torch.empty(self.rows, flat.shape[1], dtype=x.dtype, device=x.device)
+            block = min(triton.next_power_of_2(flat.shape[1]), 1024)
+            grid = (self.rows, triton.cdiv(flat.shape[1], block))
+            _sum_copies_kernel[grid](
+                flat.contiguous(), self.order, self.offsets, out, flat.shape[1], MOST=self.most, BLOCK=block,
+                WIDE=acc == torch.float64,
+            )  # fmt: skip
+            return out.view(self.rows, *x.shape[1:])
+        out = torch.zeros(self.rows, *x.shape[1:], dtype=acc, device=x.device)
+        return out.index_add_(0, self.source, x.to(acc)).to(x.dtype)
 
 
 class _Expand(torch.autograd.Function):
@@ -182,10 +214,6 @@ def compact(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------ the dispatcher
 
 
-def _sizes(histogram: torch.Tensor) -> list[int]:
-    return [int(v) for v in histogram.tolist()]
-
-
 @functools.cache
 def once_per_rank_dispatcher() -> type:
     """:class:`OncePerRankDispatcher`, megatron-core imported here."""
@@ -224,39 +252,26 @@ def once_per_rank_dispatcher() -> type:
             tokens, ranks, local = hidden.shape[0], self.ep_size, self.num_local_experts
             by_rank = routing_map.reshape(tokens, ranks, local)
             to_rank = by_rank.any(-1)  # [T, R]
-            copies_at = by_rank.sum(-1)  # [T, R]: the token's copies at each rank
-            # What this rank tells each rank r: how many of its tokens each of r's experts gets, and how many tokens
-            # it sends r with 1..L copies for it. Plus, for itself alone, how many tokens go to 1..R ranks.
-            per_expert = by_rank.sum(0)  # [R, L]
-            histogram = torch.zeros(ranks, local + 1, dtype=torch.long, device=hidden.device)
-            histogram.scatter_add_(1, copies_at.T.long(), torch.ones_like(copies_at.T, dtype=torch.long))
-            sent = torch.cat([per_expert.long(), histogram[:, 1:]], dim=1)  # [R, 2L]
+            # What this rank tells each rank r: how many of its tokens each of r's experts gets, and how many rows
+            # (tokens) it sends r.
+            sent = torch.cat([by_rank.sum(0), to_rank.sum(0).unsqueeze(1)], dim=1).long()  # [R, L + 1]
             received = torch.empty_like(sent)
             if ranks > 1:
                 dist.all_to_all_single(received, sent, group=self.ep_group)
             else:
                 received.copy_(sent)
-            rank_counts = torch.zeros(ranks + 1, dtype=torch.long, device=hidden.device)
-            rank_counts.scatter_add_(0, to_rank.sum(1), torch.ones(tokens, dtype=torch.long, device=hidden.device))
-            host = torch.cat([sent.reshape(-1), received.reshape(-1), rank_counts[1:]]).tolist()  # the one host sync
-            sent_h = torch.tensor(host[: ranks * 2 * local]).view(ranks, 2 * local)
-            received_h = torch.tensor(host[ranks * 2 * local : ranks * 4 * local]).view(ranks, 2 * local)
+            host = torch.stack([sent, received]).cpu()  # the one host sync
+            self.input_splits = host[0, :, local].tolist()  # rows sent to each rank
+            self.output_splits = host[1, :, local].tolist()  # rows received from each rank
+            self.tokens_per_expert = host[1, :, :local].sum(0)  # [L], on the host
             self.sent_mask = by_rank.transpose(0, 1).reshape(ranks * tokens, local)
-            self.input_splits = sent_h[:, local:].sum(1).tolist()  # rows sent to each rank
-            self.output_splits = received_h[:, local:].sum(1).tolist()  # rows received from each rank
-            self.tokens_per_expert = received_h[:, :local].sum(0)  # [L], on the host
-            self.received_sizes = _sizes(received_h[:, local:].sum(0))  # received rows by copy count
             if ranks == 1:  # every token stays, once
                 self.to_ranks = None
                 return hidden, probs
             # Rank-major: the rows for rank 0 (tokens in order), then those for rank 1, ...
             index, position = compact(to_rank.T, sum(self.input_splits))
-            self.to_ranks = Copies.of_slots(
-                to_rank,
-                position.view(ranks, tokens).T,
-                index % tokens,
-                _sizes(torch.tensor(host[ranks * 4 * local :])),
-            )
+            topk = self.config.moe_router_topk
+            self.to_ranks = Copies.of_slots(to_rank, position.view(ranks, tokens).T, index % tokens, most=topk)
             self.sent_mask = self.sent_mask.index_select(0, index).to(torch.uint8)
             sent_probs = probs.reshape(tokens, ranks, local).transpose(0, 1).reshape(ranks * tokens, local)
             return expand(hidden, self.to_ranks), sent_probs.index_select(0, index)
@@ -282,7 +297,8 @@ def once_per_rank_dispatcher() -> type:
             count = int(self.tokens_per_expert.sum())
             index, position = compact(mask.T, count)  # expert-major: expert 0's rows in order, then expert 1's
             local = self.num_local_experts
-            self.to_experts = Copies.of_slots(mask, position.view(local, rows).T, index % rows, self.received_sizes)
+            topk = self.config.moe_router_topk
+            self.to_experts = Copies.of_slots(mask, position.view(local, rows).T, index % rows, most=topk)
             permuted_probs = probs.T.reshape(-1).index_select(0, index)
             self.received_mask = None
             return expand(hidden_states, self.to_experts), self.tokens_per_expert, permuted_probs

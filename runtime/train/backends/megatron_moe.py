@@ -373,6 +373,7 @@ def grouped_gemm_experts() -> type:
     """:class:`GroupedGemmExperts`, megatron-core imported here."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.transformer.module import MegatronModule
 
@@ -416,9 +417,15 @@ def grouped_gemm_experts() -> type:
         ) -> tuple[torch.Tensor, None]:
             x = permuted_local_hidden_states
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-            gate, up = grouped_mm(x, self.weight1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            act = torch.nn.functional.silu(gate) * up
-            act = (act * permuted_probs.unsqueeze(-1)).to(x.dtype)
+            gate_up = grouped_mm(x, self.weight1.transpose(1, 2), offs=offs)
+            if self.config.bias_activation_fusion:
+                # megatron-core's fused SwiGLU weighted by the gates (torch.compile'd; on GPUs, where
+                # --bias-swiglu-fusion turns it on, as it does for SequentialMLP's experts): one kernel each way
+                # where the eager ops below run five forward and more backward.
+                act = weighted_bias_swiglu_impl(gate_up, None, permuted_probs.unsqueeze(-1))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = (torch.nn.functional.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(x.dtype)
             return grouped_mm(act, self.weight2.transpose(1, 2), offs=offs), None
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
