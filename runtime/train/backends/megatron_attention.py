@@ -102,7 +102,9 @@ def sdpa_core_attention(
         scale=scale,
         enable_gqa=groups != heads and native_gqa,
     )
-    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value_dim)
+    # Contiguous: cuDNN's kernel lays its output out as [b, s, n, h], whose [s, b, n * h] view the output projection
+    # would copy in its forward matmul and again for its weight gradient (it saves its input as given).
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value_dim).contiguous()
 
 
 class SDPADotProductAttention(DotProductAttention):
