@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-dispatcher",
         default="once_per_rank",
         help="megatron's MoE token dispatcher, comma-separated to compare: once_per_rank (rlcore's) or megatron "
-        "(megatron-core's alltoall); runtime/train/backends/megatron_dispatch.py",
+        "(megatron-core's own alltoall, unfused: its permutation's bf16 atomic adds); "
+        "runtime/train/backends/megatron_dispatch.py",
     )
     parser.add_argument(
         "--recompute-granularity", choices=["full", "selective"], default=None, help="megatron's activation recompute"

@@ -183,7 +183,8 @@ def local_layer_spec(
     multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """megatron-core's local GPT layer spec with the core attention that ``attention_backend`` names
-    (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` (experts
+    (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` with the
+    once-per-rank token dispatcher (:func:`runtime.train.backends.megatron_dispatch.moe_layer`; experts
     ``SequentialMLP``, or with ``grouped_gemm`` :func:`runtime.train.backends.megatron_moe.grouped_gemm_experts`'s
     module, the same parameters); with ``multi_latent_attention`` megatron-core's ``MLASelfAttention`` (its latent
     norms are the spec's ``qk_layernorm``)."""
@@ -191,13 +192,8 @@ def local_layer_spec(
         raise ValueError(
             f"--attention-backend {attention_backend!r}: the Megatron backend runs {sorted(ATTENTION_IMPLEMENTATIONS)}"
         )
-    # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first, and its
-    # MoE dispatchers permute tokens by gathers (runtime/train/backends/megatron_permute.py).
+    # Every model of the backend is built from this spec: megatron-core's no-TE bugs are worked around first.
     apply_no_te_workarounds()
-    if num_experts is not None:
-        from runtime.train.backends import megatron_permute
-
-        megatron_permute.install()
     spec = get_gpt_layer_local_spec(
         qk_layernorm=qk_layernorm,
         normalization=normalization,
