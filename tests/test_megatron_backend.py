@@ -172,6 +172,27 @@ def test_weight_buckets_are_hf_named_and_equal_the_checkpoint_before_training(tm
         mega.shutdown()
 
 
+def test_the_logits_are_computed_batch_major_and_never_copied(tmp_path):
+    """The output layer computes ``[b, s, V]`` and GPTModel's transpose back to batch-major copies nothing: the
+    model's logits are the output layer's own storage (megatron_build.batch_major_logits); the same logits as
+    transformers' are checked by the match tests above."""
+    path = save_model("qwen3", tmp_path / "m")
+    cfg = job(tmp_path)
+    mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+    try:
+        seen = []
+        layer = next(m for n, m in mega.model.named_modules() if n.endswith("output_layer"))
+        handle = layer.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+        mb = make_batch(mega.shape.vocab_size)[:2]
+        with mega._shims():
+            logits = mega._logits(mega.model, mb)
+        handle.remove()
+        assert logits.is_contiguous() and logits.shape[0] == 2
+        assert seen[0].shape[1] == 2 and logits.data_ptr() == seen[0].data_ptr()
+    finally:
+        mega.shutdown()
+
+
 def test_refuses_a_checkpoint_whose_config_disagrees(tmp_path):
     path = save_model("llama", tmp_path / "m")
     config_path = os.path.join(path, "config.json")

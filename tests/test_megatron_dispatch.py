@@ -239,11 +239,28 @@ def test_two_ranks_over_gloo_equal_megatrons_dispatcher_and_the_dense_sum(gloo_r
     gloo_ranks.run(_two_rank_worker, _free_port())
 
 
-def test_a_moe_layer_spec_builds_the_once_per_rank_dispatcher():
-    from runtime.train.backends.megatron_attention import local_layer_spec
+@pytest.mark.parametrize("dispatcher", md.DISPATCHERS)
+def test_a_built_moe_model_dispatches_as_selected(dispatcher, tmp_path, monkeypatch):
+    """Every MoE layer of a built model carries the once-per-rank dispatcher, or megatron-core's own where
+    ``DISPATCHER`` says so (the benchmark's baseline); an ineligible configuration keeps megatron-core's."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from test_megatron_backend import trainer
+    from test_megatron_moe import _job, save_qwen3_moe
 
-    spec = local_layer_spec(attention_backend="auto", qk_layernorm=True, normalization="RMSNorm", num_experts=4)
-    assert spec.submodules.mlp.module is md.moe_layer()
-    config = _config(4, 2, 4, 1)
-    assert md.eligible(config)
-    assert not md.eligible(_config(4, 2, 4, 1).__class__(**{**vars(config), "moe_token_dispatcher_type": "allgather"}))
+    from runtime.train.roles import ACTOR
+
+    monkeypatch.setattr(md, "DISPATCHER", dispatcher)
+    path = save_qwen3_moe(tmp_path / "m")
+    mega = trainer("megatron", path, _job(tmp_path), roles=(ACTOR,))
+    try:
+        layers = [m for m in mega.model.modules() if isinstance(m, MoELayer)]
+        want = md.once_per_rank_dispatcher() if dispatcher == "once_per_rank" else MoEAlltoAllTokenDispatcher
+        assert layers and all(type(m.token_dispatcher) is want for m in layers)
+        if dispatcher == "once_per_rank":
+            config = layers[0].config
+            assert md.eligible(config)
+            monkeypatch.setattr(config, "moe_pad_expert_input_to_capacity", True)
+            assert not md.eligible(config)
+    finally:
+        mega.shutdown()

@@ -294,6 +294,9 @@ def _trace_iteration(trainer, td, cfg, rows: int, args: argparse.Namespace, rank
         phases = iteration()
     os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     raw = args.trace.removesuffix(".gz")
+    if args.moe_dispatcher and "," in getattr(args, "dispatchers_given", ""):  # one trace per compared dispatcher
+        stem, ext = os.path.splitext(raw)
+        raw = f"{stem}.{args.moe_dispatcher}{ext}"
     prof.export_chrome_trace(raw)
     import gzip
     import shutil
@@ -351,7 +354,7 @@ def _worker(rank: int, world: int, port: int, path: str, args: argparse.Namespac
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # before CUDA starts in this process: one device per rank
     # Each rank its share of the cores, as rlcore-run gives its trainer actors (runtime/cluster/placement.py): on
     # four H200s, four ranks of 64 OpenMP threads each took 0.42 s for the advantages' CPU ops of 16 x 4096 tokens.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     torch.save(measure(path, args, name, rank=rank, world=world, port=port), f"{out}.{rank}")
 
 
@@ -492,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
             dispatchers = args.moe_dispatcher.split(",") if name == "megatron" else [None]
             for dispatcher in dispatchers:
                 label = name if len(dispatchers) == 1 else f"{name} ({dispatcher})"
-                run_args = argparse.Namespace(**{**vars(args), "moe_dispatcher": dispatcher})
+                run_args = argparse.Namespace(
+                    **{**vars(args), "moe_dispatcher": dispatcher, "dispatchers_given": args.moe_dispatcher}
+                )
                 rows.append((label, run_path(path, run_args, name, tmp)))
                 print(label, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
     device = torch.device("cuda", 0) if args.device_count else torch.device("cpu")

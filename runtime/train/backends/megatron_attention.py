@@ -183,8 +183,7 @@ def local_layer_spec(
     multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """megatron-core's local GPT layer spec with the core attention that ``attention_backend`` names
-    (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` with the
-    once-per-rank token dispatcher (:func:`runtime.train.backends.megatron_dispatch.moe_layer`; experts
+    (:data:`ATTENTION_IMPLEMENTATIONS`); with ``num_experts`` its MLP is megatron-core's ``MoELayer`` (experts
     ``SequentialMLP``, or with ``grouped_gemm`` :func:`runtime.train.backends.megatron_moe.grouped_gemm_experts`'s
     module, the same parameters); with ``multi_latent_attention`` megatron-core's ``MLASelfAttention`` (its latent
     norms are the spec's ``qk_layernorm``)."""
@@ -200,15 +199,12 @@ def local_layer_spec(
         num_experts=num_experts,
         multi_latent_attention=multi_latent_attention,
     )
-    if num_experts is not None:
-        from runtime.train.backends.megatron_dispatch import moe_layer
+    if num_experts is not None and grouped_gemm:
+        from runtime.train.backends.megatron_moe import grouped_gemm_experts
 
-        mlp = dataclasses.replace(spec.submodules.mlp, module=moe_layer())
-        if grouped_gemm:
-            from runtime.train.backends.megatron_moe import grouped_gemm_experts
-
-            experts = dataclasses.replace(mlp.submodules.experts, module=grouped_gemm_experts())
-            mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+        mlp = spec.submodules.mlp
+        experts = dataclasses.replace(mlp.submodules.experts, module=grouped_gemm_experts())
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if ATTENTION_IMPLEMENTATIONS[attention_backend] == UNFUSED:
         return spec

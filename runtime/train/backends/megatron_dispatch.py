@@ -26,8 +26,8 @@ deterministic, with no atomic add, its backward a gather. A token's expert outpu
 rank, then over ranks), each rounded once; megatron-core's unfused combine adds the ``k`` outputs one by one in bf16
 (``scatter_add``), its fused one (Transformer Engine) once in float32.
 
-:func:`moe_layer` gives megatron-core's ``MoELayer`` with this dispatcher where it selected its alltoall one (the
-Megatron backend's only dispatcher); :data:`DISPATCHER` selects megatron-core's own instead (the benchmark's
+:func:`use_once_per_rank` gives a built model's MoE layers this dispatcher where megatron-core built its alltoall
+one (the Megatron backend's only dispatcher); :data:`DISPATCHER` keeps megatron-core's own instead (the benchmark's
 baseline, ``tools/bench_backends.py --moe-dispatcher megatron``).
 """
 
@@ -46,8 +46,8 @@ try:
 except ImportError:  # pragma: no cover - CUDA builds of torch carry Triton; the CPU path needs none
     triton = None
 
-# The dispatcher moe_layer() builds for --moe-token-dispatcher-type alltoall: "once_per_rank" (this module's) or
-# "megatron" (megatron-core's MoEAlltoAllTokenDispatcher; the benchmark's baseline). Read when a layer is built.
+# The dispatcher of MoE layers of --moe-token-dispatcher-type alltoall: "once_per_rank" (this module's) or "megatron"
+# (megatron-core's MoEAlltoAllTokenDispatcher; the benchmark's baseline). Read by use_once_per_rank() after a build.
 DISPATCHERS = ("once_per_rank", "megatron")
 DISPATCHER = "once_per_rank"
 
@@ -340,31 +340,29 @@ def eligible(config: Any) -> bool:
     )
 
 
-@functools.cache
-def moe_layer() -> type:
-    """megatron-core's ``MoELayer`` whose alltoall dispatcher is :class:`OncePerRankDispatcher` (where
-    :func:`eligible`, and :data:`DISPATCHER` selects it when the layer is built)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+def use_once_per_rank(model: torch.nn.Module) -> int:
+    """Give each megatron-core ``MoELayer`` of ``model`` whose alltoall dispatcher :class:`OncePerRankDispatcher`
+    replaces (:func:`eligible`; :data:`DISPATCHER` read now) that dispatcher, over the process groups megatron-core's
+    was built with; returns how many layers it changed. (Swapped after the build: megatron-core's
+    ``TransformerLayer`` hands its process groups only to an MLP whose module is ``MoELayer`` itself, not a
+    subclass.)"""
+    import types
 
-    class OncePerRankMoELayer(MoELayer):
-        """``MoELayer`` with the once-per-rank token dispatcher."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        def __init__(self, config: Any, submodules: Any = None, layer_number: Any = None, pg_collection: Any = None):
-            pg_collection = pg_collection if pg_collection is not None else get_default_pg_collection()
-            super().__init__(
-                config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection
-            )
-            if DISPATCHER not in DISPATCHERS:
-                raise ValueError(f"megatron_dispatch.DISPATCHER {DISPATCHER!r}: one of {DISPATCHERS}")
-            if DISPATCHER == "once_per_rank" and eligible(config):
-                self.token_dispatcher = once_per_rank_dispatcher()(
-                    self.num_local_experts,
-                    self.local_expert_indices,
-                    config=config,
-                    pg_collection=pg_collection,
-                )
-
-    return OncePerRankMoELayer
+    if DISPATCHER not in DISPATCHERS:
+        raise ValueError(f"megatron_dispatch.DISPATCHER {DISPATCHER!r}: one of {DISPATCHERS}")
+    changed = 0
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer) or DISPATCHER != "once_per_rank" or not eligible(layer.config):
+            continue
+        old = layer.token_dispatcher
+        groups = types.SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+        layer.token_dispatcher = once_per_rank_dispatcher()(
+            layer.num_local_experts, layer.local_expert_indices, config=layer.config, pg_collection=groups
+        )
+        changed += 1
+    return changed
 
 
 __all__ = [
@@ -376,5 +374,5 @@ __all__ = [
     "compact",
     "eligible",
     "expand",
-    "moe_layer",
+    "use_once_per_rank",
 ]

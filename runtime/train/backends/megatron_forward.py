@@ -65,6 +65,9 @@ class MegatronForward:
         same."""
         response = mb[RESPONSE_TOKENS].to(self.device)
         rows, width, local = logits.shape
+        if response.shape[1] == 0:  # batches are at least one response token wide (runtime.train.batch); still
+            empty = logits.new_zeros(rows, 0, dtype=torch.float32)
+            return empty, (empty if with_entropy else None)
         offsets = torch.arange(response.shape[1], device=self.device)
         # Past a row's width a position is clamped to the last one: padding, masked downstream.
         positions = (mb[PROMPT_LENGTHS].to(self.device)[:, None] - 1 + offsets).clamp(max=width - 1)
@@ -74,9 +77,9 @@ class MegatronForward:
         targets = torch.where(inside, response.gather(1, index.clamp(0, response.shape[1] - 1)), 0)
         start = self.tp_rank * local
         if start + local > self.shape.vocab_size:
-            # Megatron's padded vocabulary rows are not tokens: they take no probability.
-            padding = torch.arange(start, start + local, device=self.device) >= self.shape.vocab_size
-            logits = logits.masked_fill(padding, float("-inf"))
+            # Megatron's padded vocabulary rows are not tokens: they take no probability. Filled in place (a copy
+            # would be as large as the logits); nothing the backward needs reads them.
+            logits[..., max(self.shape.vocab_size - start, 0) :] = float("-inf")
         log_probs, entropy = logprobs_entropy(
             logits.reshape(rows * width, local),
             targets.reshape(-1),
