@@ -12,6 +12,7 @@ import datetime
 import inspect
 import json
 import os
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -123,15 +124,15 @@ def batch_major_logits(model: torch.nn.Module) -> None:
     layer = getattr(model, "output_layer", None)
     if type(layer) is not ColumnParallelLinear or layer.sequence_parallel:
         return
-    forward = layer.forward
 
-    def batch_major(input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
-        logits, bias = forward(
-            input_.transpose(0, 1).contiguous(), weight=weight, runtime_gather_output=runtime_gather_output
+    def batch_major(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        logits, bias = ColumnParallelLinear.forward(
+            self, input_.transpose(0, 1).contiguous(), weight=weight, runtime_gather_output=runtime_gather_output
         )
         return logits.transpose(0, 1), bias
 
-    layer.forward = batch_major
+    # Bound to the layer (not a closure over its forward): a deep copy of the model binds its own copy.
+    layer.forward = types.MethodType(batch_major, layer)
 
 
 @contextlib.contextmanager
