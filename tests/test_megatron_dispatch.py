@@ -85,9 +85,8 @@ def test_copies_under_the_triton_interpreter():
         pytest.skip("this process already runs interpreted")
     from suite_tools import run_interpreted
 
-    run_interpreted(
-        "test_megatron_dispatch.py", select="compact or expand_and or kernel_adds", expect_passed=3, timeout=600
-    )
+    # Only the tests whose sums take the kernel (compact runs none).
+    run_interpreted("test_megatron_dispatch.py", select="expand_and or kernel_adds", expect_passed=2, timeout=600)
 
 
 @pytest.mark.skipif(md.INTERPRETED, reason="Triton's interpreter rounds float32 to bfloat16 by truncation")
