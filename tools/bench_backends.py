@@ -224,21 +224,11 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
     logprob_s, train_s = [], []
     for i in range(args.warmup + args.repeats):
-        _sync(device)
-        start = time.perf_counter()
-        td.update(trainer.compute_log_probs(td))
-        _sync(device)
-        lp_end = time.perf_counter()
-        # The advantages are the loop's, not the trainer's step: computed outside its time.
-        batch = compute(td, advantage_config(cfg))
-        mid = time.perf_counter()
-        trainer.train(batch, per_step_rows=rows)
-        _sync(device)
-        end = time.perf_counter()
-        progress(f"step {i}: log-probs {lp_end - start:.3f} s, train {end - mid:.3f} s")
+        lp_i, _, train_i = _iteration(trainer, td, cfg, rows)
+        progress(f"step {i}: log-probs {lp_i:.3f} s, train {train_i:.3f} s")
         if i >= args.warmup:
-            logprob_s.append(lp_end - start)
-            train_s.append(end - mid)
+            logprob_s.append(lp_i)
+            train_s.append(train_i)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     if args.trace:
         _trace_iteration(trainer, td, cfg, rows, args, rank)
@@ -266,37 +256,38 @@ def measure(
     }
 
 
-def _trace_iteration(trainer, td, cfg, rows: int, args: argparse.Namespace, rank: int) -> None:
-    """One more timed iteration (log-probs, advantages, train step: every rank takes it), rank 0's under
-    ``torch.profiler``, its Chrome trace written to ``--trace`` (gzipped) with its phases' wall times."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _iteration(trainer, td, cfg, rows: int) -> tuple[float, float, float]:
+    """One step as the loop takes it, timed: ``(log-prob pass s, advantages s, train step s)``; ``td`` takes the
+    new log-probs. The advantages are the loop's, not the trainer's step: timed apart from it."""
     from rlcore.advantages import compute
     from runtime.train.algo import advantage_config
 
-    def iteration() -> list[float]:
-        marks = [time.perf_counter()]
-        td.update(trainer.compute_log_probs(td))
-        _sync(trainer.device)
-        marks.append(time.perf_counter())
-        batch = compute(td, advantage_config(cfg))
-        marks.append(time.perf_counter())
-        trainer.train(batch, per_step_rows=rows)
-        _sync(trainer.device)
-        marks.append(time.perf_counter())
-        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    _sync(trainer.device)
+    marks = [time.perf_counter()]
+    td.update(trainer.compute_log_probs(td))
+    _sync(trainer.device)
+    marks.append(time.perf_counter())
+    batch = compute(td, advantage_config(cfg))
+    marks.append(time.perf_counter())
+    trainer.train(batch, per_step_rows=rows)
+    _sync(trainer.device)
+    marks.append(time.perf_counter())
+    return marks[1] - marks[0], marks[2] - marks[1], marks[3] - marks[2]
+
+
+def _trace_iteration(trainer, td, cfg, rows: int, args: argparse.Namespace, rank: int) -> None:
+    """One more timed iteration (:func:`_iteration`: every rank takes it), rank 0's under ``torch.profiler``, its
+    Chrome trace written to ``--trace`` (gzipped) with its phases' wall times."""
+    from torch.profiler import ProfilerActivity, profile
 
     if rank != 0:
-        iteration()
+        _iteration(trainer, td, cfg, rows)
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        phases = iteration()
+        phases = _iteration(trainer, td, cfg, rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     raw = args.trace.removesuffix(".gz")
-    if args.moe_dispatcher and "," in getattr(args, "dispatchers_given", ""):  # one trace per compared dispatcher
-        stem, ext = os.path.splitext(raw)
-        raw = f"{stem}.{args.moe_dispatcher}{ext}"
     prof.export_chrome_trace(raw)
     import gzip
     import shutil
@@ -490,16 +481,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  model built in {time.perf_counter() - start:.1f} s", flush=True)
         elif args.preset != "tiny":
             _check_reused(path, args, parser)
-        for name in names:
-            # The Megatron path once per --moe-dispatcher (MoE presets), labelled by it where several are given.
-            dispatchers = args.moe_dispatcher.split(",") if name == "megatron" else [None]
-            for dispatcher in dispatchers:
-                label = name if len(dispatchers) == 1 else f"{name} ({dispatcher})"
-                run_args = argparse.Namespace(
-                    **{**vars(args), "moe_dispatcher": dispatcher, "dispatchers_given": args.moe_dispatcher}
-                )
-                rows.append((label, run_path(path, run_args, name, tmp)))
-                print(label, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
+        # The Megatron path once per --moe-dispatcher (MoE presets), labelled by it where several are given.
+        runs = [
+            (name, dispatcher)
+            for name in names
+            for dispatcher in (args.moe_dispatcher.split(",") if name == "megatron" else [None])
+        ]
+        several = args.moe_dispatcher.count(",") > 0
+        for name, dispatcher in runs:
+            label = f"{name} ({dispatcher})" if dispatcher and several else name
+            trace = args.trace
+            if trace and len(runs) > 1:  # one trace file per run
+                stem, ext = os.path.splitext(trace.removesuffix(".gz"))
+                trace = f"{stem}.{label.replace(' (', '.').rstrip(')')}{ext}"
+            run_args = argparse.Namespace(**{**vars(args), "moe_dispatcher": dispatcher, "trace": trace})
+            rows.append((label, run_path(path, run_args, name, tmp)))
+            print(label, {k: round(v, 4) for k, v in rows[-1][1].items()}, flush=True)
     device = torch.device("cuda", 0) if args.device_count else torch.device("cpu")
     rate, what = matmul_tflops(device)
     tokens = args.samples * args.seq_len

@@ -10,9 +10,9 @@ four H200s the all-to-all was the largest kernel of a step (``docs/gpu-results.m
 ``all_to_all_single`` (no DeepEP needed), on GPUs over NCCL and on the CPU over gloo:
 
 1. ``dispatch_preprocess``: each rank tells each other rank, in one small all-to-all, how many of its tokens each of
-   that rank's experts gets and how many tokens it sends with 1, 2, ... copies for it; one host sync reads those
-   counts (megatron-core's dispatcher syncs once too, for its split sizes). Each token is copied once per rank it
-   goes to (rank-major, tokens in order).
+   that rank's experts gets and how many rows it sends it; one host sync reads those counts (megatron-core's
+   dispatcher syncs once too, for its split sizes). Each token is copied once per rank it goes to (rank-major,
+   tokens in order).
 2. ``token_dispatch``: the rows, their gate weights for the receiving rank's experts and which of them chose the row
    (a ``[rows, local experts]`` mask) cross in three all-to-alls.
 3. ``dispatch_postprocess``: each received row is copied once per local expert that chose it, expert-major (expert
@@ -21,13 +21,13 @@ four H200s the all-to-all was the largest kernel of a step (``docs/gpu-results.m
 4. ``combine_preprocess``: each received row's expert outputs summed (its copies), ``token_combine``: the sums back
    by the reverse all-to-all, ``combine_postprocess``: each token's sums from its ranks summed.
 
-Every sum is a gather of a row's copies and one sum in float32, rounded once to the rows' dtype (:class:`Copies`):
-deterministic, with no atomic add, its backward a gather. A token's expert outputs are so summed in two stages (per
-rank, then over ranks), each rounded once; megatron-core's unfused combine adds the ``k`` outputs one by one in bf16
-(``scatter_add``), its fused one (Transformer Engine) once in float32.
+Every sum gathers a row's copies and adds them in order in float32, rounded once to the rows' dtype (:class:`Copies`,
+one Triton kernel on GPUs): deterministic, with no atomic add, its backward a gather. A token's expert outputs are so
+summed in two stages (per rank, then over ranks), each rounded once; megatron-core's unfused combine adds the ``k``
+outputs one by one in bf16 (``scatter_add``), its fused one (Transformer Engine) once in float32.
 
-:func:`use_once_per_rank` gives a built model's MoE layers this dispatcher where megatron-core built its alltoall
-one (the Megatron backend's only dispatcher); :data:`DISPATCHER` keeps megatron-core's own instead (the benchmark's
+:func:`use_once_per_rank` gives a built model's MoE layers this dispatcher where megatron-core built its alltoall one
+(the Megatron backend's only dispatcher); :data:`DISPATCHER` keeps megatron-core's own instead (the benchmark's
 baseline, ``tools/bench_backends.py --moe-dispatcher megatron``).
 """
 
@@ -117,7 +117,7 @@ class Copies:
         same order on either path, so the same bits: one Triton program per row and column block on GPUs (and
         under ``TRITON_INTERPRET=1``), ``index_add_`` (sequential over the copies) on the CPU."""
         acc = torch.promote_types(x.dtype, torch.float32)
-        if (x.is_cuda or INTERPRETED) and x[:1].numel() and x.shape[0] and self.rows:
+        if (x.is_cuda or INTERPRETED) and x.numel() and self.rows:
             flat = x.reshape(x.shape[0], -1)
             out = torch.empty(self.rows, flat.shape[1], dtype=x.dtype, device=x.device)
             block = min(triton.next_power_of_2(flat.shape[1]), 1024)
@@ -340,10 +340,10 @@ def eligible(config: Any) -> bool:
     )
 
 
-def use_once_per_rank(model: torch.nn.Module) -> int:
+def use_once_per_rank(model: torch.nn.Module) -> None:
     """Give each megatron-core ``MoELayer`` of ``model`` whose alltoall dispatcher :class:`OncePerRankDispatcher`
     replaces (:func:`eligible`; :data:`DISPATCHER` read now) that dispatcher, over the process groups megatron-core's
-    was built with; returns how many layers it changed. (Swapped after the build: megatron-core's
+    was built with. (Swapped after the build: megatron-core's
     ``TransformerLayer`` hands its process groups only to an MLP whose module is ``MoELayer`` itself, not a
     subclass.)"""
     import types
@@ -352,17 +352,16 @@ def use_once_per_rank(model: torch.nn.Module) -> int:
 
     if DISPATCHER not in DISPATCHERS:
         raise ValueError(f"megatron_dispatch.DISPATCHER {DISPATCHER!r}: one of {DISPATCHERS}")
-    changed = 0
+    if DISPATCHER != "once_per_rank":
+        return
     for layer in model.modules():
-        if not isinstance(layer, MoELayer) or DISPATCHER != "once_per_rank" or not eligible(layer.config):
+        if not isinstance(layer, MoELayer) or not eligible(layer.config):
             continue
         old = layer.token_dispatcher
         groups = types.SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
         layer.token_dispatcher = once_per_rank_dispatcher()(
             layer.num_local_experts, layer.local_expert_indices, config=layer.config, pg_collection=groups
         )
-        changed += 1
-    return changed
 
 
 __all__ = [
