@@ -466,6 +466,24 @@ def test_a_torch_dist_checkpoint_of_experts_converts_and_loads(saved_grouped, lo
         loaded.shutdown()
 
 
+def test_grouped_experts_refuse_the_one_key_per_expert_layout(tmp_path):
+    """megatron-core's ``singleton_local_shards`` checkpoint layout (each expert under its own key) is not what the
+    stacked experts save: asked for, their ``sharded_state_dict`` names it in one line rather than saving the default
+    layout under a request for another."""
+    from test_megatron_backend import job, trainer
+
+    from runtime.train.roles import ACTOR
+
+    mega = trainer("megatron", save_qwen3_moe(tmp_path / "m"), job(tmp_path, moe_grouped_gemm=True), roles=(ACTOR,))
+    try:
+        experts = [m for m in mega.model.modules() if type(m).__name__ == "GroupedGemmExperts"]
+        assert experts and experts[0].sharded_state_dict(prefix="e.")  # the default layout saves
+        with pytest.raises(ValueError, match="singleton_local_shards"):
+            experts[0].sharded_state_dict(prefix="e.", metadata={"singleton_local_shards": True})
+    finally:
+        mega.shutdown()
+
+
 def test_grouped_experts_resume_exactly(tmp_path):
     """``--moe-grouped-gemm``'s stacked experts with their AdamW moments through a ``torch_dist`` save and load: the
     step after the resume is the step of the trainer that saved and went on, bitwise (the same kernels on the same

@@ -430,7 +430,14 @@ def grouped_gemm_experts() -> type:
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
             """``SequentialMLP``'s checkpoint entries: per stacked weight one ``ShardedTensor`` of this rank's experts
-            at their global index, under ``SequentialMLP``'s key; its linears' empty extra states alike."""
+            at their global index, under ``SequentialMLP``'s key; its linears' empty extra states alike.
+            megatron-core's ``singleton_local_shards`` layout (one key per expert) is not built: asked for, it is
+            refused."""
+            if (metadata or {}).get("singleton_local_shards", False):
+                raise ValueError(
+                    "--moe-grouped-gemm: the stacked experts save megatron-core's default torch_dist layout, not "
+                    "singleton_local_shards (one key per expert)"
+                )
             ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
             replica = (0, 0, self.dp_group.rank())  # replicas along expert-data-parallel ranks, as SequentialMLP's
             axis = len(sharded_offsets)  # the global expert index follows any prepended axes (layers)
