@@ -438,6 +438,33 @@ def test_recomputing_the_loss_gives_bitwise_the_same_step_and_keeps_less_for_bac
     assert saved_on < saved_off
 
 
+def test_recomputing_the_loss_over_padded_vocabulary_rows_in_bf16_gives_the_same_step(tmp_path):
+    """bf16 with padded vocabulary rows, whose logits the log-prob pass fills with -inf in place inside the
+    recomputed function: the same step bit for bit with and without --recompute-loss-function (a fill autograd sees
+    failed the recompute with a version error; no saved-tensor hooks here, which would skip that check)."""
+    path = save_model("qwen3", tmp_path / "m")
+    td = make_batch(VOCAB)
+    runs = {}
+    for recompute in (False, True):
+        cfg = job(
+            tmp_path,
+            train_backend="megatron",
+            bf16="true",
+            padded_vocab_size=384,
+            recompute_loss_function=recompute,
+            use_kl_loss=False,
+        )
+        mega = trainer("megatron", path, cfg, roles=(ACTOR,))
+        try:
+            runs[recompute] = train_once(mega, cfg, td), mega.get_weights()
+        finally:
+            mega.shutdown()
+    (off, weights_off), (on, weights_on) = runs[False], runs[True]
+    assert on == off
+    for name, value in weights_off.items():
+        assert torch.equal(weights_on[name], value), name
+
+
 # -- --opd-teacher-ckpt-step --------------------------------------------------------------------------------------
 
 

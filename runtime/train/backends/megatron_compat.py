@@ -2,8 +2,9 @@
 
 The GPU hosts and this machine have no TE, so the Megatron backend builds megatron-core's local (plain torch) spec.
 Its MoE and multi-latent attention (MLA) modules then trip on three bugs (``/work/shared/MOE.md``), its router on a
-fourth, and MLA at tensor parallelism > 1 on a fifth. Each patch is one entry of :data:`WORKAROUNDS`, applied by
-:func:`apply_no_te_workarounds` before any model is built; each workaround, patch or not, has a test
+fourth, MLA at tensor parallelism > 1 on a fifth, and the distributed optimizer's checkpoint on a sixth. Each patch is
+one entry of :data:`WORKAROUNDS`, applied by :func:`apply_no_te_workarounds` before any model is built; each
+workaround, patch or not, has a test
 (``tests/test_megatron_compat.py``; the router's in ``tests/test_megatron_moe_aux_loss.py``) that shows the bug in the
 unpatched library, so that a version that fixes it is noticed and the workaround dropped:
 
@@ -33,6 +34,15 @@ unpatched library, so that a version that fixes it is noticed and the workaround
   :func:`whole_latent_mla_attention`, whose forward hook hands megatron-core the latent whole, so that it takes its
   path for a whole latent, where the rotary part's gradient is summed over the tensor-parallel ranks (by
   megatron-core's own gather of ``k_pos_emb`` under sequence parallelism, else by the hook).
+
+- ``optimizer/distrib_optimizer.py``'s ``sharded_param_state_fully_reshardable`` (the distributed optimizer's state
+  in a ``torch_dist`` checkpoint, the backend's layout): ``get_parameter_state_dp_zero`` packs each gradient buffer's
+  state bucket after bucket without the padding at each bucket's end, but each parameter's state is then sliced at its
+  offset in the padded buffer. With one bucket the two agree; with several (``--overlap-grad-reduce`` on a model over
+  40M parameters, or ``--ddp-bucket-size``) every parameter past the first bucket saves its neighbour's main weights
+  and moments, shifted by the padding before it (the tail zero-filled, with only a logged warning), and a resume
+  loads them: a silent corruption (Megatron-LM PR #5077 fixes it upstream). Not a TE bug either. The workaround
+  lays each packed world tensor out as its buffer (each bucket's state at the bucket's offset) before the slicing.
 
 On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
 its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
@@ -134,6 +144,118 @@ def original_expert_bias() -> Callable[..., None]:
     return getattr(fn, "rlcore_original", fn)
 
 
+DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+
+
+def _packed_world_tensors(
+    params: dict[str, torch.Tensor], buckets: list[list[str]], pad: int
+) -> tuple[dict[str, Any], Any]:
+    """``get_parameter_state_dp_zero``'s world tensors of ``params`` in ``buckets`` as megatron-core 0.16.1 packs them
+    (bucket after bucket, each bucket's end padding of ``pad`` elements left out), and a stand-in buffer whose
+    ``param_index_map`` gives each parameter's offset in the padded layout."""
+    from types import SimpleNamespace
+
+    index, layout, packed, offset = {}, [], [], 0
+    for names in buckets:
+        start = offset
+        for name in names:
+            index[params[name]] = (offset, offset + params[name].numel(), len(layout))
+            packed.append(params[name].flatten())
+            offset += params[name].numel()
+        unpadded = offset - start
+        layout.append(SimpleNamespace(offset=start, numel_unpadded=unpadded, grad_data=torch.empty(unpadded + pad)))
+        offset += pad
+    world = torch.cat(packed)
+    buffer = SimpleNamespace(
+        param_index_map=index, buckets=layout, numel=offset, numel_unpadded=sum(b.numel_unpadded for b in layout)
+    )
+    return {
+        "param": world,
+        "exp_avg": world.clone(),
+        "exp_avg_sq": world.clone(),
+        "numel_unpadded": world.numel(),
+    }, buffer
+
+
+def _fully_reshardable_save_misaligned() -> bool:
+    """Whether ``sharded_param_state_fully_reshardable`` slices the state of a parameter in a second bucket at the
+    wrong place of world tensors packed as megatron-core 0.16.1's ``get_parameter_state_dp_zero`` packs them, probed
+    on the unwrapped method with a stand-in optimizer (two one-parameter buckets, two elements of padding each)."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    cls = importlib.import_module(DISTRIB_OPTIMIZER).DistributedOptimizer
+    fn = cls.sharded_param_state_fully_reshardable
+    if getattr(fn, "rlcore_original", None) is not None:
+        return False
+    params = {"first": torch.arange(3.0), "second": torch.arange(10.0, 14.0)}
+    world, buffer = _packed_world_tensors(params, [["first"], ["second"]], pad=2)
+    probe = SimpleNamespace(
+        buffers=[buffer],
+        gbuf_ranges=[{torch.float32: [None, None]}],
+        get_parameter_state_dp_zero=lambda **kwargs: {0: {torch.float32: world}},
+    )
+    sharded = {name: ShardedTensor.from_rank_offsets(name, p, replica_id=0) for name, p in params.items()}
+    log = logging.getLogger(DISTRIB_OPTIMIZER)
+    level, log.level = log.level, logging.ERROR  # its warning of the zero-filled tail is the bug being probed
+    try:
+        saved = fn(probe, sharded, is_loading=False, metadata={})
+    finally:
+        log.level = level
+    return any(
+        not torch.equal(state["param"].data, params[state["param"].key.split(".")[-1]]) for state in saved.values()
+    )
+
+
+def _in_buffer_layout(state: dict[Any, Any], buffers: list[Any]) -> dict[Any, Any]:
+    """``get_parameter_state_dp_zero``'s ``state``, each world tensor laid out as its buffer: bucket ``b``'s packed
+    state at ``b.offset``, zeros in the padding. A world tensor not of the packed length (a library that keeps the
+    padding) is left as it is."""
+    for gbuf_idx, buffer in enumerate(buffers):
+        for world in state.get(gbuf_idx, {}).values():
+            for key, tensor in world.items():
+                if not isinstance(tensor, torch.Tensor) or tensor.numel() != buffer.numel_unpadded:
+                    continue
+                laid_out, at = tensor.new_zeros(buffer.numel), 0
+                for bucket in buffer.buckets:
+                    laid_out[bucket.offset : bucket.offset + bucket.numel_unpadded] = tensor[
+                        at : at + bucket.numel_unpadded
+                    ]
+                    at += bucket.numel_unpadded
+                world[key] = laid_out
+    return state
+
+
+def _fully_reshardable_save_aligned() -> None:
+    cls = importlib.import_module(DISTRIB_OPTIMIZER).DistributedOptimizer
+    original = cls.sharded_param_state_fully_reshardable
+
+    @functools.wraps(original)
+    def sharded_param_state_fully_reshardable(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        gather = self.get_parameter_state_dp_zero
+
+        def in_buffer_layout(*args: Any, **kwargs: Any) -> Any:
+            state = gather(*args, **kwargs)
+            return state if state is None else _in_buffer_layout(state, self.buffers)
+
+        self.get_parameter_state_dp_zero = in_buffer_layout  # for this call only: shadows the method
+        try:
+            return original(self, model_sharded_state_dict, is_loading, metadata)
+        finally:
+            del self.get_parameter_state_dp_zero
+
+    sharded_param_state_fully_reshardable.rlcore_original = original
+    cls.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def original_fully_reshardable() -> Callable[..., Any]:
+    """``DistributedOptimizer.sharded_param_state_fully_reshardable`` as megatron-core defines it."""
+    fn = importlib.import_module(DISTRIB_OPTIMIZER).DistributedOptimizer.sharded_param_state_fully_reshardable
+    return getattr(fn, "rlcore_original", fn)
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One library bug: ``present()`` says whether the loaded megatron-core has it, ``apply()`` works around it."""
@@ -150,6 +272,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "the router's expert-bias count broadcasts its padding mask over the experts",
         _expert_bias_mask_misaligned,
         _expert_bias_mask_aligned,
+    ),
+    Workaround(
+        "the distributed optimizer's fully_reshardable save slices later buckets' state at padded offsets",
+        _fully_reshardable_save_misaligned,
+        _fully_reshardable_save_aligned,
     ),
 )
 
@@ -316,5 +443,6 @@ __all__ = [
     "cpu_dispatcher_shims",
     "cpu_pipeline_shims",
     "original_expert_bias",
+    "original_fully_reshardable",
     "whole_latent_mla_attention",
 ]

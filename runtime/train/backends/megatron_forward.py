@@ -78,8 +78,11 @@ class MegatronForward:
         start = self.tp_rank * local
         if start + local > self.shape.vocab_size:
             # Megatron's padded vocabulary rows are not tokens: they take no probability. Filled in place (a copy
-            # would be as large as the logits); nothing the backward needs reads them.
-            logits[..., max(self.shape.vocab_size - start, 0) :] = float("-inf")
+            # would be as large as the logits) and through ``.data``, unseen by autograd: no backward reads the
+            # padded columns' old values (the output layer's saves its input, not its logits), and under
+            # --recompute-loss-function the checkpoint recomputes this function on its input, which a visible
+            # in-place change would make a version error (the fill is idempotent, so the recompute is the same).
+            logits.data[..., max(self.shape.vocab_size - start, 0) :] = float("-inf")
         log_probs, entropy = logprobs_entropy(
             logits.reshape(rows * width, local),
             targets.reshape(-1),
