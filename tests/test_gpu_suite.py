@@ -129,6 +129,26 @@ def test_lanes_run_items_at_the_same_time_each_with_its_own_gpus(tmp_path, monke
     assert "- **lanes**: lane 0: GPUs 0,1, lane 1: GPUs 2,3" in text
 
 
+def test_an_item_needing_more_gpus_than_its_lane_sees_is_not_run(tmp_path, monkeypatch):
+    # Two fake benches, one needing four GPUs: lanes of two skip it and say why; a lane of four runs both.
+    made = tmp_path / "made"
+    made.mkdir()
+    script = "import pathlib, sys; (pathlib.Path(sys.argv[1]) / sys.argv[2]).write_text('ran'); print('ran')"
+    monkeypatch.setattr(gpu_suite, "test_files", lambda root=None: [])
+    benches = tuple((n, ["-c", script, str(made), n], 60) for n in ("small", "wide"))
+    monkeypatch.setattr(gpu_suite, "BENCHES", benches)
+    monkeypatch.setattr(gpu_suite, "GPUS_NEEDED", {"wide": 4})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    out = tmp_path / "results.md"
+    lanes = ["--lanes", "2", "--gpus-per-lane", "2", "--out", str(out), "--log-dir", str(tmp_path / "logs")]
+    assert gpu_suite.main(lanes) == 1  # not everything ran
+    assert [p.name for p in made.iterdir()] == ["small"]
+    assert "not run (needs 4 GPUs, the lane has 2)" in out.read_text()
+    assert gpu_suite.main(["--out", str(out), "--log-dir", str(tmp_path / "logs")]) == 0  # one lane of four
+    assert sorted(p.name for p in made.iterdir()) == ["small", "wide"]
+    assert gpu_suite.visible_gpus("3,5,6") == 3
+
+
 def test_a_sigterm_keeps_the_finished_items_and_marks_the_one_in_flight(tmp_path):
     # A fake item list: a test file that finishes, one that has finished a test when the outer `timeout` sends SIGTERM
     # (its second test and a child of its own still running), and a bench never started.

@@ -14,7 +14,8 @@ flight with their process groups, records what each had finished as "killed at t
 started "not run (killed)", writes the file and exits 143.
 
 With ``--lanes N`` the items run N at a time, each lane on its own ``--gpus-per-lane`` GPUs (``CUDA_VISIBLE_DEVICES``):
-a lane that finishes an item takes the next one not yet started, in the order above (:func:`lane_devices`).
+a lane that finishes an item takes the next one not yet started, in the order above (:func:`lane_devices`). An item
+that needs more GPUs than its lane sees (``GPUS_NEEDED``: the four-GPU MoE bench) is "not run (needs N GPUs, ...)".
 
 The file is regenerated on each run (the previous one is in git history), except its hand-kept last section,
 ``## Earlier figures``, which is carried over as it is: GPU figures from runs made before this tool, or by commands
@@ -60,7 +61,40 @@ BENCHES = (
     ("kernels", ["tools/bench_kernels.py", "--quick"], 600),
     ("train", ["tools/bench_train.py", "--variants", "fused,unfused", "--repeats", "2"], 600),
     ("backends", ["tools/bench_backends.py", "--repeats", "2"], 900),
+    # issue 27's MoE figure (docs/runtime.md, "MoE speed"): Qwen3-30B-A3B's layers at EP=4, both dispatchers.
+    (
+        "backends_moe",
+        [
+            "tools/bench_backends.py",
+            "--preset",
+            "qwen3-30b-a3b",
+            "--num-layers",
+            "8",
+            "--seq-len",
+            "4096",
+            "--prompt-len",
+            "256",
+            "--samples",
+            "64",
+            "--nproc",
+            "4",
+            "--paths",
+            "megatron",
+            "--expert-model-parallel-size",
+            "4",
+            "--moe-grouped-gemm",
+            "--micro-batch-size",
+            "8",
+            "--repeats",
+            "3",
+            "--moe-dispatcher",
+            "once_per_rank,megatron",
+        ],
+        900,
+    ),  # fmt: skip
 )
+# Items that need more GPUs than one: a lane that sees fewer skips them ("not run (needs N GPUs, ...)").
+GPUS_NEEDED = {"backends_moe": 4}
 
 OUTCOME = re.compile(r"^(?P<test>\S+::\S+(?:\[.*?\])?)\s+(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
@@ -115,6 +149,18 @@ def lane_devices(lanes: int, gpus_per_lane: int, visible: str | None) -> list[st
             f"CUDA_VISIBLE_DEVICES has {len(devices)}"
         )
     return [",".join(devices[i * gpus_per_lane : (i + 1) * gpus_per_lane]) for i in range(lanes)]
+
+
+def visible_gpus(visible: str | None) -> int:
+    """How many GPUs a lane with ``CUDA_VISIBLE_DEVICES`` = ``visible`` sees (unset: every GPU ``nvidia-smi -L``
+    lists; none without it)."""
+    if visible:
+        return len(visible.split(","))
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
 
 
 def run_item(
@@ -310,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def lane(visible: str | None) -> None:
         env = dict(os.environ) if visible is None else {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+        gpus = visible_gpus(env.get("CUDA_VISIBLE_DEVICES"))
         while True:
             with lock:
                 if not pending or stopped.is_set():
@@ -318,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.budget_s is None else args.budget_s - (time.monotonic() - clock)
             if left is not None and left <= 0:
                 result.status = "not run (budget)"
+                continue
+            if result.name in GPUS_NEEDED and GPUS_NEEDED[result.name] > gpus:
+                result.status = f"not run (needs {GPUS_NEEDED[result.name]} GPUs, the lane has {gpus})"
                 continue
             limit = timeout if left is None else min(timeout, left)
             log = logs / f"{result.name}.log"
