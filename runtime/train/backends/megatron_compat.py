@@ -39,10 +39,12 @@ unpatched library, so that a version that fixes it is noticed and the workaround
   in a ``torch_dist`` checkpoint, the backend's layout): ``get_parameter_state_dp_zero`` packs each gradient buffer's
   state bucket after bucket without the padding at each bucket's end, but each parameter's state is then sliced at its
   offset in the padded buffer. With one bucket the two agree; with several (``--overlap-grad-reduce`` on a model over
-  40M parameters, or ``--ddp-bucket-size``) every parameter past the first bucket saves its neighbour's main weights
-  and moments, shifted by the padding before it (the tail zero-filled, with only a logged warning), and a resume
-  loads them: a silent corruption (Megatron-LM PR #5077 fixes it upstream). Not a TE bug either. The workaround
-  lays each packed world tensor out as its buffer (each bucket's state at the bucket's offset) before the slicing.
+  ``max(40M, 1M x DP)`` parameters or over ``--ddp-bucket-size``; and, without overlap, pipeline parallelism with
+  tied embeddings, whose shared embedding gets a bucket of its own) every parameter past the first bucket saves its
+  neighbour's main weights and moments, shifted by the padding before it (the tail zero-filled, with only a logged
+  warning), and a resume loads them: a silent corruption (Megatron-LM PR #5077 fixes it upstream). Not a TE bug
+  either. The workaround lays each packed world tensor out as its buffer (each bucket's state at the bucket's offset)
+  before the slicing.
 
 On the CPU the alltoall token dispatcher also needs :func:`cpu_dispatcher_shims` (entered by the backend's CPU shims):
 its constructor asks for a CUDA stream for its device-to-host copies, and with expert parallelism it hands
@@ -198,12 +200,14 @@ def _fully_reshardable_save_misaligned() -> bool:
         get_parameter_state_dp_zero=lambda **kwargs: {0: {torch.float32: world}},
     )
     sharded = {name: ShardedTensor.from_rank_offsets(name, p, replica_id=0) for name, p in params.items()}
+    # Its warning of the zero-filled tail is the bug being probed. ``disabled`` (not the level, whose change would
+    # leave the logger's cache of enabled levels stale) is checked first and caches nothing.
     log = logging.getLogger(DISTRIB_OPTIMIZER)
-    level, log.level = log.level, logging.ERROR  # its warning of the zero-filled tail is the bug being probed
+    disabled, log.disabled = log.disabled, True
     try:
         saved = fn(probe, sharded, is_loading=False, metadata={})
     finally:
-        log.level = level
+        log.disabled = disabled
     return any(
         not torch.equal(state["param"].data, params[state["param"].key.split(".")[-1]]) for state in saved.values()
     )
