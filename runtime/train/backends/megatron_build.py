@@ -26,7 +26,7 @@ from runtime.train.backends import megatron_config as mc
 from runtime.train.backends import megatron_critic as mcritic
 from runtime.train.backends import megatron_moe as mmoe
 from runtime.train.backends import megatron_weights as mw
-from runtime.train.backends.megatron_compat import cpu_dispatcher_shims, cpu_pipeline_shims
+from runtime.train.backends.megatron_compat import apply_no_te_workarounds, cpu_dispatcher_shims, cpu_pipeline_shims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,6 +496,9 @@ class MegatronBuild:
         else:
             from megatron.core.optimizer import get_megatron_optimizer
 
+            # Among them the distributed optimizer's checkpoint layout, also under a custom model provider (whose
+            # model need not come from the backend's layer spec, where they are applied first).
+            apply_no_te_workarounds()
             optimizer = get_megatron_optimizer(optimizer_config(c, bf16=self.bf16), [model])
         steps = c.lr_decay_iters or 1
         warmup = round(c.lr_warmup_fraction * steps) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
