@@ -149,36 +149,6 @@ def original_expert_bias() -> Callable[..., None]:
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 
 
-def _packed_world_tensors(
-    params: dict[str, torch.Tensor], buckets: list[list[str]], pad: int
-) -> tuple[dict[str, Any], Any]:
-    """``get_parameter_state_dp_zero``'s world tensors of ``params`` in ``buckets`` as megatron-core 0.16.1 packs them
-    (bucket after bucket, each bucket's end padding of ``pad`` elements left out), and a stand-in buffer whose
-    ``param_index_map`` gives each parameter's offset in the padded layout."""
-    from types import SimpleNamespace
-
-    index, layout, packed, offset = {}, [], [], 0
-    for names in buckets:
-        start = offset
-        for name in names:
-            index[params[name]] = (offset, offset + params[name].numel(), len(layout))
-            packed.append(params[name].flatten())
-            offset += params[name].numel()
-        unpadded = offset - start
-        layout.append(SimpleNamespace(offset=start, numel_unpadded=unpadded, grad_data=torch.empty(unpadded + pad)))
-        offset += pad
-    world = torch.cat(packed)
-    buffer = SimpleNamespace(
-        param_index_map=index, buckets=layout, numel=offset, numel_unpadded=sum(b.numel_unpadded for b in layout)
-    )
-    return {
-        "param": world,
-        "exp_avg": world.clone(),
-        "exp_avg_sq": world.clone(),
-        "numel_unpadded": world.numel(),
-    }, buffer
-
-
 def _fully_reshardable_save_misaligned() -> bool:
     """Whether ``sharded_param_state_fully_reshardable`` slices the state of a parameter in a second bucket at the
     wrong place of world tensors packed as megatron-core 0.16.1's ``get_parameter_state_dp_zero`` packs them, probed
@@ -193,7 +163,14 @@ def _fully_reshardable_save_misaligned() -> bool:
     if getattr(fn, "rlcore_original", None) is not None:
         return False
     params = {"first": torch.arange(3.0), "second": torch.arange(10.0, 14.0)}
-    world, buffer = _packed_world_tensors(params, [["first"], ["second"]], pad=2)
+    # The buffer [first, 2 of padding, second, 2 of padding]; its state packed as 0.16.1 packs it, padding left out.
+    buckets = [
+        SimpleNamespace(offset=0, numel_unpadded=3, grad_data=torch.empty(5)),
+        SimpleNamespace(offset=5, numel_unpadded=4, grad_data=torch.empty(6)),
+    ]
+    index = {params["first"]: (0, 3, 0), params["second"]: (5, 9, 1)}
+    buffer = SimpleNamespace(param_index_map=index, buckets=buckets, numel=11, numel_unpadded=7)
+    world = {"param": torch.cat(list(params.values())), "numel_unpadded": 7}
     probe = SimpleNamespace(
         buffers=[buffer],
         gbuf_ranges=[{torch.float32: [None, None]}],
